@@ -1,0 +1,227 @@
+//! Plain functions that turn API data into the words and numbers the pages
+//! show. Kept free of Leptos and the browser so they are unit-tested natively.
+
+use rookery_proto::api::{ProviderInfo, ProviderStatus};
+use rookery_web_provider::DonateStatus;
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// `memory_bytes` as GiB with one decimal, e.g. "15.6 GiB".
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / GIB)
+}
+
+/// Measured throughput with one decimal. Non-finite values come from a broken
+/// benchmark; show a dash rather than "NaN".
+pub fn gflops(value: f64) -> String {
+    if value.is_finite() {
+        format!("{value:.1}")
+    } else {
+        "–".into()
+    }
+}
+
+/// How long ago `then_ms` was, seen from `now_ms` (both Unix milliseconds).
+/// Timestamps come from the server's clock and `now_ms` from the browser's, so
+/// a small skew can put `then_ms` in the future: that reads as "just now".
+pub fn relative(now_ms: f64, then_ms: u64) -> String {
+    let seconds = ((now_ms - then_ms as f64) / 1000.0).floor();
+    if !seconds.is_finite() || seconds < 1.0 {
+        return "just now".into();
+    }
+    // Truncation is intended: whole units read better than "1.7 min".
+    let seconds = seconds as u64;
+    match seconds {
+        0..60 => format!("{seconds} s ago"),
+        60..3_600 => format!("{} min ago", seconds / 60),
+        3_600..86_400 => format!("{} h ago", seconds / 3_600),
+        _ => format!("{} d ago", seconds / 86_400),
+    }
+}
+
+/// The header line of the Providers page.
+pub fn connected_count(count: usize) -> String {
+    match count {
+        1 => "1 connected provider".into(),
+        n => format!("{n} connected providers"),
+    }
+}
+
+/// The status cell: "connected", or "gone" with the server's reason and when.
+pub fn status_text(info: &ProviderInfo, now_ms: f64) -> String {
+    match info.status {
+        ProviderStatus::Connected => "connected".into(),
+        ProviderStatus::Gone => {
+            let mut text = String::from("gone");
+            if let Some(reason) = info.gone_reason.as_deref().filter(|r| !r.is_empty()) {
+                text.push_str(": ");
+                text.push_str(reason);
+            }
+            if let Some(since) = info.gone_since_ms {
+                text.push_str(&format!(" ({})", relative(now_ms, since)));
+            }
+            text
+        }
+    }
+}
+
+/// The value of `data-status` on a provider row (part of the e2e DOM contract).
+pub fn status_attr(status: ProviderStatus) -> &'static str {
+    match status {
+        ProviderStatus::Connected => "connected",
+        ProviderStatus::Gone => "gone",
+    }
+}
+
+/// Connected providers first, oldest connection first, so rows do not jump
+/// around as heartbeats arrive; then gone ones, most recently gone first.
+pub fn sort_for_display(providers: &mut [ProviderInfo]) {
+    providers.sort_by(|a, b| {
+        let rank = |p: &ProviderInfo| match p.status {
+            ProviderStatus::Connected => 0,
+            ProviderStatus::Gone => 1,
+        };
+        rank(a).cmp(&rank(b)).then_with(|| match a.status {
+            ProviderStatus::Connected => a
+                .connected_since_ms
+                .cmp(&b.connected_since_ms)
+                .then(a.id.cmp(&b.id)),
+            ProviderStatus::Gone => b
+                .gone_since_ms
+                .cmp(&a.gone_since_ms)
+                .then(a.id.cmp(&b.id)),
+        })
+    });
+}
+
+/// The value of `data-state` on `#donate-status`; `None` means not started.
+pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
+    match status {
+        None => "idle",
+        Some(DonateStatus::Probing) => "probing",
+        Some(DonateStatus::NoWebGpu { .. }) => "no-webgpu",
+        Some(DonateStatus::Benchmarking { .. }) => "benchmarking",
+        Some(DonateStatus::Connecting { .. }) => "connecting",
+        Some(DonateStatus::Connected { .. }) => "connected",
+        Some(DonateStatus::Reconnecting { .. }) => "reconnecting",
+        Some(DonateStatus::Failed { .. }) => "failed",
+    }
+}
+
+/// What the Donate page says about the donation, in plain words.
+pub fn donate_text(status: Option<&DonateStatus>) -> String {
+    match status {
+        None => "Not donating. Press the button to start.".into(),
+        Some(DonateStatus::Probing) => "Looking for a WebGPU adapter in this browser…".into(),
+        Some(DonateStatus::NoWebGpu { reason }) => {
+            format!("This browser cannot donate its GPU: {reason}")
+        }
+        Some(DonateStatus::Benchmarking { adapter }) => {
+            format!("Measuring the speed of {adapter}…")
+        }
+        Some(DonateStatus::Connecting { adapter, gflops: g }) => format!(
+            "Connecting to the server with {adapter} ({} GFLOP/s)…",
+            gflops(*g)
+        ),
+        Some(DonateStatus::Connected {
+            provider_id,
+            adapter,
+            gflops: g,
+        }) => format!(
+            "Donating as provider #{provider_id}: {adapter}, {} GFLOP/s. Keep this tab open.",
+            gflops(*g)
+        ),
+        Some(DonateStatus::Reconnecting { reason }) => {
+            format!("Lost the connection ({reason}); trying again shortly…")
+        }
+        Some(DonateStatus::Failed { reason }) => format!("Donation stopped: {reason}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_proto::ProviderKind;
+
+    fn provider(id: u64, status: ProviderStatus, since: u64, gone: Option<u64>) -> ProviderInfo {
+        ProviderInfo {
+            id,
+            name: format!("p{id}"),
+            kind: ProviderKind::Native,
+            device: "cpu".into(),
+            memory_bytes: 0,
+            gflops: 1.0,
+            status,
+            connected_since_ms: since,
+            last_heartbeat_ms: since,
+            gone_since_ms: gone,
+            gone_reason: gone.map(|_| "heartbeat timeout".into()),
+        }
+    }
+
+    #[test]
+    fn numbers_have_one_decimal() {
+        assert_eq!(gib(16 * 1024 * 1024 * 1024), "16.0 GiB");
+        assert_eq!(gib(1_610_612_736), "1.5 GiB");
+        assert_eq!(gflops(123.456), "123.5");
+        assert_eq!(gflops(f64::NAN), "–");
+    }
+
+    #[test]
+    fn relative_times_read_naturally() {
+        let now = 1_000_000_000.0;
+        assert_eq!(relative(now, 1_000_000_000), "just now");
+        assert_eq!(relative(now, 1_000_005_000), "just now");
+        assert_eq!(relative(now, 999_988_000), "12 s ago");
+        assert_eq!(relative(now, 999_880_000), "2 min ago");
+        assert_eq!(relative(now, 1_000_000_000 - 7_200_000), "2 h ago");
+        assert_eq!(relative(now, 0), "11 d ago");
+    }
+
+    #[test]
+    fn header_counts_connected() {
+        assert_eq!(connected_count(0), "0 connected providers");
+        assert_eq!(connected_count(1), "1 connected provider");
+        assert_eq!(connected_count(3), "3 connected providers");
+    }
+
+    #[test]
+    fn connected_rows_come_before_gone_rows() {
+        let mut list = vec![
+            provider(1, ProviderStatus::Gone, 10, Some(100)),
+            provider(2, ProviderStatus::Connected, 50, None),
+            provider(3, ProviderStatus::Gone, 10, Some(200)),
+            provider(4, ProviderStatus::Connected, 20, None),
+        ];
+        sort_for_display(&mut list);
+        let ids: Vec<u64> = list.iter().map(|p| p.id).collect();
+        assert_eq!(ids, [4, 2, 3, 1]);
+    }
+
+    #[test]
+    fn gone_status_names_the_reason() {
+        let p = provider(1, ProviderStatus::Gone, 0, Some(0));
+        assert_eq!(status_text(&p, 3_000.0), "gone: heartbeat timeout (3 s ago)");
+        let p = provider(2, ProviderStatus::Connected, 0, None);
+        assert_eq!(status_text(&p, 3_000.0), "connected");
+    }
+
+    #[test]
+    fn donate_states_match_the_dom_contract() {
+        assert_eq!(donate_state(None), "idle");
+        let reason = "no adapter".to_string();
+        let s = DonateStatus::NoWebGpu {
+            reason: reason.clone(),
+        };
+        assert_eq!(donate_state(Some(&s)), "no-webgpu");
+        assert!(donate_text(Some(&s)).contains(&reason));
+        let s = DonateStatus::Connected {
+            provider_id: 7,
+            adapter: "SwiftShader".into(),
+            gflops: 12.34,
+        };
+        assert_eq!(donate_state(Some(&s)), "connected");
+        let text = donate_text(Some(&s));
+        assert!(text.contains("#7") && text.contains("SwiftShader") && text.contains("12.3"));
+    }
+}

@@ -1,0 +1,212 @@
+//! The Providers page: a live table of `GET /api/providers`, polled every
+//! second while the page is open.
+//!
+//! DOM contract (end-to-end tests rely on it): `<table id="providers">`, one
+//! `<tr class="provider" data-provider-id data-kind data-status>` per provider.
+
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures_util::future::{Either, select};
+use gloo_net::http::Request;
+use gloo_timers::future::TimeoutFuture;
+use leptos::prelude::*;
+use rookery_proto::api::{ApiError, ProviderInfo, ProviderStatus};
+
+use crate::format;
+
+/// Pause between the end of one poll and the start of the next.
+const POLL_INTERVAL_MS: u32 = 1_000;
+/// A server that accepts the connection but never answers must still turn the
+/// banner on; the browser's own fetch timeout is minutes long.
+const FETCH_TIMEOUT_MS: u32 = 5_000;
+
+#[component]
+pub fn ProvidersPage() -> impl IntoView {
+    // `None` until the first successful answer, so "loading" and "no
+    // providers" read differently.
+    let providers = RwSignal::new(None::<Vec<ProviderInfo>>);
+    let error = RwSignal::new(None::<String>);
+    let last_ok_ms = RwSignal::new(None::<f64>);
+    // The browser clock, re-read on every poll so relative times keep moving
+    // even when the server is down.
+    let now_ms = RwSignal::new(js_sys::Date::now());
+
+    // The poll loop outlives nothing: it stops when the page is left. The
+    // flag is checked after every await because the signals are disposed then.
+    let alive = Arc::new(AtomicBool::new(true));
+    on_cleanup({
+        let alive = alive.clone();
+        move || alive.store(false, Ordering::Relaxed)
+    });
+    wasm_bindgen_futures::spawn_local(async move {
+        while alive.load(Ordering::Relaxed) {
+            let result = fetch_providers().await;
+            if !alive.load(Ordering::Relaxed) {
+                break;
+            }
+            let now = js_sys::Date::now();
+            now_ms.set(now);
+            match result {
+                Ok(mut list) => {
+                    format::sort_for_display(&mut list);
+                    providers.set(Some(list));
+                    error.set(None);
+                    last_ok_ms.set(Some(now));
+                }
+                Err(message) => error.set(Some(message)),
+            }
+            TimeoutFuture::new(POLL_INTERVAL_MS).await;
+        }
+    });
+
+    let connected = move || {
+        providers.with(|list| {
+            list.as_ref().map_or(0, |list| {
+                list.iter()
+                    .filter(|p| p.status == ProviderStatus::Connected)
+                    .count()
+            })
+        })
+    };
+
+    let banner = move || {
+        error.get().map(|message| {
+            let stale = last_ok_ms.get().map(|ok| {
+                format!(
+                    " The table below is from {}.",
+                    format::relative(now_ms.get(), ok as u64)
+                )
+            });
+            view! {
+                <div id="api-error" class="banner banner-error" role="alert">
+                    <strong>"Cannot reach the server: "</strong>
+                    {message}
+                    {stale}
+                </div>
+            }
+        })
+    };
+
+    let rows = move || {
+        let now = now_ms.get();
+        providers
+            .get()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| provider_row(p, now))
+            .collect_view()
+    };
+
+    let below_table = move || {
+        providers.with(|list| match list {
+            None if error.with(Option::is_none) => Some(view! {
+                <p class="note">"Loading providers…"</p>
+            }
+            .into_any()),
+            Some(list) if list.is_empty() => Some(view! {
+                <p id="providers-empty" class="empty">
+                    "No providers have joined yet. Start a native provider with "
+                    <code>"rookery-provider"</code> ", or "
+                    <a href="/donate">"donate this browser's GPU"</a> "."
+                </p>
+            }
+            .into_any()),
+            _ => None,
+        })
+    };
+
+    view! {
+        <section class="page">
+            <div class="page-head">
+                <h1>"Providers"</h1>
+                <p id="provider-count" class="count" data-count=move || connected().to_string()>
+                    {move || format::connected_count(connected())}
+                </p>
+            </div>
+            {banner}
+            <div class="table-scroll">
+                <table id="providers">
+                    <thead>
+                        <tr>
+                            <th scope="col">"Name"</th>
+                            <th scope="col">"Kind"</th>
+                            <th scope="col">"Device"</th>
+                            <th scope="col" class="num">"Memory"</th>
+                            <th scope="col" class="num">"GFLOP/s"</th>
+                            <th scope="col">"Status"</th>
+                            <th scope="col">"Connected since"</th>
+                            <th scope="col">"Last heartbeat"</th>
+                        </tr>
+                    </thead>
+                    <tbody>{rows}</tbody>
+                </table>
+            </div>
+            {below_table}
+        </section>
+    }
+}
+
+/// One table row; `now_ms` is the browser clock for the relative times.
+fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
+    let status_text = format::status_text(&p, now_ms);
+    let status = format::status_attr(p.status);
+    let kind = p.kind.as_str();
+    view! {
+        <tr
+            class="provider"
+            data-provider-id=p.id.to_string()
+            data-kind=kind
+            data-status=status
+        >
+            <td class="name" title=format!("provider #{}", p.id)>{p.name}</td>
+            <td>
+                <span class=format!("badge kind-{kind}")>{kind}</span>
+            </td>
+            <td class="device">{p.device}</td>
+            <td class="num">{format::gib(p.memory_bytes)}</td>
+            <td class="num">{format::gflops(p.gflops)}</td>
+            <td class="status">
+                <span class=format!("dot dot-{status}") aria-hidden="true"></span>
+                {status_text}
+            </td>
+            <td>{format::relative(now_ms, p.connected_since_ms)}</td>
+            <td>{format::relative(now_ms, p.last_heartbeat_ms)}</td>
+        </tr>
+    }
+}
+
+/// One poll of the API, bounded by [`FETCH_TIMEOUT_MS`]. The error is the
+/// text of the banner, so it says what went wrong in words.
+async fn fetch_providers() -> Result<Vec<ProviderInfo>, String> {
+    let request = pin!(request_providers());
+    let timeout = pin!(TimeoutFuture::new(FETCH_TIMEOUT_MS));
+    match select(request, timeout).await {
+        Either::Left((result, _)) => result,
+        Either::Right(_) => Err(format!(
+            "no answer within {} s",
+            FETCH_TIMEOUT_MS / 1_000
+        )),
+    }
+}
+
+async fn request_providers() -> Result<Vec<ProviderInfo>, String> {
+    let response = Request::get("/api/providers")
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !response.ok() {
+        // The API answers errors with an `ApiError` body; a proxy or an old
+        // server may not, so fall back to the status line.
+        let detail = match response.json::<ApiError>().await {
+            Ok(body) => body.error,
+            Err(_) => response.status_text(),
+        };
+        return Err(format!("HTTP {} {detail}", response.status()));
+    }
+    response
+        .json::<Vec<ProviderInfo>>()
+        .await
+        .map_err(|e| format!("unexpected answer from /api/providers ({e})"))
+}

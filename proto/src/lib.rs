@@ -1,0 +1,346 @@
+//! Rookery's wire types: every byte that crosses a socket or an HTTP body is
+//! defined here and nowhere else.
+//!
+//! Two families live side by side:
+//! - the provider protocol ([`ToServer`], [`ToProvider`]): postcard-encoded
+//!   binary WebSocket frames, versioned by [`PROTOCOL_VERSION`] and bounded by
+//!   a frame size limit that every decoder enforces ([`decode`]);
+//! - the REST/JSON DTOs ([`api`]) shared by the server and the dashboard.
+//!
+//! This crate compiles to `wasm32-unknown-unknown` and knows nothing of tokio,
+//! axum, tch or wgpu.
+
+pub mod api;
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+/// Bumped on every incompatible change to [`ToServer`] or [`ToProvider`].
+///
+/// Invariant that keeps version negotiation possible across versions:
+/// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
+/// first field, so any server can read the version of any client's first frame.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Default largest frame a peer may send. Tensor payloads of later protocol
+/// messages fit well inside; anything larger is a misbehaving peer.
+pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+
+/// The WebSocket path providers connect to.
+pub const PROVIDER_WS_PATH: &str = "/ws/provider";
+
+/// What kind of machine a provider is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ProviderKind {
+    /// A `rookery-provider` process (libtorch on CPU or CUDA).
+    Native,
+    /// A browser tab donating its GPU through WebGPU.
+    Browser,
+}
+
+impl ProviderKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::Native => "native",
+            ProviderKind::Browser => "browser",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "native" => Some(ProviderKind::Native),
+            "browser" => Some(ProviderKind::Browser),
+            _ => None,
+        }
+    }
+}
+
+/// A provider's self-description, measured by the provider itself when it
+/// starts, so nobody writes a node configuration file by hand.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must stay the first field: see [`PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    pub kind: ProviderKind,
+    /// Human-readable device, as reported by the backend that measured it
+    /// (libtorch for native providers, the WebGPU adapter for browsers).
+    pub device: String,
+    /// Memory the provider can devote to stages, in bytes.
+    pub memory_bytes: u64,
+    /// Measured single-precision matmul throughput.
+    pub gflops: f64,
+    /// A name the provider chose for itself; shown on the dashboard only.
+    pub display_name: String,
+}
+
+/// Why a peer is being told off. The code is for programs, the text for people.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorMessage {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The peer speaks another protocol version; reconnecting will not help.
+    VersionMismatch,
+    /// The frame could not be decoded or broke a rule of the protocol.
+    BadFrame,
+    /// The frame was larger than the receiver's limit.
+    FrameTooLarge,
+    /// A message arrived out of order (for example anything before `Hello`).
+    UnexpectedMessage,
+    /// The peer went quiet for longer than the heartbeat timeout.
+    HeartbeatTimeout,
+    /// The receiver failed for its own reasons; the peer may retry later.
+    Internal,
+}
+
+/// Frames a provider sends to the server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ToServer {
+    /// First frame of every connection. Must stay variant 0.
+    Hello(Hello),
+    /// Liveness; the server answers with [`ToProvider::Heartbeat`] of the same `seq`.
+    Heartbeat { seq: u64 },
+    /// The provider reports a problem it will not recover from on this connection.
+    Error(ErrorMessage),
+}
+
+/// Frames the server sends to a provider.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ToProvider {
+    /// Answer to an accepted [`Hello`].
+    Welcome {
+        provider_id: u64,
+        /// How often the provider must send a heartbeat.
+        heartbeat_interval_ms: u32,
+        /// After this long without any frame the server drops the provider.
+        heartbeat_timeout_ms: u32,
+    },
+    Heartbeat { seq: u64 },
+    /// The server rejects something; it closes the connection right after.
+    Error(ErrorMessage),
+}
+
+/// Everything that can go wrong turning bytes into a message.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("frame of {len} bytes exceeds the limit of {limit} bytes")]
+    TooLarge { len: usize, limit: usize },
+    #[error("frame is empty")]
+    Empty,
+    #[error("frame is not a valid message: {0}")]
+    Malformed(String),
+    #[error("frame has {0} unexpected trailing bytes after the message")]
+    TrailingBytes(usize),
+}
+
+impl DecodeError {
+    /// The protocol error code a receiver reports for this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            DecodeError::TooLarge { .. } => ErrorCode::FrameTooLarge,
+            _ => ErrorCode::BadFrame,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("message does not serialize: {0}")]
+pub struct EncodeError(String);
+
+/// Encodes one frame. Messages built from valid Rust values always encode;
+/// the error exists because postcard's API is fallible.
+pub fn encode<T: Serialize>(message: &T) -> Result<Vec<u8>, EncodeError> {
+    postcard::to_allocvec(message).map_err(|e| EncodeError(e.to_string()))
+}
+
+/// Decodes one frame, refusing frames over `limit` bytes before looking at
+/// them and frames with bytes left over after the message.
+pub fn decode<T: DeserializeOwned>(frame: &[u8], limit: usize) -> Result<T, DecodeError> {
+    if frame.len() > limit {
+        return Err(DecodeError::TooLarge {
+            len: frame.len(),
+            limit,
+        });
+    }
+    if frame.is_empty() {
+        return Err(DecodeError::Empty);
+    }
+    let (message, rest) =
+        postcard::take_from_bytes(frame).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(DecodeError::TrailingBytes(rest.len()));
+    }
+    Ok(message)
+}
+
+/// Reads only the protocol version of a `Hello` frame, whatever the rest of
+/// it looks like, so a server can name the mismatch instead of failing to
+/// decode a newer client's message.
+pub fn peek_hello_version(frame: &[u8]) -> Option<u32> {
+    #[derive(Deserialize)]
+    enum VersionOnly {
+        Hello(u32),
+    }
+    match postcard::take_from_bytes::<VersionOnly>(frame) {
+        Ok((VersionOnly::Hello(version), _)) => Some(version),
+        Err(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn hello() -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ProviderKind::Native,
+            device: "libtorch 2.13.0 cpu (2 threads)".into(),
+            memory_bytes: 24 << 30,
+            gflops: 41.5,
+            display_name: "alice-laptop".into(),
+        }
+    }
+
+    fn every_to_server() -> Vec<ToServer> {
+        vec![
+            ToServer::Hello(hello()),
+            ToServer::Hello(Hello {
+                kind: ProviderKind::Browser,
+                ..hello()
+            }),
+            ToServer::Heartbeat { seq: u64::MAX },
+            ToServer::Error(ErrorMessage {
+                code: ErrorCode::Internal,
+                message: "out of memory".into(),
+            }),
+        ]
+    }
+
+    fn every_to_provider() -> Vec<ToProvider> {
+        let mut messages = vec![
+            ToProvider::Welcome {
+                provider_id: 7,
+                heartbeat_interval_ms: 1000,
+                heartbeat_timeout_ms: 5000,
+            },
+            ToProvider::Heartbeat { seq: 3 },
+        ];
+        for code in [
+            ErrorCode::VersionMismatch,
+            ErrorCode::BadFrame,
+            ErrorCode::FrameTooLarge,
+            ErrorCode::UnexpectedMessage,
+            ErrorCode::HeartbeatTimeout,
+            ErrorCode::Internal,
+        ] {
+            messages.push(ToProvider::Error(ErrorMessage {
+                code,
+                message: format!("{code:?}"),
+            }));
+        }
+        messages
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for message in every_to_server() {
+            let frame = encode(&message).unwrap();
+            assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));
+        }
+        for message in every_to_provider() {
+            let frame = encode(&message).unwrap();
+            assert_eq!(decode::<ToProvider>(&frame, 1 << 16), Ok(message));
+        }
+    }
+
+    #[test]
+    fn frame_over_the_limit_is_refused_before_decoding() {
+        let frame = encode(&ToServer::Hello(hello())).unwrap();
+        let limit = frame.len() - 1;
+        assert_eq!(
+            decode::<ToServer>(&frame, limit),
+            Err(DecodeError::TooLarge {
+                len: frame.len(),
+                limit
+            })
+        );
+    }
+
+    #[test]
+    fn every_truncation_of_every_message_is_an_error() {
+        for message in every_to_server() {
+            let frame = encode(&message).unwrap();
+            for cut in 0..frame.len() {
+                assert!(
+                    decode::<ToServer>(&frame[..cut], 1 << 16).is_err(),
+                    "{message:?} cut at {cut} decoded"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_an_error() {
+        let mut frame = encode(&ToServer::Heartbeat { seq: 1 }).unwrap();
+        frame.push(0);
+        assert_eq!(
+            decode::<ToServer>(&frame, 1 << 16),
+            Err(DecodeError::TrailingBytes(1))
+        );
+    }
+
+    #[test]
+    fn version_is_readable_from_a_hello_of_any_shape() {
+        let frame = encode(&ToServer::Hello(Hello {
+            protocol_version: 99,
+            ..hello()
+        }))
+        .unwrap();
+        assert_eq!(peek_hello_version(&frame), Some(99));
+        // A future Hello with different fields after the version still peeks.
+        assert_eq!(peek_hello_version(&[0, 42, 0xff, 0xff]), Some(42));
+        assert_eq!(
+            peek_hello_version(&encode(&ToServer::Heartbeat { seq: 1 }).unwrap()),
+            None
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode::<ToServer>(&bytes, 256);
+            let _ = decode::<ToProvider>(&bytes, 256);
+            let _ = peek_hello_version(&bytes);
+        }
+
+        #[test]
+        fn corrupted_frames_never_panic(index in 0usize..64, byte in any::<u8>()) {
+            for message in every_to_server() {
+                let mut frame = encode(&message).unwrap();
+                let at = index % frame.len();
+                frame[at] = byte;
+                let _ = decode::<ToServer>(&frame, 1 << 16);
+            }
+        }
+
+        #[test]
+        fn hello_round_trips_for_any_values(
+            version in any::<u32>(), memory in any::<u64>(), gflops in any::<f64>().prop_filter("nan", |g| !g.is_nan()),
+            device in ".{0,40}", name in ".{0,40}", browser in any::<bool>()
+        ) {
+            let message = ToServer::Hello(Hello {
+                protocol_version: version,
+                kind: if browser { ProviderKind::Browser } else { ProviderKind::Native },
+                device, memory_bytes: memory, gflops, display_name: name,
+            });
+            let frame = encode(&message).unwrap();
+            prop_assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));
+        }
+    }
+}

@@ -1,0 +1,2 @@
+//! Provider.
+fn main() {}

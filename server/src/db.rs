@@ -1,0 +1,121 @@
+//! The embedded SQLite database: opening, migrations, and an async door to a
+//! blocking connection.
+//!
+//! One connection behind a mutex is plenty for the control plane (rows are
+//! small and writes are rare next to the tensor traffic); every call runs on
+//! tokio's blocking pool so a slow disk never stalls the socket loops.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use rusqlite::Connection;
+
+/// Schema changes, applied in order; `PRAGMA user_version` records how many
+/// have run. Append only: never edit a migration that has shipped.
+const MIGRATIONS: &[&str] = &["CREATE TABLE providers (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        name            TEXT    NOT NULL,
+        kind            TEXT    NOT NULL,
+        device          TEXT    NOT NULL,
+        memory_bytes    INTEGER NOT NULL,
+        gflops          REAL    NOT NULL,
+        connected_ms    INTEGER NOT NULL,
+        last_heartbeat_ms INTEGER NOT NULL,
+        gone_ms         INTEGER,
+        gone_reason     TEXT
+    );"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("cannot create the data directory {path}: {source}")]
+    DataDir {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the database worker stopped unexpectedly")]
+    WorkerGone,
+}
+
+#[derive(Clone, Debug)]
+pub struct Db {
+    conn: Arc<Mutex<Connection>>,
+}
+
+impl Db {
+    /// Opens (creating on first start) `rookery.sqlite3` in `data_dir` and
+    /// brings its schema up to date.
+    pub fn open_in_dir(data_dir: &Path) -> Result<Self, DbError> {
+        std::fs::create_dir_all(data_dir).map_err(|source| DbError::DataDir {
+            path: data_dir.display().to_string(),
+            source,
+        })?;
+        let conn = Connection::open(data_dir.join("rookery.sqlite3"))?;
+        // WAL keeps readers (the dashboard) from blocking the writer (heartbeats).
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        Self::migrated(conn)
+    }
+
+    pub fn open_in_memory() -> Result<Self, DbError> {
+        Self::migrated(Connection::open_in_memory()?)
+    }
+
+    fn migrated(mut conn: Connection) -> Result<Self, DbError> {
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        let applied: usize = conn.pragma_query_value(None, "user_version", |row| row.get(0))?;
+        for (index, migration) in MIGRATIONS.iter().enumerate().skip(applied) {
+            let tx = conn.transaction()?;
+            tx.execute_batch(migration)?;
+            tx.pragma_update(None, "user_version", index + 1)?;
+            tx.commit()?;
+        }
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    /// Runs `work` with the connection on the blocking pool.
+    pub async fn call<R, F>(&self, work: F) -> Result<R, DbError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut Connection) -> rusqlite::Result<R> + Send + 'static,
+    {
+        let conn = Arc::clone(&self.conn);
+        tokio::task::spawn_blocking(move || {
+            // A panic while holding the lock cannot leave SQLite half-written
+            // (transactions roll back), so a poisoned lock is still usable.
+            let mut guard = conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            work(&mut guard)
+        })
+        .await
+        .map_err(|_| DbError::WorkerGone)?
+        .map_err(DbError::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_run_once_and_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(Db::open_in_dir(dir.path()).unwrap());
+        let db = Db::open_in_dir(dir.path()).unwrap();
+        let conn = db.conn.lock().unwrap();
+        let version: usize = conn
+            .pragma_query_value(None, "user_version", |row| row.get(0))
+            .unwrap();
+        assert_eq!(version, MIGRATIONS.len());
+    }
+
+    #[test]
+    fn data_dir_is_created_on_first_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let nested = dir.path().join("a/b");
+        Db::open_in_dir(&nested).unwrap();
+        assert!(nested.join("rookery.sqlite3").exists());
+    }
+}

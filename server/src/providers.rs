@@ -1,0 +1,184 @@
+//! The provider registry: who has joined, what they reported about
+//! themselves, and whether they are still here. SQLite is the source of truth
+//! so the history survives restarts and the dashboard reads one place.
+
+use rookery_proto::{Hello, ProviderKind};
+use rusqlite::{OptionalExtension, params};
+
+use crate::db::{Db, DbError};
+
+/// A provider as the server remembers it. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProviderRecord {
+    pub id: u64,
+    pub name: String,
+    pub kind: ProviderKind,
+    pub device: String,
+    pub memory_bytes: u64,
+    pub gflops: f64,
+    pub connected_ms: u64,
+    pub last_heartbeat_ms: u64,
+    pub gone: Option<Departure>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Departure {
+    pub at_ms: u64,
+    pub reason: String,
+}
+
+pub async fn register(db: &Db, hello: Hello, now_ms: u64) -> Result<u64, DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "INSERT INTO providers (name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
+            params![
+                hello.display_name,
+                hello.kind.as_str(),
+                hello.device,
+                // SQLite integers are i64; no machine has 8 EiB of memory.
+                i64::try_from(hello.memory_bytes).unwrap_or(i64::MAX),
+                hello.gflops,
+                now_ms as i64,
+            ],
+        )?;
+        Ok(conn.last_insert_rowid() as u64)
+    })
+    .await
+}
+
+pub async fn record_heartbeat(db: &Db, id: u64, now_ms: u64) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "UPDATE providers SET last_heartbeat_ms = ?2 WHERE id = ?1 AND gone_ms IS NULL",
+            params![id as i64, now_ms as i64],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+pub async fn mark_gone(db: &Db, id: u64, now_ms: u64, reason: String) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "UPDATE providers SET gone_ms = ?2, gone_reason = ?3 WHERE id = ?1 AND gone_ms IS NULL",
+            params![id as i64, now_ms as i64, reason],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+/// A fresh server process has no sockets, so whoever the last one saw
+/// connected is gone now.
+pub async fn mark_all_gone(db: &Db, now_ms: u64, reason: &str) -> Result<usize, DbError> {
+    let reason = reason.to_owned();
+    db.call(move |conn| {
+        conn.execute(
+            "UPDATE providers SET gone_ms = ?1, gone_reason = ?2 WHERE gone_ms IS NULL",
+            params![now_ms as i64, reason],
+        )
+    })
+    .await
+}
+
+/// Every provider ever seen: connected ones first, newest first within each group.
+pub async fn list(db: &Db) -> Result<Vec<ProviderRecord>, DbError> {
+    db.call(|conn| {
+        let mut statement = conn.prepare(
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason
+             FROM providers ORDER BY gone_ms IS NOT NULL, id DESC",
+        )?;
+        let rows = statement.query_map([], row_to_record)?;
+        rows.collect()
+    })
+    .await
+}
+
+pub async fn get(db: &Db, id: u64) -> Result<Option<ProviderRecord>, DbError> {
+    db.call(move |conn| {
+        conn.query_row(
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason
+             FROM providers WHERE id = ?1",
+            [id as i64],
+            row_to_record,
+        )
+        .optional()
+    })
+    .await
+}
+
+fn row_to_record(row: &rusqlite::Row<'_>) -> rusqlite::Result<ProviderRecord> {
+    let kind: String = row.get(2)?;
+    let gone_ms: Option<i64> = row.get(8)?;
+    let gone_reason: Option<String> = row.get(9)?;
+    Ok(ProviderRecord {
+        id: row.get::<_, i64>(0)? as u64,
+        name: row.get(1)?,
+        // Only this module writes the column, from a ProviderKind.
+        kind: ProviderKind::parse(&kind).unwrap_or(ProviderKind::Native),
+        device: row.get(3)?,
+        memory_bytes: row.get::<_, i64>(4)? as u64,
+        gflops: row.get(5)?,
+        connected_ms: row.get::<_, i64>(6)? as u64,
+        last_heartbeat_ms: row.get::<_, i64>(7)? as u64,
+        gone: gone_ms.map(|at| Departure {
+            at_ms: at as u64,
+            reason: gone_reason.unwrap_or_default(),
+        }),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_proto::PROTOCOL_VERSION;
+
+    fn hello(name: &str) -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ProviderKind::Browser,
+            device: "SwiftShader".into(),
+            memory_bytes: 1 << 30,
+            gflops: 3.5,
+            display_name: name.into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_provider_lives_and_leaves() {
+        let db = Db::open_in_memory().unwrap();
+        let id = register(&db, hello("tab"), 1_000).await.unwrap();
+        record_heartbeat(&db, id, 2_000).await.unwrap();
+        let record = get(&db, id).await.unwrap().unwrap();
+        assert_eq!(record.kind, ProviderKind::Browser);
+        assert_eq!((record.connected_ms, record.last_heartbeat_ms), (1_000, 2_000));
+        assert_eq!(record.gone, None);
+
+        mark_gone(&db, id, 3_000, "closed".into()).await.unwrap();
+        // Late heartbeats and second departures do not rewrite history.
+        record_heartbeat(&db, id, 4_000).await.unwrap();
+        mark_gone(&db, id, 5_000, "again".into()).await.unwrap();
+        let record = get(&db, id).await.unwrap().unwrap();
+        assert_eq!(record.last_heartbeat_ms, 2_000);
+        assert_eq!(
+            record.gone,
+            Some(Departure {
+                at_ms: 3_000,
+                reason: "closed".into()
+            })
+        );
+    }
+
+    #[tokio::test]
+    async fn list_puts_connected_providers_first() {
+        let db = Db::open_in_memory().unwrap();
+        let first = register(&db, hello("first"), 1).await.unwrap();
+        let second = register(&db, hello("second"), 2).await.unwrap();
+        let third = register(&db, hello("third"), 3).await.unwrap();
+        mark_gone(&db, second, 4, "closed".into()).await.unwrap();
+        let ids: Vec<u64> = list(&db).await.unwrap().iter().map(|p| p.id).collect();
+        assert_eq!(ids, vec![third, first, second]);
+        assert_eq!(mark_all_gone(&db, 5, "server restarted").await.unwrap(), 2);
+    }
+}

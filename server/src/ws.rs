@@ -1,0 +1,497 @@
+//! The provider WebSocket: handshake, heartbeats, and dropping a peer that
+//! breaks the protocol without disturbing anyone else.
+//!
+//! The loop is generic over `Sink`/`Stream` so tests drive it with in-memory
+//! channels as well as real sockets.
+
+use std::fmt::Display;
+
+use axum::extract::State;
+use axum::extract::ws::{CloseFrame, Message, WebSocketUpgrade};
+use axum::response::Response;
+use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use rookery_proto::{
+    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer,
+};
+
+use crate::{AppState, now_ms, providers};
+
+/// WebSocket close codes (RFC 6455, section 7.4.1).
+mod close_code {
+    pub const NORMAL: u16 = 1000;
+    pub const PROTOCOL: u16 = 1002;
+    pub const UNSUPPORTED: u16 = 1003;
+    pub const INVALID_PAYLOAD: u16 = 1007;
+    pub const POLICY: u16 = 1008;
+    pub const TOO_BIG: u16 = 1009;
+    pub const INTERNAL: u16 = 1011;
+}
+
+/// Longest close reason a control frame can carry (125 bytes less the code).
+const MAX_CLOSE_REASON: usize = 123;
+
+pub async fn provider_socket(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+    // Let frames of up to twice our limit through the transport so that this
+    // module, not tungstenite, rejects an oversized frame and says why.
+    let transport_limit = state.limits.max_frame_bytes.saturating_mul(2);
+    ws.max_message_size(transport_limit)
+        .max_frame_size(transport_limit)
+        .on_upgrade(move |socket| {
+            let (sink, stream) = socket.split();
+            serve_provider(sink, stream, state)
+        })
+}
+
+/// How a connection ended.
+#[derive(Debug)]
+enum Ending {
+    /// The peer closed or vanished; nothing to tell it.
+    Left(String),
+    /// The server drops the peer and tells it why.
+    Rejected {
+        code: ErrorCode,
+        close_code: u16,
+        message: String,
+    },
+}
+
+impl Ending {
+    fn rejected(code: ErrorCode, close_code: u16, message: impl Into<String>) -> Self {
+        Ending::Rejected {
+            code,
+            close_code,
+            message: message.into(),
+        }
+    }
+
+    fn bad_frame(error: DecodeError) -> Self {
+        let close_code = match error {
+            DecodeError::TooLarge { .. } => close_code::TOO_BIG,
+            _ => close_code::INVALID_PAYLOAD,
+        };
+        Ending::rejected(error.code(), close_code, error.to_string())
+    }
+
+    /// What the registry records as the reason the provider is gone.
+    fn reason(&self) -> String {
+        match self {
+            Ending::Left(reason) => reason.clone(),
+            Ending::Rejected { message, .. } => format!("dropped: {message}"),
+        }
+    }
+}
+
+/// Serves one provider connection from its first frame to its last.
+pub async fn serve_provider<Si, St, E>(mut sink: Si, mut stream: St, state: AppState)
+where
+    Si: Sink<Message> + Unpin,
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let hello = match handshake(&mut stream, &state).await {
+        Ok(hello) => hello,
+        Err(ending) => {
+            tracing::info!(reason = %ending.reason(), "provider refused at handshake");
+            say_goodbye(&mut sink, ending).await;
+            return;
+        }
+    };
+    let name = hello.display_name.clone();
+    let id = match providers::register(&state.db, hello, now_ms()).await {
+        Ok(id) => id,
+        Err(error) => {
+            tracing::error!(%error, "cannot register provider");
+            let ending = Ending::rejected(
+                ErrorCode::Internal,
+                close_code::INTERNAL,
+                "the server cannot register providers right now; retry later",
+            );
+            say_goodbye(&mut sink, ending).await;
+            return;
+        }
+    };
+    tracing::info!(id, %name, "provider joined");
+
+    let ending = session(id, &mut sink, &mut stream, &state).await;
+    let reason = ending.reason();
+    tracing::info!(id, %name, %reason, "provider gone");
+    if let Err(error) = providers::mark_gone(&state.db, id, now_ms(), reason).await {
+        tracing::error!(id, %error, "cannot record that a provider left");
+    }
+    say_goodbye(&mut sink, ending).await;
+}
+
+async fn handshake<St, E>(stream: &mut St, state: &AppState) -> Result<Hello, Ending>
+where
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let frame = next_frame(stream, state).await?;
+    if let Some(version) = rookery_proto::peek_hello_version(&frame)
+        && version != PROTOCOL_VERSION
+    {
+        return Err(Ending::rejected(
+            ErrorCode::VersionMismatch,
+            close_code::POLICY,
+            format!(
+                "this server speaks protocol version {PROTOCOL_VERSION}, the provider speaks {version}; upgrade the older side"
+            ),
+        ));
+    }
+    match rookery_proto::decode::<ToServer>(&frame, state.limits.max_frame_bytes) {
+        Ok(ToServer::Hello(hello)) => validate_hello(hello),
+        Ok(other) => Err(Ending::rejected(
+            ErrorCode::UnexpectedMessage,
+            close_code::POLICY,
+            format!("the first frame must be Hello, got {}", message_name(&other)),
+        )),
+        Err(error) => Err(Ending::bad_frame(error)),
+    }
+}
+
+/// A provider describes itself; nothing it says is trusted blindly.
+fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
+    let problem = if hello.display_name.trim().is_empty() || hello.display_name.chars().count() > 64 {
+        Some("display name must have 1 to 64 characters")
+    } else if hello.device.chars().count() > 256 {
+        Some("device description must have at most 256 characters")
+    } else if !hello.gflops.is_finite() || hello.gflops <= 0.0 {
+        Some("measured GFLOP/s must be a positive finite number")
+    } else if hello.memory_bytes == 0 {
+        Some("memory must be more than 0 bytes")
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(Ending::rejected(
+            ErrorCode::BadFrame,
+            close_code::POLICY,
+            format!("invalid Hello: {problem}"),
+        )),
+        None => Ok(hello),
+    }
+}
+
+async fn session<Si, St, E>(
+    id: u64,
+    sink: &mut Si,
+    stream: &mut St,
+    state: &AppState,
+) -> Ending
+where
+    Si: Sink<Message> + Unpin,
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let welcome = ToProvider::Welcome {
+        provider_id: id,
+        heartbeat_interval_ms: millis(state.limits.heartbeat_interval),
+        heartbeat_timeout_ms: millis(state.limits.heartbeat_timeout),
+    };
+    if let Err(ending) = send(sink, &welcome).await {
+        return ending;
+    }
+    loop {
+        let frame = match next_frame(stream, state).await {
+            Ok(frame) => frame,
+            Err(ending) => return ending,
+        };
+        match rookery_proto::decode::<ToServer>(&frame, state.limits.max_frame_bytes) {
+            Ok(ToServer::Heartbeat { seq }) => {
+                if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
+                    tracing::error!(id, %error, "cannot record a heartbeat");
+                }
+                if let Err(ending) = send(sink, &ToProvider::Heartbeat { seq }).await {
+                    return ending;
+                }
+            }
+            Ok(ToServer::Hello(_)) => {
+                return Ending::rejected(
+                    ErrorCode::UnexpectedMessage,
+                    close_code::POLICY,
+                    "Hello was already accepted on this connection",
+                );
+            }
+            Ok(ToServer::Error(ErrorMessage { code, message })) => {
+                return Ending::Left(format!("provider gave up ({code:?}): {message}"));
+            }
+            Err(error) => return Ending::bad_frame(error),
+        }
+    }
+}
+
+/// Waits for the next binary frame, at most one heartbeat timeout.
+async fn next_frame<St, E>(stream: &mut St, state: &AppState) -> Result<Vec<u8>, Ending>
+where
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let timeout = state.limits.heartbeat_timeout;
+    loop {
+        let next = match tokio::time::timeout(timeout, stream.next()).await {
+            Ok(next) => next,
+            Err(_) => {
+                return Err(Ending::rejected(
+                    ErrorCode::HeartbeatTimeout,
+                    close_code::POLICY,
+                    format!("heartbeat timeout: no frame for {} ms", timeout.as_millis()),
+                ));
+            }
+        };
+        match next {
+            Some(Ok(Message::Binary(bytes))) => {
+                let limit = state.limits.max_frame_bytes;
+                if bytes.len() > limit {
+                    return Err(Ending::bad_frame(DecodeError::TooLarge {
+                        len: bytes.len(),
+                        limit,
+                    }));
+                }
+                return Ok(bytes.to_vec());
+            }
+            Some(Ok(Message::Text(_))) => {
+                return Err(Ending::rejected(
+                    ErrorCode::BadFrame,
+                    close_code::UNSUPPORTED,
+                    "text frames are not part of the protocol; send binary frames",
+                ));
+            }
+            Some(Ok(Message::Close(_))) => return Err(Ending::Left("closed".into())),
+            // Pings are answered by the transport; they still prove liveness.
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+            Some(Err(error)) => {
+                return Err(Ending::rejected(
+                    ErrorCode::BadFrame,
+                    close_code::PROTOCOL,
+                    format!("transport error: {error}"),
+                ));
+            }
+            None => return Err(Ending::Left("connection lost".into())),
+        }
+    }
+}
+
+async fn send<Si: Sink<Message> + Unpin>(sink: &mut Si, message: &ToProvider) -> Result<(), Ending> {
+    let frame = rookery_proto::encode(message)
+        .map_err(|error| Ending::Left(format!("cannot encode a reply: {error}")))?;
+    sink.send(Message::Binary(frame.into()))
+        .await
+        .map_err(|_| Ending::Left("connection lost while sending".into()))
+}
+
+/// Tells a rejected peer why, then closes. Best effort: the peer may be gone.
+async fn say_goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
+    let (close_code, reason) = match ending {
+        Ending::Left(_) => (close_code::NORMAL, String::new()),
+        Ending::Rejected {
+            code,
+            close_code,
+            message,
+        } => {
+            let error = ToProvider::Error(ErrorMessage {
+                code,
+                message: message.clone(),
+            });
+            let _ = send(sink, &error).await;
+            (close_code, message)
+        }
+    };
+    let frame = CloseFrame {
+        code: close_code,
+        reason: truncate_utf8(&reason, MAX_CLOSE_REASON).into(),
+    };
+    let _ = sink.send(Message::Close(Some(frame))).await;
+    let _ = sink.close().await;
+}
+
+fn truncate_utf8(text: &str, max_bytes: usize) -> &str {
+    if text.len() <= max_bytes {
+        return text;
+    }
+    let mut end = max_bytes;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+fn message_name(message: &ToServer) -> &'static str {
+    match message {
+        ToServer::Hello(_) => "Hello",
+        ToServer::Heartbeat { .. } => "Heartbeat",
+        ToServer::Error(_) => "Error",
+    }
+}
+
+fn millis(duration: std::time::Duration) -> u32 {
+    u32::try_from(duration.as_millis()).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Limits, db::Db};
+    use futures_channel::mpsc;
+    use rookery_proto::ProviderKind;
+    use std::time::Duration;
+
+    fn state() -> AppState {
+        AppState::new(
+            Db::open_in_memory().unwrap(),
+            Limits {
+                max_frame_bytes: 1024,
+                heartbeat_interval: Duration::from_millis(50),
+                heartbeat_timeout: Duration::from_millis(300),
+            },
+            None,
+        )
+    }
+
+    fn hello() -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ProviderKind::Native,
+            device: "test device".into(),
+            memory_bytes: 1 << 30,
+            gflops: 10.0,
+            display_name: "unit".into(),
+        }
+    }
+
+    fn binary(message: &ToServer) -> Result<Message, std::convert::Infallible> {
+        Ok(Message::Binary(rookery_proto::encode(message).unwrap().into()))
+    }
+
+    fn decode_reply(message: Message) -> ToProvider {
+        match message {
+            Message::Binary(bytes) => rookery_proto::decode(&bytes, 1 << 20).unwrap(),
+            other => panic!("expected a binary frame, got {other:?}"),
+        }
+    }
+
+    /// Runs a connection over channels: `frames` in, every reply out.
+    async fn run(
+        state: &AppState,
+        frames: Vec<Result<Message, std::convert::Infallible>>,
+    ) -> Vec<Message> {
+        let (out_tx, out_rx) = mpsc::unbounded();
+        let incoming = futures_util::stream::iter(frames);
+        serve_provider(out_tx, incoming, state.clone()).await;
+        out_rx.collect().await
+    }
+
+    #[tokio::test]
+    async fn hello_heartbeat_and_close_are_answered_and_recorded() {
+        let state = state();
+        let replies = run(
+            &state,
+            vec![
+                binary(&ToServer::Hello(hello())),
+                binary(&ToServer::Heartbeat { seq: 9 }),
+                Ok(Message::Close(None)),
+            ],
+        )
+        .await;
+        assert!(matches!(decode_reply(replies[0].clone()), ToProvider::Welcome { provider_id: 1, .. }));
+        assert_eq!(decode_reply(replies[1].clone()), ToProvider::Heartbeat { seq: 9 });
+        let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+        assert_eq!(record.gone.unwrap().reason, "closed");
+    }
+
+    #[tokio::test]
+    async fn wrong_version_is_named_and_nobody_is_registered() {
+        let state = state();
+        let replies = run(
+            &state,
+            vec![binary(&ToServer::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION + 1,
+                ..hello()
+            }))],
+        )
+        .await;
+        match decode_reply(replies[0].clone()) {
+            ToProvider::Error(error) => {
+                assert_eq!(error.code, ErrorCode::VersionMismatch);
+                assert!(error.message.contains("protocol version"), "{}", error.message);
+            }
+            other => panic!("expected an error, got {other:?}"),
+        }
+        assert!(matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::POLICY));
+        assert!(providers::list(&state.db).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn invalid_hellos_are_refused_with_the_reason() {
+        let cases = [
+            (Hello { display_name: " ".into(), ..hello() }, "display name"),
+            (Hello { gflops: f64::NAN, ..hello() }, "GFLOP/s"),
+            (Hello { gflops: -1.0, ..hello() }, "GFLOP/s"),
+            (Hello { memory_bytes: 0, ..hello() }, "memory"),
+            (Hello { device: "x".repeat(300), ..hello() }, "device"),
+        ];
+        for (bad, expected) in cases {
+            let state = state();
+            let replies = run(&state, vec![binary(&ToServer::Hello(bad))]).await;
+            let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
+                panic!("expected an error for {expected}");
+            };
+            assert!(error.message.contains(expected), "{} lacks {expected}", error.message);
+        }
+    }
+
+    #[tokio::test]
+    async fn garbage_after_hello_drops_the_provider_and_says_why() {
+        let state = state();
+        let replies = run(
+            &state,
+            vec![
+                binary(&ToServer::Hello(hello())),
+                Ok(Message::Binary(vec![0xff, 0xff, 0xff].into())),
+            ],
+        )
+        .await;
+        let ToProvider::Error(error) = decode_reply(replies[1].clone()) else {
+            panic!("expected an error");
+        };
+        assert_eq!(error.code, ErrorCode::BadFrame);
+        let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+        assert!(record.gone.unwrap().reason.starts_with("dropped: frame is not a valid message"));
+    }
+
+    #[tokio::test]
+    async fn frames_over_the_limit_close_with_too_big() {
+        let state = state();
+        let replies = run(&state, vec![Ok(Message::Binary(vec![0; 1025].into()))]).await;
+        let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
+            panic!("expected an error");
+        };
+        assert_eq!(error.code, ErrorCode::FrameTooLarge);
+        assert!(matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::TOO_BIG));
+    }
+
+    #[tokio::test]
+    async fn silence_after_hello_is_a_heartbeat_timeout() {
+        let state = state();
+        let (out_tx, out_rx) = mpsc::unbounded();
+        let (in_tx, in_rx) = mpsc::unbounded();
+        in_tx.unbounded_send(binary(&ToServer::Hello(hello()))).unwrap();
+        // Keep `in_tx` alive: the stream stays open but silent.
+        serve_provider(out_tx, in_rx, state.clone()).await;
+        drop(in_tx);
+        let replies: Vec<Message> = out_rx.collect().await;
+        let ToProvider::Error(error) = decode_reply(replies[1].clone()) else {
+            panic!("expected an error");
+        };
+        assert_eq!(error.code, ErrorCode::HeartbeatTimeout);
+        let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+        assert!(record.gone.unwrap().reason.contains("heartbeat timeout"));
+    }
+
+    #[test]
+    fn close_reasons_are_cut_on_character_boundaries() {
+        let text = "é".repeat(100);
+        let cut = truncate_utf8(&text, MAX_CLOSE_REASON);
+        assert!(cut.len() <= MAX_CLOSE_REASON);
+        assert_eq!(cut.chars().count(), 61);
+    }
+}

@@ -1,0 +1,98 @@
+//! The REST API through `tower::ServiceExt::oneshot`, no sockets involved.
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use rookery_proto::api::{ApiError, ProviderInfo, ProviderStatus};
+use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
+use rookery_server::db::Db;
+use rookery_server::{AppState, Limits, app, providers};
+use tower::ServiceExt;
+
+async fn get(state: &AppState, path: &str) -> (StatusCode, Vec<u8>) {
+    let response = app(state.clone())
+        .oneshot(Request::get(path).body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    (status, response.into_body().collect().await.unwrap().to_bytes().to_vec())
+}
+
+fn state() -> AppState {
+    AppState::new(Db::open_in_memory().unwrap(), Limits::default(), None)
+}
+
+#[tokio::test]
+async fn providers_endpoint_lists_registered_and_departed_providers() {
+    let state = state();
+    let (status, body) = get(&state, "/api/providers").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(serde_json::from_slice::<Vec<ProviderInfo>>(&body).unwrap(), vec![]);
+
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ProviderKind::Native,
+        device: "libtorch 2.13.0 cpu".into(),
+        memory_bytes: 8 << 30,
+        gflops: 55.0,
+        display_name: "box".into(),
+    };
+    let kept = providers::register(&state.db, hello.clone(), 10).await.unwrap();
+    let left = providers::register(&state.db, hello, 20).await.unwrap();
+    providers::mark_gone(&state.db, left, 30, "closed".into()).await.unwrap();
+
+    let (status, body) = get(&state, "/api/providers").await;
+    assert_eq!(status, StatusCode::OK);
+    let listed: Vec<ProviderInfo> = serde_json::from_slice(&body).unwrap();
+    assert_eq!(listed.len(), 2);
+    assert_eq!((listed[0].id, listed[0].status), (kept, ProviderStatus::Connected));
+    assert_eq!(listed[0].device, "libtorch 2.13.0 cpu");
+    assert_eq!(listed[0].gflops, 55.0);
+    assert_eq!((listed[1].id, listed[1].status), (left, ProviderStatus::Gone));
+    assert_eq!(listed[1].gone_since_ms, Some(30));
+    assert_eq!(listed[1].gone_reason.as_deref(), Some("closed"));
+}
+
+#[tokio::test]
+async fn unknown_api_paths_are_json_404s() {
+    let (status, body) = get(&state(), "/api/nope").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let error: ApiError = serde_json::from_slice(&body).unwrap();
+    assert_eq!(error.error, "not found: no API endpoint at /api/nope");
+}
+
+#[tokio::test]
+async fn without_a_dashboard_the_root_page_says_how_to_build_it() {
+    let (status, body) = get(&state(), "/").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(String::from_utf8(body).unwrap().contains("cargo xtask web"));
+}
+
+#[tokio::test]
+async fn the_dashboard_is_served_with_deep_links_falling_back_to_index() {
+    let web = tempfile::tempdir().unwrap();
+    std::fs::write(web.path().join("index.html"), "<html>dashboard</html>").unwrap();
+    std::fs::create_dir(web.path().join("pkg")).unwrap();
+    std::fs::write(web.path().join("pkg/app.js"), "export {}").unwrap();
+    let state = AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits::default(),
+        Some(web.path().to_path_buf()),
+    );
+    assert_eq!(get(&state, "/pkg/app.js").await, (StatusCode::OK, b"export {}".to_vec()));
+    for route in ["/", "/donate", "/providers"] {
+        let (status, body) = get(&state, route).await;
+        assert_eq!(status, StatusCode::OK, "{route}");
+        assert_eq!(body, b"<html>dashboard</html>", "{route}");
+    }
+    // The API keeps its own 404s rather than falling back to the dashboard.
+    assert_eq!(get(&state, "/api/nope").await.0, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn health_reports_the_protocol_version() {
+    let (status, body) = get(&state(), "/api/health").await;
+    assert_eq!(status, StatusCode::OK);
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(json["protocol_version"], PROTOCOL_VERSION);
+}

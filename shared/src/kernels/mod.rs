@@ -1,0 +1,43 @@
+//! Compute kernels: WGSL generated from Rust, each with a plain-Rust CPU
+//! reference that serves as the oracle in tests and as the fallback where no
+//! GPU is available. The wgpu runtime that executes them lives in [`gpu`]
+//! behind the `gpu` feature, so CPU-only users do not compile wgpu.
+
+mod matmul;
+
+#[cfg(feature = "gpu")]
+mod gpu;
+
+pub use matmul::{
+    MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, matmul_flops, matmul_reference,
+    sample_matrix, try_matmul_reference,
+};
+
+#[cfg(feature = "gpu")]
+pub use gpu::{GpuContext, GpuError};
+
+/// Everything that can be wrong with a kernel's parameters, its operands, or
+/// its result, independently of the device that runs it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    #[error("tile size {tile} is outside 1..={max}")]
+    InvalidTile { tile: u32, max: u32 },
+    #[error("operand {operand} has {actual} elements but the shape needs {expected}")]
+    ShapeMismatch {
+        operand: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    #[error("a {m}x{k} by {k}x{n} matmul has more elements than this machine can address")]
+    TooLarge { m: usize, k: usize, n: usize },
+    #[error(
+        "element ({row}, {col}) is {got} but the reference says {want} (allowed error {tolerance})"
+    )]
+    Mismatch {
+        row: usize,
+        col: usize,
+        got: f32,
+        want: f32,
+        tolerance: f64,
+    },
+}

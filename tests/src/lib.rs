@@ -1,0 +1,1 @@
+//! Harness for the end-to-end tests.

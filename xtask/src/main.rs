@@ -1,0 +1,58 @@
+//! Project automation for Rookery, run as `cargo xtask <command>` from anywhere in
+//! the repository (the alias lives in `.cargo/config.toml`).
+//!
+//! ```text
+//! cargo xtask setup                  install what the build needs (idempotent; fast once done)
+//! cargo xtask web [--release]        build the dashboard into target/web/
+//! cargo xtask test [--skip-lint]     everything CI runs (.ci/run), in CI's order
+//! cargo xtask demo [--addr HOST:PORT] [--providers N]
+//!                                    server + N native providers + dashboard on
+//!                                    http://127.0.0.1:8080/ until Ctrl-C
+//! ```
+//!
+//! Setup fills a cache outside the repository, `$ROOKERY_CACHE` (default
+//! `~/.cache/rookery`): the wasm32 rustup target, chromium, chromedriver and
+//! lavapipe from apt when missing, `wasm-bindgen-cli` at the version pinned in
+//! Cargo.lock, and a CPU libtorch for the provider's `torch` feature assembled
+//! from the PyPI wheels. Every other command runs setup first and hands cargo:
+//!
+//! ```text
+//! LIBTORCH=$ROOKERY_CACHE/libtorch-2.13.0       where torch-sys finds libtorch
+//! PATH=$ROOKERY_CACHE/wasm-bindgen-<ver>/bin:$PATH
+//! ROOKERY_WASM_BINDGEN=<that bin>/wasm-bindgen
+//! CHROMEDRIVER=/usr/bin/chromedriver
+//! ROOKERY_CHROMIUM=/usr/bin/chromium
+//! ```
+//!
+//! `cargo xtask setup` prints these as `export` lines, to use plain cargo (e.g.
+//! `cargo check -p rookery-provider --features torch`) in the same environment.
+//! Each step prints its duration; a failure names its step.
+
+mod demo;
+mod setup;
+mod test;
+mod util;
+mod web;
+
+use anyhow::{Result, bail};
+
+const USAGE: &str = "usage: cargo xtask <setup | web [--release] | test [--skip-lint] | \
+                     demo [--addr HOST:PORT] [--providers N]>";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((command, rest)) = args.split_first() else {
+        bail!("{USAGE}");
+    };
+    match command.as_str() {
+        "setup" => setup::main(rest),
+        "web" => web::main(rest),
+        "test" => test::main(rest),
+        "demo" => demo::main(rest),
+        "help" | "--help" | "-h" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command `{other}`\n{USAGE}"),
+    }
+}

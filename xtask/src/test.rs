@@ -1,0 +1,99 @@
+//! `cargo xtask test [--skip-lint]`: everything CI checks, in CI's order.
+//!
+//! Setup, fmt, clippy (default and all features), a build of every binary, the
+//! dashboard, the workspace tests (the e2e tests need the binaries and the
+//! dashboard built first), then the browser-side wasm tests in headless Chromium.
+//! Stops at the first failure and closes with a table of steps and durations.
+//! `--skip-lint` leaves out fmt and clippy for quicker local runs.
+
+use crate::setup::{self, WASM_TARGET};
+use crate::util::{Summary, repo_root, run, target_dir};
+use crate::web;
+use anyhow::{Result, bail};
+
+pub fn main(args: &[String]) -> Result<()> {
+    let skip_lint = match args {
+        [] => false,
+        [flag] if flag == "--skip-lint" => true,
+        _ => bail!("`test` takes only `--skip-lint`, got `{}`", args.join(" ")),
+    };
+    let mut summary = Summary::default();
+    let result = steps(&mut summary, skip_lint);
+    summary.print();
+    result
+}
+
+fn steps(summary: &mut Summary, skip_lint: bool) -> Result<()> {
+    let env = summary.step("setup", setup::ensure)?;
+    let cargo = |args: &[&str]| {
+        let mut cmd = env.cargo();
+        cmd.args(args);
+        cmd
+    };
+    let lints: [(&str, &[&str]); 3] = [
+        ("fmt", &["fmt", "--all", "--check"]),
+        (
+            "clippy",
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        ),
+        (
+            "clippy --all-features",
+            &[
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--all-features",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        ),
+    ];
+    for (name, args) in lints {
+        if skip_lint {
+            summary.skipped(name);
+        } else {
+            summary.step(name, || run(&mut cargo(args)))?;
+        }
+    }
+    summary.step("build binaries", || {
+        run(&mut cargo(&[
+            "build",
+            "--workspace",
+            "--all-features",
+            "--bins",
+        ]))
+    })?;
+    summary.step("web", || web::build(&env, false))?;
+    summary.step("cargo test", || {
+        let mut cmd = cargo(&["test", "--workspace", "--all-features"]);
+        cmd.env("ROOKERY_WEB_DIR", target_dir().join("web"))
+            .env("ROOKERY_BIN_DIR", target_dir().join("debug"))
+            .env("ROOKERY_REQUIRE_GPU", "1");
+        run(&mut cmd)
+    })?;
+    summary.step("browser tests", || {
+        let mut cmd = cargo(&[
+            "test",
+            "-p",
+            "rookery-web-provider",
+            "--target",
+            WASM_TARGET,
+        ]);
+        // From web-provider/ so the runner picks up that crate's webdriver.json.
+        cmd.current_dir(repo_root().join("web-provider"))
+            .env(
+                "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER",
+                env.wasm_bindgen_bin.join("wasm-bindgen-test-runner"),
+            )
+            .env("WASM_BINDGEN_TEST_TIMEOUT", "180");
+        run(&mut cmd)
+    })
+}
