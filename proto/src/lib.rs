@@ -117,7 +117,9 @@ pub enum ToProvider {
         /// After this long without any frame the server drops the provider.
         heartbeat_timeout_ms: u32,
     },
-    Heartbeat { seq: u64 },
+    Heartbeat {
+        seq: u64,
+    },
     /// The server rejects something; it closes the connection right after.
     Error(ErrorMessage),
 }

@@ -1,2 +1,95 @@
-//! Provider.
-fn main() {}
+//! `rookery-provider`: donate this machine's CPU or GPU to a Rookery server.
+
+use anyhow::Context;
+use clap::Parser;
+use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
+use rookery_provider::backend::{self, DeviceChoice};
+use rookery_provider::connection;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rookery-provider",
+    version,
+    about = "Donate this machine to a Rookery server"
+)]
+struct Cli {
+    /// The server, e.g. ws://127.0.0.1:8080 (http:// works too).
+    #[arg(long, env = "ROOKERY_SERVER", default_value = "ws://127.0.0.1:8080")]
+    server: String,
+    /// Device to compute on; `auto` picks CUDA when libtorch sees a GPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
+    /// A name shown on the dashboard (default: host name and process id).
+    #[arg(long)]
+    name: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+
+    let backend = backend::select(cli.device).context("choosing a compute backend")?;
+    let profile = tokio::task::spawn_blocking(move || backend.profile())
+        .await
+        .context("the benchmark thread failed")?
+        .context("measuring this machine")?;
+    let name = cli.name.unwrap_or_else(default_name);
+    println!(
+        "{name}: {} with {:.1} GiB, {:.1} GFLOP/s measured",
+        profile.device,
+        profile.memory_bytes as f64 / f64::from(1u32 << 30),
+        profile.gflops
+    );
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ProviderKind::Native,
+        device: profile.device,
+        memory_bytes: profile.memory_bytes,
+        gflops: profile.gflops,
+        display_name: name,
+    };
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    let url = connection::provider_url(&cli.server);
+    tracing::info!(%url, "connecting");
+    connection::run(&url, &hello, stop_rx)
+        .await
+        .map_err(|reason| anyhow::anyhow!("the server refused this provider: {reason}"))?;
+    println!("rookery-provider stopped");
+    Ok(())
+}
+
+fn default_name() -> String {
+    let host = sysinfo::System::host_name().unwrap_or_else(|_| "provider".into());
+    format!("{host}-{}", std::process::id())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate.recv() => {}
+            },
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

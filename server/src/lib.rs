@@ -84,11 +84,14 @@ pub fn app(state: AppState) -> Router {
     let router = Router::new()
         .nest("/api", api)
         .route(rookery_proto::PROVIDER_WS_PATH, get(ws::provider_socket));
-    let router = match state.web_dir.as_deref().filter(|dir| http::is_dashboard(dir)) {
+    let router = match state
+        .web_dir
+        .as_deref()
+        .filter(|dir| http::is_dashboard(dir))
+    {
         // Unknown paths get index.html so the dashboard's own routes deep-link.
-        Some(dir) => router.fallback_service(
-            ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html"))),
-        ),
+        Some(dir) => router
+            .fallback_service(ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html")))),
         None => router.fallback(http::dashboard_missing),
     };
     router.layer(TraceLayer::new_for_http()).with_state(state)

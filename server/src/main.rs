@@ -9,7 +9,11 @@ use clap::{Parser, Subcommand};
 use rookery_server::{AppState, Limits};
 
 #[derive(Parser, Debug)]
-#[command(name = "rookery", version, about = "Train deep learning models on donated hardware")]
+#[command(
+    name = "rookery",
+    version,
+    about = "Train deep learning models on donated hardware"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -75,7 +79,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", args.addr))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     // Tests and scripts read this line to learn the port when --addr used port 0.
-    println!("Rookery server listening on http://{addr}/ (providers: ws://{addr}{})", rookery_proto::PROVIDER_WS_PATH);
+    println!(
+        "Rookery server listening on http://{addr}/ (providers: ws://{addr}{})",
+        rookery_proto::PROVIDER_WS_PATH
+    );
     rookery_server::serve(listener, state, shutdown_signal())
         .await
         .context("serving")?;

@@ -152,7 +152,10 @@ mod tests {
         record_heartbeat(&db, id, 2_000).await.unwrap();
         let record = get(&db, id).await.unwrap().unwrap();
         assert_eq!(record.kind, ProviderKind::Browser);
-        assert_eq!((record.connected_ms, record.last_heartbeat_ms), (1_000, 2_000));
+        assert_eq!(
+            (record.connected_ms, record.last_heartbeat_ms),
+            (1_000, 2_000)
+        );
         assert_eq!(record.gone, None);
 
         mark_gone(&db, id, 3_000, "closed".into()).await.unwrap();

@@ -143,7 +143,10 @@ where
         Ok(other) => Err(Ending::rejected(
             ErrorCode::UnexpectedMessage,
             close_code::POLICY,
-            format!("the first frame must be Hello, got {}", message_name(&other)),
+            format!(
+                "the first frame must be Hello, got {}",
+                message_name(&other)
+            ),
         )),
         Err(error) => Err(Ending::bad_frame(error)),
     }
@@ -151,7 +154,8 @@ where
 
 /// A provider describes itself; nothing it says is trusted blindly.
 fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
-    let problem = if hello.display_name.trim().is_empty() || hello.display_name.chars().count() > 64 {
+    let problem = if hello.display_name.trim().is_empty() || hello.display_name.chars().count() > 64
+    {
         Some("display name must have 1 to 64 characters")
     } else if hello.device.chars().count() > 256 {
         Some("device description must have at most 256 characters")
@@ -172,12 +176,7 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
     }
 }
 
-async fn session<Si, St, E>(
-    id: u64,
-    sink: &mut Si,
-    stream: &mut St,
-    state: &AppState,
-) -> Ending
+async fn session<Si, St, E>(id: u64, sink: &mut Si, stream: &mut St, state: &AppState) -> Ending
 where
     Si: Sink<Message> + Unpin,
     St: Stream<Item = Result<Message, E>> + Unpin,
@@ -271,7 +270,10 @@ where
     }
 }
 
-async fn send<Si: Sink<Message> + Unpin>(sink: &mut Si, message: &ToProvider) -> Result<(), Ending> {
+async fn send<Si: Sink<Message> + Unpin>(
+    sink: &mut Si,
+    message: &ToProvider,
+) -> Result<(), Ending> {
     let frame = rookery_proto::encode(message)
         .map_err(|error| Ending::Left(format!("cannot encode a reply: {error}")))?;
     sink.send(Message::Binary(frame.into()))
@@ -359,7 +361,9 @@ mod tests {
     }
 
     fn binary(message: &ToServer) -> Result<Message, std::convert::Infallible> {
-        Ok(Message::Binary(rookery_proto::encode(message).unwrap().into()))
+        Ok(Message::Binary(
+            rookery_proto::encode(message).unwrap().into(),
+        ))
     }
 
     fn decode_reply(message: Message) -> ToProvider {
@@ -392,8 +396,14 @@ mod tests {
             ],
         )
         .await;
-        assert!(matches!(decode_reply(replies[0].clone()), ToProvider::Welcome { provider_id: 1, .. }));
-        assert_eq!(decode_reply(replies[1].clone()), ToProvider::Heartbeat { seq: 9 });
+        assert!(matches!(
+            decode_reply(replies[0].clone()),
+            ToProvider::Welcome { provider_id: 1, .. }
+        ));
+        assert_eq!(
+            decode_reply(replies[1].clone()),
+            ToProvider::Heartbeat { seq: 9 }
+        );
         let record = providers::get(&state.db, 1).await.unwrap().unwrap();
         assert_eq!(record.gone.unwrap().reason, "closed");
     }
@@ -412,22 +422,58 @@ mod tests {
         match decode_reply(replies[0].clone()) {
             ToProvider::Error(error) => {
                 assert_eq!(error.code, ErrorCode::VersionMismatch);
-                assert!(error.message.contains("protocol version"), "{}", error.message);
+                assert!(
+                    error.message.contains("protocol version"),
+                    "{}",
+                    error.message
+                );
             }
             other => panic!("expected an error, got {other:?}"),
         }
-        assert!(matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::POLICY));
+        assert!(
+            matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::POLICY)
+        );
         assert!(providers::list(&state.db).await.unwrap().is_empty());
     }
 
     #[tokio::test]
     async fn invalid_hellos_are_refused_with_the_reason() {
         let cases = [
-            (Hello { display_name: " ".into(), ..hello() }, "display name"),
-            (Hello { gflops: f64::NAN, ..hello() }, "GFLOP/s"),
-            (Hello { gflops: -1.0, ..hello() }, "GFLOP/s"),
-            (Hello { memory_bytes: 0, ..hello() }, "memory"),
-            (Hello { device: "x".repeat(300), ..hello() }, "device"),
+            (
+                Hello {
+                    display_name: " ".into(),
+                    ..hello()
+                },
+                "display name",
+            ),
+            (
+                Hello {
+                    gflops: f64::NAN,
+                    ..hello()
+                },
+                "GFLOP/s",
+            ),
+            (
+                Hello {
+                    gflops: -1.0,
+                    ..hello()
+                },
+                "GFLOP/s",
+            ),
+            (
+                Hello {
+                    memory_bytes: 0,
+                    ..hello()
+                },
+                "memory",
+            ),
+            (
+                Hello {
+                    device: "x".repeat(300),
+                    ..hello()
+                },
+                "device",
+            ),
         ];
         for (bad, expected) in cases {
             let state = state();
@@ -435,7 +481,11 @@ mod tests {
             let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
                 panic!("expected an error for {expected}");
             };
-            assert!(error.message.contains(expected), "{} lacks {expected}", error.message);
+            assert!(
+                error.message.contains(expected),
+                "{} lacks {expected}",
+                error.message
+            );
         }
     }
 
@@ -455,7 +505,13 @@ mod tests {
         };
         assert_eq!(error.code, ErrorCode::BadFrame);
         let record = providers::get(&state.db, 1).await.unwrap().unwrap();
-        assert!(record.gone.unwrap().reason.starts_with("dropped: frame is not a valid message"));
+        assert!(
+            record
+                .gone
+                .unwrap()
+                .reason
+                .starts_with("dropped: frame is not a valid message")
+        );
     }
 
     #[tokio::test]
@@ -466,7 +522,9 @@ mod tests {
             panic!("expected an error");
         };
         assert_eq!(error.code, ErrorCode::FrameTooLarge);
-        assert!(matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::TOO_BIG));
+        assert!(
+            matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::TOO_BIG)
+        );
     }
 
     #[tokio::test]
@@ -474,7 +532,9 @@ mod tests {
         let state = state();
         let (out_tx, out_rx) = mpsc::unbounded();
         let (in_tx, in_rx) = mpsc::unbounded();
-        in_tx.unbounded_send(binary(&ToServer::Hello(hello()))).unwrap();
+        in_tx
+            .unbounded_send(binary(&ToServer::Hello(hello())))
+            .unwrap();
         // Keep `in_tx` alive: the stream stays open but silent.
         serve_provider(out_tx, in_rx, state.clone()).await;
         drop(in_tx);

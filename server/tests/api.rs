@@ -15,7 +15,16 @@ async fn get(state: &AppState, path: &str) -> (StatusCode, Vec<u8>) {
         .await
         .unwrap();
     let status = response.status();
-    (status, response.into_body().collect().await.unwrap().to_bytes().to_vec())
+    (
+        status,
+        response
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
 }
 
 fn state() -> AppState {
@@ -27,7 +36,10 @@ async fn providers_endpoint_lists_registered_and_departed_providers() {
     let state = state();
     let (status, body) = get(&state, "/api/providers").await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(serde_json::from_slice::<Vec<ProviderInfo>>(&body).unwrap(), vec![]);
+    assert_eq!(
+        serde_json::from_slice::<Vec<ProviderInfo>>(&body).unwrap(),
+        vec![]
+    );
 
     let hello = Hello {
         protocol_version: PROTOCOL_VERSION,
@@ -37,18 +49,28 @@ async fn providers_endpoint_lists_registered_and_departed_providers() {
         gflops: 55.0,
         display_name: "box".into(),
     };
-    let kept = providers::register(&state.db, hello.clone(), 10).await.unwrap();
+    let kept = providers::register(&state.db, hello.clone(), 10)
+        .await
+        .unwrap();
     let left = providers::register(&state.db, hello, 20).await.unwrap();
-    providers::mark_gone(&state.db, left, 30, "closed".into()).await.unwrap();
+    providers::mark_gone(&state.db, left, 30, "closed".into())
+        .await
+        .unwrap();
 
     let (status, body) = get(&state, "/api/providers").await;
     assert_eq!(status, StatusCode::OK);
     let listed: Vec<ProviderInfo> = serde_json::from_slice(&body).unwrap();
     assert_eq!(listed.len(), 2);
-    assert_eq!((listed[0].id, listed[0].status), (kept, ProviderStatus::Connected));
+    assert_eq!(
+        (listed[0].id, listed[0].status),
+        (kept, ProviderStatus::Connected)
+    );
     assert_eq!(listed[0].device, "libtorch 2.13.0 cpu");
     assert_eq!(listed[0].gflops, 55.0);
-    assert_eq!((listed[1].id, listed[1].status), (left, ProviderStatus::Gone));
+    assert_eq!(
+        (listed[1].id, listed[1].status),
+        (left, ProviderStatus::Gone)
+    );
     assert_eq!(listed[1].gone_since_ms, Some(30));
     assert_eq!(listed[1].gone_reason.as_deref(), Some("closed"));
 }
@@ -79,7 +101,10 @@ async fn the_dashboard_is_served_with_deep_links_falling_back_to_index() {
         Limits::default(),
         Some(web.path().to_path_buf()),
     );
-    assert_eq!(get(&state, "/pkg/app.js").await, (StatusCode::OK, b"export {}".to_vec()));
+    assert_eq!(
+        get(&state, "/pkg/app.js").await,
+        (StatusCode::OK, b"export {}".to_vec())
+    );
     for route in ["/", "/donate", "/providers"] {
         let (status, body) = get(&state, route).await;
         assert_eq!(status, StatusCode::OK, "{route}");

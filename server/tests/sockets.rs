@@ -10,9 +10,8 @@ use rookery_server::{AppState, Limits};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
-type Client = tokio_tungstenite::WebSocketStream<
-    tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
->;
+type Client =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 const FRAME_LIMIT: usize = 4096;
 
@@ -29,7 +28,11 @@ async fn start_server() -> (std::net::SocketAddr, AppState) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let serving = state.clone();
-    tokio::spawn(rookery_server::serve(listener, serving, std::future::pending()));
+    tokio::spawn(rookery_server::serve(
+        listener,
+        serving,
+        std::future::pending(),
+    ));
     (addr, state)
 }
 
@@ -99,12 +102,19 @@ async fn listed(state: &AppState) -> Vec<ProviderInfo> {
     )
     .await
     .unwrap();
-    let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap();
     serde_json::from_slice(&body.to_bytes()).unwrap()
 }
 
 async fn status_of(state: &AppState, id: u64) -> ProviderStatus {
-    listed(state).await.iter().find(|p| p.id == id).unwrap().status
+    listed(state)
+        .await
+        .iter()
+        .find(|p| p.id == id)
+        .unwrap()
+        .status
 }
 
 #[tokio::test]
@@ -113,7 +123,9 @@ async fn a_garbage_client_is_dropped_while_a_good_one_keeps_its_heartbeats() {
     let (mut good, good_id) = join(addr, "good").await;
     let (mut bad, bad_id) = join(addr, "bad").await;
 
-    bad.send(Message::Binary(vec![7, 0xff, 0xff, 0xff, 0x01].into())).await.unwrap();
+    bad.send(Message::Binary(vec![7, 0xff, 0xff, 0xff, 0x01].into()))
+        .await
+        .unwrap();
     match receive(&mut bad).await {
         ToProvider::Error(error) => assert_eq!(error.code, ErrorCode::BadFrame),
         other => panic!("expected an error, got {other:?}"),
@@ -136,13 +148,18 @@ async fn an_oversized_frame_closes_only_that_connection_with_the_limit_named() {
     let (mut good, good_id) = join(addr, "good").await;
     let (mut big, big_id) = join(addr, "big").await;
 
-    big.send(Message::Binary(vec![0; FRAME_LIMIT + 1].into())).await.unwrap();
+    big.send(Message::Binary(vec![0; FRAME_LIMIT + 1].into()))
+        .await
+        .unwrap();
     match receive(&mut big).await {
         ToProvider::Error(error) => {
             assert_eq!(error.code, ErrorCode::FrameTooLarge);
             assert_eq!(
                 error.message,
-                format!("frame of {} bytes exceeds the limit of {FRAME_LIMIT} bytes", FRAME_LIMIT + 1)
+                format!(
+                    "frame of {} bytes exceeds the limit of {FRAME_LIMIT} bytes",
+                    FRAME_LIMIT + 1
+                )
             );
         }
         other => panic!("expected an error, got {other:?}"),
@@ -193,5 +210,11 @@ async fn a_provider_that_disconnects_or_goes_quiet_is_marked_gone_quickly() {
     }
     let providers = listed(&state).await;
     let quiet = providers.iter().find(|p| p.id == quiet_id).unwrap();
-    assert!(quiet.gone_reason.as_deref().unwrap().contains("heartbeat timeout"));
+    assert!(
+        quiet
+            .gone_reason
+            .as_deref()
+            .unwrap()
+            .contains("heartbeat timeout")
+    );
 }

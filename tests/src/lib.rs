@@ -1,1 +1,267 @@
-//! Harness for the end-to-end tests.
+//! Harness for Rookery's end-to-end tests: real `rookery` and
+//! `rookery-provider` processes and a real headless Chromium, all on loopback.
+//!
+//! The binaries and the dashboard must be built first; `cargo xtask test`
+//! does that and points `ROOKERY_BIN_DIR` and `ROOKERY_WEB_DIR` at them.
+//! Every process is killed when its handle drops, so a failing test leaves
+//! nothing running.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use rookery_proto::api::ProviderInfo;
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the workspace")
+        .to_path_buf()
+}
+
+fn dir_from_env(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(default))
+}
+
+fn binary(name: &str) -> anyhow::Result<PathBuf> {
+    let path = dir_from_env("ROOKERY_BIN_DIR", "target/debug").join(name);
+    if !path.is_file() {
+        bail!(
+            "{} is missing: build it first (`cargo xtask test` does, with \
+             `cargo build --workspace --all-features --bins`)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Where tests leave screenshots for people to look at.
+pub fn screenshot_dir() -> PathBuf {
+    let dir = workspace_root().join("target/screenshots");
+    let _ = std::fs::create_dir_all(&dir);
+    dir
+}
+
+/// A child process that dies with its handle.
+#[derive(Debug)]
+pub struct Process(Child);
+
+impl Process {
+    /// SIGKILL, the way a crashed or unplugged machine leaves.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A `rookery serve` process on a free loopback port with its own data dir.
+#[derive(Debug)]
+pub struct Server {
+    pub addr: SocketAddr,
+    _process: Process,
+    _data_dir: tempfile::TempDir,
+}
+
+impl Server {
+    pub fn start(heartbeat_timeout_ms: u64) -> anyhow::Result<Self> {
+        let data_dir = tempfile::tempdir()?;
+        let web_dir = dir_from_env("ROOKERY_WEB_DIR", "target/web");
+        let mut child = Command::new(binary("rookery")?)
+            .args(["serve", "--addr", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir.path())
+            .arg("--web-dir")
+            .arg(&web_dir)
+            .args(["--heartbeat-timeout-ms", &heartbeat_timeout_ms.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting rookery serve")?;
+        let stdout = child.stdout.take().context("server stdout")?;
+        let process = Process(child);
+        let mut lines = BufReader::new(stdout).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .context("the server exited before saying where it listens")??;
+            if let Some(rest) = line.strip_prefix("Rookery server listening on http://") {
+                let addr = rest.split('/').next().unwrap_or_default();
+                break addr.parse().with_context(|| format!("parsing {line:?}"))?;
+            }
+        };
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Ok(Self {
+            addr,
+            _process: process,
+            _data_dir: data_dir,
+        })
+    }
+
+    pub fn http_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub async fn providers(&self) -> anyhow::Result<Vec<ProviderInfo>> {
+        let response = reqwest::get(self.http_url("/api/providers")).await?;
+        Ok(response.error_for_status()?.json().await?)
+    }
+
+    /// Polls `/api/providers` until `done` holds, or fails after `timeout`
+    /// showing what the server last said.
+    pub async fn wait_for_providers(
+        &self,
+        what: &str,
+        timeout: Duration,
+        done: impl Fn(&[ProviderInfo]) -> bool,
+    ) -> anyhow::Result<Vec<ProviderInfo>> {
+        let started = Instant::now();
+        loop {
+            let providers = self.providers().await?;
+            if done(&providers) {
+                return Ok(providers);
+            }
+            if started.elapsed() > timeout {
+                bail!("timed out after {timeout:?} waiting for {what}; providers: {providers:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// A `rookery-provider` process (libtorch build) connected to `server`.
+pub fn start_native_provider(server: &Server, name: &str) -> anyhow::Result<Process> {
+    let child = Command::new(binary("rookery-provider")?)
+        .args([
+            "--server",
+            &format!("ws://{}", server.addr),
+            "--device",
+            "cpu",
+            "--name",
+            name,
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting rookery-provider")?;
+    Ok(Process(child))
+}
+
+/// Flags every headless Chromium of ours needs: WebGPU on (SwiftShader in
+/// CI), and nothing that reaches beyond this machine.
+pub const CHROMIUM_FLAGS: &[&str] = &[
+    "--headless=new",
+    "--enable-unsafe-webgpu",
+    "--no-sandbox",
+    "--disable-gpu-sandbox",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+];
+
+/// Headless Chromium driven through chromedriver over WebDriver.
+#[derive(Debug)]
+pub struct Browser {
+    pub client: fantoccini::Client,
+    _driver: Process,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    pub async fn start() -> anyhow::Result<Self> {
+        let chromedriver =
+            std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "/usr/bin/chromedriver".into());
+        let chromium =
+            std::env::var("ROOKERY_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+        let port = free_port()?;
+        let driver = Process(
+            Command::new(&chromedriver)
+                .arg(format!("--port={port}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| {
+                    format!("starting {chromedriver} (cargo xtask setup installs it)")
+                })?,
+        );
+        let profile = tempfile::tempdir()?;
+        let mut args: Vec<String> = CHROMIUM_FLAGS.iter().map(|f| f.to_string()).collect();
+        args.push(format!("--user-data-dir={}", profile.path().display()));
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".into(),
+            serde_json::json!({ "binary": chromium, "args": args }),
+        );
+        let started = Instant::now();
+        let client = loop {
+            let attempt = fantoccini::ClientBuilder::rustls()?
+                .capabilities(capabilities.clone())
+                .connect(&format!("http://127.0.0.1:{port}"))
+                .await;
+            match attempt {
+                Ok(client) => break client,
+                Err(error) if started.elapsed() < Duration::from_secs(20) => {
+                    let _ = error;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(error) => return Err(error).context("starting a Chromium session"),
+            }
+        };
+        Ok(Self {
+            client,
+            _driver: driver,
+            _profile: profile,
+        })
+    }
+
+    /// Saves a PNG of the current page under `target/screenshots/`.
+    pub async fn screenshot(&self, name: &str) -> anyhow::Result<PathBuf> {
+        let png = self.client.screenshot().await?;
+        let path = screenshot_dir().join(format!("{name}.png"));
+        std::fs::write(&path, png)?;
+        Ok(path)
+    }
+
+    /// Waits until the element matching `css` has `attribute` equal to one
+    /// of `wanted`, failing early if it takes one of `fatal`.
+    pub async fn wait_for_attr(
+        &self,
+        css: &str,
+        attribute: &str,
+        wanted: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let mut last = None;
+        while started.elapsed() < timeout {
+            if let Ok(element) = self.client.find(fantoccini::Locator::Css(css)).await {
+                let value = element.attr(attribute).await?;
+                if value.as_deref() == Some(wanted) {
+                    return Ok(());
+                }
+                let text = element.text().await.unwrap_or_default();
+                last = Some(format!("{attribute}={value:?}, text {text:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        bail!("{css} never had {attribute}={wanted:?} within {timeout:?}; last seen: {last:?}")
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}

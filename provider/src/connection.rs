@@ -1,0 +1,355 @@
+//! The provider's side of the WebSocket protocol: one session (generic over
+//! `Sink`/`Stream` so tests drive it with channels) and a supervisor that
+//! reconnects with backoff until shutdown.
+
+use std::fmt::Display;
+use std::time::{Duration, Instant};
+
+use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use rookery_proto::{DEFAULT_MAX_FRAME_BYTES, ErrorCode, Hello, ToProvider, ToServer};
+use tokio::sync::watch;
+use tokio_tungstenite::tungstenite::Message;
+
+/// How long to wait for `Welcome` after sending `Hello`.
+const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a session ended.
+#[derive(Debug, PartialEq)]
+pub enum SessionEnd {
+    /// Shutdown was requested; the connection was closed politely.
+    Shutdown,
+    /// The connection dropped; reconnecting may help.
+    Lost(String),
+    /// The server refused us for a reason reconnecting will not fix.
+    Fatal(String),
+}
+
+/// Runs one connection: `Hello`, wait for `Welcome`, then heartbeat until the
+/// connection ends or `shutdown` turns true.
+pub async fn run_session<Si, St, E>(
+    sink: &mut Si,
+    stream: &mut St,
+    hello: &Hello,
+    shutdown: &mut watch::Receiver<bool>,
+) -> SessionEnd
+where
+    Si: Sink<Message> + Unpin,
+    Si::Error: Display,
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    if let Err(end) = send(sink, &ToServer::Hello(hello.clone())).await {
+        return end;
+    }
+    let (id, interval, timeout) =
+        match tokio::time::timeout(WELCOME_TIMEOUT, next_message(stream)).await {
+            Err(_) => return SessionEnd::Lost("the server did not answer Hello".into()),
+            Ok(Err(end)) => return end,
+            Ok(Ok(ToProvider::Welcome {
+                provider_id,
+                heartbeat_interval_ms,
+                heartbeat_timeout_ms,
+            })) => (
+                provider_id,
+                Duration::from_millis(u64::from(heartbeat_interval_ms.max(10))),
+                Duration::from_millis(u64::from(heartbeat_timeout_ms.max(100))),
+            ),
+            Ok(Ok(other)) => return refused(other),
+        };
+    tracing::info!(provider_id = id, "joined the server");
+
+    let mut ticker = tokio::time::interval(interval);
+    let mut seq = 0u64;
+    let mut last_heard = Instant::now();
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {
+                // The server answers every heartbeat, so silence means it is gone
+                // even when TCP has not noticed yet.
+                if last_heard.elapsed() > timeout {
+                    return SessionEnd::Lost(format!("no answer from the server for {} ms", timeout.as_millis()));
+                }
+                if let Err(end) = send(sink, &ToServer::Heartbeat { seq }).await {
+                    return end;
+                }
+                seq += 1;
+            }
+            message = next_message(stream) => match message {
+                Ok(ToProvider::Heartbeat { .. }) => last_heard = Instant::now(),
+                Ok(other) => return refused(other),
+                Err(end) => return end,
+            },
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    let _ = sink.send(Message::Close(None)).await;
+                    let _ = sink.close().await;
+                    return SessionEnd::Shutdown;
+                }
+            }
+        }
+    }
+}
+
+fn refused(message: ToProvider) -> SessionEnd {
+    match message {
+        ToProvider::Error(error) if error.code == ErrorCode::VersionMismatch => {
+            SessionEnd::Fatal(error.message)
+        }
+        ToProvider::Error(error) => SessionEnd::Lost(format!("the server said: {}", error.message)),
+        other => SessionEnd::Lost(format!("unexpected message from the server: {other:?}")),
+    }
+}
+
+async fn send<Si>(sink: &mut Si, message: &ToServer) -> Result<(), SessionEnd>
+where
+    Si: Sink<Message> + Unpin,
+    Si::Error: Display,
+{
+    let frame = rookery_proto::encode(message)
+        .map_err(|error| SessionEnd::Fatal(format!("cannot encode {message:?}: {error}")))?;
+    sink.send(Message::Binary(frame.into()))
+        .await
+        .map_err(|error| SessionEnd::Lost(format!("cannot send: {error}")))
+}
+
+async fn next_message<St, E>(stream: &mut St) -> Result<ToProvider, SessionEnd>
+where
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    loop {
+        match stream.next().await {
+            Some(Ok(Message::Binary(bytes))) => {
+                return rookery_proto::decode(&bytes, DEFAULT_MAX_FRAME_BYTES).map_err(|error| {
+                    SessionEnd::Lost(format!("unreadable frame from the server: {error}"))
+                });
+            }
+            Some(Ok(Message::Close(frame))) => {
+                let reason = frame
+                    .map(|f| format!("{} ({})", f.reason, u16::from(f.code)))
+                    .unwrap_or_else(|| "no reason given".into());
+                return Err(SessionEnd::Lost(format!(
+                    "the server closed the connection: {reason}"
+                )));
+            }
+            Some(Ok(_)) => continue,
+            Some(Err(error)) => return Err(SessionEnd::Lost(format!("connection error: {error}"))),
+            None => return Err(SessionEnd::Lost("the connection closed".into())),
+        }
+    }
+}
+
+/// Exponential backoff with a cap: 0.5 s, 1 s, 2 s, ... up to `max`.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+    initial: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    pub fn new(initial: Duration, max: Duration) -> Self {
+        Self {
+            next: initial,
+            initial,
+            max,
+        }
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        delay
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+/// Turns what a person types (`ws://host:port`, `http://host:port/`) into the
+/// provider endpoint URL.
+pub fn provider_url(server: &str) -> String {
+    let server = server.trim();
+    let (scheme, rest) = match server.split_once("://") {
+        Some(("http", rest)) => ("ws", rest),
+        Some(("https", rest)) => ("wss", rest),
+        Some((scheme, rest)) => (scheme, rest),
+        None => ("ws", server),
+    };
+    match rest.split_once('/') {
+        Some((host, path)) if !path.is_empty() => format!("{scheme}://{host}/{path}"),
+        Some((host, _)) => format!("{scheme}://{host}{}", rookery_proto::PROVIDER_WS_PATH),
+        None => format!("{scheme}://{rest}{}", rookery_proto::PROVIDER_WS_PATH),
+    }
+}
+
+/// Connects, runs sessions and reconnects with backoff until shutdown.
+/// Returns an error only for refusals that retrying cannot fix.
+pub async fn run(
+    url: &str,
+    hello: &Hello,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    loop {
+        if *shutdown.borrow() {
+            return Ok(());
+        }
+        let connected = tokio::select! {
+            connected = tokio_tungstenite::connect_async(url) => connected,
+            _ = shutdown.changed() => return Ok(()),
+        };
+        match connected {
+            Ok((socket, _)) => {
+                let started = Instant::now();
+                let (mut sink, mut stream) = socket.split();
+                match run_session(&mut sink, &mut stream, hello, &mut shutdown).await {
+                    SessionEnd::Shutdown => return Ok(()),
+                    SessionEnd::Fatal(reason) => return Err(reason),
+                    SessionEnd::Lost(reason) => {
+                        // A long healthy session earns a quick reconnect.
+                        if started.elapsed() > Duration::from_secs(30) {
+                            backoff.reset();
+                        }
+                        tracing::warn!(%reason, "lost the server");
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(%error, url, "cannot reach the server"),
+        }
+        let delay = backoff.next_delay();
+        tracing::info!(delay_ms = delay.as_millis() as u64, "reconnecting");
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            _ = shutdown.changed() => return Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_channel::mpsc;
+    use rookery_proto::{ErrorMessage, PROTOCOL_VERSION, ProviderKind};
+
+    fn hello() -> Hello {
+        Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ProviderKind::Native,
+            device: "test".into(),
+            memory_bytes: 1,
+            gflops: 1.0,
+            display_name: "unit".into(),
+        }
+    }
+
+    fn frame(message: &ToProvider) -> Result<Message, std::convert::Infallible> {
+        Ok(Message::Binary(
+            rookery_proto::encode(message).unwrap().into(),
+        ))
+    }
+
+    fn sent(message: Message) -> ToServer {
+        match message {
+            Message::Binary(bytes) => rookery_proto::decode(&bytes, 1 << 20).unwrap(),
+            other => panic!("expected binary, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn urls_a_person_types_become_the_provider_endpoint() {
+        for (typed, expected) in [
+            ("ws://127.0.0.1:8080", "ws://127.0.0.1:8080/ws/provider"),
+            ("ws://127.0.0.1:8080/", "ws://127.0.0.1:8080/ws/provider"),
+            ("http://host:1", "ws://host:1/ws/provider"),
+            ("https://host", "wss://host/ws/provider"),
+            ("localhost:9", "ws://localhost:9/ws/provider"),
+            ("ws://host/custom/path", "ws://host/custom/path"),
+        ] {
+            assert_eq!(provider_url(typed), expected, "{typed}");
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_resets() {
+        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(3));
+        let delays: Vec<u128> = (0..5).map(|_| backoff.next_delay().as_millis()).collect();
+        assert_eq!(delays, vec![500, 1000, 2000, 3000, 3000]);
+        backoff.reset();
+        assert_eq!(backoff.next_delay(), Duration::from_millis(500));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn session_says_hello_then_heartbeats_at_the_servers_pace() {
+        let (mut out_tx, mut out_rx) = mpsc::unbounded();
+        let (in_tx, mut in_rx) = mpsc::unbounded();
+        in_tx
+            .unbounded_send(frame(&ToProvider::Welcome {
+                provider_id: 4,
+                heartbeat_interval_ms: 100,
+                heartbeat_timeout_ms: 10_000,
+            }))
+            .unwrap();
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let session = tokio::spawn(async move {
+            run_session(&mut out_tx, &mut in_rx, &hello(), &mut stop_rx).await
+        });
+        assert_eq!(sent(out_rx.next().await.unwrap()), ToServer::Hello(hello()));
+        for expected in 0..3 {
+            assert_eq!(
+                sent(out_rx.next().await.unwrap()),
+                ToServer::Heartbeat { seq: expected }
+            );
+            in_tx
+                .unbounded_send(frame(&ToProvider::Heartbeat { seq: expected }))
+                .unwrap();
+        }
+        stop_tx.send(true).unwrap();
+        assert_eq!(session.await.unwrap(), SessionEnd::Shutdown);
+        let rest: Vec<Message> = out_rx.collect().await;
+        assert!(rest.iter().any(|m| matches!(m, Message::Close(_))));
+    }
+
+    #[tokio::test]
+    async fn a_version_mismatch_is_fatal_other_errors_are_retried() {
+        for (code, fatal) in [
+            (ErrorCode::VersionMismatch, true),
+            (ErrorCode::Internal, false),
+        ] {
+            let (mut out_tx, _out_rx) = mpsc::unbounded();
+            let mut incoming =
+                futures_util::stream::iter(vec![frame(&ToProvider::Error(ErrorMessage {
+                    code,
+                    message: "nope".into(),
+                }))]);
+            let (_stop_tx, mut stop_rx) = watch::channel(false);
+            let end = run_session(&mut out_tx, &mut incoming, &hello(), &mut stop_rx).await;
+            assert_eq!(
+                matches!(end, SessionEnd::Fatal(_)),
+                fatal,
+                "{code:?}: {end:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_server_is_noticed() {
+        let (mut out_tx, _out_rx) = mpsc::unbounded();
+        let (in_tx, mut in_rx) = mpsc::unbounded();
+        in_tx
+            .unbounded_send(frame(&ToProvider::Welcome {
+                provider_id: 1,
+                heartbeat_interval_ms: 100,
+                heartbeat_timeout_ms: 500,
+            }))
+            .unwrap();
+        let (_stop_tx, mut stop_rx) = watch::channel(false);
+        let end = run_session(&mut out_tx, &mut in_rx, &hello(), &mut stop_rx).await;
+        assert!(
+            matches!(end, SessionEnd::Lost(ref r) if r.contains("no answer")),
+            "{end:?}"
+        );
+        drop(in_tx);
+    }
+}

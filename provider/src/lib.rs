@@ -1,0 +1,7 @@
+//! Rookery's native provider: measures this machine, joins a server over the
+//! provider WebSocket, and (in later protocol versions) runs model stages with
+//! libtorch. Every provider runs this same program; its role comes from the
+//! server's assignment.
+
+pub mod backend;
+pub mod connection;

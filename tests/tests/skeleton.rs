@@ -1,0 +1,120 @@
+//! The walking skeleton end to end: a real server, a real libtorch provider
+//! and a real browser tab donating through WebGPU, all on loopback.
+
+use std::time::Duration;
+
+use fantoccini::Locator;
+use rookery_e2e::{Browser, Server, start_native_provider};
+use rookery_proto::ProviderKind;
+use rookery_proto::api::{ProviderInfo, ProviderStatus};
+
+fn connected(providers: &[ProviderInfo], kind: ProviderKind) -> Vec<&ProviderInfo> {
+    providers
+        .iter()
+        .filter(|p| p.kind == kind && p.status == ProviderStatus::Connected)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone()
+-> anyhow::Result<()> {
+    let server = Server::start(2000)?;
+    let mut native = start_native_provider(&server, "e2e-native")?;
+
+    let browser = Browser::start().await?;
+    browser.client.goto(&server.http_url("/donate")).await?;
+    browser
+        .client
+        .wait()
+        .at_most(Duration::from_secs(30))
+        .for_element(Locator::Css("#donate-start"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .wait_for_attr(
+            "#donate-status",
+            "data-state",
+            "connected",
+            Duration::from_secs(90),
+        )
+        .await?;
+    browser.screenshot("donate").await?;
+
+    let providers = server
+        .wait_for_providers(
+            "one native and one browser provider",
+            Duration::from_secs(60),
+            |all| {
+                all.len() == 2
+                    && connected(all, ProviderKind::Native).len() == 1
+                    && connected(all, ProviderKind::Browser).len() == 1
+            },
+        )
+        .await?;
+    let native_info = connected(&providers, ProviderKind::Native)[0].clone();
+    let browser_info = connected(&providers, ProviderKind::Browser)[0].clone();
+    assert!(
+        native_info.device.starts_with("libtorch"),
+        "native device: {}",
+        native_info.device
+    );
+    assert_eq!(native_info.name, "e2e-native");
+    assert!(
+        native_info.gflops > 0.0 && native_info.memory_bytes > 0,
+        "{native_info:?}"
+    );
+    assert!(!browser_info.device.is_empty(), "{browser_info:?}");
+    assert!(
+        !browser_info.device.contains("libtorch"),
+        "{browser_info:?}"
+    );
+    assert!(
+        browser_info.gflops > 0.0 && browser_info.memory_bytes > 0,
+        "{browser_info:?}"
+    );
+
+    // The Providers page, opened in a second tab so the donating tab keeps running.
+    let tab = browser.client.new_window(true).await?;
+    browser.client.switch_to_window(tab.handle).await?;
+    browser.client.goto(&server.http_url("/providers")).await?;
+    let started = std::time::Instant::now();
+    loop {
+        let rows = browser
+            .client
+            .find_all(Locator::Css(
+                "#providers tr.provider[data-status=connected]",
+            ))
+            .await?;
+        if rows.len() == 2 {
+            break;
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(30),
+            "the Providers page shows {} connected rows",
+            rows.len()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let shot = browser.screenshot("providers").await?;
+    println!("Providers page screenshot: {}", shot.display());
+
+    native.kill();
+    let providers = server
+        .wait_for_providers(
+            "the killed native provider marked gone",
+            Duration::from_secs(10),
+            |all| {
+                all.iter()
+                    .any(|p| p.id == native_info.id && p.status == ProviderStatus::Gone)
+            },
+        )
+        .await?;
+    assert_eq!(
+        connected(&providers, ProviderKind::Browser).len(),
+        1,
+        "the browser stays"
+    );
+    browser.client.clone().close().await?;
+    Ok(())
+}
