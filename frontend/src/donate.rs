@@ -92,7 +92,13 @@ pub fn DonatePage() -> impl IntoView {
                 aria-live="polite"
                 data-state=move || status.with(|s| format::donate_state(s.as_ref()))
             >
-                {move || status.with(|s| format::donate_text(s.as_ref()))}
+                {move || {
+                    let (headline, detail) = status.with(|s| format::donate_text(s.as_ref()));
+                    view! {
+                        <span class="headline">{headline}</span>
+                        {detail.map(|detail| view! { <span class="detail">{detail}</span> })}
+                    }
+                }}
             </div>
         </section>
     }

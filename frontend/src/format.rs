@@ -47,21 +47,19 @@ pub fn connected_count(count: usize) -> String {
     }
 }
 
-/// The status cell: "connected", or "gone" with the server's reason and when.
-pub fn status_text(info: &ProviderInfo, now_ms: f64) -> String {
-    match info.status {
-        ProviderStatus::Connected => "connected".into(),
-        ProviderStatus::Gone => {
-            let mut text = String::from("gone");
-            if let Some(reason) = info.gone_reason.as_deref().filter(|r| !r.is_empty()) {
-                text.push_str(": ");
-                text.push_str(reason);
-            }
-            if let Some(since) = info.gone_since_ms {
-                text.push_str(&format!(" ({})", relative(now_ms, since)));
-            }
-            text
-        }
+/// The detail under "gone" in the status cell: the server's reason and when,
+/// e.g. "heartbeat timeout, 2 min ago". `None` for connected providers.
+pub fn gone_detail(info: &ProviderInfo, now_ms: f64) -> Option<String> {
+    if info.status != ProviderStatus::Gone {
+        return None;
+    }
+    let reason = info.gone_reason.as_deref().filter(|r| !r.trim().is_empty());
+    let when = info.gone_since_ms.map(|since| relative(now_ms, since));
+    match (reason, when) {
+        (Some(reason), Some(when)) => Some(format!("{reason}, {when}")),
+        (Some(reason), None) => Some(reason.to_string()),
+        (None, Some(when)) => Some(when),
+        (None, None) => None,
     }
 }
 
@@ -86,10 +84,7 @@ pub fn sort_for_display(providers: &mut [ProviderInfo]) {
                 .connected_since_ms
                 .cmp(&b.connected_since_ms)
                 .then(a.id.cmp(&b.id)),
-            ProviderStatus::Gone => b
-                .gone_since_ms
-                .cmp(&a.gone_since_ms)
-                .then(a.id.cmp(&b.id)),
+            ProviderStatus::Gone => b.gone_since_ms.cmp(&a.gone_since_ms).then(a.id.cmp(&b.id)),
         })
     });
 }
@@ -108,33 +103,39 @@ pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
     }
 }
 
-/// What the Donate page says about the donation, in plain words.
-pub fn donate_text(status: Option<&DonateStatus>) -> String {
+/// What the Donate page says about the donation, in plain words: a headline
+/// and, where there is one, a detail line (the adapter, or the reason).
+pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
+    let adapter_line = |adapter: &str, g: f64| format!("{adapter}, {} GFLOP/s", gflops(g));
     match status {
-        None => "Not donating. Press the button to start.".into(),
-        Some(DonateStatus::Probing) => "Looking for a WebGPU adapter in this browser…".into(),
-        Some(DonateStatus::NoWebGpu { reason }) => {
-            format!("This browser cannot donate its GPU: {reason}")
+        None => ("Not donating. Press the button to start.".into(), None),
+        Some(DonateStatus::Probing) => {
+            ("Looking for a WebGPU adapter in this browser…".into(), None)
         }
+        Some(DonateStatus::NoWebGpu { reason }) => (
+            "This browser cannot donate its GPU.".into(),
+            Some(reason.clone()),
+        ),
         Some(DonateStatus::Benchmarking { adapter }) => {
-            format!("Measuring the speed of {adapter}…")
+            (format!("Measuring the speed of {adapter}…"), None)
         }
-        Some(DonateStatus::Connecting { adapter, gflops: g }) => format!(
-            "Connecting to the server with {adapter} ({} GFLOP/s)…",
-            gflops(*g)
+        Some(DonateStatus::Connecting { adapter, gflops: g }) => (
+            "Connecting to the server…".into(),
+            Some(adapter_line(adapter, *g)),
         ),
         Some(DonateStatus::Connected {
             provider_id,
             adapter,
             gflops: g,
-        }) => format!(
-            "Donating as provider #{provider_id}: {adapter}, {} GFLOP/s. Keep this tab open.",
-            gflops(*g)
+        }) => (
+            format!("Donating as provider #{provider_id}. Keep this tab open."),
+            Some(adapter_line(adapter, *g)),
         ),
-        Some(DonateStatus::Reconnecting { reason }) => {
-            format!("Lost the connection ({reason}); trying again shortly…")
-        }
-        Some(DonateStatus::Failed { reason }) => format!("Donation stopped: {reason}"),
+        Some(DonateStatus::Reconnecting { reason }) => (
+            "Lost the connection; trying again shortly…".into(),
+            Some(reason.clone()),
+        ),
+        Some(DonateStatus::Failed { reason }) => ("Donation stopped.".into(), Some(reason.clone())),
     }
 }
 
@@ -201,9 +202,12 @@ mod tests {
     #[test]
     fn gone_status_names_the_reason() {
         let p = provider(1, ProviderStatus::Gone, 0, Some(0));
-        assert_eq!(status_text(&p, 3_000.0), "gone: heartbeat timeout (3 s ago)");
+        assert_eq!(
+            gone_detail(&p, 3_000.0).as_deref(),
+            Some("heartbeat timeout, 3 s ago")
+        );
         let p = provider(2, ProviderStatus::Connected, 0, None);
-        assert_eq!(status_text(&p, 3_000.0), "connected");
+        assert_eq!(gone_detail(&p, 3_000.0), None);
     }
 
     #[test]
@@ -214,14 +218,15 @@ mod tests {
             reason: reason.clone(),
         };
         assert_eq!(donate_state(Some(&s)), "no-webgpu");
-        assert!(donate_text(Some(&s)).contains(&reason));
+        assert_eq!(donate_text(Some(&s)).1, Some(reason));
         let s = DonateStatus::Connected {
             provider_id: 7,
             adapter: "SwiftShader".into(),
             gflops: 12.34,
         };
         assert_eq!(donate_state(Some(&s)), "connected");
-        let text = donate_text(Some(&s));
-        assert!(text.contains("#7") && text.contains("SwiftShader") && text.contains("12.3"));
+        let (headline, detail) = donate_text(Some(&s));
+        assert!(headline.contains("#7"));
+        assert_eq!(detail.as_deref(), Some("SwiftShader, 12.3 GFLOP/s"));
     }
 }

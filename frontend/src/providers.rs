@@ -61,9 +61,10 @@ pub fn ProvidersPage() -> impl IntoView {
         }
     });
 
+    // `None` until the first answer: "0 connected" would be a guess.
     let connected = move || {
         providers.with(|list| {
-            list.as_ref().map_or(0, |list| {
+            list.as_ref().map(|list| {
                 list.iter()
                     .filter(|p| p.status == ProviderStatus::Connected)
                     .count()
@@ -75,7 +76,7 @@ pub fn ProvidersPage() -> impl IntoView {
         error.get().map(|message| {
             let stale = last_ok_ms.get().map(|ok| {
                 format!(
-                    " The table below is from {}.",
+                    "The table below is the last answer, from {}.",
                     format::relative(now_ms.get(), ok as u64)
                 )
             });
@@ -83,7 +84,7 @@ pub fn ProvidersPage() -> impl IntoView {
                 <div id="api-error" class="banner banner-error" role="alert">
                     <strong>"Cannot reach the server: "</strong>
                     {message}
-                    {stale}
+                    {stale.map(|stale| view! { <span class="stale">{stale}</span> })}
                 </div>
             }
         })
@@ -101,18 +102,22 @@ pub fn ProvidersPage() -> impl IntoView {
 
     let below_table = move || {
         providers.with(|list| match list {
-            None if error.with(Option::is_none) => Some(view! {
-                <p class="note">"Loading providers…"</p>
-            }
-            .into_any()),
-            Some(list) if list.is_empty() => Some(view! {
-                <p id="providers-empty" class="empty">
-                    "No providers have joined yet. Start a native provider with "
-                    <code>"rookery-provider"</code> ", or "
-                    <a href="/donate">"donate this browser's GPU"</a> "."
-                </p>
-            }
-            .into_any()),
+            None if error.with(Option::is_none) => Some(
+                view! {
+                    <p class="note">"Loading providers…"</p>
+                }
+                .into_any(),
+            ),
+            Some(list) if list.is_empty() => Some(
+                view! {
+                    <p id="providers-empty" class="empty">
+                        "No providers have joined yet. Start a native provider with "
+                        <code>"rookery-provider"</code> ", or "
+                        <a href="/donate">"donate this browser's GPU"</a> "."
+                    </p>
+                }
+                .into_any(),
+            ),
             _ => None,
         })
     };
@@ -121,9 +126,16 @@ pub fn ProvidersPage() -> impl IntoView {
         <section class="page">
             <div class="page-head">
                 <h1>"Providers"</h1>
-                <p id="provider-count" class="count" data-count=move || connected().to_string()>
-                    {move || format::connected_count(connected())}
-                </p>
+                {move || {
+                    connected()
+                        .map(|n| {
+                            view! {
+                                <p id="provider-count" class="count" data-count=n.to_string()>
+                                    {format::connected_count(n)}
+                                </p>
+                            }
+                        })
+                }}
             </div>
             {banner}
             <div class="table-scroll">
@@ -150,7 +162,7 @@ pub fn ProvidersPage() -> impl IntoView {
 
 /// One table row; `now_ms` is the browser clock for the relative times.
 fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
-    let status_text = format::status_text(&p, now_ms);
+    let gone_detail = format::gone_detail(&p, now_ms);
     let status = format::status_attr(p.status);
     let kind = p.kind.as_str();
     view! {
@@ -169,7 +181,8 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
             <td class="num">{format::gflops(p.gflops)}</td>
             <td class="status">
                 <span class=format!("dot dot-{status}") aria-hidden="true"></span>
-                {status_text}
+                {status}
+                {gone_detail.map(|detail| view! { <span class="detail">{detail}</span> })}
             </td>
             <td>{format::relative(now_ms, p.connected_since_ms)}</td>
             <td>{format::relative(now_ms, p.last_heartbeat_ms)}</td>
@@ -184,10 +197,7 @@ async fn fetch_providers() -> Result<Vec<ProviderInfo>, String> {
     let timeout = pin!(TimeoutFuture::new(FETCH_TIMEOUT_MS));
     match select(request, timeout).await {
         Either::Left((result, _)) => result,
-        Either::Right(_) => Err(format!(
-            "no answer within {} s",
-            FETCH_TIMEOUT_MS / 1_000
-        )),
+        Either::Right(_) => Err(format!("no answer within {} s", FETCH_TIMEOUT_MS / 1_000)),
     }
 }
 
@@ -195,7 +205,12 @@ async fn request_providers() -> Result<Vec<ProviderInfo>, String> {
     let response = Request::get("/api/providers")
         .send()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| match e {
+            // The browser hides the cause of a failed fetch (refused, DNS,
+            // CORS); its message is only "Failed to fetch".
+            gloo_net::Error::JsError(_) => format!("no connection ({e})"),
+            other => other.to_string(),
+        })?;
     if !response.ok() {
         // The API answers errors with an `ApiError` body; a proxy or an old
         // server may not, so fall back to the status line.
@@ -203,7 +218,7 @@ async fn request_providers() -> Result<Vec<ProviderInfo>, String> {
             Ok(body) => body.error,
             Err(_) => response.status_text(),
         };
-        return Err(format!("HTTP {} {detail}", response.status()));
+        return Err(format!("HTTP {}: {detail}", response.status()));
     }
     response
         .json::<Vec<ProviderInfo>>()

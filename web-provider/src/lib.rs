@@ -2,6 +2,13 @@
 //! with the matmul kernel from `rookery-shared`, and joins the server over the
 //! same WebSocket protocol as native providers. Compiled to wasm32 and used by
 //! the dashboard's Donate page.
+//!
+//! The public API also compiles natively, so the workspace builds and lints on
+//! the host; there, [`donate`] only reports that it needs a browser.
+
+#[cfg(target_arch = "wasm32")]
+mod browser;
+mod session;
 
 /// What the donation is doing now; the Donate page shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,14 +36,37 @@ pub enum DonateStatus {
 /// The provider WebSocket URL of the server that served this page
 /// (`ws(s)://<host>/ws/provider`), or `None` outside a browser.
 pub fn default_server_url() -> Option<String> {
-    None
+    #[cfg(target_arch = "wasm32")]
+    {
+        browser::default_server_url()
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        None
+    }
 }
 
 /// Donates this tab's GPU to the server at `server_ws_url` until the page
 /// closes, reporting every change of state through `on_status`.
+///
+/// In order: `Probing`; `NoWebGpu` (and return) without a usable adapter;
+/// `Benchmarking` while the kernel is checked against the CPU reference
+/// (`Failed` and return if it is wrong) and timed; then `Connecting`,
+/// `Connected` once the server welcomes the tab, and `Reconnecting` after
+/// every drop, forever, with pauses from 1 s doubling to 15 s. It returns
+/// only after `NoWebGpu` or `Failed` (for example when the server speaks
+/// another protocol version); dropping the future stops the donation.
 pub async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatus) + 'static) {
-    let _ = server_ws_url;
-    on_status(DonateStatus::Failed {
-        reason: "the browser provider is not built yet".into(),
-    });
+    #[cfg(target_arch = "wasm32")]
+    {
+        browser::donate(server_ws_url, on_status).await;
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let _ = server_ws_url;
+        on_status(DonateStatus::Failed {
+            reason: "donating a GPU needs this code compiled to WebAssembly and run in a browser"
+                .into(),
+        });
+    }
 }

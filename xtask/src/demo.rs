@@ -118,7 +118,8 @@ fn wait_until_up(addr: &str, server: &mut Child) -> Result<()> {
 fn http_status(addr: &str, path: &str) -> io::Result<u16> {
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    // One write, so the request leaves in one segment rather than piece by piece.
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())?;
     let mut status_line = String::new();
     BufReader::new(stream).read_line(&mut status_line)?;
     // "HTTP/1.1 200 OK"
@@ -127,4 +128,33 @@ fn http_status(addr: &str, path: &str) -> io::Result<u16> {
         .nth(1)
         .and_then(|code| code.parse().ok())
         .ok_or_else(|| io::Error::other(format!("not an HTTP answer: {status_line:?}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::http_status;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    #[test]
+    fn reads_the_status_code() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0; 512];
+            let n = stream.read(&mut request).unwrap();
+            stream
+                .write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+                .unwrap();
+            String::from_utf8_lossy(&request[..n]).into_owned()
+        });
+        assert_eq!(http_status(&addr, "/api/providers").unwrap(), 204);
+        assert!(
+            server
+                .join()
+                .unwrap()
+                .starts_with("GET /api/providers HTTP/1.0\r\n")
+        );
+    }
 }

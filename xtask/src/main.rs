@@ -35,11 +35,24 @@ mod util;
 mod web;
 
 use anyhow::{Result, bail};
+use std::process::ExitCode;
 
 const USAGE: &str = "usage: cargo xtask <setup | web [--release] | test [--skip-lint] | \
                      demo [--addr HOST:PORT] [--providers N]>";
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // The chain on one line; anyhow's Debug form would add a backtrace
+            // whenever RUST_BACKTRACE is set, burying the message in CI logs.
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((command, rest)) = args.split_first() else {
         bail!("{USAGE}");

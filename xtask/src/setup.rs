@@ -154,7 +154,12 @@ pub fn main(args: &[String]) -> Result<()> {
     let env = step("setup", ensure)?;
     println!("\nEnvironment the other subcommands give cargo:");
     for (key, value) in &env.vars {
-        println!("export {key}={}", value.to_string_lossy());
+        // PATH only gains a prefix; `$PATH` keeps the line short and reusable.
+        let value = match *key {
+            "PATH" => format!("{}:$PATH", env.wasm_bindgen_bin.display()),
+            _ => value.to_string_lossy().into_owned(),
+        };
+        println!("export {key}={value}");
     }
     Ok(())
 }

@@ -76,12 +76,19 @@ impl Summary {
     }
 }
 
-/// How a command is shown in logs and errors.
+/// How a command is shown in logs and errors; an inline script shows as `<script>`.
 pub fn show(cmd: &Command) -> String {
-    let mut line = cmd.get_program().to_string_lossy().into_owned();
+    // The cargo from CARGO is a long toolchain path; "cargo" says the same.
+    let program = cmd.get_program();
+    let mut line = if program == cargo_bin() {
+        "cargo".into()
+    } else {
+        program.to_string_lossy().into_owned()
+    };
     for arg in cmd.get_args() {
+        let arg = arg.to_string_lossy();
         line.push(' ');
-        line.push_str(&arg.to_string_lossy());
+        line.push_str(if arg.contains('\n') { "<script>" } else { &arg });
     }
     line
 }

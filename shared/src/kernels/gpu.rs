@@ -103,7 +103,14 @@ impl GpuContext {
             .map_err(|e| GpuError::NoAdapter {
                 reason: e.to_string(),
             })?;
-        let adapter_info = adapter.get_info();
+        #[cfg_attr(not(target_arch = "wasm32"), allow(unused_mut))]
+        let mut adapter_info = adapter.get_info();
+        #[cfg(target_arch = "wasm32")]
+        if adapter_info.name.trim().is_empty()
+            && let Some(name) = browser_adapter_name().await
+        {
+            adapter_info.name = name;
+        }
         let adapter_limits = adapter.limits();
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
@@ -169,10 +176,11 @@ impl GpuContext {
         })
     }
 
-    /// The adapter in words for people: name, backend and driver, e.g.
-    /// `llvmpipe (LLVM 15.0.7, 256 bits) (Vulkan, llvmpipe: Mesa 23.2.1)`.
-    /// Browsers reveal little about their adapter, so there it may be just
-    /// `WebGPU`.
+    /// The adapter in words for people: name, backend, whether it is a
+    /// software renderer, and driver, e.g. `llvmpipe (LLVM 15.0.6, 256 bits)
+    /// (vulkan, software, llvmpipe: Mesa 22.3.6 (LLVM 15.0.6))` natively or
+    /// `google swiftshader (webgpu, software)` in a browser, where only the
+    /// vendor and architecture are revealed.
     pub fn adapter_description(&self) -> String {
         let info = &self.adapter_info;
         let name = if info.name.trim().is_empty() {
@@ -180,16 +188,24 @@ impl GpuContext {
         } else {
             info.name.trim()
         };
+        let backend = info.backend.to_string();
+        // A software rasteriser donates CPU time, not a GPU: say so.
+        let software = if info.device_type == wgpu::DeviceType::Cpu {
+            "software"
+        } else {
+            ""
+        };
         let driver = [info.driver.trim(), info.driver_info.trim()]
             .into_iter()
             .filter(|part| !part.is_empty())
             .collect::<Vec<_>>()
             .join(": ");
-        if driver.is_empty() {
-            format!("{name} ({})", info.backend)
-        } else {
-            format!("{name} ({}, {driver})", info.backend)
-        }
+        let details = [backend.as_str(), software, driver.as_str()]
+            .into_iter()
+            .filter(|part| !part.is_empty())
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("{name} ({details})")
     }
 
     /// Everything wgpu knows about the adapter.
@@ -480,6 +496,61 @@ impl ErrorScopes {
             }
         }
     }
+}
+
+/// The adapter's name as the browser states it, which wgpu 30 leaves empty
+/// unless the browser fills `GPUAdapterInfo.description` (Chromium does not):
+/// the description, else vendor, architecture and device. Asks for a second
+/// adapter of the same preference, since wgpu does not expose its own.
+#[cfg(target_arch = "wasm32")]
+async fn browser_adapter_name() -> Option<String> {
+    use js_sys::Reflect;
+    use js_sys::wasm_bindgen::{JsCast, JsValue};
+
+    let navigator = Reflect::get(&js_sys::global(), &"navigator".into()).ok()?;
+    let gpu = Reflect::get(&navigator, &"gpu".into())
+        .ok()
+        .filter(JsValue::is_object)?;
+    let request_adapter = Reflect::get(&gpu, &"requestAdapter".into())
+        .ok()?
+        .dyn_into::<js_sys::Function>()
+        .ok()?;
+    let options = js_sys::Object::new();
+    Reflect::set(
+        &options,
+        &"powerPreference".into(),
+        &"high-performance".into(),
+    )
+    .ok()?;
+    let promise = request_adapter
+        .call1(&gpu, &options)
+        .ok()?
+        .dyn_into::<js_sys::Promise>()
+        .ok()?;
+    let adapter = wasm_bindgen_futures::JsFuture::from(promise)
+        .await
+        .ok()
+        .filter(JsValue::is_object)?;
+    let info = Reflect::get(&adapter, &"info".into())
+        .ok()
+        .filter(JsValue::is_object)?;
+    let field = |name: &str| {
+        Reflect::get(&info, &name.into())
+            .ok()
+            .and_then(|value| value.as_string())
+            .map(|text| text.trim().to_owned())
+            .unwrap_or_default()
+    };
+    let description = field("description");
+    if !description.is_empty() {
+        return Some(description);
+    }
+    let parts: Vec<String> = ["vendor", "architecture", "device"]
+        .into_iter()
+        .map(field)
+        .filter(|part| !part.is_empty())
+        .collect();
+    (!parts.is_empty()).then(|| parts.join(" "))
 }
 
 /// Wall-clock time for the benchmark.

@@ -1,6 +1,6 @@
 //! Compute kernels: WGSL generated from Rust, each with a plain-Rust CPU
 //! reference that serves as the oracle in tests and as the fallback where no
-//! GPU is available. The wgpu runtime that executes them lives in [`gpu`]
+//! GPU is available. The wgpu runtime that executes them (`GpuContext`) lives
 //! behind the `gpu` feature, so CPU-only users do not compile wgpu.
 
 mod matmul;

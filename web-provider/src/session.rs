@@ -1,0 +1,276 @@
+//! The platform-free half of a browser donation: the provider URL, the Hello
+//! frame, how each server frame is answered, the reconnect backoff, and the
+//! GPU self-check and benchmark. Kept apart from the browser glue so the host
+//! can test it natively.
+// Natively only the tests call most of this; the browser glue is wasm-only.
+#![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+
+use rookery_proto::{
+    DEFAULT_MAX_FRAME_BYTES, EncodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION,
+    PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer,
+};
+use rookery_shared::kernels::{
+    GpuContext, GpuError, MATMUL_REL_TOLERANCE, check_matmul, sample_matrix,
+};
+
+/// Side of the benchmark matmul: big enough to keep a GPU busy, small enough
+/// that one dispatch takes milliseconds, not seconds, on a slow one.
+const BENCHMARK_N: u32 = 256;
+/// Time the timed benchmark run aims for, in seconds.
+const BENCHMARK_BUDGET_S: f64 = 0.2;
+/// Most dispatches in the timed run, whatever the GPU's speed.
+const BENCHMARK_MAX_ITERATIONS: u32 = 64;
+/// First and largest pause before reconnecting, in milliseconds.
+pub(crate) const BACKOFF_FIRST_MS: u32 = 1_000;
+pub(crate) const BACKOFF_MAX_MS: u32 = 15_000;
+/// Heartbeats are never sent faster than this, whatever the server asks, so
+/// a bad Welcome cannot make the tab spin.
+const MIN_HEARTBEAT_MS: u32 = 100;
+
+/// `ws(s)://host/ws/provider` for a page served as `protocol` (`http:` or
+/// `https:`, as `window.location.protocol` spells it) from `host`.
+pub(crate) fn provider_url(protocol: &str, host: &str) -> Option<String> {
+    if host.is_empty() {
+        // `file:` pages and the like have no server to talk to.
+        return None;
+    }
+    let scheme = match protocol {
+        "https:" => "wss",
+        "http:" => "ws",
+        _ => return None,
+    };
+    Some(format!("{scheme}://{host}{PROVIDER_WS_PATH}"))
+}
+
+/// The first frame of every connection.
+pub(crate) fn hello_frame(
+    adapter: &str,
+    memory_bytes: u64,
+    gflops: f64,
+) -> Result<Vec<u8>, EncodeError> {
+    rookery_proto::encode(&ToServer::Hello(Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ProviderKind::Browser,
+        device: adapter.to_owned(),
+        memory_bytes,
+        gflops,
+        display_name: "browser tab".to_owned(),
+    }))
+}
+
+pub(crate) fn heartbeat_frame(seq: u64) -> Result<Vec<u8>, EncodeError> {
+    rookery_proto::encode(&ToServer::Heartbeat { seq })
+}
+
+/// What the tab does about one frame from the server.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Reaction {
+    /// Nothing to do (the server's heartbeats need no answer).
+    Ignore,
+    /// The server accepted this tab; heartbeat every `heartbeat_interval_ms`.
+    Welcomed {
+        provider_id: u64,
+        heartbeat_interval_ms: u32,
+    },
+    /// Drop this connection and try again later; the text is for a person.
+    Reconnect(String),
+    /// Stop donating: reconnecting cannot help. The text is for a person.
+    GiveUp(String),
+}
+
+pub(crate) fn react(frame: &[u8]) -> Reaction {
+    match rookery_proto::decode::<ToProvider>(frame, DEFAULT_MAX_FRAME_BYTES) {
+        Ok(ToProvider::Welcome {
+            provider_id,
+            heartbeat_interval_ms,
+            ..
+        }) => Reaction::Welcomed {
+            provider_id,
+            heartbeat_interval_ms: heartbeat_interval_ms.max(MIN_HEARTBEAT_MS),
+        },
+        Ok(ToProvider::Heartbeat { .. }) => Reaction::Ignore,
+        Ok(ToProvider::Error(ErrorMessage {
+            code: ErrorCode::VersionMismatch,
+            message,
+        })) => Reaction::GiveUp(format!(
+            "This page and the server speak different protocol versions ({message}). \
+             Reload the page to get the server's current version."
+        )),
+        Ok(ToProvider::Error(ErrorMessage { message, .. })) => {
+            Reaction::Reconnect(format!("the server refused this tab: {message}"))
+        }
+        Err(error) => Reaction::Reconnect(format!(
+            "the server sent a message this tab cannot read ({error})"
+        )),
+    }
+}
+
+/// Pauses between reconnection attempts: 1 s, doubling up to 15 s, back to
+/// 1 s once a server has welcomed the tab again.
+#[derive(Debug)]
+pub(crate) struct Backoff {
+    next_ms: u32,
+}
+
+impl Backoff {
+    pub(crate) fn new() -> Self {
+        Self {
+            next_ms: BACKOFF_FIRST_MS,
+        }
+    }
+
+    /// The pause before the next attempt.
+    pub(crate) fn next_delay_ms(&mut self) -> u32 {
+        let delay = self.next_ms;
+        self.next_ms = (self.next_ms.saturating_mul(2)).min(BACKOFF_MAX_MS);
+        delay
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.next_ms = BACKOFF_FIRST_MS;
+    }
+}
+
+/// Runs the kernel on a small shape that is no multiple of any tile and
+/// compares it with the CPU reference: a GPU or driver that computes wrong
+/// answers must not donate them.
+pub(crate) async fn self_check(gpu: &GpuContext) -> Result<(), String> {
+    let (m, k, n) = (37, 29, 19);
+    let a = sample_matrix(m * k, 7);
+    let b = sample_matrix(k * n, 8);
+    let c = gpu
+        .matmul(&a, &b, m, k, n)
+        .await
+        .map_err(|e| e.to_string())?;
+    check_matmul(&a, &b, m, k, n, &c, MATMUL_REL_TOLERANCE).map_err(|e| e.to_string())
+}
+
+/// GFLOP/s of this GPU in at most a few hundred milliseconds: one dispatch
+/// to gauge its speed, then as many as fit in [`BENCHMARK_BUDGET_S`].
+pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
+    let first = match gpu.benchmark_matmul_gflops(BENCHMARK_N, 1).await {
+        Ok(gflops) => gflops,
+        // Too fast for the clock to see one dispatch: time the most we allow.
+        Err(GpuError::ClockTooCoarse { .. }) => {
+            return gpu
+                .benchmark_matmul_gflops(BENCHMARK_N, BENCHMARK_MAX_ITERATIONS)
+                .await;
+        }
+        Err(error) => return Err(error),
+    };
+    let flops = rookery_shared::kernels::matmul_flops(
+        BENCHMARK_N as usize,
+        BENCHMARK_N as usize,
+        BENCHMARK_N as usize,
+    );
+    let seconds_each = flops / (first * 1e9);
+    if seconds_each * 2.0 > BENCHMARK_BUDGET_S {
+        // A slow GPU: one dispatch already is a fair measurement.
+        return Ok(first);
+    }
+    // Truncation is fine: the ratio is positive and clamped below.
+    let iterations =
+        ((BENCHMARK_BUDGET_S / seconds_each) as u32).clamp(2, BENCHMARK_MAX_ITERATIONS);
+    gpu.benchmark_matmul_gflops(BENCHMARK_N, iterations).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn provider_url_follows_the_page_scheme() {
+        assert_eq!(
+            provider_url("http:", "localhost:8080").as_deref(),
+            Some("ws://localhost:8080/ws/provider")
+        );
+        assert_eq!(
+            provider_url("https:", "rookery.example").as_deref(),
+            Some("wss://rookery.example/ws/provider")
+        );
+        assert_eq!(provider_url("file:", ""), None);
+        assert_eq!(provider_url("ftp:", "example.org"), None);
+    }
+
+    #[test]
+    fn hello_is_a_browser_hello_of_the_current_version() {
+        let frame = hello_frame("SwiftShader (webgpu)", 1 << 28, 12.5).unwrap();
+        assert_eq!(
+            rookery_proto::peek_hello_version(&frame),
+            Some(PROTOCOL_VERSION)
+        );
+        let ToServer::Hello(hello) =
+            rookery_proto::decode::<ToServer>(&frame, DEFAULT_MAX_FRAME_BYTES).unwrap()
+        else {
+            panic!("not a Hello");
+        };
+        assert_eq!(hello.kind, ProviderKind::Browser);
+        assert_eq!(hello.device, "SwiftShader (webgpu)");
+        assert_eq!(hello.memory_bytes, 1 << 28);
+        assert_eq!(hello.gflops, 12.5);
+        assert_eq!(
+            rookery_proto::decode::<ToServer>(&heartbeat_frame(9).unwrap(), 64).unwrap(),
+            ToServer::Heartbeat { seq: 9 }
+        );
+    }
+
+    fn frame(message: ToProvider) -> Vec<u8> {
+        rookery_proto::encode(&message).unwrap()
+    }
+
+    #[test]
+    fn reactions_to_server_frames() {
+        assert_eq!(
+            react(&frame(ToProvider::Welcome {
+                provider_id: 4,
+                heartbeat_interval_ms: 2_000,
+                heartbeat_timeout_ms: 10_000,
+            })),
+            Reaction::Welcomed {
+                provider_id: 4,
+                heartbeat_interval_ms: 2_000
+            }
+        );
+        // A zero interval would make the heartbeat loop spin.
+        assert_eq!(
+            react(&frame(ToProvider::Welcome {
+                provider_id: 4,
+                heartbeat_interval_ms: 0,
+                heartbeat_timeout_ms: 0,
+            })),
+            Reaction::Welcomed {
+                provider_id: 4,
+                heartbeat_interval_ms: MIN_HEARTBEAT_MS
+            }
+        );
+        assert_eq!(
+            react(&frame(ToProvider::Heartbeat { seq: 1 })),
+            Reaction::Ignore
+        );
+        assert!(matches!(
+            react(&frame(ToProvider::Error(ErrorMessage {
+                code: ErrorCode::VersionMismatch,
+                message: "server speaks 2".into(),
+            }))),
+            Reaction::GiveUp(text) if text.contains("server speaks 2")
+        ));
+        assert!(matches!(
+            react(&frame(ToProvider::Error(ErrorMessage {
+                code: ErrorCode::HeartbeatTimeout,
+                message: "too quiet".into(),
+            }))),
+            Reaction::Reconnect(text) if text.contains("too quiet")
+        ));
+        assert!(matches!(react(&[0xff, 0xff]), Reaction::Reconnect(_)));
+        assert!(matches!(react(&[]), Reaction::Reconnect(_)));
+    }
+
+    #[test]
+    fn backoff_doubles_to_fifteen_seconds_and_resets() {
+        let mut backoff = Backoff::new();
+        let delays: Vec<u32> = (0..7).map(|_| backoff.next_delay_ms()).collect();
+        assert_eq!(delays, [1_000, 2_000, 4_000, 8_000, 15_000, 15_000, 15_000]);
+        backoff.reset();
+        assert_eq!(backoff.next_delay_ms(), 1_000);
+    }
+}
