@@ -1,5 +1,7 @@
 //! The REST API through `tower::ServiceExt::oneshot`, no sockets involved.
 
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;

@@ -1,5 +1,7 @@
 //! Real WebSocket clients against a real server on a loopback port.
 
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};

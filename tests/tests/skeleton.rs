@@ -1,6 +1,8 @@
 //! The walking skeleton end to end: a real server, a real libtorch provider
 //! and a real browser tab donating through WebGPU, all on loopback.
 
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
 use std::time::Duration;
 
 use fantoccini::Locator;

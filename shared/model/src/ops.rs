@@ -1,0 +1,566 @@
+//! Op set v1: attributes, shape inference and cost estimates. Ops are plain data
+//! (an enum with numeric attributes), which is what makes a graph safe to accept
+//! from anyone: the executing backends (tch, WGSL, CPU reference) own the code.
+
+use serde::{Deserialize, Serialize};
+
+use crate::graph::{DType, TensorInfo};
+
+/// One operation. Inputs are positional tensor names on the [`crate::Node`];
+/// parameters are ordinary inputs (as ONNX initializers are).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op")]
+pub enum Op {
+    /// PyTorch `nn.Linear` / ONNX `Gemm(transB=1)`: inputs x [.., in], weight [out, in], bias? [out].
+    #[serde(alias = "Gemm")]
+    Linear,
+    /// Numpy-style matmul of rank >= 2 tensors, batch dimensions broadcast.
+    MatMul,
+    Add,
+    Mul,
+    Relu,
+    Gelu,
+    Sigmoid,
+    Tanh,
+    Softmax {
+        axis: i64,
+    },
+    LogSoftmax {
+        axis: i64,
+    },
+    /// Inputs x [N, C, H, W], weight [O, C/groups, kh, kw], bias? [O].
+    Conv2d {
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        groups: usize,
+    },
+    MaxPool2d {
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    },
+    AvgPool2d {
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    },
+    /// [N, C, H, W] -> [N, C, 1, 1].
+    GlobalAveragePool,
+    /// Inputs x [N, C, ..], weight [C], bias [C], running_mean [C], running_var [C],
+    /// optionally num_batches_tracked []. Train/eval is the job's mode, not the graph's.
+    BatchNorm {
+        eps: f32,
+        momentum: f32,
+    },
+    /// Normalises dimensions `axis..`; inputs x, weight?, bias? shaped like those dimensions.
+    LayerNorm {
+        axis: i64,
+        eps: f32,
+    },
+    /// ONNX `Flatten`: [d0..d(axis-1), d(axis)..] -> [prod(front), prod(back)].
+    Flatten {
+        axis: i64,
+    },
+    /// ONNX `Reshape`: 0 copies the input dimension, -1 is inferred.
+    Reshape {
+        shape: Vec<i64>,
+    },
+    Transpose {
+        perm: Vec<usize>,
+    },
+    Concat {
+        axis: i64,
+    },
+    Dropout {
+        p: f32,
+    },
+    /// ONNX `Gather` (PyTorch `nn.Embedding` is `Gather(weight, indices, axis=0)`):
+    /// inputs data, indices (i64).
+    #[serde(alias = "Embedding")]
+    Gather {
+        axis: i64,
+    },
+    Identity,
+}
+
+/// Why an op rejected its inputs; the graph adds the node name.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum OpError {
+    Shape(String),
+    Invalid(String),
+}
+
+type OpResult<T> = Result<T, OpError>;
+
+fn shape_err<T>(msg: impl Into<String>) -> OpResult<T> {
+    Err(OpError::Shape(msg.into()))
+}
+
+fn invalid<T>(msg: impl Into<String>) -> OpResult<T> {
+    Err(OpError::Invalid(msg.into()))
+}
+
+fn numel(shape: &[usize]) -> u64 {
+    shape.iter().map(|&d| d as u64).product()
+}
+
+/// Resolves a possibly negative axis against `rank` (`inclusive` allows `rank` itself).
+fn axis_of(axis: i64, rank: usize, inclusive: bool) -> OpResult<usize> {
+    let r = rank as i64 + i64::from(inclusive);
+    let a = if axis < 0 { axis + rank as i64 } else { axis };
+    if a < 0 || a >= r.max(1) {
+        return invalid(format!("axis {axis} out of range for rank {rank}"));
+    }
+    Ok(a as usize)
+}
+
+fn broadcast(a: &[usize], b: &[usize]) -> OpResult<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for i in 0..rank {
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return shape_err(format!("cannot broadcast {a:?} with {b:?}")),
+        };
+    }
+    Ok(out)
+}
+
+/// Output size of a convolution or pooling window along one dimension.
+fn window_out(
+    len: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    dil: usize,
+    what: &str,
+) -> OpResult<usize> {
+    if kernel == 0 || stride == 0 || dil == 0 {
+        return invalid(format!("{what}: kernel, stride and dilation must be >= 1"));
+    }
+    let span = dil * (kernel - 1) + 1;
+    if len + 2 * pad < span {
+        return shape_err(format!(
+            "{what}: window {span} larger than padded input {}",
+            len + 2 * pad
+        ));
+    }
+    Ok((len + 2 * pad - span) / stride + 1)
+}
+
+fn f32_input(x: &TensorInfo, which: &str) -> OpResult<()> {
+    if x.dtype != DType::F32 {
+        return invalid(format!("{which} must be f32, got {:?}", x.dtype));
+    }
+    Ok(())
+}
+
+impl Op {
+    /// The op's name as used in error messages and plans.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Linear => "Linear",
+            Op::MatMul => "MatMul",
+            Op::Add => "Add",
+            Op::Mul => "Mul",
+            Op::Relu => "Relu",
+            Op::Gelu => "Gelu",
+            Op::Sigmoid => "Sigmoid",
+            Op::Tanh => "Tanh",
+            Op::Softmax { .. } => "Softmax",
+            Op::LogSoftmax { .. } => "LogSoftmax",
+            Op::Conv2d { .. } => "Conv2d",
+            Op::MaxPool2d { .. } => "MaxPool2d",
+            Op::AvgPool2d { .. } => "AvgPool2d",
+            Op::GlobalAveragePool => "GlobalAveragePool",
+            Op::BatchNorm { .. } => "BatchNorm",
+            Op::LayerNorm { .. } => "LayerNorm",
+            Op::Flatten { .. } => "Flatten",
+            Op::Reshape { .. } => "Reshape",
+            Op::Transpose { .. } => "Transpose",
+            Op::Concat { .. } => "Concat",
+            Op::Dropout { .. } => "Dropout",
+            Op::Gather { .. } => "Gather",
+            Op::Identity => "Identity",
+        }
+    }
+
+    /// Smallest and largest number of inputs.
+    fn arity(&self) -> (usize, usize) {
+        match self {
+            Op::Linear => (2, 3),
+            Op::MatMul | Op::Add | Op::Mul | Op::Gather { .. } => (2, 2),
+            Op::Conv2d { .. } => (2, 3),
+            Op::BatchNorm { .. } => (5, 6),
+            Op::LayerNorm { .. } => (1, 3),
+            Op::Concat { .. } => (1, usize::MAX),
+            _ => (1, 1),
+        }
+    }
+
+    /// Backward FLOPs as a multiple of forward FLOPs. Ops with weights compute
+    /// gradients for both the input and the weight (2x); elementwise ops only
+    /// for the input (1x); data movement has no arithmetic.
+    pub fn backward_factor(&self) -> f64 {
+        match self {
+            Op::Linear | Op::MatMul | Op::Conv2d { .. } => 2.0,
+            Op::Flatten { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Concat { .. }
+            | Op::Identity
+            | Op::Gather { .. } => 0.0,
+            Op::BatchNorm { .. } | Op::LayerNorm { .. } => 2.0,
+            _ => 1.0,
+        }
+    }
+
+    /// Output shape and dtype for the given inputs.
+    pub(crate) fn infer(&self, ins: &[TensorInfo]) -> OpResult<TensorInfo> {
+        let (lo, hi) = self.arity();
+        if ins.len() < lo || ins.len() > hi {
+            let want = if lo == hi {
+                format!("{lo}")
+            } else if hi == usize::MAX {
+                format!("at least {lo}")
+            } else {
+                format!("{lo} to {hi}")
+            };
+            return invalid(format!("expects {want} inputs, got {}", ins.len()));
+        }
+        let x = &ins[0];
+        let f32_out = |shape: Vec<usize>| TensorInfo {
+            shape,
+            dtype: DType::F32,
+        };
+        match self {
+            Op::Linear => {
+                f32_input(x, "input")?;
+                let w = &ins[1].shape;
+                let Some(&k) = x.shape.last() else {
+                    return shape_err("input must have rank >= 1");
+                };
+                if w.len() != 2 || w[1] != k {
+                    return shape_err(format!(
+                        "weight {w:?} must be [out, {k}] for input {:?}",
+                        x.shape
+                    ));
+                }
+                if let Some(b) = ins.get(2)
+                    && b.shape != [w[0]]
+                {
+                    return shape_err(format!("bias {:?} must be [{}]", b.shape, w[0]));
+                }
+                let mut out = x.shape.clone();
+                let last = out.len() - 1;
+                out[last] = w[0];
+                Ok(f32_out(out))
+            }
+            Op::MatMul => {
+                let (a, b) = (&x.shape, &ins[1].shape);
+                f32_input(x, "a")?;
+                f32_input(&ins[1], "b")?;
+                if a.len() < 2 || b.len() < 2 {
+                    return shape_err(format!("operands {a:?} and {b:?} must have rank >= 2"));
+                }
+                let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+                let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
+                if k != k2 {
+                    return shape_err(format!("inner dimensions differ: {a:?} x {b:?}"));
+                }
+                let mut out = broadcast(&a[..a.len() - 2], &b[..b.len() - 2])?;
+                out.extend([m, n]);
+                Ok(f32_out(out))
+            }
+            Op::Add | Op::Mul => {
+                f32_input(x, "a")?;
+                f32_input(&ins[1], "b")?;
+                Ok(f32_out(broadcast(&x.shape, &ins[1].shape)?))
+            }
+            Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Dropout { .. } => {
+                f32_input(x, "input")?;
+                if let Op::Dropout { p } = self
+                    && !(0.0..1.0).contains(p)
+                {
+                    return invalid(format!("p = {p} must be in [0, 1)"));
+                }
+                Ok(x.clone())
+            }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                f32_input(x, "input")?;
+                axis_of(*axis, x.shape.len(), false)?;
+                Ok(x.clone())
+            }
+            Op::Conv2d {
+                stride,
+                padding,
+                dilation,
+                groups,
+            } => {
+                f32_input(x, "input")?;
+                let (s, w) = (&x.shape, &ins[1].shape);
+                if s.len() != 4 || w.len() != 4 {
+                    return shape_err(format!("input {s:?} and weight {w:?} must both be rank 4"));
+                }
+                let g = *groups;
+                if g == 0 || s[1] % g != 0 || w[0] % g != 0 {
+                    return shape_err(format!(
+                        "groups {g} must divide input channels {} and output channels {}",
+                        s[1], w[0]
+                    ));
+                }
+                if w[1] != s[1] / g {
+                    return shape_err(format!(
+                        "weight {w:?} expects {} input channels per group, input {s:?} has {}",
+                        w[1],
+                        s[1] / g
+                    ));
+                }
+                if let Some(b) = ins.get(2)
+                    && b.shape != [w[0]]
+                {
+                    return shape_err(format!("bias {:?} must be [{}]", b.shape, w[0]));
+                }
+                let h = window_out(s[2], w[2], stride[0], padding[0], dilation[0], "height")?;
+                let wd = window_out(s[3], w[3], stride[1], padding[1], dilation[1], "width")?;
+                Ok(f32_out(vec![s[0], w[0], h, wd]))
+            }
+            Op::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+            }
+            | Op::AvgPool2d {
+                kernel,
+                stride,
+                padding,
+            } => {
+                f32_input(x, "input")?;
+                let s = &x.shape;
+                if s.len() != 4 {
+                    return shape_err(format!("input {s:?} must be [N, C, H, W]"));
+                }
+                // PyTorch's rule: padding at most half the window.
+                if padding[0] * 2 > kernel[0] || padding[1] * 2 > kernel[1] {
+                    return invalid(format!(
+                        "padding {padding:?} larger than half the kernel {kernel:?}"
+                    ));
+                }
+                let h = window_out(s[2], kernel[0], stride[0], padding[0], 1, "height")?;
+                let w = window_out(s[3], kernel[1], stride[1], padding[1], 1, "width")?;
+                Ok(f32_out(vec![s[0], s[1], h, w]))
+            }
+            Op::GlobalAveragePool => {
+                f32_input(x, "input")?;
+                let s = &x.shape;
+                if s.len() < 3 {
+                    return shape_err(format!("input {s:?} must be [N, C, spatial..]"));
+                }
+                let mut out = s[..2].to_vec();
+                out.extend(std::iter::repeat_n(1, s.len() - 2));
+                Ok(f32_out(out))
+            }
+            Op::BatchNorm { eps, momentum } => {
+                f32_input(x, "input")?;
+                if *eps <= 0.0 || !(0.0..=1.0).contains(momentum) {
+                    return invalid(format!(
+                        "eps {eps} must be > 0 and momentum {momentum} in [0, 1]"
+                    ));
+                }
+                let s = &x.shape;
+                if s.len() < 2 {
+                    return shape_err(format!("input {s:?} must be [N, C, ..]"));
+                }
+                let names = ["weight", "bias", "running_mean", "running_var"];
+                for (t, name) in ins[1..5].iter().zip(names) {
+                    if t.shape != [s[1]] {
+                        return shape_err(format!(
+                            "{name} {:?} must be [{}] for input {s:?}",
+                            t.shape, s[1]
+                        ));
+                    }
+                }
+                if let Some(t) = ins.get(5)
+                    && !(t.shape.is_empty() || t.shape == [1])
+                {
+                    return shape_err(format!(
+                        "num_batches_tracked {:?} must be a scalar",
+                        t.shape
+                    ));
+                }
+                Ok(x.clone())
+            }
+            Op::LayerNorm { axis, eps } => {
+                f32_input(x, "input")?;
+                if *eps <= 0.0 {
+                    return invalid(format!("eps {eps} must be > 0"));
+                }
+                let a = axis_of(*axis, x.shape.len(), false)?;
+                let norm = &x.shape[a..];
+                for (t, name) in ins[1..].iter().zip(["weight", "bias"]) {
+                    if t.shape != norm {
+                        return shape_err(format!(
+                            "{name} {:?} must be {norm:?} (input {:?} from axis {a})",
+                            t.shape, x.shape
+                        ));
+                    }
+                }
+                Ok(x.clone())
+            }
+            Op::Flatten { axis } => {
+                let a = axis_of(*axis, x.shape.len(), true)?;
+                let front = x.shape[..a].iter().product();
+                let back = x.shape[a..].iter().product();
+                Ok(TensorInfo {
+                    shape: vec![front, back],
+                    dtype: x.dtype,
+                })
+            }
+            Op::Reshape { shape } => {
+                let total = numel(&x.shape);
+                let mut out = Vec::with_capacity(shape.len());
+                let mut infer_at = None;
+                for (i, &d) in shape.iter().enumerate() {
+                    match d {
+                        -1 if infer_at.is_none() => {
+                            infer_at = Some(i);
+                            out.push(1);
+                        }
+                        0 => match x.shape.get(i) {
+                            Some(&d) => out.push(d),
+                            None => {
+                                return shape_err(format!(
+                                    "0 at position {i} copies a dimension {:?} does not have",
+                                    x.shape
+                                ));
+                            }
+                        },
+                        d if d > 0 => out.push(d as usize),
+                        _ => return invalid(format!("bad target shape {shape:?}")),
+                    }
+                }
+                let known = numel(&out);
+                if let Some(i) = infer_at {
+                    if known == 0 || !total.is_multiple_of(known) {
+                        return shape_err(format!(
+                            "cannot reshape {:?} ({total} elements) to {shape:?}",
+                            x.shape
+                        ));
+                    }
+                    out[i] = (total / known) as usize;
+                } else if known != total {
+                    return shape_err(format!(
+                        "cannot reshape {:?} ({total} elements) to {shape:?}",
+                        x.shape
+                    ));
+                }
+                Ok(TensorInfo {
+                    shape: out,
+                    dtype: x.dtype,
+                })
+            }
+            Op::Transpose { perm } => {
+                let mut seen = vec![false; x.shape.len()];
+                if perm.len() != x.shape.len() {
+                    return shape_err(format!(
+                        "perm {perm:?} does not match rank of {:?}",
+                        x.shape
+                    ));
+                }
+                for &p in perm {
+                    match seen.get_mut(p) {
+                        Some(s) if !*s => *s = true,
+                        _ => return invalid(format!("perm {perm:?} is not a permutation")),
+                    }
+                }
+                Ok(TensorInfo {
+                    shape: perm.iter().map(|&p| x.shape[p]).collect(),
+                    dtype: x.dtype,
+                })
+            }
+            Op::Concat { axis } => {
+                let a = axis_of(*axis, x.shape.len(), false)?;
+                let mut out = x.shape.clone();
+                for t in &ins[1..] {
+                    let same_rest = t.shape.len() == x.shape.len()
+                        && (0..x.shape.len()).all(|i| i == a || t.shape[i] == x.shape[i]);
+                    if !same_rest || t.dtype != x.dtype {
+                        return shape_err(format!(
+                            "{:?} and {:?} differ outside axis {a}",
+                            x.shape, t.shape
+                        ));
+                    }
+                    out[a] += t.shape[a];
+                }
+                Ok(TensorInfo {
+                    shape: out,
+                    dtype: x.dtype,
+                })
+            }
+            Op::Gather { axis } => {
+                let idx = &ins[1];
+                if idx.dtype != DType::I64 {
+                    return invalid(format!("indices must be i64, got {:?}", idx.dtype));
+                }
+                let a = axis_of(*axis, x.shape.len(), false)?;
+                let mut out = x.shape[..a].to_vec();
+                out.extend(&idx.shape);
+                out.extend(&x.shape[a + 1..]);
+                Ok(TensorInfo {
+                    shape: out,
+                    dtype: x.dtype,
+                })
+            }
+            Op::Identity => Ok(x.clone()),
+        }
+    }
+
+    /// Forward FLOPs for the whole (example-batch) input; a multiply-add counts 2.
+    pub(crate) fn flops(&self, ins: &[TensorInfo], out: &TensorInfo) -> u64 {
+        let n_out = numel(&out.shape);
+        match self {
+            Op::Linear => {
+                let k = ins[0].shape.last().copied().unwrap_or(1) as u64;
+                2 * n_out * k + if ins.len() > 2 { n_out } else { 0 }
+            }
+            Op::MatMul => {
+                let a = &ins[0].shape;
+                2 * n_out * a[a.len() - 1] as u64
+            }
+            Op::Conv2d { .. } => {
+                let w = &ins[1].shape;
+                let per_out = (w[1] * w[2] * w[3]) as u64;
+                2 * n_out * per_out + if ins.len() > 2 { n_out } else { 0 }
+            }
+            Op::MaxPool2d { kernel, .. } | Op::AvgPool2d { kernel, .. } => {
+                n_out * (kernel[0] * kernel[1]) as u64
+            }
+            Op::GlobalAveragePool => numel(&ins[0].shape),
+            Op::Add | Op::Mul | Op::Relu | Op::Dropout { .. } => n_out,
+            // Transcendentals cost more than one FLOP; these are the usual rough counts.
+            Op::Sigmoid | Op::Tanh => 4 * n_out,
+            Op::Gelu => 8 * n_out,
+            Op::Softmax { .. } | Op::LogSoftmax { .. } => 5 * n_out,
+            Op::BatchNorm { .. } | Op::LayerNorm { .. } => 5 * n_out,
+            Op::Flatten { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Concat { .. }
+            | Op::Gather { .. }
+            | Op::Identity => 0,
+        }
+    }
+}

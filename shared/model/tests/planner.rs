@@ -1,0 +1,422 @@
+//! Planner tests: structural properties on random cases (proptest), optimality
+//! against brute force on small cases, and targeted behaviour (slow providers,
+//! small browser tabs, no-fit errors).
+// Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+
+use proptest::prelude::*;
+use rookery_model::{
+    ClusterCount, Graph, PlanError, PlanOptions, ProviderKind, ProviderSpec, StageRole, clusterize,
+    render, synthetic_chain, synthetic_providers,
+};
+
+const MIB: u64 = 1 << 20;
+
+fn provider(id: &str, kind: ProviderKind, mem_mib: u64, gflops: f64, mbps: f64) -> ProviderSpec {
+    ProviderSpec {
+        id: id.into(),
+        kind,
+        memory_bytes: mem_mib * MIB,
+        gflops,
+        bandwidth_mbps: mbps,
+    }
+}
+
+fn opts(micro_batch: usize, clusters: ClusterCount) -> PlanOptions {
+    PlanOptions {
+        micro_batch,
+        clusters,
+        ..PlanOptions::default()
+    }
+}
+
+/// Independent re-implementation of the cost model for brute force.
+struct Model {
+    n: usize,
+    flops: Vec<f64>,
+    train: Vec<u64>,
+    buffer: Vec<u64>,
+    act: Vec<u64>,
+    /// Per-sample bytes and dtype-is-float of tensors live at each cut.
+    cuts: Vec<Vec<(String, u64, bool)>>,
+}
+
+impl Model {
+    fn new(g: &Graph) -> Self {
+        let a = g.analyze().unwrap();
+        let n = a.nodes.len();
+        let mut cuts = vec![Vec::new(); n + 1];
+        for (c, cut) in cuts.iter_mut().enumerate() {
+            let candidates = g
+                .inputs
+                .iter()
+                .map(|i| i.name.clone())
+                .chain(a.nodes[..c].iter().map(|nd| nd.name.clone()));
+            for t in candidates {
+                let used_later = a.nodes[c..]
+                    .iter()
+                    .any(|nd| g.nodes[nd.index].inputs.contains(&t));
+                if used_later || g.outputs.contains(&t) {
+                    let info = &a.tensors[&t];
+                    let float = info.dtype == rookery_model::DType::F32;
+                    cut.push((t.clone(), info.bytes() / a.batch as u64, float));
+                }
+            }
+        }
+        Model {
+            n,
+            flops: a
+                .nodes
+                .iter()
+                .map(|nd| (nd.forward_flops_per_sample + nd.backward_flops_per_sample) as f64)
+                .collect(),
+            train: a.nodes.iter().map(|nd| nd.param_bytes).collect(),
+            buffer: a.nodes.iter().map(|nd| nd.buffer_bytes).collect(),
+            act: a
+                .nodes
+                .iter()
+                .map(|nd| nd.activation_bytes_per_sample)
+                .collect(),
+            cuts,
+        }
+    }
+
+    fn send(&self, c: usize) -> u64 {
+        if c == self.n {
+            return 0;
+        }
+        self.cuts[c]
+            .iter()
+            .map(|(_, b, f)| if c > 0 && *f { 2 * b } else { *b })
+            .sum()
+    }
+
+    fn stage(&self, i: usize, j: usize, p: &ProviderSpec, o: &PlanOptions) -> Option<f64> {
+        let mb = o.micro_batch as u64;
+        let af = mb * u64::from(o.in_flight_micro_batches);
+        let hold: u64 = self.cuts[i].iter().map(|(_, b, _)| b).sum();
+        let mem = self.train[i..j].iter().sum::<u64>() * (2 + u64::from(o.optimizer_copies))
+            + self.buffer[i..j].iter().sum::<u64>()
+            + af * (self.act[i..j].iter().sum::<u64>() + hold);
+        if mem > p.memory_bytes {
+            return None;
+        }
+        let compute = self.flops[i..j].iter().sum::<f64>() * mb as f64 / (p.gflops * 1e9);
+        let transfer =
+            (self.send(i) + self.send(j)) as f64 * mb as f64 / (p.bandwidth_mbps * 1e6 / 8.0);
+        Some(compute + transfer)
+    }
+
+    /// Minimum bottleneck over all cut points and injective provider assignments.
+    fn brute(&self, provs: &[ProviderSpec], o: &PlanOptions) -> f64 {
+        let mut best = f64::INFINITY;
+        let mut used = vec![false; provs.len()];
+        self.rec(0, 0.0, &mut used, provs, o, &mut best);
+        best
+    }
+
+    fn rec(
+        &self,
+        i: usize,
+        worst: f64,
+        used: &mut [bool],
+        provs: &[ProviderSpec],
+        o: &PlanOptions,
+        best: &mut f64,
+    ) {
+        if i == self.n {
+            *best = best.min(worst);
+            return;
+        }
+        for j in i + 1..=self.n {
+            for p in 0..provs.len() {
+                if used[p] {
+                    continue;
+                }
+                if let Some(t) = self.stage(i, j, &provs[p], o) {
+                    used[p] = true;
+                    self.rec(j, worst.max(t), used, provs, o, best);
+                    used[p] = false;
+                }
+            }
+        }
+    }
+}
+
+/// Checks every structural invariant of a plan.
+fn check_plan(g: &Graph, provs: &[ProviderSpec], plan: &rookery_model::Plan) {
+    let a = g.analyze().unwrap();
+    let params: BTreeSet<&str> = g.params.iter().map(|p| p.name.as_str()).collect();
+    let mut seen_providers = BTreeSet::new();
+    for cl in &plan.clusters {
+        let mut next = 0;
+        let count = cl.stages.len();
+        let mut worst: f64 = 0.0;
+        for (si, s) in cl.stages.iter().enumerate() {
+            // Contiguous, in order, covering every node exactly once.
+            assert_eq!(s.first, next);
+            assert!(s.end > s.first);
+            next = s.end;
+            let expected_role = match (si == 0, si + 1 == count) {
+                (true, true) => StageRole::Single,
+                (true, false) => StageRole::Root,
+                (false, true) => StageRole::Leaf,
+                _ => StageRole::Stem,
+            };
+            assert_eq!(s.role, expected_role);
+            let p = provs.iter().find(|p| p.id == s.provider).unwrap();
+            assert!(
+                seen_providers.insert(s.provider.clone()),
+                "provider used twice"
+            );
+            assert!(s.memory_bytes <= p.memory_bytes, "memory limit");
+            worst = worst.max(s.time_s);
+            // Boundary consistency: every input is produced here, is a parameter, or crosses in.
+            let mut available: BTreeSet<&str> = s.inputs.iter().map(|t| t.name.as_str()).collect();
+            for name in &s.nodes {
+                let nd = &g.nodes[a.nodes.iter().find(|x| &x.name == name).unwrap().index];
+                for t in &nd.inputs {
+                    assert!(
+                        available.contains(t.as_str()) || params.contains(t.as_str()),
+                        "stage {si} reads `{t}` it neither makes nor receives"
+                    );
+                    if params.contains(t.as_str()) {
+                        assert!(s.params.contains(t));
+                    }
+                }
+                available.insert(name);
+            }
+            for t in &s.outputs {
+                assert!(
+                    available.contains(t.name.as_str()),
+                    "sends `{}` it does not have",
+                    t.name
+                );
+            }
+            // The next stage receives exactly what this one sends.
+            if let Some(next_stage) = cl.stages.get(si + 1) {
+                assert_eq!(s.outputs, next_stage.inputs);
+            }
+        }
+        assert_eq!(next, a.nodes.len());
+        assert!((worst - cl.bottleneck_s).abs() <= 1e-9 * worst.max(1e-12));
+    }
+    for id in &plan.standbys {
+        assert!(seen_providers.insert(id.clone()), "standby also in a stage");
+    }
+    assert_eq!(seen_providers.len(), provs.len());
+}
+
+fn arb_providers(max: usize) -> impl Strategy<Value = Vec<ProviderSpec>> {
+    prop::collection::vec(
+        (4u64..40, 1.0f64..200.0, 1.0f64..1000.0, any::<bool>()),
+        1..=max,
+    )
+    .prop_map(|v| {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, (mem, gf, bw, browser))| {
+                let kind = if browser {
+                    ProviderKind::Browser
+                } else {
+                    ProviderKind::Native
+                };
+                provider(&format!("p{i}"), kind, mem, gf, bw)
+            })
+            .collect()
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn plans_are_well_formed(
+        nodes in 1usize..24,
+        provs in arb_providers(12),
+        mb in 1usize..16,
+        clusters in prop_oneof![Just(ClusterCount::Auto), (1usize..3).prop_map(ClusterCount::Fixed)],
+    ) {
+        let g = synthetic_chain(nodes);
+        match clusterize(&g, &provs, &opts(mb, clusters)) {
+            Ok(plan) => {
+                check_plan(&g, &provs, &plan);
+                if let ClusterCount::Fixed(k) = clusters {
+                    prop_assert_eq!(plan.clusters.len(), k);
+                }
+                // serde_json may round the last bit of an f64: compare structure exactly, times closely.
+                let back: rookery_model::Plan = serde_json::from_str(&plan.to_json().unwrap()).unwrap();
+                prop_assert_eq!(&back.standbys, &plan.standbys);
+                for (b, p) in back.clusters.iter().zip(&plan.clusters) {
+                    prop_assert!((b.bottleneck_s - p.bottleneck_s).abs() <= 1e-12 * p.bottleneck_s);
+                    for (bs, ps) in b.stages.iter().zip(&p.stages) {
+                        prop_assert_eq!((&bs.provider, &bs.nodes, &bs.inputs, &bs.outputs), (&ps.provider, &ps.nodes, &ps.inputs, &ps.outputs));
+                    }
+                }
+            }
+            Err(PlanError::NoFit { missing, .. }) => prop_assert!(missing > 0),
+            Err(PlanError::NodeTooLarge { missing, .. }) => prop_assert!(missing > 0),
+            Err(PlanError::TooManyClusters { .. }) => prop_assert!(provs.len() < 2),
+            Err(e) => prop_assert!(false, "unexpected error {e}"),
+        }
+    }
+
+    #[test]
+    fn dp_matches_brute_force(
+        nodes in 1usize..7,
+        provs in arb_providers(4),
+        mb in 1usize..8,
+    ) {
+        let g = synthetic_chain(nodes);
+        let o = opts(mb, ClusterCount::Fixed(1));
+        let brute = Model::new(&g).brute(&provs, &o);
+        match clusterize(&g, &provs, &o) {
+            Ok(plan) => {
+                let got = plan.clusters[0].bottleneck_s;
+                prop_assert!((got - brute).abs() <= 1e-9 * brute, "dp {got} brute {brute}");
+            }
+            Err(_) => prop_assert!(brute.is_infinite(), "dp found nothing, brute found {brute}"),
+        }
+    }
+}
+
+#[test]
+fn slow_provider_gets_less_work() {
+    let g = synthetic_chain(16);
+    let provs = vec![
+        provider("slow", ProviderKind::Native, 1 << 14, 40.0, 10000.0),
+        provider("fast", ProviderKind::Native, 1 << 14, 100.0, 10000.0),
+    ];
+    // Communication made cheap relative to compute so splitting pays.
+    let plan = clusterize(&g, &provs, &opts(64, ClusterCount::Fixed(1))).unwrap();
+    check_plan(&g, &provs, &plan);
+    let stages = &plan.clusters[0].stages;
+    assert_eq!(stages.len(), 2, "{}", render(&plan));
+    let work = |id: &str| {
+        let s = stages.iter().find(|s| s.provider == id).unwrap();
+        s.compute_s * provs.iter().find(|p| p.id == id).unwrap().gflops
+    };
+    assert!(work("slow") < work("fast"), "{}", render(&plan));
+}
+
+#[test]
+fn small_browser_gets_a_small_stage() {
+    let g = synthetic_chain(16); // 8 Linear layers, 1 MiB each, 4 MiB with grads and Adam.
+    let provs = vec![
+        provider("native", ProviderKind::Native, 26, 50.0, 1000.0),
+        provider("tab", ProviderKind::Browser, 9, 50.0, 1000.0),
+    ];
+    let plan = clusterize(&g, &provs, &opts(4, ClusterCount::Fixed(1))).unwrap();
+    check_plan(&g, &provs, &plan);
+    let stages = &plan.clusters[0].stages;
+    assert_eq!(stages.len(), 2, "{}", render(&plan));
+    let tab = stages.iter().find(|s| s.provider == "tab").unwrap();
+    let native = stages.iter().find(|s| s.provider == "native").unwrap();
+    assert!(tab.params.len() < native.params.len(), "{}", render(&plan));
+    assert!(tab.memory_bytes <= 9 * MIB);
+}
+
+#[test]
+fn residual_connections_cross_as_several_tensors() {
+    let g = synthetic_chain(8);
+    // Each provider holds one Linear at most, forcing a cut inside a residual block.
+    let provs: Vec<ProviderSpec> = (0..8)
+        .map(|i| provider(&format!("p{i}"), ProviderKind::Native, 5, 50.0, 1000.0))
+        .collect();
+    let plan = clusterize(&g, &provs, &opts(1, ClusterCount::Fixed(1))).unwrap();
+    check_plan(&g, &provs, &plan);
+    let max_crossing = plan.clusters[0]
+        .stages
+        .iter()
+        .map(|s| s.inputs.len())
+        .max()
+        .unwrap();
+    assert_eq!(max_crossing, 2, "{}", render(&plan));
+    let table = render(&plan);
+    assert!(
+        table.contains("Root") && table.contains("Leaf") && table.contains("p0"),
+        "{table}"
+    );
+}
+
+#[test]
+fn no_fit_names_missing_memory() {
+    let g = synthetic_chain(8); // 4 Linear layers of 1 MiB + 2 KiB: ~16 MiB with grads + Adam.
+    let provs = vec![
+        provider("a", ProviderKind::Native, 5, 50.0, 100.0),
+        provider("b", ProviderKind::Browser, 5, 50.0, 100.0),
+    ];
+    let o = opts(1, ClusterCount::Fixed(1));
+    let err = clusterize(&g, &provs, &o).unwrap_err();
+    let PlanError::NoFit {
+        missing,
+        needed,
+        available,
+        ..
+    } = err.clone()
+    else {
+        panic!("{err}");
+    };
+    assert!(needed > available);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("memory constraint failed")
+            && msg.contains(&format!("missing {missing} bytes")),
+        "{msg}"
+    );
+    // The reported amount is exact: one provider with it makes a plan fit, one byte less does not.
+    let with = |mem: u64| {
+        let mut p = provs.clone();
+        p.push(ProviderSpec {
+            id: "extra".into(),
+            kind: ProviderKind::Native,
+            memory_bytes: mem,
+            gflops: 50.0,
+            bandwidth_mbps: 100.0,
+        });
+        clusterize(&g, &p, &o)
+    };
+    assert!(with(missing).is_ok());
+    assert!(with(missing - 1).is_err());
+}
+
+#[test]
+fn node_too_large_is_named() {
+    let g = synthetic_chain(4);
+    let provs = vec![provider("tiny", ProviderKind::Browser, 2, 10.0, 10.0)];
+    let err = clusterize(&g, &provs, &opts(1, ClusterCount::Fixed(1))).unwrap_err();
+    assert!(
+        matches!(&err, PlanError::NodeTooLarge { node, provider, .. } if node == "n0" && provider == "tiny"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("node `n0` (Linear)"), "{err}");
+}
+
+#[test]
+fn clusters_and_standbys() {
+    let g = synthetic_chain(40);
+    let provs = synthetic_providers(60, 3);
+    let plan = clusterize(&g, &provs, &opts(8, ClusterCount::Fixed(3))).unwrap();
+    check_plan(&g, &provs, &plan);
+    assert_eq!(plan.clusters.len(), 3);
+    let auto = clusterize(&g, &provs, &opts(8, ClusterCount::Auto)).unwrap();
+    check_plan(&g, &provs, &auto);
+    let single = clusterize(&g, &provs, &opts(8, ClusterCount::Fixed(1))).unwrap();
+    assert!(auto.clusters.len() > 1);
+    assert!(auto.bottleneck_s() <= 2.0 * single.bottleneck_s() * (1.0 + 1e-9));
+    let err = clusterize(&g, &provs[..2], &opts(8, ClusterCount::Fixed(3))).unwrap_err();
+    assert_eq!(
+        err,
+        PlanError::TooManyClusters {
+            requested: 3,
+            providers: 2
+        }
+    );
+    // Deterministic: the same input plans the same way.
+    assert_eq!(
+        clusterize(&g, &provs, &opts(8, ClusterCount::Auto)).unwrap(),
+        auto
+    );
+}
