@@ -9,6 +9,7 @@
 pub mod db;
 pub mod error;
 pub mod http;
+pub mod plan_cli;
 pub mod providers;
 pub mod ws;
 

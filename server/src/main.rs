@@ -23,6 +23,30 @@ struct Cli {
 enum Command {
     /// Run the server: REST API, provider WebSocket and dashboard.
     Serve(ServeArgs),
+    /// Show how a model would be split over a set of providers.
+    Plan(PlanArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct PlanArgs {
+    /// The model: a layer-spec `.toml` file.
+    #[arg(long)]
+    model: PathBuf,
+    /// One sample's shape, e.g. 1,28,28 (overrides the model file's own).
+    #[arg(long)]
+    input_shape: Option<String>,
+    /// JSON list of providers: id, kind (native|browser), memory_gb, gflops, bandwidth_mbps.
+    #[arg(long)]
+    providers: PathBuf,
+    /// Samples per micro-batch.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    micro_batch: u64,
+    /// Number of data-parallel clusters, or `auto`.
+    #[arg(long, default_value = "auto", value_parser = rookery_server::plan_cli::parse_clusters)]
+    clusters: rookery_model::ClusterCount,
+    /// Print the plan as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -44,8 +68,25 @@ struct ServeArgs {
     max_frame_bytes: usize,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Errors print as one readable chain (`error: a: b`), never as a backtrace.
+fn main() -> std::process::ExitCode {
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -54,6 +95,24 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(args) => serve(args).await,
+        Command::Plan(args) => {
+            let input_shape = args
+                .input_shape
+                .as_deref()
+                .map(rookery_server::plan_cli::parse_shape)
+                .transpose()
+                .map_err(anyhow::Error::msg)?;
+            let plan = rookery_server::plan_cli::plan(
+                &args.model,
+                input_shape.as_deref(),
+                &args.providers,
+                args.micro_batch as usize,
+                args.clusters,
+                args.json,
+            )?;
+            println!("{plan}");
+            Ok(())
+        }
     }
 }
 

@@ -6,8 +6,8 @@
 
 use proptest::prelude::*;
 use rookery_shared::kernels::{
-    GpuContext, GpuError, KernelError, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul,
-    matmul_reference, sample_matrix,
+    GpuContext, GpuError, KernelError, MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel,
+    check_matmul, matmul_reference, sample_matrix,
 };
 
 fn context(kernel: MatmulKernel) -> GpuContext {
@@ -31,22 +31,10 @@ fn assert_matches_reference(gpu: &GpuContext, m: usize, k: usize, n: usize, seed
     }
 }
 
-const SHAPES: [(usize, usize, usize); 9] = [
-    (1, 1, 1),
-    (17, 31, 5),
-    (64, 64, 64),
-    (130, 70, 33),
-    (1, 100, 1),
-    (33, 1, 47),
-    (16, 16, 16),
-    (15, 17, 16),
-    (200, 3, 9),
-];
-
 #[test]
 fn gpu_matmul_equals_the_reference_on_odd_and_even_shapes() {
     let gpu = context(MatmulKernel::default());
-    for (i, &(m, k, n)) in SHAPES.iter().enumerate() {
+    for (i, &(m, k, n)) in MATMUL_CHECK_SHAPES.iter().enumerate() {
         assert_matches_reference(&gpu, m, k, n, i as u64);
     }
 }
@@ -55,7 +43,7 @@ fn gpu_matmul_equals_the_reference_on_odd_and_even_shapes() {
 fn every_tile_size_gives_the_same_answer() {
     for tile in [1, 3, 4, 8, 13] {
         let gpu = context(MatmulKernel::new(tile).unwrap());
-        for (i, &(m, k, n)) in SHAPES.iter().enumerate() {
+        for (i, &(m, k, n)) in MATMUL_CHECK_SHAPES.iter().enumerate() {
             assert_matches_reference(&gpu, m, k, n, 100 + i as u64);
         }
     }

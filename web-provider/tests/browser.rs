@@ -16,21 +16,13 @@ use std::rc::Rc;
 use futures_util::future::{Either, select};
 use gloo_timers::future::TimeoutFuture;
 use rookery_shared::kernels::{
-    GpuContext, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, sample_matrix,
+    GpuContext, MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul,
+    sample_matrix,
 };
 use rookery_web_provider::{DonateStatus, default_server_url, donate};
 use wasm_bindgen_test::{console_log, wasm_bindgen_test, wasm_bindgen_test_configure};
 
 wasm_bindgen_test_configure!(run_in_browser);
-
-const SHAPES: [(usize, usize, usize); 6] = [
-    (1, 1, 1),
-    (17, 31, 5),
-    (64, 64, 64),
-    (130, 70, 33),
-    (1, 100, 1),
-    (33, 1, 47),
-];
 
 async fn context(kernel: MatmulKernel) -> GpuContext {
     match GpuContext::with_kernel(kernel).await {
@@ -62,7 +54,7 @@ async fn webgpu_matmul_equals_the_cpu_reference() {
     );
     // wgpu is not a direct dependency here, so compare the backend by name.
     assert_eq!(format!("{:?}", gpu.adapter_info().backend), "BrowserWebGpu");
-    for (i, &(m, k, n)) in SHAPES.iter().enumerate() {
+    for (i, &(m, k, n)) in MATMUL_CHECK_SHAPES.iter().enumerate() {
         assert_matches_reference(&gpu, m, k, n, i as u64).await;
     }
 }
@@ -71,7 +63,7 @@ async fn webgpu_matmul_equals_the_cpu_reference() {
 async fn webgpu_matmul_is_right_for_other_tile_sizes() {
     for tile in [1, 5, 8] {
         let gpu = context(MatmulKernel::new(tile).unwrap()).await;
-        for (i, &(m, k, n)) in SHAPES.iter().enumerate() {
+        for (i, &(m, k, n)) in MATMUL_CHECK_SHAPES.iter().enumerate() {
             assert_matches_reference(&gpu, m, k, n, 50 + i as u64).await;
         }
     }

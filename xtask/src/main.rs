@@ -8,6 +8,7 @@
 //! cargo xtask demo [--addr HOST:PORT] [--providers N]
 //!                                    server + N native providers + dashboard on
 //!                                    http://127.0.0.1:8080/ until Ctrl-C
+//! cargo xtask bench plan             planner benchmark (release build)
 //! ```
 //!
 //! Setup fills a cache outside the repository, `$ROOKERY_CACHE` (default
@@ -28,6 +29,7 @@
 //! `cargo check -p rookery-provider --features torch`) in the same environment.
 //! Each step prints its duration; a failure names its step.
 
+mod bench;
 mod demo;
 mod setup;
 mod test;
@@ -38,7 +40,7 @@ use anyhow::{Result, bail};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cargo xtask <setup | web [--release] | test [--skip-lint] | \
-                     demo [--addr HOST:PORT] [--providers N]>";
+                     demo [--addr HOST:PORT] [--providers N] | bench plan>";
 
 fn main() -> ExitCode {
     match run() {
@@ -62,6 +64,7 @@ fn run() -> Result<()> {
         "web" => web::main(rest),
         "test" => test::main(rest),
         "demo" => demo::main(rest),
+        "bench" => bench::main(rest),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(())

@@ -75,8 +75,7 @@ fn steps(summary: &mut Summary, skip_lint: bool) -> Result<()> {
     summary.step("cargo test", || {
         let mut cmd = cargo(&["test", "--workspace", "--all-features"]);
         cmd.env("ROOKERY_WEB_DIR", target_dir().join("web"))
-            .env("ROOKERY_BIN_DIR", target_dir().join("debug"))
-            .env("ROOKERY_REQUIRE_GPU", "1");
+            .env("ROOKERY_BIN_DIR", target_dir().join("debug"));
         run(&mut cmd)
     })?;
     summary.step("browser tests", || {

@@ -19,6 +19,21 @@ const MAX_TILE: u32 = 16;
 /// is far outside it.
 pub const MATMUL_REL_TOLERANCE: f64 = 1e-4;
 
+/// Shapes `(m, k, n)` every device check runs, natively and in the browser:
+/// degenerate dimensions, sizes just off a tile multiple, and a tall-thin mix,
+/// because those are where tiled bounds checks go wrong.
+pub const MATMUL_CHECK_SHAPES: [(usize, usize, usize); 9] = [
+    (1, 1, 1),
+    (17, 31, 5),
+    (64, 64, 64),
+    (130, 70, 33),
+    (1, 100, 1),
+    (33, 1, 47),
+    (16, 16, 16),
+    (15, 17, 16),
+    (200, 3, 9),
+];
+
 /// The tiled matmul kernel, parameterised by its tile side.
 ///
 /// Each workgroup of `tile x tile` invocations computes one `tile x tile`

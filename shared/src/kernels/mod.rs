@@ -9,8 +9,8 @@ mod matmul;
 mod gpu;
 
 pub use matmul::{
-    MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, matmul_flops, matmul_reference,
-    sample_matrix, try_matmul_reference,
+    MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, matmul_flops,
+    matmul_reference, sample_matrix, try_matmul_reference,
 };
 
 #[cfg(feature = "gpu")]
