@@ -5,3 +5,6 @@
 
 pub mod backend;
 pub mod connection;
+/// Runs model stages with libtorch: forward, backward, losses, optimizers.
+#[cfg(feature = "torch")]
+pub mod exec;

@@ -104,3 +104,68 @@ pub enum PlanError {
         missing: u64,
     },
 }
+
+/// An ONNX file that cannot be imported. Every variant names the file, and those
+/// about one node name the node and its ONNX op, so the message alone says what
+/// to change in the model or the export call.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum OnnxError {
+    #[error("{file}: not a readable ONNX model (corrupt or truncated file): {reason}")]
+    Decode { file: String, reason: String },
+    #[error("{file}: {reason}")]
+    Model { file: String, reason: String },
+    #[error("{file}: tensor `{tensor}`: cannot read external data file `{location}`: {reason}")]
+    ExternalData {
+        file: String,
+        tensor: String,
+        location: String,
+        reason: String,
+    },
+    #[error("{file}: tensor `{tensor}`: {reason}")]
+    Tensor {
+        file: String,
+        tensor: String,
+        reason: String,
+    },
+    #[error("{file}: graph input `{name}`: {reason}")]
+    Input {
+        file: String,
+        name: String,
+        reason: String,
+    },
+    #[error(
+        "{file}: node `{node}` ({op}): unsupported op `{domain}{op}`: Rookery's op set has no \
+         equivalent (supported: {supported})"
+    )]
+    UnsupportedOp {
+        file: String,
+        node: String,
+        op: String,
+        /// `""` for the default ONNX domain, else `"domain::"`.
+        domain: String,
+        supported: String,
+    },
+    #[error("{file}: node `{node}` ({op}): not supported: {reason}")]
+    Unsupported {
+        file: String,
+        node: String,
+        op: String,
+        reason: String,
+    },
+    #[error("{file}: node `{node}` ({op}): dynamic shape cannot be resolved: {reason}")]
+    DynamicShape {
+        file: String,
+        node: String,
+        op: String,
+        reason: String,
+    },
+    #[error("{file}: node `{node}` ({op}): {reason}")]
+    Node {
+        file: String,
+        node: String,
+        op: String,
+        reason: String,
+    },
+    #[error("{file}: the imported graph is invalid: {source}")]
+    Graph { file: String, source: GraphError },
+}

@@ -37,7 +37,9 @@ pub struct TensorInfo {
 
 impl TensorInfo {
     pub fn bytes(&self) -> u64 {
-        self.shape.iter().map(|&d| d as u64).product::<u64>() * self.dtype.size()
+        self.shape
+            .iter()
+            .fold(self.dtype.size(), |acc, &d| acc.saturating_mul(d as u64))
     }
 }
 
@@ -56,6 +58,10 @@ pub enum ParamKind {
     Trainable,
     /// Like BatchNorm running statistics: saved with the weights, never optimised.
     Buffer,
+    /// A fixed tensor the model computes with that is not in its `state_dict`,
+    /// e.g. an imported ONNX model's folded `arange` or a scalar divisor: never
+    /// optimised, and not part of a checkpoint.
+    Constant,
 }
 
 /// A named parameter tensor, named as in the PyTorch `state_dict`.
@@ -120,7 +126,7 @@ pub struct NodeInfo {
     pub output: TensorInfo,
     /// Bytes of trainable parameters this node is the first (topological) user of.
     pub param_bytes: u64,
-    /// Bytes of buffers this node is the first user of.
+    /// Bytes of buffers (and constants) this node is the first user of.
     pub buffer_bytes: u64,
     /// Names of all parameters and buffers this node reads.
     pub params: Vec<String>,
@@ -229,7 +235,8 @@ impl Graph {
                     if !std::mem::replace(&mut first_user[pi], true) {
                         match p.kind {
                             ParamKind::Trainable => param_bytes += p.bytes(),
-                            ParamKind::Buffer => buffer_bytes += p.bytes(),
+                            // Constants occupy memory like buffers do.
+                            ParamKind::Buffer | ParamKind::Constant => buffer_bytes += p.bytes(),
                         }
                     }
                 }

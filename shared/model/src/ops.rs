@@ -17,7 +17,11 @@ pub enum Op {
     /// Numpy-style matmul of rank >= 2 tensors, batch dimensions broadcast.
     MatMul,
     Add,
+    /// Elementwise `a - b`, broadcast like [`Op::Add`].
+    Sub,
     Mul,
+    /// Elementwise `a / b`, broadcast like [`Op::Add`] (attention's `/ sqrt(d)`).
+    Div,
     Relu,
     Gelu,
     Sigmoid,
@@ -101,9 +105,17 @@ fn invalid<T>(msg: impl Into<String>) -> OpResult<T> {
     Err(OpError::Invalid(msg.into()))
 }
 
+/// Element count, saturating: estimates for absurd shapes must not overflow.
 fn numel(shape: &[usize]) -> u64 {
-    shape.iter().map(|&d| d as u64).product()
+    shape
+        .iter()
+        .fold(1u64, |acc, &d| acc.saturating_mul(d as u64))
 }
+
+/// Largest tensor shape inference accepts (2^40 elements, terabytes): anything
+/// larger comes from a broken or hostile graph, and rejecting it keeps every
+/// estimate far from overflowing.
+const MAX_ELEMENTS: u64 = 1 << 40;
 
 /// Resolves a possibly negative axis against `rank` (`inclusive` allows `rank` itself).
 fn axis_of(axis: i64, rank: usize, inclusive: bool) -> OpResult<usize> {
@@ -151,14 +163,22 @@ fn window_out(
     if kernel == 0 || stride == 0 || dil == 0 {
         return invalid(format!("{what}: kernel, stride and dilation must be >= 1"));
     }
-    let span = dil * (kernel - 1) + 1;
-    if len + 2 * pad < span {
+    // Checked: graphs come from strangers (and ONNX files), and an absurd
+    // attribute must be an error, not an overflow.
+    let (Some(span), Some(padded)) = (
+        dil.checked_mul(kernel - 1).and_then(|s| s.checked_add(1)),
+        pad.checked_mul(2).and_then(|p| p.checked_add(len)),
+    ) else {
+        return invalid(format!(
+            "{what}: kernel {kernel}, dilation {dil} or padding {pad} out of range"
+        ));
+    };
+    if padded < span {
         return shape_err(format!(
-            "{what}: window {span} larger than padded input {}",
-            len + 2 * pad
+            "{what}: window {span} larger than padded input {padded}"
         ));
     }
-    Ok((len + 2 * pad - span) / stride + 1)
+    Ok((padded - span) / stride + 1)
 }
 
 fn f32_input(x: &TensorInfo, which: &str) -> OpResult<()> {
@@ -175,7 +195,9 @@ impl Op {
             Op::Linear => "Linear",
             Op::MatMul => "MatMul",
             Op::Add => "Add",
+            Op::Sub => "Sub",
             Op::Mul => "Mul",
+            Op::Div => "Div",
             Op::Relu => "Relu",
             Op::Gelu => "Gelu",
             Op::Sigmoid => "Sigmoid",
@@ -202,7 +224,7 @@ impl Op {
     fn arity(&self) -> (usize, usize) {
         match self {
             Op::Linear => (2, 3),
-            Op::MatMul | Op::Add | Op::Mul | Op::Gather { .. } => (2, 2),
+            Op::MatMul | Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Gather { .. } => (2, 2),
             Op::Conv2d { .. } => (2, 3),
             Op::BatchNorm { .. } => (5, 6),
             Op::LayerNorm { .. } => (1, 3),
@@ -230,6 +252,14 @@ impl Op {
 
     /// Output shape and dtype for the given inputs.
     pub(crate) fn infer(&self, ins: &[TensorInfo]) -> OpResult<TensorInfo> {
+        let out = self.infer_unchecked(ins)?;
+        if numel(&out.shape) > MAX_ELEMENTS {
+            return shape_err(format!("output shape {:?} is implausibly large", out.shape));
+        }
+        Ok(out)
+    }
+
+    fn infer_unchecked(&self, ins: &[TensorInfo]) -> OpResult<TensorInfo> {
         let (lo, hi) = self.arity();
         if ins.len() < lo || ins.len() > hi {
             let want = if lo == hi {
@@ -285,7 +315,7 @@ impl Op {
                 out.extend([m, n]);
                 Ok(f32_out(out))
             }
-            Op::Add | Op::Mul => {
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
                 f32_input(x, "a")?;
                 f32_input(&ins[1], "b")?;
                 Ok(f32_out(broadcast(&x.shape, &ins[1].shape)?))
@@ -354,7 +384,9 @@ impl Op {
                     return shape_err(format!("input {s:?} must be [N, C, H, W]"));
                 }
                 // PyTorch's rule: padding at most half the window.
-                if padding[0] * 2 > kernel[0] || padding[1] * 2 > kernel[1] {
+                if padding[0].saturating_mul(2) > kernel[0]
+                    || padding[1].saturating_mul(2) > kernel[1]
+                {
                     return invalid(format!(
                         "padding {padding:?} larger than half the kernel {kernel:?}"
                     ));
@@ -534,27 +566,26 @@ impl Op {
         match self {
             Op::Linear => {
                 let k = ins[0].shape.last().copied().unwrap_or(1) as u64;
-                2 * n_out * k + if ins.len() > 2 { n_out } else { 0 }
+                mac_flops(n_out, k, ins.len() > 2)
             }
             Op::MatMul => {
-                let a = &ins[0].shape;
-                2 * n_out * a[a.len() - 1] as u64
+                let k = ins[0].shape.last().copied().unwrap_or(1) as u64;
+                mac_flops(n_out, k, false)
             }
             Op::Conv2d { .. } => {
-                let w = &ins[1].shape;
-                let per_out = (w[1] * w[2] * w[3]) as u64;
-                2 * n_out * per_out + if ins.len() > 2 { n_out } else { 0 }
+                let per_out = numel(ins[1].shape.get(1..).unwrap_or_default());
+                mac_flops(n_out, per_out, ins.len() > 2)
             }
             Op::MaxPool2d { kernel, .. } | Op::AvgPool2d { kernel, .. } => {
-                n_out * (kernel[0] * kernel[1]) as u64
+                n_out.saturating_mul(numel(kernel))
             }
             Op::GlobalAveragePool => numel(&ins[0].shape),
-            Op::Add | Op::Mul | Op::Relu | Op::Dropout { .. } => n_out,
+            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Relu | Op::Dropout { .. } => n_out,
             // Transcendentals cost more than one FLOP; these are the usual rough counts.
-            Op::Sigmoid | Op::Tanh => 4 * n_out,
-            Op::Gelu => 8 * n_out,
-            Op::Softmax { .. } | Op::LogSoftmax { .. } => 5 * n_out,
-            Op::BatchNorm { .. } | Op::LayerNorm { .. } => 5 * n_out,
+            Op::Sigmoid | Op::Tanh => n_out.saturating_mul(4),
+            Op::Gelu => n_out.saturating_mul(8),
+            Op::Softmax { .. } | Op::LogSoftmax { .. } => n_out.saturating_mul(5),
+            Op::BatchNorm { .. } | Op::LayerNorm { .. } => n_out.saturating_mul(5),
             Op::Flatten { .. }
             | Op::Reshape { .. }
             | Op::Transpose { .. }
@@ -563,4 +594,12 @@ impl Op {
             | Op::Identity => 0,
         }
     }
+}
+
+/// Multiply-adds (2 FLOPs each) of `k` per output element, plus a bias add.
+fn mac_flops(n_out: u64, k: u64, bias: bool) -> u64 {
+    n_out
+        .saturating_mul(k)
+        .saturating_mul(2)
+        .saturating_add(if bias { n_out } else { 0 })
 }

@@ -19,6 +19,15 @@
 //! bottleneck, which drops stages that do not help and leaves more standbys. With
 //! up to [`EXACT_PERMUTATIONS_UP_TO`] providers every ordering is tried, so small
 //! plans are exact; above that a few orderings (by speed and by memory, each way).
+//!
+//! Speed (the `bench_plan` example plans a 200-node model over 1,000 providers
+//! well within 100 ms) comes from pruning that never changes a result: lower
+//! bounds on a stage's time (its last node's compute plus the least it can send)
+//! skip providers and stage ends that cannot beat the best plan so far, a plan
+//! over an ordering's quickest providers bounds that ordering's DP up front, and
+//! the inner loops jump over starts no plan reaches. [`ClusterCount::Auto`]
+//! searches cluster counts with a feasibility check that stops at the first plan
+//! under the limit, and plans only the count it picks in full.
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -174,6 +183,17 @@ struct Costs {
     cut_hold: Vec<u64>,
     /// Per-sample bytes sent across each cut, both directions.
     cut_send: Vec<u64>,
+    /// `min_send_before[j]`: least `cut_send` of any cut before `j` (where a
+    /// stage ending at `j` could start); index 0 is unused.
+    min_send_before: Vec<u64>,
+    /// Least FLOPs of any one node: every stage computes at least this much.
+    min_node_flops: f64,
+    /// Least bytes any stage sends over its two cuts.
+    min_stage_send: u64,
+    /// `last_flops[j]`: FLOPs of node `j - 1`, the least a stage ending at `j` computes.
+    last_flops: Vec<f64>,
+    /// `least_send[j]`: the least bytes a stage ending at `j` sends, as f64.
+    least_send: Vec<f64>,
     mb: f64,
     state_factor: u64,
     act_factor: u64,
@@ -217,6 +237,27 @@ impl Costs {
             run += hold_diff[c];
             cut_hold[c] = run.max(0) as u64;
         }
+        let mut min_send_before = vec![u64::MAX; n + 1];
+        for j in 1..=n {
+            min_send_before[j] = min_send_before[j - 1].min(cut_send[j - 1]);
+        }
+        let min_stage_send = (1..=n)
+            .map(|j| min_send_before[j] + cut_send[j])
+            .min()
+            .unwrap_or(0);
+        // Differences of the same prefix sums `compute_s` uses, so the bound holds
+        // after rounding too.
+        let mut last_flops = vec![0.0; n + 1];
+        let mut least_send = vec![0.0; n + 1];
+        for j in 1..=n {
+            last_flops[j] = flops[j] - flops[j - 1];
+            least_send[j] = (min_send_before[j] + cut_send[j]) as f64;
+        }
+        let min_node_flops = last_flops[1..]
+            .iter()
+            .copied()
+            .reduce(f64::min)
+            .unwrap_or(0.0);
         Costs {
             n,
             train,
@@ -225,6 +266,11 @@ impl Costs {
             flops,
             cut_hold,
             cut_send,
+            min_send_before,
+            min_node_flops,
+            min_stage_send,
+            last_flops,
+            least_send,
             mb: o.micro_batch as f64,
             state_factor: 2 + u64::from(o.optimizer_copies),
             act_factor: o.micro_batch as u64 * u64::from(o.in_flight_micro_batches),
@@ -247,8 +293,48 @@ impl Costs {
     }
 
     fn transfer_s(&self, i: usize, j: usize, p: &ProviderSpec) -> f64 {
-        (self.cut_send[i] + self.cut_send[j]) as f64 * self.mb / (p.bandwidth_mbps * 1e6 / 8.0)
+        self.send_s(self.cut_send[i] + self.cut_send[j], p)
     }
+
+    fn send_s(&self, bytes_per_sample: u64, p: &ProviderSpec) -> f64 {
+        bytes_per_sample as f64 * self.mb / (p.bandwidth_mbps * 1e6 / 8.0)
+    }
+
+    // The bounds below prune the DPs without changing their results: they use the
+    // same formulas as `compute_s` and `transfer_s` on smaller inputs, and rounding
+    // is monotone, so they never exceed a time those functions return.
+
+    /// No stage on `p` is faster than this.
+    fn stage_floor_s(&self, p: &ProviderSpec) -> f64 {
+        self.min_node_flops * self.mb / (p.gflops * 1e9) + self.send_s(self.min_stage_send, p)
+    }
+
+    /// No stage ending at `j` on `p` spends less than this on transfer.
+    fn transfer_floor_s(&self, j: usize, p: &ProviderSpec) -> f64 {
+        self.send_s(self.min_send_before[j] + self.cut_send[j], p)
+    }
+
+    fn rates(&self, p: &ProviderSpec) -> Rates {
+        Rates {
+            per_flop: self.mb / (p.gflops * 1e9),
+            per_byte: self.mb / (p.bandwidth_mbps * 1e6 / 8.0),
+        }
+    }
+
+    /// Whether a stage ending at `j` might take at most `v`. A screen run for every
+    /// (provider, end) pair before the exact checks, so it multiplies where the
+    /// cost functions divide; the slack covers the few ulps that changes, so it
+    /// only answers false when the exact floor (compute of the last node plus
+    /// [`Self::transfer_floor_s`]) is above `v` too.
+    fn may_end_within(&self, r: &Rates, j: usize, v: f64) -> bool {
+        r.per_flop * self.last_flops[j] + r.per_byte * self.least_send[j] <= v * (1.0 + 1e-9)
+    }
+}
+
+/// A provider's seconds per FLOP and per byte at the micro-batch size.
+struct Rates {
+    per_flop: f64,
+    per_byte: f64,
 }
 
 /// A tensor live across cuts `from..=to` (cut c sits before node position c).
@@ -305,26 +391,92 @@ const INF: f64 = f64::INFINITY;
 /// A cluster's stages as `(first node, end node, provider index)`.
 type Stages = Vec<(usize, usize, usize)>;
 
+/// The cuts a DP row reaches (value below a limit), so inner loops can jump
+/// from one to the next nearer the start. Skipping the others changes nothing:
+/// they would only be passed over, and the loops' early exits (memory, compute)
+/// only grow towards the start, so an exit at a skipped cut fires at the next
+/// reached one too.
+struct Starts {
+    /// `nearest[c]`: one more than the nearest reached cut at or before `c`; 0 if none.
+    nearest: Vec<usize>,
+}
+
+impl Starts {
+    fn new(row: &[f64], limit: f64) -> Self {
+        let mut s = Starts {
+            nearest: vec![0; row.len()],
+        };
+        s.update(row, limit);
+        s
+    }
+
+    fn update(&mut self, row: &[f64], limit: f64) {
+        let mut last = 0;
+        for (c, (slot, &v)) in self.nearest.iter_mut().zip(row).enumerate() {
+            if v < limit {
+                last = c + 1;
+            }
+            *slot = last;
+        }
+    }
+
+    /// Reached cuts before `j`, nearest first.
+    fn below(&self, j: usize) -> impl Iterator<Item = usize> + '_ {
+        let nearest = |c: usize| self.nearest[c].checked_sub(1);
+        std::iter::successors(nearest(j - 1), move |&i| i.checked_sub(1).and_then(nearest))
+    }
+}
+
+/// What [`bottleneck_dp`] is asked for.
+#[derive(Clone, Copy, PartialEq)]
+enum Want {
+    /// The best bottleneck.
+    Best,
+    /// Only whether some plan beats the bound: stops at the first one found.
+    AnyBelow,
+}
+
 /// Best bottleneck over plans using providers `ord` in that order. Only values
 /// below `bound` are searched (a known plan already achieves it, so this prunes
-/// most of the inner loop); anything else comes back as >= `bound`.
-fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64) -> f64 {
+/// most of the inner loop); anything else comes back as >= `bound`. With
+/// [`Want::AnyBelow`] the answer is some plan's bottleneck below `bound`, not
+/// necessarily the best, or >= `bound` when there is none.
+fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64, want: Want) -> f64 {
     let n = c.n;
     let mut prev = vec![bound; n + 1];
     prev[0] = 0.0;
     let mut cur = prev.clone();
+    let mut starts = Starts::new(&prev, bound);
+    let mut ends = Vec::with_capacity(n);
     for &pi in ord {
         let p = &provs[pi];
+        // Every slot is below `bound`, so a provider with no stage faster than it
+        // changes nothing; most of a large group is skipped here.
+        if c.stage_floor_s(p) >= bound {
+            continue;
+        }
+        // Most providers that pass can still improve no slot (prefixes are
+        // already covered faster than their quickest stage there): skip those
+        // slots, and the row when none is left.
+        let r = c.rates(p);
+        ends.clear();
+        ends.extend((1..=n).filter(|&j| c.may_end_within(&r, j, prev[j])));
+        if ends.is_empty() {
+            continue;
+        }
         // Skipping this provider keeps the previous row's value.
         cur.copy_from_slice(&prev);
-        for (j, slot) in cur.iter_mut().enumerate().skip(1) {
-            let mut best = *slot;
-            for i in (0..j).rev() {
+        for &j in &ends {
+            let mut best = prev[j];
+            let floor = c.transfer_floor_s(j, p);
+            for i in starts.below(j) {
                 if c.mem_monotone(i, j) > p.memory_bytes {
                     break;
                 }
+                // Starting earlier only adds compute, and no start sends less
+                // than `floor`: nothing further down can beat `best`.
                 let comp = c.compute_s(i, j, p);
-                if comp >= best {
+                if comp + floor >= best {
                     break;
                 }
                 if prev[i] >= best || c.mem(i, j) > p.memory_bytes {
@@ -335,9 +487,13 @@ fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64) -
                     best = v;
                 }
             }
-            *slot = best;
+            cur[j] = best;
         }
         std::mem::swap(&mut prev, &mut cur);
+        if want == Want::AnyBelow && prev[n] < bound {
+            break;
+        }
+        starts.update(&prev, bound);
     }
     prev[n]
 }
@@ -345,6 +501,12 @@ fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64) -
 /// Stages `(first, end, provider)` minimising summed time with every stage <= `cap`.
 fn min_sum_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], cap: f64) -> Option<Stages> {
     let n = c.n;
+    // A provider with no stage within the cap would only add a row of skips.
+    let ord: Vec<usize> = ord
+        .iter()
+        .copied()
+        .filter(|&pi| c.stage_floor_s(&provs[pi]) <= cap)
+        .collect();
     let m = ord.len();
     let mut g = vec![INF; (m + 1) * (n + 1)];
     // choice = start + 1 of the stage ending at j on provider k-1; 0 = provider skipped.
@@ -353,17 +515,26 @@ fn min_sum_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], cap: f64) -> Opt
     for k in 0..=m {
         g[at(k, 0)] = 0.0;
     }
+    let mut starts = Starts::new(&g[..=n], INF);
     for k in 1..=m {
         let p = &provs[ord[k - 1]];
+        let r = c.rates(p);
+        starts.update(&g[at(k - 1, 0)..=at(k - 1, n)], INF);
         for j in 1..=n {
             let mut best = g[at(k - 1, j)];
             let mut ch = 0u32;
-            for i in (0..j).rev() {
+            // Sums only grow, so a stage that beats `best` takes less than it.
+            if !c.may_end_within(&r, j, cap.min(best)) {
+                g[at(k, j)] = best;
+                continue;
+            }
+            let floor = c.transfer_floor_s(j, p);
+            for i in starts.below(j) {
                 if c.mem_monotone(i, j) > p.memory_bytes {
                     break;
                 }
                 let comp = c.compute_s(i, j, p);
-                if comp > cap {
+                if comp + floor > cap || comp + floor >= best {
                     break;
                 }
                 let before = g[at(k - 1, i)];
@@ -446,14 +617,24 @@ fn plan_group(
     limit: f64,
 ) -> Option<(f64, Stages)> {
     let mut best: Option<(f64, Vec<usize>)> = None;
-    // Just above the limit so a plan exactly at it still counts.
-    let mut bound = if limit < INF {
-        limit * (1.0 + 1e-12)
-    } else {
-        INF
-    };
-    for ord in orderings(provs, group) {
-        let t = bottleneck_dp(c, provs, &ord, bound);
+    let mut bound = search_bound(limit);
+    let all = orderings(provs, group);
+    if let Some(first) = all.first() {
+        // The DP prunes by its bound, and a loose one is slow (all of a large
+        // group takes part): bound the first ordering by a plan of its own, from
+        // the subsequence of its quickest providers. The ordering's optimum is at
+        // most that plan and so below the new bound: the DP still finds it.
+        let quick = quick_subsequence(c, provs, first);
+        if quick.len() < first.len() {
+            let ub = bottleneck_dp(c, provs, &quick, bound, Want::Best);
+            let above = ub * (1.0 + 1e-12);
+            if above > ub && above < bound {
+                bound = above;
+            }
+        }
+    }
+    for ord in all {
+        let t = bottleneck_dp(c, provs, &ord, bound, Want::Best);
         if t < bound {
             bound = t;
             best = Some((t, ord));
@@ -463,6 +644,48 @@ fn plan_group(
     // A relative slack so rounding in the second pass cannot lose the optimum.
     let stages = min_sum_dp(c, provs, &ord, t * (1.0 + 1e-9) + 1e-15)?;
     Some((t, stages))
+}
+
+/// How many providers [`quick_subsequence`] keeps.
+const QUICK_PROVIDERS: usize = 64;
+
+/// The [`QUICK_PROVIDERS`] providers of `ord` with the fastest possible stage,
+/// in `ord`'s order.
+fn quick_subsequence(c: &Costs, provs: &[ProviderSpec], ord: &[usize]) -> Vec<usize> {
+    if ord.len() <= QUICK_PROVIDERS {
+        return ord.to_vec();
+    }
+    let floors: Vec<f64> = ord.iter().map(|&pi| c.stage_floor_s(&provs[pi])).collect();
+    let mut by_floor: Vec<usize> = (0..ord.len()).collect();
+    by_floor.select_nth_unstable_by(QUICK_PROVIDERS - 1, |&a, &b| {
+        floors[a].total_cmp(&floors[b])
+    });
+    let mut keep = vec![false; ord.len()];
+    for &k in &by_floor[..QUICK_PROVIDERS] {
+        keep[k] = true;
+    }
+    ord.iter()
+        .zip(keep)
+        .filter_map(|(&pi, k)| k.then_some(pi))
+        .collect()
+}
+
+/// Whether [`plan_group`] would find a plan, without finding the best one.
+fn group_fits(c: &Costs, provs: &[ProviderSpec], group: &[usize], limit: f64) -> bool {
+    let bound = search_bound(limit);
+    orderings(provs, group)
+        .iter()
+        .any(|ord| bottleneck_dp(c, provs, ord, bound, Want::AnyBelow) < bound)
+}
+
+/// The DP bound for a bottleneck limit: just above it, so a plan exactly at the
+/// limit still counts.
+fn search_bound(limit: f64) -> f64 {
+    if limit < INF {
+        limit * (1.0 + 1e-12)
+    } else {
+        INF
+    }
 }
 
 /// Deals providers (sorted by speed, fastest first) into `k` groups in snake order,
@@ -493,6 +716,16 @@ fn deal(provs: &[ProviderSpec], k: usize, by_memory: bool) -> Vec<Vec<usize>> {
 }
 
 type GroupPlans = Vec<(f64, Stages)>;
+
+/// Whether [`plan_clusters`] would succeed (the same deals, in the same order),
+/// without planning the groups in full.
+fn clusters_fit(c: &Costs, provs: &[ProviderSpec], k: usize, limit: f64) -> bool {
+    [false, true].into_iter().any(|by_memory| {
+        deal(provs, k, by_memory)
+            .iter()
+            .all(|g| group_fits(c, provs, g, limit))
+    })
+}
 
 /// Plans `k` clusters, trying a speed-balanced deal first and a memory-balanced one second.
 /// On failure returns the index and members of the first group (of the
@@ -593,7 +826,8 @@ fn validate(providers: &[ProviderSpec], o: &PlanOptions) -> Result<(), PlanError
 
 /// Largest cluster count whose bottleneck stays within `factor` of the best single
 /// cluster. Searches by doubling then bisection, assuming more clusters never make
-/// the bottleneck better (each gets fewer providers).
+/// the bottleneck better (each gets fewer providers). The search only asks whether
+/// a count fits; the chosen count alone is planned in full.
 fn auto_clusters(
     c: &Costs,
     provs: &[ProviderSpec],
@@ -601,31 +835,31 @@ fn auto_clusters(
 ) -> Result<GroupPlans, (usize, Vec<usize>)> {
     let single = plan_clusters(c, provs, 1, INF)?;
     let limit = single[0].0 * factor;
-    let try_k = |k: usize| plan_clusters(c, provs, k, limit).ok();
-    let (mut good, mut good_plans) = (1, single);
+    let fits = |k: usize| clusters_fit(c, provs, k, limit);
+    let mut good = 1;
     let mut bad = provs.len() + 1;
     let mut k = 2;
     while k < bad {
-        match try_k(k) {
-            Some(p) => {
-                good = k;
-                good_plans = p;
-                k = (k * 2).min(provs.len() + 1);
-            }
-            None => bad = k,
+        if fits(k) {
+            good = k;
+            k = (k * 2).min(provs.len() + 1);
+        } else {
+            bad = k;
         }
     }
     while bad - good > 1 {
         let mid = good + (bad - good) / 2;
-        match try_k(mid) {
-            Some(p) => {
-                good = mid;
-                good_plans = p;
-            }
-            None => bad = mid,
+        if fits(mid) {
+            good = mid;
+        } else {
+            bad = mid;
         }
     }
-    Ok(good_plans)
+    if good == 1 {
+        return Ok(single);
+    }
+    // The fit check and the full plan agree, so the fallback is never taken.
+    Ok(plan_clusters(c, provs, good, limit).unwrap_or(single))
 }
 
 /// Explains why nothing fits a group: a node too large for any provider, or how
@@ -683,7 +917,7 @@ fn diagnose(
         ext[last].memory_bytes = mem;
         orderings(ext, &members)
             .iter()
-            .any(|o| bottleneck_dp(c, ext, o, INF) < INF)
+            .any(|o| bottleneck_dp(c, ext, o, INF, Want::AnyBelow) < INF)
     };
     let (mut lo, mut hi) = (0u64, needed);
     while hi - lo > 1 {

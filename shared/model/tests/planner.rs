@@ -1,6 +1,7 @@
 //! Planner tests: structural properties on random cases (proptest), optimality
-//! against brute force on small cases, and targeted behaviour (slow providers,
-//! small browser tabs, no-fit errors).
+//! against brute force on small cases, targeted behaviour (slow providers,
+//! small browser tabs, no-fit errors), and no regression from bottlenecks
+//! recorded before the planner was optimised.
 // Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
 #![allow(clippy::unwrap_used)]
 
@@ -419,4 +420,57 @@ fn clusters_and_standbys() {
         clusterize(&g, &provs, &opts(8, ClusterCount::Auto)).unwrap(),
         auto
     );
+}
+
+#[test]
+fn optimised_planner_is_not_worse_than_before() {
+    use ClusterCount::{Auto, Fixed};
+    /// Nodes, providers, seed, micro-batch, in-flight micro-batches, clusters.
+    type Case = (usize, usize, u64, usize, u32, ClusterCount);
+    // Bottlenecks and cluster counts the planner reached before its search was
+    // pruned and sped up, recorded with the straightforward DP. The pruning is
+    // meant to leave plans unchanged; this holds it to at least never doing worse.
+    let recorded: &[(Case, f64, usize)] = &[
+        ((40, 60, 3, 8, 1, Fixed(1)), 6.488847980569731e-4, 1),
+        ((40, 60, 3, 8, 1, Fixed(3)), 7.590027804867021e-4, 3),
+        ((40, 60, 3, 8, 1, Auto), 1.232916743871945e-3, 13),
+        ((64, 120, 7, 32, 1, Fixed(1)), 2.6593630876263407e-3, 1),
+        ((64, 120, 7, 32, 1, Fixed(4)), 3.575225338914789e-3, 4),
+        ((64, 120, 7, 32, 1, Auto), 5.2060118643208735e-3, 13),
+        ((96, 200, 11, 16, 1, Fixed(1)), 1.3759066616212084e-3, 1),
+        ((96, 200, 11, 16, 1, Fixed(10)), 2.122498764831611e-3, 10),
+        ((96, 200, 11, 16, 1, Auto), 2.56573140077426e-3, 14),
+        ((24, 20, 5, 4, 1, Fixed(4)), 3.11912299416605e-4, 4),
+        ((24, 20, 5, 4, 1, Auto), 3.11912299416605e-4, 4),
+        ((48, 80, 9, 64, 4, Fixed(2)), 5.741741338950337e-3, 2),
+        ((48, 80, 9, 64, 4, Auto), 1.0153108556083488e-2, 17),
+    ];
+    for &((nodes, count, seed, micro_batch, in_flight, clusters), before, before_clusters) in
+        recorded
+    {
+        let g = synthetic_chain(nodes);
+        let provs = synthetic_providers(count, seed);
+        let o = PlanOptions {
+            micro_batch,
+            clusters,
+            in_flight_micro_batches: in_flight,
+            ..PlanOptions::default()
+        };
+        let plan = clusterize(&g, &provs, &o).unwrap();
+        check_plan(&g, &provs, &plan);
+        let case = format!("{nodes} nodes, {count} providers (seed {seed}), {clusters:?}");
+        let (now, now_clusters) = (plan.bottleneck_s(), plan.clusters.len());
+        // Auto trades bottleneck for clusters: fewer clusters would be worse, more
+        // may rightly cost bottleneck (within the auto factor of the single cluster).
+        assert!(
+            now_clusters >= before_clusters,
+            "{case}: {now_clusters} clusters, was {before_clusters}"
+        );
+        if now_clusters == before_clusters {
+            assert!(
+                now <= before * (1.0 + 1e-9),
+                "{case}: bottleneck {now} s, was {before} s"
+            );
+        }
+    }
 }

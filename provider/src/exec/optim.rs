@@ -1,0 +1,494 @@
+//! Optimizers written out with no-grad tensor ops, following PyTorch's
+//! single-tensor (`foreach=False`) implementations in `torch/optim/*.py` line by
+//! line, so a stage steps exactly as `torch.optim` would: SGD (momentum,
+//! dampening, Nesterov, weight decay), Adam and AdamW (optionally AMSGrad) and
+//! RMSprop (momentum, centered). State is kept per parameter name, so each
+//! stage's optimizer holds only its own parameters' state, and averaging
+//! parameters by name across clusters leaves it in place.
+//!
+//! ATen's `add(other, alpha)` / `addcmul(.., value)` / `addcdiv(.., value)`
+//! have no tch binding with the scalar, so they are spelled as a multiply then
+//! an add: the same formula, which can differ from the fused kernels in the last
+//! bit of a float. In-place tch ops also return a handle to the tensor they
+//! changed; `let _ =` drops those handles.
+
+use std::collections::BTreeMap;
+
+use tch::Tensor;
+
+use super::ExecError;
+
+/// Hyper-parameters, named as in `torch.optim`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OptimizerConfig {
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        nesterov: bool,
+        weight_decay: f64,
+    },
+    /// `torch.optim.Adam`: weight decay added to the gradient (L2).
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+    },
+    /// `torch.optim.AdamW`: weight decay applied to the parameter (decoupled).
+    AdamW {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+    },
+    RmsProp {
+        lr: f64,
+        alpha: f64,
+        eps: f64,
+        weight_decay: f64,
+        momentum: f64,
+        centered: bool,
+    },
+}
+
+impl OptimizerConfig {
+    /// `torch.optim.SGD(lr=lr)` defaults: no momentum, no weight decay.
+    pub fn sgd(lr: f64) -> Self {
+        OptimizerConfig::Sgd {
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// `torch.optim.Adam(lr=lr)` defaults: betas (0.9, 0.999), eps 1e-8.
+    pub fn adam(lr: f64) -> Self {
+        OptimizerConfig::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+        }
+    }
+
+    /// `torch.optim.AdamW(lr=lr)` defaults: as Adam with weight decay 0.01.
+    pub fn adamw(lr: f64) -> Self {
+        OptimizerConfig::AdamW {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            amsgrad: false,
+        }
+    }
+
+    /// `torch.optim.RMSprop(lr=lr)` defaults: alpha 0.99, eps 1e-8.
+    pub fn rmsprop(lr: f64) -> Self {
+        OptimizerConfig::RmsProp {
+            lr,
+            alpha: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            momentum: 0.0,
+            centered: false,
+        }
+    }
+
+    pub fn lr(&self) -> f64 {
+        match *self {
+            OptimizerConfig::Sgd { lr, .. }
+            | OptimizerConfig::Adam { lr, .. }
+            | OptimizerConfig::AdamW { lr, .. }
+            | OptimizerConfig::RmsProp { lr, .. } => lr,
+        }
+    }
+
+    /// The checks `torch.optim` constructors make, with their wording.
+    fn validate(&self) -> Result<(), String> {
+        let non_negative = |what: &str, v: f64| {
+            if v >= 0.0 && v.is_finite() {
+                Ok(())
+            } else {
+                Err(format!("Invalid {what}: {v}"))
+            }
+        };
+        let beta = |i: usize, v: f64| {
+            if (0.0..1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!("Invalid beta parameter at index {i}: {v}"))
+            }
+        };
+        non_negative("learning rate", self.lr())?;
+        match *self {
+            OptimizerConfig::Sgd {
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+                ..
+            } => {
+                non_negative("momentum value", momentum)?;
+                non_negative("weight_decay value", weight_decay)?;
+                if !dampening.is_finite() {
+                    return Err(format!("Invalid dampening value: {dampening}"));
+                }
+                if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+                    return Err("Nesterov momentum requires a momentum and zero dampening".into());
+                }
+            }
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            }
+            | OptimizerConfig::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => {
+                non_negative("epsilon value", eps)?;
+                beta(0, beta1)?;
+                beta(1, beta2)?;
+                non_negative("weight_decay value", weight_decay)?;
+            }
+            OptimizerConfig::RmsProp {
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                ..
+            } => {
+                non_negative("epsilon value", eps)?;
+                non_negative("momentum value", momentum)?;
+                non_negative("weight_decay value", weight_decay)?;
+                non_negative("alpha value", alpha)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One parameter's state; which slots are used depends on the optimizer.
+#[derive(Debug, Default)]
+struct ParamState {
+    step: u64,
+    momentum_buffer: Option<Tensor>,
+    exp_avg: Option<Tensor>,
+    exp_avg_sq: Option<Tensor>,
+    max_exp_avg_sq: Option<Tensor>,
+    square_avg: Option<Tensor>,
+    grad_avg: Option<Tensor>,
+}
+
+/// An optimizer with per-parameter state, keyed by parameter name.
+#[derive(Debug)]
+pub struct Optimizer {
+    config: OptimizerConfig,
+    state: BTreeMap<String, ParamState>,
+}
+
+/// The slot's tensor, created as zeros like `like` on first use (as PyTorch's
+/// lazy state initialisation does).
+fn slot<'a>(slot: &'a mut Option<Tensor>, like: &Tensor) -> Result<&'a mut Tensor, ExecError> {
+    if slot.is_none() {
+        *slot = Some(like.f_zeros_like()?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| ExecError::Optimizer("state slot vanished".into()))
+}
+
+impl Optimizer {
+    pub fn new(config: OptimizerConfig) -> Result<Self, ExecError> {
+        config.validate().map_err(ExecError::Optimizer)?;
+        Ok(Self {
+            config,
+            state: BTreeMap::new(),
+        })
+    }
+
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
+    /// Changes the learning rate (for schedules), keeping the state.
+    pub fn set_lr(&mut self, lr: f64) -> Result<(), ExecError> {
+        let mut config = self.config;
+        match &mut config {
+            OptimizerConfig::Sgd { lr: l, .. }
+            | OptimizerConfig::Adam { lr: l, .. }
+            | OptimizerConfig::AdamW { lr: l, .. }
+            | OptimizerConfig::RmsProp { lr: l, .. } => *l = lr,
+        }
+        config.validate().map_err(ExecError::Optimizer)?;
+        self.config = config;
+        Ok(())
+    }
+
+    /// Steps taken for parameter `name` (0 before its first update).
+    pub fn steps(&self, name: &str) -> u64 {
+        self.state.get(name).map_or(0, |s| s.step)
+    }
+
+    /// Updates `param` in place from `grad` (neither is tracked by autograd
+    /// during the update). `param` must be the tensor the model reads.
+    pub fn update(&mut self, name: &str, param: &Tensor, grad: &Tensor) -> Result<(), ExecError> {
+        if param.size() != grad.size() {
+            return Err(ExecError::Optimizer(format!(
+                "gradient of `{name}` has shape {:?}, the parameter {:?}",
+                grad.size(),
+                param.size()
+            )));
+        }
+        let config = self.config;
+        let state = self.state.entry(name.to_string()).or_default();
+        let grad = grad.f_detach()?;
+        tch::no_grad(|| match config {
+            OptimizerConfig::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => sgd(
+                param,
+                grad,
+                state,
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            ),
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            } => adam(
+                param,
+                grad,
+                state,
+                AdamArgs {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    amsgrad,
+                    decoupled: false,
+                },
+            ),
+            OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            } => adam(
+                param,
+                grad,
+                state,
+                AdamArgs {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    amsgrad,
+                    decoupled: true,
+                },
+            ),
+            OptimizerConfig::RmsProp {
+                lr,
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+            } => rmsprop(
+                param,
+                grad,
+                state,
+                lr,
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+            ),
+        })
+    }
+}
+
+/// `grad + alpha * other`, as `grad.add(other, alpha=alpha)`.
+fn add_scaled(t: &Tensor, other: &Tensor, alpha: f64) -> Result<Tensor, ExecError> {
+    Ok(if alpha == 1.0 {
+        t.f_add(other)?
+    } else {
+        t.f_add(&other.f_mul_scalar(alpha)?)?
+    })
+}
+
+/// `_single_tensor_sgd`.
+#[allow(clippy::too_many_arguments)]
+fn sgd(
+    param: &Tensor,
+    grad: Tensor,
+    state: &mut ParamState,
+    lr: f64,
+    momentum: f64,
+    dampening: f64,
+    nesterov: bool,
+    weight_decay: f64,
+) -> Result<(), ExecError> {
+    let mut p = param.shallow_clone();
+    let mut d_p = grad;
+    if weight_decay != 0.0 {
+        d_p = add_scaled(&d_p, &p, weight_decay)?;
+    }
+    if momentum != 0.0 {
+        let buf = match state.momentum_buffer.take() {
+            // The first step copies the gradient: no dampening applied to it.
+            None => d_p.f_detach_copy()?,
+            Some(mut buf) => {
+                let _ = buf.f_mul_scalar_(momentum)?;
+                let _ = buf.f_add_(&if dampening == 0.0 {
+                    d_p.shallow_clone()
+                } else {
+                    d_p.f_mul_scalar(1.0 - dampening)?
+                })?;
+                buf
+            }
+        };
+        d_p = if nesterov {
+            add_scaled(&d_p, &buf, momentum)?
+        } else {
+            buf.shallow_clone()
+        };
+        state.momentum_buffer = Some(buf);
+    }
+    state.step += 1;
+    let _ = p.f_add_(&d_p.f_mul_scalar(-lr)?)?;
+    Ok(())
+}
+
+struct AdamArgs {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    amsgrad: bool,
+    decoupled: bool,
+}
+
+/// `_single_tensor_adam` (AdamW is its `decoupled_weight_decay=True` branch).
+fn adam(
+    param: &Tensor,
+    grad: Tensor,
+    state: &mut ParamState,
+    a: AdamArgs,
+) -> Result<(), ExecError> {
+    let mut p = param.shallow_clone();
+    let mut grad = grad;
+    state.step += 1;
+    if a.weight_decay != 0.0 {
+        if a.decoupled {
+            let _ = p.f_mul_scalar_(1.0 - a.lr * a.weight_decay)?;
+        } else {
+            grad = add_scaled(&grad, &p, a.weight_decay)?;
+        }
+    }
+    let exp_avg = slot(&mut state.exp_avg, &p)?;
+    let _ = exp_avg.f_lerp_(&grad, 1.0 - a.beta1)?;
+    let exp_avg = exp_avg.shallow_clone();
+    let exp_avg_sq = slot(&mut state.exp_avg_sq, &p)?;
+    let _ = exp_avg_sq.f_mul_scalar_(a.beta2)?;
+    let _ = exp_avg_sq.f_add_(&grad.f_mul_scalar(1.0 - a.beta2)?.f_mul(&grad)?)?;
+    let exp_avg_sq = exp_avg_sq.shallow_clone();
+
+    // Python floats (f64), as `_get_value(step_t)` makes them.
+    let step = state.step as f64;
+    let bias_correction1 = 1.0 - a.beta1.powf(step);
+    let bias_correction2 = 1.0 - a.beta2.powf(step);
+    let step_size = a.lr / bias_correction1;
+    let bias_correction2_sqrt = bias_correction2.sqrt();
+
+    let second = if a.amsgrad {
+        let max = slot(&mut state.max_exp_avg_sq, &p)?;
+        let m = max.f_maximum(&exp_avg_sq)?;
+        max.f_copy_(&m)?;
+        m
+    } else {
+        exp_avg_sq
+    };
+    let denom = second
+        .f_sqrt()?
+        .f_div_scalar(bias_correction2_sqrt)?
+        .f_add_scalar(a.eps)?;
+    let _ = p.f_add_(&exp_avg.f_div(&denom)?.f_mul_scalar(-step_size)?)?;
+    Ok(())
+}
+
+/// `_single_tensor_rmsprop`.
+#[allow(clippy::too_many_arguments)]
+fn rmsprop(
+    param: &Tensor,
+    grad: Tensor,
+    state: &mut ParamState,
+    lr: f64,
+    alpha: f64,
+    eps: f64,
+    weight_decay: f64,
+    momentum: f64,
+    centered: bool,
+) -> Result<(), ExecError> {
+    let mut p = param.shallow_clone();
+    let mut grad = grad;
+    state.step += 1;
+    if weight_decay != 0.0 {
+        grad = add_scaled(&grad, &p, weight_decay)?;
+    }
+    let square_avg = slot(&mut state.square_avg, &p)?;
+    let _ = square_avg.f_mul_scalar_(alpha)?;
+    let _ = square_avg.f_add_(&grad.f_mul_scalar(1.0 - alpha)?.f_mul(&grad)?)?;
+    let square_avg = square_avg.shallow_clone();
+    let mut avg = if centered {
+        let grad_avg = slot(&mut state.grad_avg, &p)?;
+        let _ = grad_avg.f_lerp_(&grad, 1.0 - alpha)?;
+        let mut v = square_avg.f_sub(&grad_avg.f_mul(grad_avg)?)?;
+        let _ = v.f_sqrt_()?;
+        v
+    } else {
+        square_avg.f_sqrt()?
+    };
+    let _ = avg.f_add_scalar_(eps)?;
+    if momentum > 0.0 {
+        let buf = slot(&mut state.momentum_buffer, &p)?;
+        let _ = buf.f_mul_scalar_(momentum)?;
+        let _ = buf.f_add_(&grad.f_div(&avg)?)?;
+        let buf = buf.shallow_clone();
+        let _ = p.f_add_(&buf.f_mul_scalar(-lr)?)?;
+    } else {
+        let _ = p.f_add_(&grad.f_div(&avg)?.f_mul_scalar(-lr)?)?;
+    }
+    Ok(())
+}
