@@ -78,3 +78,72 @@ mod tests {
         assert_eq!(back, info);
     }
 }
+
+/// One job as listed by `GET /api/jobs` and `GET /api/jobs/{id}`. Times are
+/// Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobInfo {
+    pub id: u64,
+    pub name: String,
+    /// `queued`, `planning`, `running`, `completed`, `failed` or `cancelled`.
+    pub status: String,
+    /// Why a queued job waits, or why a job failed.
+    pub detail: Option<String>,
+    pub created_ms: u64,
+    pub started_ms: Option<u64>,
+    pub finished_ms: Option<u64>,
+    /// Training steps done, of `total_steps` (0 until planned).
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub last_loss: Option<f64>,
+    pub samples_per_s: Option<f64>,
+    /// The planner's answer (clusters, stages, providers), once planned.
+    pub plan: Option<serde_json::Value>,
+}
+
+/// Answer to `POST /api/jobs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobCreated {
+    pub id: u64,
+    /// Things the Requester should know (e.g. an inference-mode ONNX export).
+    pub warnings: Vec<String>,
+}
+
+/// Time one stage spent on a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageMetric {
+    pub cluster: u32,
+    pub stage: u32,
+    pub provider: u64,
+    pub compute_ms: f64,
+    pub idle_ms: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetric {
+    pub step: u64,
+    pub epoch: u64,
+    /// Mean training loss over every cluster's batch.
+    pub loss: f64,
+    pub samples_per_s: f64,
+    pub elapsed_ms: f64,
+    /// Activation and gradient bytes the server relayed during the step.
+    pub bytes_relayed: u64,
+    pub stages: Vec<StageMetric>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpochMetric {
+    pub epoch: u64,
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+    pub samples: u64,
+}
+
+/// `GET /api/jobs/{id}/metrics`, also written as `metrics.json` by `rookery train`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct JobMetrics {
+    pub steps: Vec<StepMetric>,
+    pub epochs: Vec<EpochMetric>,
+}

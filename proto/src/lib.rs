@@ -11,15 +11,23 @@
 //! axum, tch or wgpu.
 
 pub mod api;
+pub mod tensor;
+pub mod train;
 
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+pub use tensor::{TensorError, WireDType, WireTensor};
+pub use train::{
+    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
+    WireLoss, WireOptimizer,
+};
 
 /// Bumped on every incompatible change to [`ToServer`] or [`ToProvider`].
 ///
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Default largest frame a peer may send. Tensor payloads of later protocol
 /// messages fit well inside; anything larger is a misbehaving peer.
@@ -101,9 +109,27 @@ pub enum ToServer {
     /// First frame of every connection. Must stay variant 0.
     Hello(Hello),
     /// Liveness; the server answers with [`ToProvider::Heartbeat`] of the same `seq`.
-    Heartbeat { seq: u64 },
+    Heartbeat {
+        seq: u64,
+    },
     /// The provider reports a problem it will not recover from on this connection.
     Error(ErrorMessage),
+    /// The stage of [`Assignment`] is built and waits for data.
+    Ready {
+        job_id: u64,
+    },
+    Activations(Activations),
+    Gradients(Gradients),
+    LeafLoss(LeafLoss),
+    StepDone(StepDone),
+    /// Answer to [`ToProvider::UploadParams`].
+    Params(ParamSet),
+    /// The provider cannot go on with the job (bad assignment, out of memory,
+    /// a libtorch error); the server reassigns or fails the job.
+    JobFailed {
+        job_id: u64,
+        message: String,
+    },
 }
 
 /// Frames the server sends to a provider.
@@ -122,6 +148,23 @@ pub enum ToProvider {
     },
     /// The server rejects something; it closes the connection right after.
     Error(ErrorMessage),
+    /// Build a stage; the provider answers [`ToServer::Ready`].
+    Assign(Box<Assignment>),
+    Forward(Forward),
+    Backward(Backward),
+    /// Send the stage's current parameters as [`ToServer::Params`].
+    UploadParams {
+        job_id: u64,
+        step: u64,
+    },
+    /// Replace the stage's parameters (the cross-cluster average); optimizer
+    /// state stays.
+    SetParams(ParamSet),
+    /// The job is over for this provider (finished, cancelled or reassigned):
+    /// drop the stage.
+    Release {
+        job_id: u64,
+    },
 }
 
 /// Everything that can go wrong turning bytes into a message.
@@ -219,7 +262,53 @@ mod tests {
                 code: ErrorCode::Internal,
                 message: "out of memory".into(),
             }),
+            ToServer::Ready { job_id: 1 },
+            ToServer::Activations(Activations {
+                job_id: 1,
+                phase: Phase::Eval { epoch: 2 },
+                micro: 3,
+                outputs: vec![tensor()],
+                compute_ms: 1.5,
+            }),
+            ToServer::Gradients(Gradients {
+                job_id: 1,
+                step: 9,
+                micro: 0,
+                grads: vec![tensor(), tensor()],
+                compute_ms: 0.0,
+            }),
+            ToServer::LeafLoss(LeafLoss {
+                job_id: 1,
+                phase: Phase::Train { step: 4 },
+                micro: 1,
+                loss_sum: 2.5,
+                correct: 3,
+                samples: 4,
+            }),
+            ToServer::StepDone(StepDone {
+                job_id: 1,
+                step: 4,
+                compute_ms: 12.0,
+            }),
+            ToServer::Params(ParamSet {
+                job_id: 1,
+                step: 5,
+                params: vec![tensor()],
+            }),
+            ToServer::JobFailed {
+                job_id: 1,
+                message: "no memory".into(),
+            },
         ]
+    }
+
+    fn tensor() -> WireTensor {
+        WireTensor::from_f32(
+            "fc.weight",
+            &[2, 3],
+            &[1., 2., 3., 4., 5., 6.],
+            WireDType::Bf16,
+        )
     }
 
     fn every_to_provider() -> Vec<ToProvider> {
@@ -230,6 +319,52 @@ mod tests {
                 heartbeat_timeout_ms: 5000,
             },
             ToProvider::Heartbeat { seq: 3 },
+            ToProvider::Assign(Box::new(Assignment {
+                job_id: 1,
+                cluster: 1,
+                stage: 2,
+                stages: 3,
+                graph_json: "{}".into(),
+                first: 4,
+                end: 7,
+                outputs: vec!["fc2".into()],
+                params: vec![tensor()],
+                optimizer: WireOptimizer::Adam {
+                    lr: 1e-3,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.0,
+                    amsgrad: false,
+                },
+                loss: WireLoss::CrossEntropy,
+                batch_size: 64,
+                micro_batches: 4,
+                wire_dtype: WireDType::F16,
+                seed: 42,
+                start_step: 0,
+            })),
+            ToProvider::Forward(Forward {
+                job_id: 1,
+                phase: Phase::Train { step: 0 },
+                micro: 2,
+                step_samples: 64,
+                inputs: vec![tensor()],
+                labels: Some(WireTensor::from_i64("labels", &[2], &[1, 7])),
+            }),
+            ToProvider::Backward(Backward {
+                job_id: 1,
+                step: 0,
+                micro: 2,
+                grads: vec![tensor()],
+            }),
+            ToProvider::UploadParams { job_id: 1, step: 3 },
+            ToProvider::SetParams(ParamSet {
+                job_id: 1,
+                step: 3,
+                params: vec![],
+            }),
+            ToProvider::Release { job_id: 1 },
         ];
         for code in [
             ErrorCode::VersionMismatch,

@@ -1,14 +1,24 @@
 //! The provider's side of the WebSocket protocol: one session (generic over
 //! `Sink`/`Stream` so tests drive it with channels) and a supervisor that
 //! reconnects with backoff until shutdown.
+//!
+//! Training messages go to a [`Trainer`] on a thread of its own: a libtorch
+//! call can take longer than the heartbeat timeout, and the session must keep
+//! answering the server meanwhile. The thread takes messages in arrival order
+//! and its replies are sent as each message's work finishes.
 
 use std::fmt::Display;
-use std::time::{Duration, Instant};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc as std_mpsc;
+use std::time::Duration;
 
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use rookery_proto::{DEFAULT_MAX_FRAME_BYTES, ErrorCode, Hello, ToProvider, ToServer};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::Message;
+
+use crate::trainer::{Trainer, is_training_message, job_of};
 
 /// How long to wait for `Welcome` after sending `Hello`.
 const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
@@ -25,12 +35,14 @@ pub enum SessionEnd {
 }
 
 /// Runs one connection: `Hello`, wait for `Welcome`, then heartbeat until the
-/// connection ends or `shutdown` turns true.
+/// connection ends or `shutdown` turns true, handing training messages to
+/// `trainer` (on its own thread) and sending its replies.
 pub async fn run_session<Si, St, E>(
     sink: &mut Si,
     stream: &mut St,
     hello: &Hello,
     shutdown: &mut watch::Receiver<bool>,
+    trainer: Box<dyn Trainer>,
 ) -> SessionEnd
 where
     Si: Sink<Message> + Unpin,
@@ -58,6 +70,12 @@ where
         };
     tracing::info!(provider_id = id, "joined the server");
 
+    let mut worker = match TrainerThread::spawn(trainer) {
+        Ok(worker) => worker,
+        Err(error) => {
+            return SessionEnd::Lost(format!("cannot start the training thread: {error}"));
+        }
+    };
     let mut ticker = tokio::time::interval(interval);
     let mut seq = 0u64;
     let mut last_heard = Instant::now();
@@ -75,9 +93,31 @@ where
                 seq += 1;
             }
             message = next_message(stream) => match message {
-                Ok(ToProvider::Heartbeat { .. }) => last_heard = Instant::now(),
-                Ok(other) => return refused(other),
+                Ok(message) => {
+                    last_heard = Instant::now();
+                    match message {
+                        ToProvider::Heartbeat { .. } => {}
+                        message if is_training_message(&message) => {
+                            if worker.inbox.send(message).is_err() {
+                                return SessionEnd::Lost("the training thread stopped".into());
+                            }
+                        }
+                        other => return refused(other),
+                    }
+                }
                 Err(end) => return end,
+            },
+            replies = worker.replies.recv() => match replies {
+                Some(replies) => {
+                    for reply in &replies {
+                        if let Err(end) = send(sink, reply).await {
+                            return end;
+                        }
+                    }
+                }
+                // Only a crash ends the thread while the session holds its inbox;
+                // a fresh session gets a fresh trainer.
+                None => return SessionEnd::Lost("the training thread crashed".into()),
             },
             changed = shutdown.changed() => {
                 if changed.is_err() || *shutdown.borrow() {
@@ -87,6 +127,52 @@ where
                 }
             }
         }
+    }
+}
+
+/// The session's end of the trainer's thread. Dropping it closes the inbox, and
+/// the thread ends after the message it is working on.
+struct TrainerThread {
+    inbox: std_mpsc::Sender<ToProvider>,
+    replies: mpsc::UnboundedReceiver<Vec<ToServer>>,
+}
+
+impl TrainerThread {
+    fn spawn(mut trainer: Box<dyn Trainer>) -> std::io::Result<Self> {
+        let (inbox, messages) = std_mpsc::channel::<ToProvider>();
+        let (reply_tx, replies) = mpsc::unbounded_channel();
+        std::thread::Builder::new()
+            .name("rookery-trainer".into())
+            .spawn(move || {
+                while let Ok(message) = messages.recv() {
+                    let job = job_of(&message);
+                    match catch_unwind(AssertUnwindSafe(|| trainer.handle(message))) {
+                        Ok(out) => {
+                            if reply_tx.send(out).is_err() {
+                                return;
+                            }
+                        }
+                        Err(panic) => {
+                            // The trainer's state is unknown after a panic: report
+                            // the job failed and stop, which ends the session.
+                            let reason = panic
+                                .downcast_ref::<&str>()
+                                .map(|s| (*s).to_string())
+                                .or_else(|| panic.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "unknown panic".into());
+                            tracing::error!(%reason, "the trainer panicked");
+                            if let Some(job_id) = job {
+                                let _ = reply_tx.send(vec![ToServer::JobFailed {
+                                    job_id,
+                                    message: format!("the provider's trainer crashed: {reason}"),
+                                }]);
+                            }
+                            return;
+                        }
+                    }
+                }
+            })?;
+        Ok(Self { inbox, replies })
     }
 }
 
@@ -184,12 +270,15 @@ pub fn provider_url(server: &str) -> String {
     }
 }
 
-/// Connects, runs sessions and reconnects with backoff until shutdown.
+/// Connects, runs sessions and reconnects with backoff until shutdown, each
+/// session with a fresh trainer from `make_trainer` (the server forgets a lost
+/// provider's stages, so none survive a reconnect).
 /// Returns an error only for refusals that retrying cannot fix.
 pub async fn run(
     url: &str,
     hello: &Hello,
     mut shutdown: watch::Receiver<bool>,
+    make_trainer: impl Fn() -> Box<dyn Trainer>,
 ) -> Result<(), String> {
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     loop {
@@ -202,9 +291,11 @@ pub async fn run(
         };
         match connected {
             Ok((socket, _)) => {
-                let started = Instant::now();
+                let started = std::time::Instant::now();
                 let (mut sink, mut stream) = socket.split();
-                match run_session(&mut sink, &mut stream, hello, &mut shutdown).await {
+                match run_session(&mut sink, &mut stream, hello, &mut shutdown, make_trainer())
+                    .await
+                {
                     SessionEnd::Shutdown => return Ok(()),
                     SessionEnd::Fatal(reason) => return Err(reason),
                     SessionEnd::Lost(reason) => {
@@ -230,6 +321,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trainer::NoTorch;
     use futures_channel::mpsc;
     use rookery_proto::{ErrorMessage, PROTOCOL_VERSION, ProviderKind};
 
@@ -293,7 +385,14 @@ mod tests {
             .unwrap();
         let (stop_tx, mut stop_rx) = watch::channel(false);
         let session = tokio::spawn(async move {
-            run_session(&mut out_tx, &mut in_rx, &hello(), &mut stop_rx).await
+            run_session(
+                &mut out_tx,
+                &mut in_rx,
+                &hello(),
+                &mut stop_rx,
+                Box::new(NoTorch),
+            )
+            .await
         });
         assert_eq!(sent(out_rx.next().await.unwrap()), ToServer::Hello(hello()));
         for expected in 0..3 {
@@ -324,7 +423,14 @@ mod tests {
                     message: "nope".into(),
                 }))]);
             let (_stop_tx, mut stop_rx) = watch::channel(false);
-            let end = run_session(&mut out_tx, &mut incoming, &hello(), &mut stop_rx).await;
+            let end = run_session(
+                &mut out_tx,
+                &mut incoming,
+                &hello(),
+                &mut stop_rx,
+                Box::new(NoTorch),
+            )
+            .await;
             assert_eq!(
                 matches!(end, SessionEnd::Fatal(_)),
                 fatal,
@@ -345,7 +451,14 @@ mod tests {
             }))
             .unwrap();
         let (_stop_tx, mut stop_rx) = watch::channel(false);
-        let end = run_session(&mut out_tx, &mut in_rx, &hello(), &mut stop_rx).await;
+        let end = run_session(
+            &mut out_tx,
+            &mut in_rx,
+            &hello(),
+            &mut stop_rx,
+            Box::new(NoTorch),
+        )
+        .await;
         assert!(
             matches!(end, SessionEnd::Lost(ref r) if r.contains("no answer")),
             "{end:?}"

@@ -1,5 +1,5 @@
 //! Rookery's native provider: measures this machine, joins a server over the
-//! provider WebSocket, and (in later protocol versions) runs model stages with
+//! provider WebSocket and runs the model stages the server assigns with
 //! libtorch. Every provider runs this same program; its role comes from the
 //! server's assignment.
 
@@ -8,3 +8,7 @@ pub mod connection;
 /// Runs model stages with libtorch: forward, backward, losses, optimizers.
 #[cfg(feature = "torch")]
 pub mod exec;
+pub mod trainer;
+/// Runs the stage the server assigns: training messages in, replies out.
+#[cfg(feature = "torch")]
+pub mod worker;

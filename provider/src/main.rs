@@ -77,13 +77,38 @@ async fn run() -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
+    let make_trainer = trainer_factory(cli.device)?;
     let url = connection::provider_url(&cli.server);
     tracing::info!(%url, "connecting");
-    connection::run(&url, &hello, stop_rx)
+    connection::run(&url, &hello, stop_rx, make_trainer)
         .await
         .map_err(|reason| anyhow::anyhow!("the server refused this provider: {reason}"))?;
     println!("rookery-provider stopped");
     Ok(())
+}
+
+/// Builds each session's trainer: libtorch stages on the chosen device, or,
+/// in a build without libtorch, one that refuses every job with the reason.
+#[cfg(feature = "torch")]
+fn trainer_factory(
+    choice: DeviceChoice,
+) -> anyhow::Result<impl Fn() -> Box<dyn rookery_provider::trainer::Trainer>> {
+    let device = backend::torch::TorchBackend::new(choice)
+        .context("choosing the training device")?
+        .device();
+    Ok(move || {
+        Box::new(rookery_provider::worker::StageWorker::new(device))
+            as Box<dyn rookery_provider::trainer::Trainer>
+    })
+}
+
+#[cfg(not(feature = "torch"))]
+fn trainer_factory(
+    _choice: DeviceChoice,
+) -> anyhow::Result<impl Fn() -> Box<dyn rookery_provider::trainer::Trainer>> {
+    Ok(|| {
+        Box::new(rookery_provider::trainer::NoTorch) as Box<dyn rookery_provider::trainer::Trainer>
+    })
 }
 
 fn default_name() -> String {

@@ -12,7 +12,8 @@ use rusqlite::Connection;
 
 /// Schema changes, applied in order; `PRAGMA user_version` records how many
 /// have run. Append only: never edit a migration that has shipped.
-const MIGRATIONS: &[&str] = &["CREATE TABLE providers (
+const MIGRATIONS: &[&str] = &[
+    "CREATE TABLE providers (
         id              INTEGER PRIMARY KEY AUTOINCREMENT,
         name            TEXT    NOT NULL,
         kind            TEXT    NOT NULL,
@@ -23,7 +24,44 @@ const MIGRATIONS: &[&str] = &["CREATE TABLE providers (
         last_heartbeat_ms INTEGER NOT NULL,
         gone_ms         INTEGER,
         gone_reason     TEXT
-    );"];
+    );",
+    "CREATE TABLE jobs (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        name            TEXT    NOT NULL,
+        status          TEXT    NOT NULL,
+        detail          TEXT,
+        spec_json       TEXT    NOT NULL,
+        dir             TEXT    NOT NULL,
+        created_ms      INTEGER NOT NULL,
+        started_ms      INTEGER,
+        finished_ms     INTEGER,
+        step            INTEGER NOT NULL DEFAULT 0,
+        total_steps     INTEGER NOT NULL DEFAULT 0,
+        epoch           INTEGER NOT NULL DEFAULT 0,
+        last_loss       REAL,
+        samples_per_s   REAL,
+        plan_json       TEXT
+    );
+    CREATE TABLE job_steps (
+        job_id          INTEGER NOT NULL REFERENCES jobs(id),
+        step            INTEGER NOT NULL,
+        epoch           INTEGER NOT NULL,
+        loss            REAL    NOT NULL,
+        samples_per_s   REAL    NOT NULL,
+        elapsed_ms      REAL    NOT NULL,
+        bytes_relayed   INTEGER NOT NULL,
+        stages_json     TEXT    NOT NULL,
+        PRIMARY KEY (job_id, step)
+    );
+    CREATE TABLE job_epochs (
+        job_id          INTEGER NOT NULL REFERENCES jobs(id),
+        epoch           INTEGER NOT NULL,
+        test_loss       REAL    NOT NULL,
+        test_accuracy   REAL    NOT NULL,
+        samples         INTEGER NOT NULL,
+        PRIMARY KEY (job_id, epoch)
+    );",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {

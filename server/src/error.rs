@@ -12,6 +12,14 @@ use crate::db::DbError;
 pub enum AppError {
     #[error("not found: {0}")]
     NotFound(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error(transparent)]
     Db(#[from] DbError),
 }
@@ -20,6 +28,16 @@ impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let (status, message) = match &self {
             AppError::NotFound(what) => (StatusCode::NOT_FOUND, format!("not found: {what}")),
+            AppError::BadRequest(why) => (StatusCode::BAD_REQUEST, why.clone()),
+            AppError::Unauthorized(why) => (StatusCode::UNAUTHORIZED, (*why).to_owned()),
+            AppError::Conflict(why) => (StatusCode::CONFLICT, why.clone()),
+            AppError::Internal(error) => {
+                tracing::error!(%error, "request failed");
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal error; see the server log".to_owned(),
+                )
+            }
             AppError::Db(error) => {
                 tracing::error!(%error, "request failed on the database");
                 (

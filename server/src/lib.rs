@@ -6,11 +6,17 @@
 //! `rookery` binary in `main.rs` parses the command line. Nothing here links
 //! libtorch or a GPU API: the server only coordinates and relays.
 
+pub mod auth;
+pub mod client;
+pub mod coordinator;
 pub mod db;
 pub mod error;
 pub mod http;
+pub mod job_api;
+pub mod jobs;
 pub mod plan_cli;
 pub mod providers;
+pub mod run;
 pub mod ws;
 
 use std::future::Future;
@@ -18,11 +24,14 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::routing::get;
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
+use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tower_http::services::{ServeDir, ServeFile};
 use tower_http::trace::TraceLayer;
 
+use crate::coordinator::Coordinator;
 use crate::db::{Db, DbError};
 
 /// Bounds every peer must stay within.
@@ -33,6 +42,8 @@ pub struct Limits {
     pub heartbeat_interval: Duration,
     /// Silence after which a provider is dropped and marked gone.
     pub heartbeat_timeout: Duration,
+    /// Largest job upload (model, data and job file together).
+    pub max_upload_bytes: usize,
 }
 
 impl Default for Limits {
@@ -41,6 +52,7 @@ impl Default for Limits {
             max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES,
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(4),
+            max_upload_bytes: 512 << 20,
         }
     }
 }
@@ -52,35 +64,87 @@ pub struct AppState {
     pub limits: Limits,
     /// A built dashboard (`index.html` + `pkg/`), if there is one.
     pub web_dir: Option<PathBuf>,
+    /// Uploaded job files, checkpoints and weights live under `jobs/` here.
+    pub data_dir: PathBuf,
+    /// The Requester's API token; job endpoints require it.
+    pub api_token: auth::Token,
+    pub coordinator: Coordinator,
 }
 
 impl AppState {
-    pub fn new(db: Db, limits: Limits, web_dir: Option<PathBuf>) -> Self {
+    /// A state over `db`, with job files under `data_dir`. Starts the
+    /// coordinator, so it must run inside a tokio runtime.
+    pub fn new(
+        db: Db,
+        limits: Limits,
+        web_dir: Option<PathBuf>,
+        data_dir: PathBuf,
+        api_token: auth::Token,
+    ) -> Self {
+        let coordinator = Coordinator::spawn(db.clone(), data_dir.clone());
         Self {
             db,
             limits,
             web_dir,
+            data_dir,
+            api_token,
+            coordinator,
         }
     }
 
     /// Opens the data directory for a starting server: whoever the previous
-    /// process saw connected has no socket any more.
+    /// process saw connected has no socket any more, and jobs it was running
+    /// go back to the queue. The API token is created on first start.
     pub async fn open(
         data_dir: &std::path::Path,
         limits: Limits,
         web_dir: Option<PathBuf>,
-    ) -> Result<Self, DbError> {
+    ) -> Result<Self, OpenError> {
         let db = Db::open_in_dir(data_dir)?;
         providers::mark_all_gone(&db, now_ms(), "server restarted").await?;
-        Ok(Self::new(db, limits, web_dir))
+        jobs::requeue_interrupted(&db).await?;
+        let token = auth::Token::load_or_create(data_dir).map_err(|source| OpenError::Token {
+            path: auth::token_path(data_dir).display().to_string(),
+            source,
+        })?;
+        Ok(Self::new(
+            db,
+            limits,
+            web_dir,
+            data_dir.to_path_buf(),
+            token,
+        ))
     }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Db(#[from] DbError),
+    #[error("cannot read or create the API token file {path}: {source}")]
+    Token {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 /// The whole HTTP surface of the server.
 pub fn app(state: AppState) -> Router {
+    let jobs = Router::new()
+        .route("/jobs", get(job_api::list).post(job_api::create))
+        .route("/jobs/{id}", get(job_api::get))
+        .route("/jobs/{id}/metrics", get(job_api::metrics))
+        .route("/jobs/{id}/cancel", post(job_api::cancel))
+        .route("/jobs/{id}/weights", get(job_api::weights))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ))
+        .layer(DefaultBodyLimit::max(state.limits.max_upload_bytes));
     let api = Router::new()
         .route("/providers", get(http::list_providers))
         .route("/health", get(http::health))
+        .merge(jobs)
         .fallback(http::api_not_found);
     let router = Router::new()
         .nest("/api", api)

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use rookery_server::client::Client;
 use rookery_server::{AppState, Limits};
 
 #[derive(Parser, Debug)]
@@ -25,11 +26,81 @@ enum Command {
     Serve(ServeArgs),
     /// Show how a model would be split over a set of providers.
     Plan(PlanArgs),
+    /// Submit a job file (and the files it names) to a server; prints the job id.
+    Submit {
+        job: PathBuf,
+        #[command(flatten)]
+        server: ServerArgs,
+    },
+    /// List the server's jobs.
+    Jobs {
+        #[command(flatten)]
+        server: ServerArgs,
+    },
+    /// Follow a job with a progress bar until it finishes.
+    Watch {
+        id: u64,
+        #[command(flatten)]
+        server: ServerArgs,
+    },
+    /// Download a job's trained weights (safetensors).
+    Download {
+        id: u64,
+        #[arg(short, long, default_value = "weights.safetensors")]
+        out: PathBuf,
+        #[command(flatten)]
+        server: ServerArgs,
+    },
+    /// Cancel a job.
+    Cancel {
+        id: u64,
+        #[command(flatten)]
+        server: ServerArgs,
+    },
+    /// Train a job here: an embedded server and N local providers; writes
+    /// DIR/weights.safetensors and DIR/metrics.json.
+    Train(TrainArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServerArgs {
+    /// The server, e.g. http://127.0.0.1:8080.
+    #[arg(long, env = "ROOKERY_SERVER", default_value = "http://127.0.0.1:8080")]
+    server: String,
+    /// The API token the server printed (default: read from ./rookery-data/api-token).
+    #[arg(long, env = "ROOKERY_TOKEN")]
+    token: Option<String>,
+}
+
+impl ServerArgs {
+    fn client(&self) -> anyhow::Result<Client> {
+        let token = match &self.token {
+            Some(token) => token.clone(),
+            None => std::fs::read_to_string("rookery-data/api-token").context(
+                "no API token: pass --token (or set ROOKERY_TOKEN) with the token the server printed",
+            )?,
+        };
+        Ok(Client::new(&self.server, &token))
+    }
+}
+
+#[derive(clap::Args, Debug)]
+struct TrainArgs {
+    job: PathBuf,
+    /// How many local `rookery-provider` processes to start.
+    #[arg(long, default_value_t = 3)]
+    local_providers: usize,
+    /// Where weights.safetensors and metrics.json go.
+    #[arg(long, default_value = "rookery-out")]
+    out: PathBuf,
+    /// The provider binary (default: `rookery-provider` beside this program).
+    #[arg(long, env = "ROOKERY_PROVIDER_BIN")]
+    provider_bin: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
 struct PlanArgs {
-    /// The model: a layer-spec `.toml` file.
+    /// The model: an ONNX export (`.onnx`) or a layer-spec `.toml` file.
     #[arg(long)]
     model: PathBuf,
     /// One sample's shape, e.g. 1,28,28 (overrides the model file's own).
@@ -113,7 +184,131 @@ async fn run() -> anyhow::Result<()> {
             println!("{plan}");
             Ok(())
         }
+        Command::Submit { job, server } => {
+            let created = server.client()?.submit(&job).await?;
+            for warning in &created.warnings {
+                eprintln!("warning: {warning}");
+            }
+            println!("{}", created.id);
+            Ok(())
+        }
+        Command::Jobs { server } => {
+            for job in server.client()?.jobs().await? {
+                println!("{}", rookery_server::client::describe(&job));
+            }
+            Ok(())
+        }
+        Command::Watch { id, server } => {
+            let job = server.client()?.watch(id).await?;
+            finished(&job)
+        }
+        Command::Download { id, out, server } => {
+            let bytes = server.client()?.download(id, &out).await?;
+            println!("wrote {} ({bytes} bytes)", out.display());
+            Ok(())
+        }
+        Command::Cancel { id, server } => {
+            let job = server.client()?.cancel(id).await?;
+            println!("{}", rookery_server::client::describe(&job));
+            Ok(())
+        }
+        Command::Train(args) => train(args).await,
     }
+}
+
+fn finished(job: &rookery_proto::api::JobInfo) -> anyhow::Result<()> {
+    match job.status.as_str() {
+        "completed" => Ok(()),
+        status => anyhow::bail!(
+            "job {} {status}: {}",
+            job.id,
+            job.detail.as_deref().unwrap_or("no reason recorded")
+        ),
+    }
+}
+
+/// `rookery train`: everything on this machine, on loopback.
+async fn train(args: TrainArgs) -> anyhow::Result<()> {
+    if args.local_providers == 0 {
+        anyhow::bail!("--local-providers must be at least 1");
+    }
+    let provider_bin = match args.provider_bin {
+        Some(bin) => bin,
+        None => std::env::current_exe()
+            .context("locating this program")?
+            .with_file_name("rookery-provider"),
+    };
+    if !provider_bin.is_file() {
+        anyhow::bail!(
+            "no provider binary at {} (build it with `cargo build -p rookery-provider --features torch`, or pass --provider-bin)",
+            provider_bin.display()
+        );
+    }
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let data_dir = tempfile::tempdir().context("creating a data directory")?;
+    let state = AppState::open(data_dir.path(), Limits::default(), None).await?;
+    let token = state.api_token.secret().to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(rookery_server::serve(listener, state, async {
+        let _ = stop_rx.await;
+    }));
+    println!(
+        "embedded server on http://{addr}/, starting {} local providers",
+        args.local_providers
+    );
+    let mut children = Vec::new();
+    for i in 0..args.local_providers {
+        let child = tokio::process::Command::new(&provider_bin)
+            .args([
+                "--server",
+                &format!("ws://{addr}"),
+                "--name",
+                &format!("local-{i}"),
+            ])
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", provider_bin.display()))?;
+        children.push(child);
+    }
+    let client = Client::new(&addr.to_string(), &token);
+    client
+        .wait_for_providers(args.local_providers, Duration::from_secs(120))
+        .await?;
+    let created = client.submit(&args.job).await?;
+    for warning in &created.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let job = client.watch(created.id).await?;
+    finished(&job)?;
+    let weights = args.out.join("weights.safetensors");
+    client.download(job.id, &weights).await?;
+    let metrics = client.metrics(job.id).await?;
+    let metrics_path = args.out.join("metrics.json");
+    std::fs::write(&metrics_path, serde_json::to_string_pretty(&metrics)?)
+        .with_context(|| format!("writing {}", metrics_path.display()))?;
+    if let Some(last) = metrics.epochs.last() {
+        println!(
+            "test accuracy {:.2}% (loss {:.4}) on {} held-out samples",
+            last.test_accuracy * 100.0,
+            last.test_loss,
+            last.samples
+        );
+    }
+    println!("weights: {}", weights.display());
+    println!("metrics: {}", metrics_path.display());
+    for mut child in children {
+        let _ = child.kill().await;
+    }
+    let _ = stop_tx.send(());
+    let _ = server.await;
+    Ok(())
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -122,6 +317,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_frame_bytes: args.max_frame_bytes,
         heartbeat_interval: heartbeat_timeout / 4,
         heartbeat_timeout,
+        ..Limits::default()
     };
     let web_dir = rookery_server::http::is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {
@@ -137,6 +333,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", args.addr))?;
     let addr = listener.local_addr().context("reading the bound address")?;
+    println!(
+        "API token (also in {}): {}",
+        rookery_server::auth::token_path(&args.data_dir).display(),
+        state.api_token.secret()
+    );
     // Tests and scripts read this line to learn the port when --addr used port 0.
     println!(
         "Rookery server listening on http://{addr}/ (providers: ws://{addr}{})",

@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use rookery_model::{ClusterCount, Graph, ModelSpec, PlanOptions, ProviderKind, ProviderSpec};
+use rookery_model::{ClusterCount, Graph, PlanOptions, ProviderKind, ProviderSpec};
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -14,8 +14,8 @@ pub enum PlanCliError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path}: {reason}")]
-    Model { path: String, reason: String },
+    #[error(transparent)]
+    Model(#[from] rookery_model::load::LoadError),
     #[error("{path}: {reason}")]
     Providers { path: String, reason: String },
     /// The planner's own message says which constraint failed; it is shown
@@ -76,30 +76,18 @@ pub fn parse_clusters(text: &str) -> Result<ClusterCount, String> {
     }
 }
 
-/// Reads a model: a layer-spec TOML file. `input_shape` overrides the file's own.
-pub fn load_model(path: &Path, input_shape: Option<&[usize]>) -> Result<Graph, PlanCliError> {
-    let shown = path.display().to_string();
-    let model_error = |reason: String| PlanCliError::Model {
-        path: shown.clone(),
-        reason,
-    };
-    match path.extension().and_then(|e| e.to_str()) {
-        Some("toml") => {
-            let text = read(path)?;
-            let mut spec = ModelSpec::from_toml(&text).map_err(|e| model_error(e.to_string()))?;
-            if let Some(shape) = input_shape {
-                spec.input_shape = shape.to_vec();
-            }
-            spec.to_graph().map_err(|e| model_error(e.to_string()))
-        }
-        Some("onnx") => Err(model_error(
-            "ONNX import is not available yet; describe the model as a layer-spec .toml file"
-                .into(),
-        )),
-        _ => Err(model_error(
-            "unknown model format: expected a .toml layer spec".into(),
-        )),
+/// Reads a model (`.onnx` or layer-spec `.toml`), analysed at `micro_batch`.
+/// `input_shape` (one sample) overrides a spec's own and is required for ONNX.
+pub fn load_model(
+    path: &Path,
+    input_shape: Option<&[usize]>,
+    micro_batch: usize,
+) -> Result<Graph, PlanCliError> {
+    let loaded = rookery_model::load::load_model_file(path, input_shape, micro_batch)?;
+    for warning in &loaded.warnings {
+        eprintln!("warning: {warning}");
     }
+    Ok(loaded.graph)
 }
 
 /// Reads and validates `providers.json`.
@@ -167,7 +155,7 @@ pub fn plan(
     clusters: ClusterCount,
     json: bool,
 ) -> Result<String, PlanCliError> {
-    let graph = load_model(model, input_shape)?;
+    let graph = load_model(model, input_shape, micro_batch)?;
     let providers = load_providers(providers)?;
     let options = PlanOptions {
         micro_batch,
@@ -244,5 +232,46 @@ mod tests {
         let providers = load_providers(&path).unwrap();
         assert_eq!(providers[0].id, "7");
         assert_eq!(providers[0].memory_bytes, 512 << 20);
+    }
+
+    fn fixture(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(name)
+    }
+
+    #[test]
+    fn onnx_exports_and_layer_specs_both_plan() {
+        let providers = fixture("examples/providers.json");
+        for (model, shape) in [
+            ("shared/model/fixtures/cnn.dynamo.onnx", vec![3, 16, 16]),
+            ("shared/model/fixtures/resnet.legacy.onnx", vec![3, 16, 16]),
+            ("examples/mnist-cnn.toml", vec![1, 28, 28]),
+        ] {
+            let out = plan(
+                &fixture(model),
+                Some(&shape),
+                &providers,
+                8,
+                ClusterCount::Fixed(1),
+                true,
+            )
+            .unwrap_or_else(|e| panic!("{model}: {e}"));
+            let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+            assert_eq!(
+                plan["clusters"].as_array().map(Vec::len),
+                Some(1),
+                "{model}"
+            );
+        }
+    }
+
+    #[test]
+    fn onnx_without_a_sample_shape_says_so() {
+        let error = load_model(&fixture("shared/model/fixtures/mlp.dynamo.onnx"), None, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("mlp.dynamo.onnx") && error.contains("shape of one input sample"),
+            "{error}"
+        );
     }
 }

@@ -14,6 +14,7 @@ use rookery_proto::{
     DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer,
 };
 
+use crate::coordinator::Event;
 use crate::{AppState, now_ms, providers};
 
 /// WebSocket close codes (RFC 6455, section 7.4.1).
@@ -97,7 +98,7 @@ where
         }
     };
     let name = hello.display_name.clone();
-    let id = match providers::register(&state.db, hello, now_ms()).await {
+    let id = match providers::register(&state.db, hello.clone(), now_ms()).await {
         Ok(id) => id,
         Err(error) => {
             tracing::error!(%error, "cannot register provider");
@@ -112,7 +113,7 @@ where
     };
     tracing::info!(id, %name, "provider joined");
 
-    let ending = session(id, &mut sink, &mut stream, &state).await;
+    let ending = session(id, hello, &mut sink, &mut stream, &state).await;
     let reason = ending.reason();
     tracing::info!(id, %name, %reason, "provider gone");
     if let Err(error) = providers::mark_gone(&state.db, id, now_ms(), reason).await {
@@ -126,7 +127,8 @@ where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
-    let frame = next_frame(stream, state).await?;
+    let deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+    let frame = next_frame(stream, state, deadline).await?;
     if let Some(version) = rookery_proto::peek_hello_version(&frame)
         && version != PROTOCOL_VERSION
     {
@@ -176,7 +178,13 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
     }
 }
 
-async fn session<Si, St, E>(id: u64, sink: &mut Si, stream: &mut St, state: &AppState) -> Ending
+async fn session<Si, St, E>(
+    id: u64,
+    hello: Hello,
+    sink: &mut Si,
+    stream: &mut St,
+    state: &AppState,
+) -> Ending
 where
     Si: Sink<Message> + Unpin,
     St: Stream<Item = Result<Message, E>> + Unpin,
@@ -190,44 +198,68 @@ where
     if let Err(ending) = send(sink, &welcome).await {
         return ending;
     }
-    loop {
-        let frame = match next_frame(stream, state).await {
-            Ok(frame) => frame,
-            Err(ending) => return ending,
+    let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel();
+    state.coordinator.send(Event::Connected { id, hello, tx });
+    let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+    let ending = loop {
+        // Frames the coordinator wants sent go out between incoming frames;
+        // the heartbeat deadline only moves when the provider speaks.
+        let frame = tokio::select! {
+            biased;
+            frame = next_frame(stream, state, deadline) => frame,
+            Some(message) = outbox.recv() => {
+                if let Err(ending) = send(sink, &message).await {
+                    break ending;
+                }
+                continue;
+            }
         };
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(ending) => break ending,
+        };
+        deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
         match rookery_proto::decode::<ToServer>(&frame, state.limits.max_frame_bytes) {
             Ok(ToServer::Heartbeat { seq }) => {
                 if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
                     tracing::error!(id, %error, "cannot record a heartbeat");
                 }
                 if let Err(ending) = send(sink, &ToProvider::Heartbeat { seq }).await {
-                    return ending;
+                    break ending;
                 }
             }
             Ok(ToServer::Hello(_)) => {
-                return Ending::rejected(
+                break Ending::rejected(
                     ErrorCode::UnexpectedMessage,
                     close_code::POLICY,
                     "Hello was already accepted on this connection",
                 );
             }
             Ok(ToServer::Error(ErrorMessage { code, message })) => {
-                return Ending::Left(format!("provider gave up ({code:?}): {message}"));
+                break Ending::Left(format!("provider gave up ({code:?}): {message}"));
             }
-            Err(error) => return Ending::bad_frame(error),
+            Ok(message) => state.coordinator.send(Event::Message { id, message }),
+            Err(error) => break Ending::bad_frame(error),
         }
-    }
+    };
+    state.coordinator.send(Event::Disconnected { id });
+    ending
 }
 
-/// Waits for the next binary frame, at most one heartbeat timeout.
-async fn next_frame<St, E>(stream: &mut St, state: &AppState) -> Result<Vec<u8>, Ending>
+/// Waits for the next binary frame until `deadline` (one heartbeat timeout
+/// after the peer last spoke).
+async fn next_frame<St, E>(
+    stream: &mut St,
+    state: &AppState,
+    deadline: tokio::time::Instant,
+) -> Result<Vec<u8>, Ending>
 where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
     let timeout = state.limits.heartbeat_timeout;
     loop {
-        let next = match tokio::time::timeout(timeout, stream.next()).await {
+        let next = match tokio::time::timeout_at(deadline, stream.next()).await {
             Ok(next) => next,
             Err(_) => {
                 return Err(Ending::rejected(
@@ -322,6 +354,13 @@ fn message_name(message: &ToServer) -> &'static str {
         ToServer::Hello(_) => "Hello",
         ToServer::Heartbeat { .. } => "Heartbeat",
         ToServer::Error(_) => "Error",
+        ToServer::Ready { .. } => "Ready",
+        ToServer::Activations(_) => "Activations",
+        ToServer::Gradients(_) => "Gradients",
+        ToServer::LeafLoss(_) => "LeafLoss",
+        ToServer::StepDone(_) => "StepDone",
+        ToServer::Params(_) => "Params",
+        ToServer::JobFailed { .. } => "JobFailed",
     }
 }
 
@@ -344,8 +383,11 @@ mod tests {
                 max_frame_bytes: 1024,
                 heartbeat_interval: Duration::from_millis(50),
                 heartbeat_timeout: Duration::from_millis(300),
+                ..Limits::default()
             },
             None,
+            std::env::temp_dir(),
+            crate::auth::Token::new("test-token"),
         )
     }
 

@@ -7,6 +7,7 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use rookery_proto::api::{ApiError, ProviderInfo, ProviderStatus};
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
+use rookery_server::auth::Token;
 use rookery_server::db::Db;
 use rookery_server::{AppState, Limits, app, providers};
 use tower::ServiceExt;
@@ -30,7 +31,13 @@ async fn get(state: &AppState, path: &str) -> (StatusCode, Vec<u8>) {
 }
 
 fn state() -> AppState {
-    AppState::new(Db::open_in_memory().unwrap(), Limits::default(), None)
+    AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits::default(),
+        None,
+        std::env::temp_dir(),
+        Token::new("test-token"),
+    )
 }
 
 #[tokio::test]
@@ -102,6 +109,8 @@ async fn the_dashboard_is_served_with_deep_links_falling_back_to_index() {
         Db::open_in_memory().unwrap(),
         Limits::default(),
         Some(web.path().to_path_buf()),
+        std::env::temp_dir(),
+        Token::new("test-token"),
     );
     assert_eq!(
         get(&state, "/pkg/app.js").await,

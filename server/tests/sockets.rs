@@ -7,6 +7,7 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use rookery_proto::api::{ProviderInfo, ProviderStatus};
 use rookery_proto::{ErrorCode, Hello, PROTOCOL_VERSION, ProviderKind, ToProvider, ToServer};
+use rookery_server::auth::Token;
 use rookery_server::db::Db;
 use rookery_server::{AppState, Limits};
 use tokio_tungstenite::tungstenite::Message;
@@ -24,8 +25,11 @@ async fn start_server() -> (std::net::SocketAddr, AppState) {
             max_frame_bytes: FRAME_LIMIT,
             heartbeat_interval: Duration::from_millis(100),
             heartbeat_timeout: Duration::from_millis(1500),
+            ..Limits::default()
         },
         None,
+        std::env::temp_dir(),
+        Token::new("test-token"),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

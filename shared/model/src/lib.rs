@@ -10,8 +10,11 @@
 pub mod error;
 pub mod graph;
 pub mod init;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod load;
 pub mod onnx;
 pub mod ops;
+pub mod optim;
 pub mod plan;
 pub mod spec;
 pub mod synthetic;
@@ -21,6 +24,7 @@ pub use graph::{Analysis, DType, Graph, Input, Loss, Node, NodeInfo, Param, Para
 pub use init::Init;
 pub use onnx::Imported;
 pub use ops::Op;
+pub use optim::OptimizerConfig;
 pub use plan::{
     BoundaryTensor, Cluster, ClusterCount, Plan, PlanOptions, ProviderKind, ProviderSpec, Stage,
     StageRole, clusterize, render,

@@ -71,6 +71,9 @@ pub(crate) struct Importer<'a> {
     external_cache: HashMap<String, Vec<u8>>,
     opset: i64,
     batch: usize,
+    /// The batch size the exporter traced with (the first input's declared
+    /// leading dimension), which it bakes into reshape targets.
+    exported_batch: Option<usize>,
     vals: HashMap<String, Val>,
     inits: Vec<InitInfo>,
     /// BatchNorm `num_batches_tracked` buffers the file lacks, keyed by the
@@ -92,6 +95,7 @@ impl<'a> Importer<'a> {
             external_cache: HashMap::new(),
             opset: 0,
             batch: 1,
+            exported_batch: None,
             vals: HashMap::new(),
             inits: Vec::new(),
             synthesized: Vec::new(),
@@ -394,6 +398,10 @@ impl<'a> Importer<'a> {
             };
             if first {
                 self.batch = shape.first().copied().unwrap_or(1);
+                self.exported_batch = declared
+                    .as_ref()
+                    .and_then(|d| d.first().copied().flatten())
+                    .map(|d| d as usize);
             }
             first = false;
             self.vals.insert(
@@ -917,10 +925,15 @@ impl<'a> Importer<'a> {
                         "zero-sized dimensions (allowzero with a 0 in the shape)",
                     ));
                 }
-                // Check it against the example shape now, for an error naming this node.
-                fold::reshape_shape(&x.shape, &target, allowzero)
+                let shape = keep_batch(target, &x.shape, self.batch, self.exported_batch);
+                // Check it against the example shape now, for an error naming
+                // this node (with the kept batch spelled out).
+                let mut example = shape.clone();
+                if let (Some(0), Some(&b)) = (example.first(), x.shape.first()) {
+                    example[0] = b as i64;
+                }
+                fold::reshape_shape(&x.shape, &example, allowzero)
                     .map_err(|e| self.node_err(here, e))?;
-                let shape = keep_batch(target, &x.shape, self.batch);
                 let xin = self.tensor_input(node, here, ins, 0)?;
                 self.emit(here, &out, Op::Reshape { shape }, vec![xin])
             }
@@ -941,7 +954,7 @@ impl<'a> Importer<'a> {
                 }
                 .map_err(|e| self.node_err(here, e))?;
                 let target = shape.iter().map(|&d| d as i64).collect();
-                let shape = keep_batch(target, &x.shape, self.batch);
+                let shape = keep_batch(target, &x.shape, self.batch, self.exported_batch);
                 let xin = self.tensor_input(node, here, ins, 0)?;
                 self.emit(here, &out, Op::Reshape { shape }, vec![xin])
             }
@@ -1340,6 +1353,7 @@ impl<'a> Importer<'a> {
             vec![x.shape[0] as i64, x.shape[1] as i64],
             &x.shape,
             self.batch,
+            self.exported_batch,
         );
         self.emit(here, out, Op::Reshape { shape }, vec![pooled])
     }
@@ -1482,11 +1496,18 @@ fn is_statistic(name: &str) -> bool {
 }
 
 /// The exporter bakes the example batch size into reshape targets; where the
-/// leading dimension is the batch on both sides, 0 ("copy the input's") keeps
-/// the graph valid for other batch sizes, as the planner's micro-batches need.
-fn keep_batch(mut target: Vec<i64>, input: &[usize], batch: usize) -> Vec<i64> {
+/// leading dimension is the batch on both sides (the target's being the
+/// import's batch or the one the exporter traced with), 0 ("copy the
+/// input's") keeps the graph valid for other batch sizes, as the planner's
+/// micro-batches need.
+fn keep_batch(
+    mut target: Vec<i64>,
+    input: &[usize],
+    batch: usize,
+    exported_batch: Option<usize>,
+) -> Vec<i64> {
     if let (Some(t), Some(&i)) = (target.first_mut(), input.first())
-        && *t == batch as i64
+        && (*t == batch as i64 || exported_batch.is_some_and(|b| *t == b as i64))
         && i == batch
     {
         *t = 0;

@@ -1,0 +1,261 @@
+//! Tensors on the wire: a name, a shape, an element type and raw little-endian
+//! bytes. Activations and gradients may travel as f16 or bf16 to halve the
+//! bytes; data, labels and parameters travel as f32 (or i64 for integers).
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of a [`WireTensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WireDType {
+    F32,
+    F16,
+    Bf16,
+    I64,
+}
+
+impl WireDType {
+    pub fn size(self) -> usize {
+        match self {
+            WireDType::F32 => 4,
+            WireDType::F16 | WireDType::Bf16 => 2,
+            WireDType::I64 => 8,
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        !matches!(self, WireDType::I64)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WireDType::F32 => "f32",
+            WireDType::F16 => "f16",
+            WireDType::Bf16 => "bf16",
+            WireDType::I64 => "i64",
+        }
+    }
+}
+
+/// One named tensor in a frame.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireTensor {
+    pub name: String,
+    pub dtype: WireDType,
+    pub shape: Vec<u32>,
+    /// Row-major, little-endian elements.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+impl std::fmt::Debug for WireTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "WireTensor({} {} {:?}, {} bytes)",
+            self.name,
+            self.dtype.as_str(),
+            self.shape,
+            self.data.len()
+        )
+    }
+}
+
+/// Why a tensor's bytes cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    #[error("tensor `{name}`: {len} bytes do not hold shape {shape:?} of {dtype}")]
+    Size {
+        name: String,
+        len: usize,
+        shape: Vec<u32>,
+        dtype: &'static str,
+    },
+    #[error("tensor `{name}`: element {index} is not finite")]
+    NotFinite { name: String, index: usize },
+    #[error("tensor `{name}` is {got}, expected {expected}")]
+    DType {
+        name: String,
+        got: &'static str,
+        expected: &'static str,
+    },
+}
+
+impl WireTensor {
+    /// Encodes f32 values as `dtype` (f32, f16 or bf16; i64 rounds toward zero).
+    pub fn from_f32(
+        name: impl Into<String>,
+        shape: &[usize],
+        values: &[f32],
+        dtype: WireDType,
+    ) -> Self {
+        let data = match dtype {
+            WireDType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            WireDType::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            WireDType::Bf16 => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            WireDType::I64 => values
+                .iter()
+                .flat_map(|v| (*v as i64).to_le_bytes())
+                .collect(),
+        };
+        Self::raw(name, shape, dtype, data)
+    }
+
+    pub fn from_i64(name: impl Into<String>, shape: &[usize], values: &[i64]) -> Self {
+        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::raw(name, shape, WireDType::I64, data)
+    }
+
+    fn raw(name: impl Into<String>, shape: &[usize], dtype: WireDType, data: Vec<u8>) -> Self {
+        WireTensor {
+            name: name.into(),
+            dtype,
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            data,
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().map(|&d| d as usize).product()
+    }
+
+    pub fn shape_usize(&self) -> Vec<usize> {
+        self.shape.iter().map(|&d| d as usize).collect()
+    }
+
+    /// Checks that the bytes hold exactly the declared shape.
+    pub fn check_size(&self) -> Result<(), TensorError> {
+        let want = self
+            .shape
+            .iter()
+            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d as usize));
+        if want == Some(self.data.len()) {
+            Ok(())
+        } else {
+            Err(TensorError::Size {
+                name: self.name.clone(),
+                len: self.data.len(),
+                shape: self.shape.clone(),
+                dtype: self.dtype.as_str(),
+            })
+        }
+    }
+
+    /// [`check_size`](Self::check_size), and every float element finite.
+    pub fn check(&self) -> Result<(), TensorError> {
+        self.check_size()?;
+        if self.dtype.is_float() {
+            let values = self.to_f32()?;
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Err(TensorError::NotFinite {
+                    name: self.name.clone(),
+                    index,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The elements as f32 (i64 converts with rounding to the nearest f32).
+    pub fn to_f32(&self) -> Result<Vec<f32>, TensorError> {
+        self.check_size()?;
+        let d = &self.data;
+        Ok(match self.dtype {
+            WireDType::F32 => d
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            WireDType::F16 => d
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            WireDType::Bf16 => d
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            WireDType::I64 => d
+                .chunks_exact(8)
+                .map(|c| {
+                    i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32
+                })
+                .collect(),
+        })
+    }
+
+    pub fn to_i64(&self) -> Result<Vec<i64>, TensorError> {
+        self.check_size()?;
+        if self.dtype != WireDType::I64 {
+            return Err(TensorError::DType {
+                name: self.name.clone(),
+                got: self.dtype.as_str(),
+                expected: "i64",
+            });
+        }
+        Ok(self
+            .data
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_survive_each_dtype_within_its_precision() {
+        let values = [0.0f32, 1.5, -2.25, 1e-3, 3.0e4];
+        for (dtype, tol) in [
+            (WireDType::F32, 0.0),
+            (WireDType::F16, 1e-3),
+            (WireDType::Bf16, 8e-3),
+        ] {
+            let t = WireTensor::from_f32("x", &[5], &values, dtype);
+            assert_eq!(t.data.len(), 5 * dtype.size());
+            let back = t.to_f32().unwrap();
+            for (a, b) in values.iter().zip(&back) {
+                assert!(
+                    (a - b).abs() <= tol * a.abs().max(1.0),
+                    "{dtype:?}: {a} vs {b}"
+                );
+            }
+        }
+        let t = WireTensor::from_i64("y", &[2], &[3, -7]);
+        assert_eq!(t.to_i64().unwrap(), vec![3, -7]);
+        assert!(
+            WireTensor::from_f32("z", &[1], &[1.0], WireDType::F32)
+                .to_i64()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn wrong_sizes_and_non_finite_values_are_refused() {
+        let mut t = WireTensor::from_f32("x", &[2, 2], &[1.0, 2.0, 3.0, 4.0], WireDType::F32);
+        assert!(t.check().is_ok());
+        t.data.pop();
+        assert!(matches!(t.check(), Err(TensorError::Size { .. })));
+        let t = WireTensor::from_f32("x", &[2], &[1.0, f32::NAN], WireDType::F16);
+        assert_eq!(
+            t.check(),
+            Err(TensorError::NotFinite {
+                name: "x".into(),
+                index: 1
+            })
+        );
+        // A shape whose byte count overflows is a size error, not a panic.
+        let t = WireTensor {
+            name: "h".into(),
+            dtype: WireDType::F32,
+            shape: vec![u32::MAX, u32::MAX, u32::MAX],
+            data: vec![],
+        };
+        assert!(t.check().is_err());
+    }
+}

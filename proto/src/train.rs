@@ -1,0 +1,177 @@
+//! Training messages of the provider protocol (DESIGN.md, "Data flow of one
+//! training step").
+//!
+//! The server drives every step. It sends each micro-batch's inputs to the Root
+//! as [`Forward`]; every stage answers a forward with [`Activations`] (its
+//! boundary tensors), which the server validates and relays as the next
+//! stage's `Forward`, attaching the labels when that stage is the Leaf. The
+//! Leaf reports [`LeafLoss`] and, in training, runs backward at once and sends
+//! [`Gradients`] for its inputs, which the server relays backwards as
+//! [`Backward`]. A stage that has run backward for all of a step's
+//! micro-batches steps its optimizer and reports [`StepDone`]. At sync points
+//! the server asks for [`Params`](crate::ToServer::Params), averages them by
+//! name across clusters, and sends the average back as `SetParams`.
+//!
+//! The model graph travels as its JSON form (`rookery_model::Graph::to_json`):
+//! a data-only description from a fixed op set, never code.
+
+use serde::{Deserialize, Serialize};
+
+use crate::tensor::{WireDType, WireTensor};
+
+/// Which pass a micro-batch belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    /// Training step `step` (counted from 0 over the whole job).
+    Train { step: u64 },
+    /// Forward-only evaluation on the test set after epoch `epoch`.
+    Eval { epoch: u32 },
+}
+
+/// A stage's loss function; the Leaf's business.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireLoss {
+    CrossEntropy,
+    Mse,
+}
+
+/// Optimizer hyper-parameters, named as in `torch.optim`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum WireOptimizer {
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        nesterov: bool,
+        weight_decay: f64,
+    },
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+    },
+    AdamW {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+    },
+    RmsProp {
+        lr: f64,
+        alpha: f64,
+        eps: f64,
+        weight_decay: f64,
+        momentum: f64,
+        centered: bool,
+    },
+}
+
+/// What a provider runs for a job: one stage of one cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Assignment {
+    pub job_id: u64,
+    pub cluster: u32,
+    /// Position in the cluster's chain: 0 is the Root, `stages - 1` the Leaf.
+    pub stage: u32,
+    pub stages: u32,
+    /// The whole model graph as JSON; the stage runs nodes `first..end` of its
+    /// topological order.
+    pub graph_json: String,
+    pub first: u32,
+    pub end: u32,
+    /// Tensors the stage sends on (for the Leaf: the model output the loss reads).
+    pub outputs: Vec<String>,
+    /// Current values of the stage's parameters and buffers.
+    pub params: Vec<WireTensor>,
+    pub optimizer: WireOptimizer,
+    pub loss: WireLoss,
+    /// Samples per cluster per step, and how many micro-batches they split into.
+    pub batch_size: u32,
+    pub micro_batches: u32,
+    /// Element type of activations and gradients the stage sends.
+    pub wire_dtype: WireDType,
+    /// The job seed; dropout masks derive from it and the step.
+    pub seed: u64,
+    /// Number of training steps already done (non-zero when resuming).
+    pub start_step: u64,
+}
+
+/// Server to provider: run one micro-batch forward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Forward {
+    pub job_id: u64,
+    pub phase: Phase,
+    pub micro: u32,
+    /// Samples in the whole step (the loss scale of a micro-batch is its share).
+    pub step_samples: u32,
+    /// The Root's data, or the previous stage's activations.
+    pub inputs: Vec<WireTensor>,
+    /// For the Leaf only.
+    pub labels: Option<WireTensor>,
+}
+
+/// Server to provider: gradients of the stage's outputs for one micro-batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Backward {
+    pub job_id: u64,
+    pub step: u64,
+    pub micro: u32,
+    pub grads: Vec<WireTensor>,
+}
+
+/// Provider to server: a stage's outputs for one micro-batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Activations {
+    pub job_id: u64,
+    pub phase: Phase,
+    pub micro: u32,
+    pub outputs: Vec<WireTensor>,
+    /// Milliseconds the forward took on the provider.
+    pub compute_ms: f64,
+}
+
+/// Provider to server: gradients w.r.t. a stage's inputs for one micro-batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Gradients {
+    pub job_id: u64,
+    pub step: u64,
+    pub micro: u32,
+    pub grads: Vec<WireTensor>,
+    pub compute_ms: f64,
+}
+
+/// Leaf to server: the loss of one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LeafLoss {
+    pub job_id: u64,
+    pub phase: Phase,
+    pub micro: u32,
+    /// Sum of the per-sample losses of the micro-batch.
+    pub loss_sum: f64,
+    /// Samples whose predicted class is the label (cross-entropy only).
+    pub correct: u64,
+    pub samples: u32,
+}
+
+/// Provider to server: the stage stepped its optimizer after step `step`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepDone {
+    pub job_id: u64,
+    pub step: u64,
+    /// Milliseconds spent computing (forward, backward, optimizer) this step.
+    pub compute_ms: f64,
+}
+
+/// Parameter values of a stage, either way.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamSet {
+    pub job_id: u64,
+    /// Steps done when the values were taken.
+    pub step: u64,
+    pub params: Vec<WireTensor>,
+}

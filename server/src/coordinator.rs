@@ -1,0 +1,471 @@
+//! The coordinator: one task that owns the live provider connections and the
+//! running jobs. Socket loops and HTTP handlers talk to it through
+//! [`Coordinator`]'s channel; it plans queued jobs onto idle providers, feeds
+//! provider frames to each job's [`JobRun`] and carries out the effects
+//! (frames, metrics, checkpoints, weights). One task means no locks around
+//! job state, and the order of events is the order they happened.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rookery_job::JobSpec;
+use rookery_job::weights::{WeightTensor, write_safetensors};
+use rookery_model::{ClusterCount, PlanOptions, ProviderKind, ProviderSpec};
+use rookery_proto::{Hello, ToProvider, ToServer};
+use tokio::sync::mpsc;
+
+use crate::db::Db;
+use crate::jobs::{self, JobStatus};
+use crate::now_ms;
+use crate::run::{Effect, JobRun};
+
+/// Link speed assumed for providers until they measure it.
+const DEFAULT_BANDWIDTH_MBPS: f64 = 1000.0;
+/// How often queued jobs are matched against idle providers.
+const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
+
+/// What the coordinator hears about.
+#[derive(Debug)]
+pub enum Event {
+    Connected {
+        id: u64,
+        hello: Hello,
+        tx: mpsc::UnboundedSender<ToProvider>,
+    },
+    Disconnected {
+        id: u64,
+    },
+    Message {
+        id: u64,
+        message: ToServer,
+    },
+    Cancel {
+        job_id: u64,
+    },
+}
+
+/// A cheap handle to the coordinator task.
+#[derive(Debug, Clone)]
+pub struct Coordinator {
+    tx: mpsc::UnboundedSender<Event>,
+}
+
+impl Coordinator {
+    /// Starts the coordinator on the current tokio runtime.
+    pub fn spawn(db: Db, data_dir: PathBuf) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(
+            Actor {
+                db,
+                data_dir,
+                providers: BTreeMap::new(),
+                runs: HashMap::new(),
+                waiting: HashMap::new(),
+            }
+            .run(rx),
+        );
+        Self { tx }
+    }
+
+    /// Best effort: when the coordinator is gone the server is shutting down.
+    pub fn send(&self, event: Event) {
+        let _ = self.tx.send(event);
+    }
+}
+
+struct Live {
+    hello: Hello,
+    tx: mpsc::UnboundedSender<ToProvider>,
+    job: Option<u64>,
+}
+
+struct Actor {
+    db: Db,
+    data_dir: PathBuf,
+    providers: BTreeMap<u64, Live>,
+    runs: HashMap<u64, JobRun>,
+    /// The last reason each queued job gave for waiting, to write it only when it changes.
+    waiting: HashMap<u64, String>,
+}
+
+/// Everything a job needs before any provider is touched.
+struct Prepared {
+    spec: JobSpec,
+    graph: rookery_model::Graph,
+    analysis: rookery_model::Analysis,
+    train: rookery_job::Dataset,
+    test: Option<rookery_job::Dataset>,
+}
+
+/// Reads and checks a job's model and data (blocking work).
+pub fn prepare(
+    spec: JobSpec,
+) -> Result<
+    (
+        JobSpec,
+        rookery_model::Graph,
+        rookery_job::Dataset,
+        Option<rookery_job::Dataset>,
+    ),
+    String,
+> {
+    let loaded = spec.load_model().map_err(|e| e.to_string())?;
+    let loss = spec.training.loss;
+    let mut train = rookery_job::load_split(&spec.data, rookery_job::Split::Train, loss)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "the job has no training data".to_string())?;
+    let mut test = rookery_job::load_split(&spec.data, rookery_job::Split::Test, loss)
+        .map_err(|e| e.to_string())?;
+    rookery_job::validate_against_model(&loaded.graph, &spec.model.input_shape, &mut train, loss)
+        .map_err(|e| e.to_string())?;
+    if let Some(test) = test.as_mut() {
+        rookery_job::validate_against_model(&loaded.graph, &spec.model.input_shape, test, loss)
+            .map_err(|e| format!("test set: {e}"))?;
+    }
+    Ok((spec, loaded.graph, train, test))
+}
+
+impl Actor {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
+        let mut ticker = tokio::time::interval(SCHEDULE_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                event = rx.recv() => match event {
+                    Some(event) => self.on_event(event).await,
+                    None => return,
+                },
+                _ = ticker.tick() => self.schedule().await,
+            }
+        }
+    }
+
+    async fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Connected { id, hello, tx } => {
+                self.providers.insert(
+                    id,
+                    Live {
+                        hello,
+                        tx,
+                        job: None,
+                    },
+                );
+            }
+            Event::Disconnected { id } => {
+                let Some(live) = self.providers.remove(&id) else {
+                    return;
+                };
+                if let Some(job_id) = live.job {
+                    let reason = format!(
+                        "provider {id} ({}) left while running a stage; the job cannot go on without it",
+                        live.hello.display_name
+                    );
+                    self.fail(job_id, reason).await;
+                }
+            }
+            Event::Message { id, message } => {
+                let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) else {
+                    tracing::warn!(
+                        provider = id,
+                        "dropped a training frame from a provider without a job"
+                    );
+                    return;
+                };
+                let effects = match self.runs.get_mut(&job_id) {
+                    Some(run) => run.on_message(id, message),
+                    None => return,
+                };
+                self.apply(job_id, effects).await;
+            }
+            Event::Cancel { job_id } => {
+                if let Some(mut run) = self.runs.remove(&job_id) {
+                    let effects = run.release();
+                    self.apply_sends(effects);
+                    self.free(job_id);
+                }
+                self.set_status(
+                    job_id,
+                    JobStatus::Cancelled,
+                    Some("cancelled by the Requester".into()),
+                )
+                .await;
+            }
+        }
+    }
+
+    /// Starts the oldest queued job that fits on the idle providers.
+    async fn schedule(&mut self) {
+        let queued = match jobs::queued(&self.db).await {
+            Ok(queued) => queued,
+            Err(error) => {
+                tracing::error!(%error, "cannot read the job queue");
+                return;
+            }
+        };
+        for job in queued {
+            if self.runs.contains_key(&job.id) {
+                continue;
+            }
+            let idle: Vec<(u64, Hello)> = self
+                .providers
+                .iter()
+                .filter(|(_, p)| p.job.is_none())
+                .map(|(id, p)| (*id, p.hello.clone()))
+                .collect();
+            if idle.is_empty() {
+                self.wait(job.id, "waiting for providers to connect".into())
+                    .await;
+                continue;
+            }
+            let dir = PathBuf::from(&job.dir);
+            let spec_json = job.spec_json.clone();
+            let prepared = tokio::task::spawn_blocking(move || {
+                let spec = JobSpec::from_json(&spec_json, &dir).map_err(|e| e.to_string())?;
+                let (spec, graph, train, test) = prepare(spec)?;
+                let analysis = graph.analyze().map_err(|e| e.to_string())?;
+                Ok::<_, String>(Prepared {
+                    spec,
+                    graph,
+                    analysis,
+                    train,
+                    test,
+                })
+            })
+            .await;
+            let prepared = match prepared {
+                Ok(Ok(prepared)) => prepared,
+                Ok(Err(reason)) => {
+                    self.set_status(job.id, JobStatus::Failed, Some(reason))
+                        .await;
+                    continue;
+                }
+                Err(error) => {
+                    self.set_status(
+                        job.id,
+                        JobStatus::Failed,
+                        Some(format!("preparing the job crashed: {error}")),
+                    )
+                    .await;
+                    continue;
+                }
+            };
+            let specs: Vec<ProviderSpec> = idle
+                .iter()
+                .map(|(id, hello)| ProviderSpec {
+                    id: id.to_string(),
+                    kind: match hello.kind {
+                        rookery_proto::ProviderKind::Native => ProviderKind::Native,
+                        rookery_proto::ProviderKind::Browser => ProviderKind::Browser,
+                    },
+                    memory_bytes: hello.memory_bytes,
+                    gflops: hello.gflops,
+                    bandwidth_mbps: DEFAULT_BANDWIDTH_MBPS,
+                })
+                .collect();
+            let options = plan_options(&prepared.spec);
+            let plan = match rookery_model::clusterize(&prepared.graph, &specs, &options) {
+                Ok(plan) => plan,
+                Err(error) => {
+                    self.wait(job.id, format!("waiting for providers: {error}"))
+                        .await;
+                    continue;
+                }
+            };
+            let ids: HashMap<String, u64> =
+                idle.iter().map(|(id, _)| (id.to_string(), *id)).collect();
+            let Prepared {
+                spec,
+                graph,
+                analysis,
+                train,
+                test,
+            } = prepared;
+            let started = JobRun::start(job.id, spec, &graph, &analysis, &plan, &ids, train, test);
+            let (run, effects) = match started {
+                Ok(started) => started,
+                Err(reason) => {
+                    self.set_status(job.id, JobStatus::Failed, Some(reason))
+                        .await;
+                    continue;
+                }
+            };
+            for p in run.providers() {
+                if let Some(live) = self.providers.get_mut(&p) {
+                    live.job = Some(job.id);
+                }
+            }
+            let plan_json = plan.to_json().unwrap_or_default();
+            if let Err(error) = jobs::set_plan(&self.db, job.id, plan_json, run.total_steps()).await
+            {
+                tracing::error!(job = job.id, %error, "cannot store the plan");
+            }
+            self.waiting.remove(&job.id);
+            self.set_status(
+                job.id,
+                JobStatus::Planning,
+                Some("handing stages to providers".into()),
+            )
+            .await;
+            tracing::info!(
+                job = job.id,
+                clusters = plan.clusters.len(),
+                steps = run.total_steps(),
+                "job starts"
+            );
+            self.runs.insert(job.id, run);
+            self.apply(job.id, effects).await;
+        }
+    }
+
+    async fn wait(&mut self, job_id: u64, reason: String) {
+        if self.waiting.get(&job_id) == Some(&reason) {
+            return;
+        }
+        self.waiting.insert(job_id, reason.clone());
+        if let Err(error) =
+            jobs::set_status(&self.db, job_id, JobStatus::Queued, Some(reason), now_ms()).await
+        {
+            tracing::error!(job = job_id, %error, "cannot record why a job waits");
+        }
+    }
+
+    fn apply_sends(&mut self, effects: Vec<Effect>) {
+        for effect in effects {
+            if let Effect::Send(provider, message) = effect {
+                self.send(provider, message);
+            }
+        }
+    }
+
+    fn send(&self, provider: u64, message: ToProvider) {
+        match self.providers.get(&provider) {
+            Some(live) => {
+                let _ = live.tx.send(message);
+            }
+            None => tracing::warn!(provider, "no connection to send a frame to"),
+        }
+    }
+
+    async fn apply(&mut self, job_id: u64, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::Send(provider, message) => self.send(provider, message),
+                Effect::Running => self.set_status(job_id, JobStatus::Running, None).await,
+                Effect::Step(record) => {
+                    if let Err(error) = jobs::record_step(&self.db, job_id, record).await {
+                        tracing::error!(job = job_id, %error, "cannot record a step");
+                    }
+                }
+                Effect::Epoch(record) => {
+                    tracing::info!(
+                        job = job_id,
+                        epoch = record.epoch,
+                        test_loss = record.test_loss,
+                        test_accuracy = record.test_accuracy,
+                        "epoch evaluated"
+                    );
+                    if let Err(error) = jobs::record_epoch(&self.db, job_id, record).await {
+                        tracing::error!(job = job_id, %error, "cannot record an epoch");
+                    }
+                }
+                Effect::Checkpoint(weights) => {
+                    let path = checkpoint_path(&self.data_dir, job_id);
+                    if let Err(error) = write_weights(path, weights).await {
+                        tracing::error!(job = job_id, %error, "cannot write the checkpoint");
+                    }
+                }
+                Effect::Completed(weights) => {
+                    let path = weights_path(&self.data_dir, job_id);
+                    match write_weights(path, weights).await {
+                        Ok(()) => self.set_status(job_id, JobStatus::Completed, None).await,
+                        Err(error) => {
+                            self.set_status(
+                                job_id,
+                                JobStatus::Failed,
+                                Some(format!("cannot write the weights: {error}")),
+                            )
+                            .await
+                        }
+                    }
+                    self.runs.remove(&job_id);
+                    self.free(job_id);
+                }
+                Effect::Failed(reason) => {
+                    self.fail(job_id, reason).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn fail(&mut self, job_id: u64, reason: String) {
+        tracing::warn!(job = job_id, %reason, "job failed");
+        if let Some(mut run) = self.runs.remove(&job_id) {
+            let effects = run.release();
+            self.apply_sends(effects);
+        }
+        self.free(job_id);
+        self.set_status(job_id, JobStatus::Failed, Some(reason))
+            .await;
+    }
+
+    fn free(&mut self, job_id: u64) {
+        for live in self.providers.values_mut() {
+            if live.job == Some(job_id) {
+                live.job = None;
+            }
+        }
+    }
+
+    async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {
+        if let Err(error) = jobs::set_status(&self.db, job_id, status, detail, now_ms()).await {
+            tracing::error!(job = job_id, %error, "cannot record a job's status");
+        }
+    }
+}
+
+/// The planner's knobs for a job: its micro-batch, cluster count, optimizer
+/// memory and the sync schedule's in-flight micro-batches.
+pub fn plan_options(spec: &JobSpec) -> PlanOptions {
+    let t = &spec.training;
+    PlanOptions {
+        micro_batch: spec.micro_batch_size().max(1),
+        clusters: match t.clusters {
+            ClusterCount::Fixed(n) => ClusterCount::Fixed(n),
+            ClusterCount::Auto => ClusterCount::Auto,
+        },
+        optimizer_copies: match t.optimizer {
+            rookery_model::OptimizerConfig::Sgd { momentum, .. } if momentum == 0.0 => 0,
+            rookery_model::OptimizerConfig::Sgd { .. }
+            | rookery_model::OptimizerConfig::RmsProp { .. } => 1,
+            _ => 2,
+        },
+        in_flight_micro_batches: t.micro_batches.max(1) as u32,
+        ..PlanOptions::default()
+    }
+}
+
+pub fn job_dir(data_dir: &Path, job_id: u64) -> PathBuf {
+    data_dir.join("jobs").join(job_id.to_string())
+}
+
+pub fn checkpoint_path(data_dir: &Path, job_id: u64) -> PathBuf {
+    job_dir(data_dir, job_id).join("checkpoint.safetensors")
+}
+
+pub fn weights_path(data_dir: &Path, job_id: u64) -> PathBuf {
+    job_dir(data_dir, job_id).join("weights.safetensors")
+}
+
+async fn write_weights(path: PathBuf, weights: Vec<WeightTensor>) -> std::io::Result<()> {
+    tokio::task::spawn_blocking(move || {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        write_safetensors(&path, &weights)
+    })
+    .await
+    .map_err(std::io::Error::other)?
+}

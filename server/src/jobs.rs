@@ -1,0 +1,440 @@
+//! The job store: every job's lifecycle, progress and metrics in SQLite, so
+//! the dashboard and the CLI read one place and finished jobs survive restarts.
+//! The coordinator writes; HTTP handlers read.
+
+use rusqlite::{OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+
+use crate::db::{Db, DbError};
+
+/// Where a job is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    /// Accepted; waiting for providers.
+    Queued,
+    /// Stages are being handed to providers.
+    Planning,
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl JobStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobStatus::Queued => "queued",
+            JobStatus::Planning => "planning",
+            JobStatus::Running => "running",
+            JobStatus::Completed => "completed",
+            JobStatus::Failed => "failed",
+            JobStatus::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        [
+            JobStatus::Queued,
+            JobStatus::Planning,
+            JobStatus::Running,
+            JobStatus::Completed,
+            JobStatus::Failed,
+            JobStatus::Cancelled,
+        ]
+        .into_iter()
+        .find(|s| s.as_str() == text)
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            JobStatus::Completed | JobStatus::Failed | JobStatus::Cancelled
+        )
+    }
+}
+
+/// A job as stored. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobRecord {
+    pub id: u64,
+    pub name: String,
+    pub status: JobStatus,
+    /// Why it waits, or why it failed, in words.
+    pub detail: Option<String>,
+    pub spec_json: String,
+    /// The job's folder in the data dir (uploaded files, checkpoint, weights).
+    pub dir: String,
+    pub created_ms: u64,
+    pub started_ms: Option<u64>,
+    pub finished_ms: Option<u64>,
+    pub step: u64,
+    pub total_steps: u64,
+    pub epoch: u64,
+    pub last_loss: Option<f64>,
+    pub samples_per_s: Option<f64>,
+    pub plan_json: Option<String>,
+}
+
+/// Time one stage spent on a step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageTime {
+    pub cluster: u32,
+    pub stage: u32,
+    pub provider: u64,
+    pub compute_ms: f64,
+    pub idle_ms: f64,
+}
+
+/// What one training step measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    /// Mean loss over every cluster's batch.
+    pub loss: f64,
+    pub samples_per_s: f64,
+    pub elapsed_ms: f64,
+    pub bytes_relayed: u64,
+    pub stages: Vec<StageTime>,
+}
+
+/// Evaluation on the test set after an epoch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EpochRecord {
+    pub epoch: u64,
+    pub test_loss: f64,
+    pub test_accuracy: f64,
+    pub samples: u64,
+}
+
+const JOB_COLUMNS: &str = "id, name, status, detail, spec_json, dir, created_ms, started_ms, finished_ms, step, total_steps, epoch, last_loss, samples_per_s, plan_json";
+
+fn opt_u64(v: Option<i64>) -> Option<u64> {
+    v.map(|v| v as u64)
+}
+
+fn row_to_job(row: &rusqlite::Row<'_>) -> rusqlite::Result<JobRecord> {
+    let status: String = row.get(2)?;
+    Ok(JobRecord {
+        id: row.get::<_, i64>(0)? as u64,
+        name: row.get(1)?,
+        // Only this module writes the column, from a JobStatus.
+        status: JobStatus::parse(&status).unwrap_or(JobStatus::Failed),
+        detail: row.get(3)?,
+        spec_json: row.get(4)?,
+        dir: row.get(5)?,
+        created_ms: row.get::<_, i64>(6)? as u64,
+        started_ms: opt_u64(row.get(7)?),
+        finished_ms: opt_u64(row.get(8)?),
+        step: row.get::<_, i64>(9)? as u64,
+        total_steps: row.get::<_, i64>(10)? as u64,
+        epoch: row.get::<_, i64>(11)? as u64,
+        last_loss: row.get(12)?,
+        samples_per_s: row.get(13)?,
+        plan_json: row.get(14)?,
+    })
+}
+
+/// Reserves an id for a job whose files are still being written.
+pub async fn insert(
+    db: &Db,
+    name: String,
+    spec_json: String,
+    dir: String,
+    now_ms: u64,
+) -> Result<u64, DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "INSERT INTO jobs (name, status, spec_json, dir, created_ms) VALUES (?1, 'queued', ?2, ?3, ?4)",
+            params![name, spec_json, dir, now_ms as i64],
+        )?;
+        Ok(conn.last_insert_rowid() as u64)
+    })
+    .await
+}
+
+/// Fills in a reserved job's stored spec and folder.
+pub async fn set_files(db: &Db, id: u64, spec_json: String, dir: String) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "UPDATE jobs SET spec_json = ?2, dir = ?3 WHERE id = ?1",
+            params![id as i64, spec_json, dir],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+pub async fn get(db: &Db, id: u64) -> Result<Option<JobRecord>, DbError> {
+    db.call(move |conn| {
+        conn.query_row(
+            &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1"),
+            [id as i64],
+            row_to_job,
+        )
+        .optional()
+    })
+    .await
+}
+
+/// Every job, newest first.
+pub async fn list(db: &Db) -> Result<Vec<JobRecord>, DbError> {
+    db.call(|conn| {
+        let mut statement =
+            conn.prepare(&format!("SELECT {JOB_COLUMNS} FROM jobs ORDER BY id DESC"))?;
+        let rows = statement.query_map([], row_to_job)?;
+        rows.collect()
+    })
+    .await
+}
+
+/// Moves a job to `status`. Finished jobs never move again, so a late
+/// cancel cannot rewrite a completion. Returns whether the row changed.
+pub async fn set_status(
+    db: &Db,
+    id: u64,
+    status: JobStatus,
+    detail: Option<String>,
+    now_ms: u64,
+) -> Result<bool, DbError> {
+    db.call(move |conn| {
+        let changed = conn.execute(
+            "UPDATE jobs SET status = ?2, detail = ?3,
+                 started_ms = CASE WHEN ?2 = 'running' AND started_ms IS NULL THEN ?4 ELSE started_ms END,
+                 finished_ms = CASE WHEN ?2 IN ('completed', 'failed', 'cancelled') THEN ?4 ELSE finished_ms END
+             WHERE id = ?1 AND status NOT IN ('completed', 'failed', 'cancelled')",
+            params![id as i64, status.as_str(), detail, now_ms as i64],
+        )?;
+        Ok(changed > 0)
+    })
+    .await
+}
+
+pub async fn set_plan(
+    db: &Db,
+    id: u64,
+    plan_json: String,
+    total_steps: u64,
+) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "UPDATE jobs SET plan_json = ?2, total_steps = ?3 WHERE id = ?1",
+            params![id as i64, plan_json, total_steps as i64],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+pub async fn record_step(db: &Db, id: u64, record: StepRecord) -> Result<(), DbError> {
+    let stages = serde_json::to_string(&record.stages).unwrap_or_else(|_| "[]".into());
+    db.call(move |conn| {
+        let tx = conn.transaction()?;
+        tx.execute(
+            "INSERT OR REPLACE INTO job_steps (job_id, step, epoch, loss, samples_per_s, elapsed_ms, bytes_relayed, stages_json)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            params![
+                id as i64,
+                record.step as i64,
+                record.epoch as i64,
+                record.loss,
+                record.samples_per_s,
+                record.elapsed_ms,
+                record.bytes_relayed as i64,
+                stages
+            ],
+        )?;
+        tx.execute(
+            "UPDATE jobs SET step = ?2, epoch = ?3, last_loss = ?4, samples_per_s = ?5 WHERE id = ?1",
+            params![
+                id as i64,
+                record.step as i64 + 1,
+                record.epoch as i64,
+                record.loss,
+                record.samples_per_s
+            ],
+        )?;
+        tx.commit()
+    })
+    .await
+}
+
+pub async fn record_epoch(db: &Db, id: u64, record: EpochRecord) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "INSERT OR REPLACE INTO job_epochs (job_id, epoch, test_loss, test_accuracy, samples) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                id as i64,
+                record.epoch as i64,
+                record.test_loss,
+                record.test_accuracy,
+                record.samples as i64
+            ],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+pub async fn steps(db: &Db, id: u64) -> Result<Vec<StepRecord>, DbError> {
+    db.call(move |conn| {
+        let mut statement = conn.prepare(
+            "SELECT step, epoch, loss, samples_per_s, elapsed_ms, bytes_relayed, stages_json
+             FROM job_steps WHERE job_id = ?1 ORDER BY step",
+        )?;
+        let rows = statement.query_map([id as i64], |row| {
+            let stages: String = row.get(6)?;
+            Ok(StepRecord {
+                step: row.get::<_, i64>(0)? as u64,
+                epoch: row.get::<_, i64>(1)? as u64,
+                loss: row.get(2)?,
+                samples_per_s: row.get(3)?,
+                elapsed_ms: row.get(4)?,
+                bytes_relayed: row.get::<_, i64>(5)? as u64,
+                stages: serde_json::from_str(&stages).unwrap_or_default(),
+            })
+        })?;
+        rows.collect()
+    })
+    .await
+}
+
+pub async fn epochs(db: &Db, id: u64) -> Result<Vec<EpochRecord>, DbError> {
+    db.call(move |conn| {
+        let mut statement = conn.prepare(
+            "SELECT epoch, test_loss, test_accuracy, samples FROM job_epochs WHERE job_id = ?1 ORDER BY epoch",
+        )?;
+        let rows = statement.query_map([id as i64], |row| {
+            Ok(EpochRecord {
+                epoch: row.get::<_, i64>(0)? as u64,
+                test_loss: row.get(1)?,
+                test_accuracy: row.get(2)?,
+                samples: row.get::<_, i64>(3)? as u64,
+            })
+        })?;
+        rows.collect()
+    })
+    .await
+}
+
+/// A restarted server has lost every running job's providers: such jobs go
+/// back to the queue and start again when providers are there.
+pub async fn requeue_interrupted(db: &Db) -> Result<usize, DbError> {
+    db.call(|conn| {
+        conn.execute(
+            "UPDATE jobs SET status = 'queued', detail = 'the server restarted; waiting for providers'
+             WHERE status IN ('planning', 'running')",
+            [],
+        )
+    })
+    .await
+}
+
+/// Jobs waiting for providers, oldest first.
+pub async fn queued(db: &Db) -> Result<Vec<JobRecord>, DbError> {
+    db.call(|conn| {
+        let mut statement = conn.prepare(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE status = 'queued' AND dir != '' ORDER BY id"
+        ))?;
+        let rows = statement.query_map([], row_to_job)?;
+        rows.collect()
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_job_runs_records_metrics_and_finishes_once() {
+        let db = Db::open_in_memory().unwrap();
+        let id = insert(&db, "mnist".into(), "{}".into(), "/tmp/j".into(), 10)
+            .await
+            .unwrap();
+        assert_eq!(queued(&db).await.unwrap().len(), 1);
+        assert!(
+            set_status(&db, id, JobStatus::Running, None, 20)
+                .await
+                .unwrap()
+        );
+        record_step(
+            &db,
+            id,
+            StepRecord {
+                step: 0,
+                epoch: 0,
+                loss: 2.3,
+                samples_per_s: 100.0,
+                elapsed_ms: 50.0,
+                bytes_relayed: 4096,
+                stages: vec![StageTime {
+                    cluster: 0,
+                    stage: 0,
+                    provider: 3,
+                    compute_ms: 30.0,
+                    idle_ms: 20.0,
+                }],
+            },
+        )
+        .await
+        .unwrap();
+        record_epoch(
+            &db,
+            id,
+            EpochRecord {
+                epoch: 0,
+                test_loss: 0.5,
+                test_accuracy: 0.9,
+                samples: 2000,
+            },
+        )
+        .await
+        .unwrap();
+        assert!(
+            set_status(&db, id, JobStatus::Completed, None, 30)
+                .await
+                .unwrap()
+        );
+        // A late cancel does not rewrite history.
+        assert!(
+            !set_status(&db, id, JobStatus::Cancelled, None, 40)
+                .await
+                .unwrap()
+        );
+        let job = get(&db, id).await.unwrap().unwrap();
+        assert_eq!(job.status, JobStatus::Completed);
+        assert_eq!((job.started_ms, job.finished_ms), (Some(20), Some(30)));
+        assert_eq!((job.step, job.last_loss), (1, Some(2.3)));
+        let steps = steps(&db, id).await.unwrap();
+        assert_eq!(steps[0].stages[0].provider, 3);
+        assert_eq!(epochs(&db, id).await.unwrap()[0].samples, 2000);
+    }
+
+    #[tokio::test]
+    async fn interrupted_jobs_go_back_to_the_queue() {
+        let db = Db::open_in_memory().unwrap();
+        let a = insert(&db, "a".into(), "{}".into(), "a".into(), 1)
+            .await
+            .unwrap();
+        let b = insert(&db, "b".into(), "{}".into(), "b".into(), 1)
+            .await
+            .unwrap();
+        set_status(&db, a, JobStatus::Running, None, 2)
+            .await
+            .unwrap();
+        set_status(&db, b, JobStatus::Completed, None, 2)
+            .await
+            .unwrap();
+        assert_eq!(requeue_interrupted(&db).await.unwrap(), 1);
+        assert_eq!(
+            get(&db, a).await.unwrap().unwrap().status,
+            JobStatus::Queued
+        );
+        assert_eq!(
+            get(&db, b).await.unwrap().unwrap().status,
+            JobStatus::Completed
+        );
+    }
+}

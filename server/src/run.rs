@@ -1,0 +1,953 @@
+//! One running job as a state machine: it turns provider messages into
+//! [`Effect`]s (frames to send, metrics to store, checkpoints to write) and
+//! holds no sockets, database or files, so every rule is unit-testable.
+//!
+//! The server owns the data: [`JobRun`] picks each cluster's batch from the
+//! seeded permutation, cuts it into micro-batches, sends inputs to the Root
+//! and keeps the labels until the Leaf's forward, so inputs and labels always
+//! match. Steps run in lockstep across clusters; every `sync_every` steps (and
+//! at each epoch's end) parameters are averaged by name, which is what makes
+//! C clusters with SGD equal one process with C times the batch.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+use rookery_job::weights::WeightTensor;
+use rookery_job::{Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges};
+use rookery_model::{Analysis, DType, Graph, Init, Loss, OptimizerConfig, ParamKind, Plan};
+use rookery_proto::{
+    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
+    ToProvider, ToServer, WireDType, WireLoss, WireOptimizer, WireTensor,
+};
+
+use crate::jobs::{EpochRecord, StageTime, StepRecord};
+
+/// What the coordinator must do on the job's behalf, in order.
+#[derive(Debug)]
+pub enum Effect {
+    Send(u64, ToProvider),
+    Running,
+    Step(StepRecord),
+    Epoch(EpochRecord),
+    /// The latest averaged parameters, to keep as the checkpoint.
+    Checkpoint(Vec<WeightTensor>),
+    /// Training is over; these are the trained weights.
+    Completed(Vec<WeightTensor>),
+    Failed(String),
+}
+
+/// A parameter's current (averaged) value.
+#[derive(Debug, Clone)]
+struct ParamValue {
+    shape: Vec<usize>,
+    dtype: DType,
+    kind: ParamKind,
+    values: Vec<f32>,
+}
+
+#[derive(Debug)]
+struct StageSlot {
+    provider: u64,
+    /// Boundary tensors in and out: (name, per-sample shape, dtype).
+    inputs: Vec<(String, Vec<usize>, DType)>,
+    outputs: Vec<(String, Vec<usize>, DType)>,
+    params: Vec<String>,
+    ready: bool,
+    step_done: bool,
+    compute_ms: f64,
+    uploaded: bool,
+}
+
+#[derive(Debug, Default)]
+struct ClusterRun {
+    stages: Vec<StageSlot>,
+    /// Labels waiting for the Leaf's forward, by (phase, micro-batch).
+    labels: HashMap<(Phase, u32), WireTensor>,
+    /// Samples in each micro-batch in flight, for shape checks.
+    micro_samples: HashMap<(Phase, u32), usize>,
+    loss_sum: f64,
+    correct: u64,
+    samples: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    Assigning,
+    Training { step: u64 },
+    Syncing { step_done: u64 },
+    Evaluating { epoch: u64, expected: u64 },
+    Over,
+}
+
+pub struct JobRun {
+    pub job_id: u64,
+    spec: JobSpec,
+    graph_input: (String, DType),
+    train: Dataset,
+    test: Option<Dataset>,
+    schedule: Schedule,
+    total_steps: u64,
+    perm: Vec<usize>,
+    perm_epoch: Option<u64>,
+    clusters: Vec<ClusterRun>,
+    params: BTreeMap<String, ParamValue>,
+    /// Params uploaded at the current sync: name -> one value per cluster.
+    uploads: BTreeMap<String, Vec<Vec<f32>>>,
+    state: State,
+    step_started: Instant,
+    bytes_relayed: u64,
+}
+
+/// Why a job cannot start on the plan it was given.
+pub type StartError = String;
+
+impl JobRun {
+    /// Builds the run and the `Assign` frames for every stage of `plan`.
+    /// `graph` is the model as imported (with its initial values), `analysis`
+    /// its analysis at the micro-batch size.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        job_id: u64,
+        spec: JobSpec,
+        graph: &Graph,
+        analysis: &Analysis,
+        plan: &Plan,
+        provider_ids: &HashMap<String, u64>,
+        train: Dataset,
+        test: Option<Dataset>,
+    ) -> Result<(Self, Vec<Effect>), StartError> {
+        let t = &spec.training;
+        let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)
+            .map_err(|e| e.to_string())?;
+        let total_steps = schedule.steps_per_epoch as u64 * t.epochs;
+        let input = graph
+            .inputs
+            .first()
+            .ok_or_else(|| "the model has no input".to_string())?;
+        let initial = graph.initial_values(t.seed);
+        let params: BTreeMap<String, ParamValue> = graph
+            .params
+            .iter()
+            .map(|p| {
+                let values = initial.get(&p.name).cloned().unwrap_or_default();
+                (
+                    p.name.clone(),
+                    ParamValue {
+                        shape: p.shape.clone(),
+                        dtype: p.dtype,
+                        kind: p.kind,
+                        values,
+                    },
+                )
+            })
+            .collect();
+        // Providers get the graph without its values: the values travel as tensors.
+        let mut bare = graph.clone();
+        for p in &mut bare.params {
+            p.init = Init::Zeros;
+        }
+        let graph_json = bare.to_json().map_err(|e| e.to_string())?;
+        let per_sample = |name: &str| -> (String, Vec<usize>, DType) {
+            let info = analysis.tensors.get(name);
+            let shape = info.map(|i| i.shape[1.min(i.shape.len())..].to_vec());
+            (
+                name.to_string(),
+                shape.unwrap_or_default(),
+                info.map_or(DType::F32, |i| i.dtype),
+            )
+        };
+        let mut clusters = Vec::with_capacity(plan.clusters.len());
+        let mut effects = Vec::new();
+        for (ci, cluster) in plan.clusters.iter().enumerate() {
+            let mut run = ClusterRun::default();
+            let stages = cluster.stages.len();
+            for (si, stage) in cluster.stages.iter().enumerate() {
+                let provider = *provider_ids
+                    .get(&stage.provider)
+                    .ok_or_else(|| format!("the plan names unknown provider {}", stage.provider))?;
+                let mut names: Vec<String> = analysis.nodes[stage.first..stage.end]
+                    .iter()
+                    .flat_map(|n| n.params.iter().cloned())
+                    .collect();
+                names.sort();
+                names.dedup();
+                let wire_params = names
+                    .iter()
+                    .filter_map(|n| params.get(n).map(|v| (n, v)))
+                    .map(|(n, v)| param_tensor(n, v))
+                    .collect();
+                let outputs: Vec<String> = stage.outputs.iter().map(|b| b.name.clone()).collect();
+                effects.push(Effect::Send(
+                    provider,
+                    ToProvider::Assign(Box::new(Assignment {
+                        job_id,
+                        cluster: ci as u32,
+                        stage: si as u32,
+                        stages: stages as u32,
+                        graph_json: graph_json.clone(),
+                        first: stage.first as u32,
+                        end: stage.end as u32,
+                        outputs: outputs.clone(),
+                        params: wire_params,
+                        optimizer: wire_optimizer(t.optimizer),
+                        loss: match t.loss {
+                            Loss::CrossEntropy => WireLoss::CrossEntropy,
+                            Loss::Mse => WireLoss::Mse,
+                        },
+                        batch_size: t.batch_size as u32,
+                        micro_batches: t.micro_batches as u32,
+                        wire_dtype: wire_dtype(t.wire_dtype),
+                        seed: t.seed,
+                        start_step: 0,
+                    })),
+                ));
+                run.stages.push(StageSlot {
+                    provider,
+                    inputs: stage.inputs.iter().map(|b| per_sample(&b.name)).collect(),
+                    outputs: outputs.iter().map(|n| per_sample(n)).collect(),
+                    params: names,
+                    ready: false,
+                    step_done: false,
+                    compute_ms: 0.0,
+                    uploaded: false,
+                });
+            }
+            clusters.push(run);
+        }
+        let run = JobRun {
+            job_id,
+            graph_input: (input.name.clone(), input.dtype),
+            spec,
+            train,
+            test,
+            schedule,
+            total_steps,
+            perm: Vec::new(),
+            perm_epoch: None,
+            clusters,
+            params,
+            uploads: BTreeMap::new(),
+            state: State::Assigning,
+            step_started: Instant::now(),
+            bytes_relayed: 0,
+        };
+        Ok((run, effects))
+    }
+
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    /// Every provider the job uses.
+    pub fn providers(&self) -> Vec<u64> {
+        self.clusters
+            .iter()
+            .flat_map(|c| c.stages.iter().map(|s| s.provider))
+            .collect()
+    }
+
+    pub fn is_over(&self) -> bool {
+        self.state == State::Over
+    }
+
+    /// Frames telling every provider the job is over for it.
+    pub fn release(&mut self) -> Vec<Effect> {
+        self.state = State::Over;
+        self.providers()
+            .into_iter()
+            .map(|p| {
+                Effect::Send(
+                    p,
+                    ToProvider::Release {
+                        job_id: self.job_id,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// The current parameters as `state_dict` entries (constants left out).
+    pub fn weights(&self) -> Vec<WeightTensor> {
+        self.params
+            .iter()
+            .filter(|(_, v)| v.kind != ParamKind::Constant)
+            .map(|(name, v)| match v.dtype {
+                DType::F32 => WeightTensor::f32(name.clone(), v.shape.clone(), v.values.clone()),
+                DType::I64 => WeightTensor::i64(name.clone(), v.shape.clone(), v.values.clone()),
+            })
+            .collect()
+    }
+
+    fn locate(&self, provider: u64) -> Option<(usize, usize)> {
+        self.clusters.iter().enumerate().find_map(|(c, run)| {
+            run.stages
+                .iter()
+                .position(|s| s.provider == provider)
+                .map(|s| (c, s))
+        })
+    }
+
+    /// A provider of this job sent `message`. Frames that break the protocol
+    /// are dropped with a logged reason; a provider's own failure fails the job.
+    pub fn on_message(&mut self, provider: u64, message: ToServer) -> Vec<Effect> {
+        let Some((c, s)) = self.locate(provider) else {
+            tracing::warn!(
+                job = self.job_id,
+                provider,
+                "dropped a frame from a provider outside the job"
+            );
+            return Vec::new();
+        };
+        let result = match message {
+            ToServer::Ready { job_id } => self.check_job(job_id).map(|()| self.on_ready(c, s)),
+            ToServer::Activations(a) => self
+                .check_job(a.job_id)
+                .and_then(|()| self.on_activations(c, s, a)),
+            ToServer::Gradients(g) => self
+                .check_job(g.job_id)
+                .and_then(|()| self.on_gradients(c, s, g)),
+            ToServer::LeafLoss(l) => self
+                .check_job(l.job_id)
+                .and_then(|()| self.on_leaf_loss(c, s, l)),
+            ToServer::StepDone(d) => self
+                .check_job(d.job_id)
+                .and_then(|()| self.on_step_done(c, s, d)),
+            ToServer::Params(p) => self
+                .check_job(p.job_id)
+                .and_then(|()| self.on_params(c, s, p)),
+            ToServer::JobFailed { job_id, message } => self.check_job(job_id).map(|()| {
+                self.state = State::Over;
+                vec![Effect::Failed(format!(
+                    "provider {provider} (cluster {c}, stage {s}) failed: {message}"
+                ))]
+            }),
+            ToServer::Hello(_) | ToServer::Heartbeat { .. } | ToServer::Error(_) => Ok(Vec::new()),
+        };
+        result.unwrap_or_else(|reason| {
+            tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");
+            Vec::new()
+        })
+    }
+
+    fn check_job(&self, job_id: u64) -> Result<(), String> {
+        if job_id == self.job_id {
+            Ok(())
+        } else {
+            Err(format!("it is for job {job_id}, not {}", self.job_id))
+        }
+    }
+
+    fn on_ready(&mut self, c: usize, s: usize) -> Vec<Effect> {
+        self.clusters[c].stages[s].ready = true;
+        let all = self
+            .clusters
+            .iter()
+            .all(|r| r.stages.iter().all(|s| s.ready));
+        if self.state == State::Assigning && all {
+            let mut effects = vec![Effect::Running];
+            effects.extend(self.start_step(0));
+            effects
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn current_phase_ok(&self, phase: Phase) -> Result<(), String> {
+        match (self.state, phase) {
+            (State::Training { step }, Phase::Train { step: got }) if step == got => Ok(()),
+            (State::Evaluating { epoch, .. }, Phase::Eval { epoch: got })
+                if epoch == u64::from(got) =>
+            {
+                Ok(())
+            }
+            (state, phase) => Err(format!(
+                "{phase:?} does not match the job's state {state:?}"
+            )),
+        }
+    }
+
+    fn start_step(&mut self, step: u64) -> Vec<Effect> {
+        let spe = self.schedule.steps_per_epoch as u64;
+        let epoch = step / spe;
+        if self.perm_epoch != Some(epoch) {
+            let t = &self.spec.training;
+            self.perm = epoch_permutation(self.train.len(), t.seed, epoch, t.shuffle);
+            self.perm_epoch = Some(epoch);
+        }
+        self.state = State::Training { step };
+        self.step_started = Instant::now();
+        let phase = Phase::Train { step };
+        let batch = self.spec.training.batch_size;
+        let ranges = micro_batch_ranges(batch, self.spec.training.micro_batches);
+        let mut effects = Vec::new();
+        for c in 0..self.clusters.len() {
+            let idx = self
+                .schedule
+                .batch(&self.perm, (step % spe) as usize, c)
+                .to_vec();
+            for stage in &mut self.clusters[c].stages {
+                stage.step_done = false;
+                stage.compute_ms = 0.0;
+            }
+            let run = &mut self.clusters[c];
+            run.loss_sum = 0.0;
+            run.correct = 0;
+            run.samples = 0;
+            for (m, r) in ranges.iter().enumerate() {
+                let chunk = &idx[r.clone()];
+                effects.push(feed(
+                    &self.graph_input,
+                    &self.train,
+                    run,
+                    self.job_id,
+                    phase,
+                    m as u32,
+                    batch,
+                    chunk,
+                ));
+            }
+        }
+        effects
+    }
+
+    fn on_activations(
+        &mut self,
+        c: usize,
+        s: usize,
+        a: Activations,
+    ) -> Result<Vec<Effect>, String> {
+        self.current_phase_ok(a.phase)?;
+        let run = &mut self.clusters[c];
+        let last = run.stages.len() - 1;
+        if s == last {
+            return Err("the Leaf sends losses, not activations".into());
+        }
+        let samples = *run
+            .micro_samples
+            .get(&(a.phase, a.micro))
+            .ok_or_else(|| format!("micro-batch {} is not in flight", a.micro))?;
+        check_tensors(
+            &a.outputs,
+            &run.stages[s].outputs,
+            samples,
+            wire_dtype(self.spec.training.wire_dtype),
+        )?;
+        run.stages[s].compute_ms += a.compute_ms.max(0.0);
+        self.bytes_relayed += a.outputs.iter().map(|t| t.data.len() as u64).sum::<u64>();
+        let labels = if s + 1 == last {
+            run.labels.remove(&(a.phase, a.micro))
+        } else {
+            None
+        };
+        let step_samples = match a.phase {
+            Phase::Train { .. } => self.spec.training.batch_size,
+            Phase::Eval { .. } => samples,
+        };
+        let next = run.stages[s + 1].provider;
+        Ok(vec![Effect::Send(
+            next,
+            ToProvider::Forward(Forward {
+                job_id: self.job_id,
+                phase: a.phase,
+                micro: a.micro,
+                step_samples: step_samples as u32,
+                inputs: a.outputs,
+                labels,
+            }),
+        )])
+    }
+
+    fn on_gradients(&mut self, c: usize, s: usize, g: Gradients) -> Result<Vec<Effect>, String> {
+        self.current_phase_ok(Phase::Train { step: g.step })?;
+        if s == 0 {
+            return Err("the Root has no one to send gradients to".into());
+        }
+        let run = &mut self.clusters[c];
+        let samples = *run
+            .micro_samples
+            .get(&(Phase::Train { step: g.step }, g.micro))
+            .ok_or_else(|| format!("micro-batch {} is not in flight", g.micro))?;
+        // Gradients come for the stage's float inputs, in any subset.
+        let expected: Vec<_> = run.stages[s]
+            .inputs
+            .iter()
+            .filter(|(name, _, dtype)| {
+                *dtype == DType::F32 && g.grads.iter().any(|t| &t.name == name)
+            })
+            .cloned()
+            .collect();
+        check_tensors(
+            &g.grads,
+            &expected,
+            samples,
+            wire_dtype(self.spec.training.wire_dtype),
+        )?;
+        run.stages[s].compute_ms += g.compute_ms.max(0.0);
+        self.bytes_relayed += g.grads.iter().map(|t| t.data.len() as u64).sum::<u64>();
+        let prev = run.stages[s - 1].provider;
+        Ok(vec![Effect::Send(
+            prev,
+            ToProvider::Backward(Backward {
+                job_id: self.job_id,
+                step: g.step,
+                micro: g.micro,
+                grads: g.grads,
+            }),
+        )])
+    }
+
+    fn on_leaf_loss(&mut self, c: usize, s: usize, l: LeafLoss) -> Result<Vec<Effect>, String> {
+        self.current_phase_ok(l.phase)?;
+        let run = &mut self.clusters[c];
+        if s + 1 != run.stages.len() {
+            return Err("only the Leaf reports losses".into());
+        }
+        let samples = run
+            .micro_samples
+            .remove(&(l.phase, l.micro))
+            .ok_or_else(|| format!("micro-batch {} is not in flight", l.micro))?;
+        if samples != l.samples as usize
+            || !l.loss_sum.is_finite()
+            || l.correct > u64::from(l.samples)
+        {
+            return Err(format!(
+                "implausible loss report: {} samples (expected {samples}), loss {}, {} correct",
+                l.samples, l.loss_sum, l.correct
+            ));
+        }
+        run.loss_sum += l.loss_sum;
+        run.correct += l.correct;
+        run.samples += u64::from(l.samples);
+        if let State::Evaluating { epoch, expected } = self.state {
+            let got: u64 = self.clusters.iter().map(|r| r.samples).sum();
+            if got == expected {
+                return Ok(self.finish_eval(epoch));
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    fn on_step_done(&mut self, c: usize, s: usize, d: StepDone) -> Result<Vec<Effect>, String> {
+        self.current_phase_ok(Phase::Train { step: d.step })?;
+        let stage = &mut self.clusters[c].stages[s];
+        if stage.step_done {
+            return Err(format!("step {} was already reported done", d.step));
+        }
+        stage.step_done = true;
+        // The provider's total is authoritative; what the relays counted was partial.
+        stage.compute_ms = d.compute_ms.max(0.0);
+        let all = self
+            .clusters
+            .iter()
+            .all(|r| r.stages.iter().all(|s| s.step_done));
+        if !all {
+            return Ok(Vec::new());
+        }
+        Ok(self.finish_step(d.step))
+    }
+
+    fn finish_step(&mut self, step: u64) -> Vec<Effect> {
+        let elapsed_ms = self.step_started.elapsed().as_secs_f64() * 1e3;
+        let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
+        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / samples.max(1) as f64;
+        let spe = self.schedule.steps_per_epoch as u64;
+        let stages = self
+            .clusters
+            .iter()
+            .enumerate()
+            .flat_map(|(c, r)| {
+                r.stages.iter().enumerate().map(move |(s, st)| StageTime {
+                    cluster: c as u32,
+                    stage: s as u32,
+                    provider: st.provider,
+                    compute_ms: st.compute_ms,
+                    idle_ms: (elapsed_ms - st.compute_ms).max(0.0),
+                })
+            })
+            .collect();
+        let record = StepRecord {
+            step,
+            epoch: step / spe,
+            loss,
+            samples_per_s: samples as f64 / (elapsed_ms / 1e3).max(1e-9),
+            elapsed_ms,
+            bytes_relayed: std::mem::take(&mut self.bytes_relayed),
+            stages,
+        };
+        let mut effects = vec![Effect::Step(record)];
+        let done = step + 1;
+        let sync = done % self.spec.training.sync_every == 0
+            || done % spe == 0
+            || done == self.total_steps;
+        if sync {
+            effects.extend(self.start_sync(done));
+        } else {
+            effects.extend(self.start_step(done));
+        }
+        effects
+    }
+
+    fn start_sync(&mut self, step_done: u64) -> Vec<Effect> {
+        self.state = State::Syncing { step_done };
+        self.uploads.clear();
+        let mut effects = Vec::new();
+        for run in &mut self.clusters {
+            for stage in &mut run.stages {
+                stage.uploaded = false;
+                effects.push(Effect::Send(
+                    stage.provider,
+                    ToProvider::UploadParams {
+                        job_id: self.job_id,
+                        step: step_done,
+                    },
+                ));
+            }
+        }
+        effects
+    }
+
+    fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, String> {
+        let State::Syncing { step_done } = self.state else {
+            return Err("parameters arrived outside a sync".into());
+        };
+        if p.step != step_done {
+            return Err(format!(
+                "parameters of step {} during the sync of step {step_done}",
+                p.step
+            ));
+        }
+        let stage = &self.clusters[c].stages[s];
+        if stage.uploaded {
+            return Err("parameters were already uploaded for this sync".into());
+        }
+        let mut values = Vec::with_capacity(p.params.len());
+        for t in &p.params {
+            if !stage.params.contains(&t.name) {
+                return Err(format!("parameter `{}` is not one of the stage's", t.name));
+            }
+            let Some(current) = self.params.get(&t.name) else {
+                return Err(format!("unknown parameter `{}`", t.name));
+            };
+            if t.shape_usize() != current.shape {
+                return Err(format!(
+                    "parameter `{}` has shape {:?}, expected {:?}",
+                    t.name, t.shape, current.shape
+                ));
+            }
+            t.check().map_err(|e| e.to_string())?;
+            values.push((t.name.clone(), t.to_f32().map_err(|e| e.to_string())?));
+        }
+        let clusters = self.clusters.len();
+        for (name, v) in values {
+            self.uploads
+                .entry(name)
+                .or_insert_with(|| Vec::with_capacity(clusters))
+                .push(v);
+        }
+        self.clusters[c].stages[s].uploaded = true;
+        let all = self
+            .clusters
+            .iter()
+            .all(|r| r.stages.iter().all(|s| s.uploaded));
+        if !all {
+            return Ok(Vec::new());
+        }
+        Ok(self.finish_sync(step_done))
+    }
+
+    fn finish_sync(&mut self, step_done: u64) -> Vec<Effect> {
+        for (name, copies) in std::mem::take(&mut self.uploads) {
+            let Some(target) = self.params.get_mut(&name) else {
+                continue;
+            };
+            target.values = match target.dtype {
+                // Counters (BatchNorm's num_batches_tracked) agree across clusters.
+                DType::I64 => copies.into_iter().next().unwrap_or_default(),
+                DType::F32 => average(&copies),
+            };
+        }
+        let mut effects = Vec::new();
+        if self.clusters.len() > 1 {
+            for run in &self.clusters {
+                for stage in &run.stages {
+                    let params = stage
+                        .params
+                        .iter()
+                        .filter_map(|n| self.params.get(n).map(|v| param_tensor(n, v)))
+                        .collect();
+                    effects.push(Effect::Send(
+                        stage.provider,
+                        ToProvider::SetParams(ParamSet {
+                            job_id: self.job_id,
+                            step: step_done,
+                            params,
+                        }),
+                    ));
+                }
+            }
+        }
+        effects.push(Effect::Checkpoint(self.weights()));
+        let spe = self.schedule.steps_per_epoch as u64;
+        if step_done % spe == 0 {
+            if let Some(eval) = self.start_eval(step_done / spe - 1) {
+                effects.extend(eval);
+                return effects;
+            }
+        }
+        effects.extend(self.next_or_finish(step_done));
+        effects
+    }
+
+    fn next_or_finish(&mut self, step_done: u64) -> Vec<Effect> {
+        if step_done >= self.total_steps {
+            let mut effects = self.release();
+            effects.push(Effect::Completed(self.weights()));
+            effects
+        } else {
+            self.start_step(step_done)
+        }
+    }
+
+    /// Sends the test set forward through every cluster, each its own share.
+    fn start_eval(&mut self, epoch: u64) -> Option<Vec<Effect>> {
+        let test = self.test.as_ref()?;
+        if test.is_empty() {
+            return None;
+        }
+        let n = test.len();
+        let clusters = self.clusters.len();
+        self.state = State::Evaluating {
+            epoch,
+            expected: n as u64,
+        };
+        let phase = Phase::Eval {
+            epoch: epoch as u32,
+        };
+        let micro = self.spec.micro_batch_size().max(1);
+        let mut effects = Vec::new();
+        for (c, run) in self.clusters.iter_mut().enumerate() {
+            run.loss_sum = 0.0;
+            run.correct = 0;
+            run.samples = 0;
+            let share = (c * n / clusters)..((c + 1) * n / clusters);
+            let idx: Vec<usize> = share.collect();
+            for (m, chunk) in idx.chunks(micro).enumerate() {
+                effects.push(feed(
+                    &self.graph_input,
+                    test,
+                    run,
+                    self.job_id,
+                    phase,
+                    m as u32,
+                    chunk.len(),
+                    chunk,
+                ));
+            }
+        }
+        Some(effects)
+    }
+
+    fn finish_eval(&mut self, epoch: u64) -> Vec<Effect> {
+        let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
+        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / samples.max(1) as f64;
+        let correct: u64 = self.clusters.iter().map(|r| r.correct).sum();
+        let mut effects = vec![Effect::Epoch(EpochRecord {
+            epoch,
+            test_loss: loss,
+            test_accuracy: correct as f64 / samples.max(1) as f64,
+            samples,
+        })];
+        let spe = self.schedule.steps_per_epoch as u64;
+        effects.extend(self.next_or_finish((epoch + 1) * spe));
+        effects
+    }
+}
+
+/// Sends one micro-batch of `data` to the cluster's Root and keeps its labels
+/// for the Leaf (or sends them along when the Root is the Leaf).
+#[allow(clippy::too_many_arguments)]
+fn feed(
+    input: &(String, DType),
+    data: &Dataset,
+    run: &mut ClusterRun,
+    job_id: u64,
+    phase: Phase,
+    micro: u32,
+    step_samples: usize,
+    idx: &[usize],
+) -> Effect {
+    let mut shape = vec![idx.len()];
+    shape.extend_from_slice(&data.sample_shape);
+    let dtype = match input.1 {
+        DType::F32 => WireDType::F32,
+        DType::I64 => WireDType::I64,
+    };
+    let inputs = vec![WireTensor::from_f32(
+        input.0.clone(),
+        &shape,
+        &data.gather_inputs(idx),
+        dtype,
+    )];
+    let labels = match data.gather_labels(idx) {
+        Labels::Classes(classes) => WireTensor::from_i64("labels", &[idx.len()], &classes),
+        Labels::Targets { shape: per, values } => {
+            let mut shape = vec![idx.len()];
+            shape.extend(per);
+            WireTensor::from_f32("labels", &shape, &values, WireDType::F32)
+        }
+    };
+    run.micro_samples.insert((phase, micro), idx.len());
+    let single = run.stages.len() == 1;
+    let labels = if single {
+        Some(labels)
+    } else {
+        run.labels.insert((phase, micro), labels);
+        None
+    };
+    let root = run.stages[0].provider;
+    Effect::Send(
+        root,
+        ToProvider::Forward(Forward {
+            job_id,
+            phase,
+            micro,
+            step_samples: step_samples as u32,
+            inputs,
+            labels,
+        }),
+    )
+}
+
+/// Checks that `tensors` are exactly `expected` (same names, in order), each
+/// `[samples, per-sample shape...]`, floats in the job's wire dtype and finite.
+fn check_tensors(
+    tensors: &[WireTensor],
+    expected: &[(String, Vec<usize>, DType)],
+    samples: usize,
+    wire: WireDType,
+) -> Result<(), String> {
+    if tensors.len() != expected.len() {
+        return Err(format!(
+            "{} tensors, expected {} ({:?})",
+            tensors.len(),
+            expected.len(),
+            expected.iter().map(|e| &e.0).collect::<Vec<_>>()
+        ));
+    }
+    for (t, (name, per, dtype)) in tensors.iter().zip(expected) {
+        if &t.name != name {
+            return Err(format!("tensor `{}` where `{name}` was expected", t.name));
+        }
+        let mut shape = vec![samples];
+        shape.extend_from_slice(per);
+        if t.shape_usize() != shape {
+            return Err(format!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                t.shape
+            ));
+        }
+        let want = match dtype {
+            DType::F32 => wire,
+            DType::I64 => WireDType::I64,
+        };
+        if t.dtype != want {
+            return Err(format!(
+                "tensor `{name}` is {}, expected {}",
+                t.dtype.as_str(),
+                want.as_str()
+            ));
+        }
+        t.check().map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn average(copies: &[Vec<f32>]) -> Vec<f32> {
+    let Some(first) = copies.first() else {
+        return Vec::new();
+    };
+    let n = copies.len() as f64;
+    (0..first.len())
+        .map(|i| (copies.iter().map(|c| f64::from(c[i])).sum::<f64>() / n) as f32)
+        .collect()
+}
+
+fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
+    let dtype = match v.dtype {
+        DType::F32 => WireDType::F32,
+        DType::I64 => WireDType::I64,
+    };
+    WireTensor::from_f32(name, &v.shape, &v.values, dtype)
+}
+
+fn wire_dtype(d: rookery_job::WireDType) -> WireDType {
+    match d {
+        rookery_job::WireDType::F32 => WireDType::F32,
+        rookery_job::WireDType::F16 => WireDType::F16,
+        rookery_job::WireDType::Bf16 => WireDType::Bf16,
+    }
+}
+
+/// The edge where job configuration becomes wire configuration.
+pub fn wire_optimizer(o: OptimizerConfig) -> WireOptimizer {
+    match o {
+        OptimizerConfig::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        } => WireOptimizer::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        },
+        OptimizerConfig::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => WireOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        },
+        OptimizerConfig::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => WireOptimizer::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        },
+        OptimizerConfig::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        } => WireOptimizer::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        },
+    }
+}

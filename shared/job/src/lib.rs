@@ -1,0 +1,28 @@
+//! Rookery's job description and the data side of training, with no network,
+//! tokio, tch or GPU: plain data and files, usable by the server, the
+//! reference trainer and command-line tools alike.
+//!
+//! - [`spec`]: the Requester's job file ([`JobSpec`], TOML or JSON): which model,
+//!   which data, how to train; parsed, defaulted and validated before anything runs.
+//! - [`data`]: dataset readers (IDX, `.npy`, `.npz`, safetensors, CSV) into a
+//!   preprocessed [`Dataset`], and the checks of a dataset against the model.
+//! - [`order`]: the data order the server owns (per-epoch permutation, sharding
+//!   of each step's samples over clusters, micro-batch ranges), so a Root's inputs,
+//!   a Leaf's labels and the single-process reference all see the same batches.
+//! - [`weights`]: safetensors weights files that `torch`'s `load_state_dict` reads.
+
+pub mod data;
+pub mod error;
+pub mod order;
+pub mod spec;
+pub mod weights;
+
+pub use data::{Dataset, Labels, Split, load_split, validate_against_model};
+pub use error::JobError;
+pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
+pub use spec::{
+    DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec, WireDType,
+};
+pub use weights::{
+    WeightDType, WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors,
+};

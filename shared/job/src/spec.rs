@@ -1,0 +1,918 @@
+//! The Requester's job file: which model, which data, how to train.
+//!
+//! Written as TOML (or the same structure as JSON, which the HTTP API takes):
+//!
+//! ```toml
+//! [model]
+//! onnx = "cnn.onnx"            # or: spec = "model.toml"  (exactly one of the two)
+//! input_shape = [1, 28, 28]    # one sample, without the batch dimension
+//! [data]
+//! format = "idx"               # idx | npy | npz | safetensors | csv
+//! train_inputs = "train-images-idx3-ubyte.gz"
+//! train_labels = "train-labels-idx1-ubyte.gz"
+//! test_inputs  = "t10k-images-idx3-ubyte.gz"   # test_* optional (both or neither)
+//! test_labels  = "t10k-labels-idx1-ubyte.gz"
+//! scale = 0.00392156862745098  # optional: x*scale, then (x-mean)/std
+//! mean = 0.1307                # optional (default 0)
+//! std = 0.3081                 # optional (default 1)
+//! [training]
+//! epochs = 2                   # default 1
+//! batch_size = 64              # per cluster per step (required)
+//! micro_batches = 4            # default 1
+//! loss = "cross_entropy"       # cross_entropy (default) | mse
+//! optimizer = { name = "adam", lr = 0.001 }   # default: sgd with lr 0.01
+//! clusters = "auto"            # default "auto", or a number
+//! sync_every = 1               # default 1
+//! shuffle = true               # default true
+//! seed = 42                    # default 0
+//! wire_dtype = "f32"           # f32 (default) | f16 | bf16
+//! ```
+//!
+//! Relative paths resolve against a base directory (the job file's folder).
+//! For `npz` and `safetensors`, a path may name one array of the file as
+//! `data.npz:x_train`; a file holding a single array needs no name.
+//!
+//! The optimizer table is tagged by `name` (`sgd`, `adam`, `adamw`, `rmsprop`)
+//! and takes `torch.optim`'s parameter names and defaults, `lr` included
+//! (1e-3, or 1e-2 for RMSprop); Adam's betas are `betas = [b1, b2]`. Only a
+//! job with no `optimizer` at all gets SGD with lr 0.01.
+//!
+//! Unknown fields are errors, and every error names the field (its dotted path,
+//! e.g. `training.optimizer.lr`) and, for a file, the resolved path.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use rookery_model::load::{LoadedModel, load_model_file};
+use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+use serde::de::{self, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::JobError;
+
+/// Element type of activations and gradients between providers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireDType {
+    #[default]
+    F32,
+    F16,
+    Bf16,
+}
+
+impl WireDType {
+    /// Bytes per value on the wire.
+    pub fn size(self) -> usize {
+        match self {
+            WireDType::F32 => 4,
+            WireDType::F16 | WireDType::Bf16 => 2,
+        }
+    }
+}
+
+/// How the data files are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// MNIST's IDX files, optionally gzipped.
+    Idx,
+    /// NumPy `.npy`, optionally gzipped.
+    Npy,
+    /// NumPy `.npz` (a zip of `.npy` files, stored or deflated).
+    Npz,
+    Safetensors,
+    /// Comma-separated numbers, one sample a row, optional header row.
+    Csv,
+}
+
+impl DataFormat {
+    /// Whether a file holds several named arrays (`file:array` references).
+    pub fn has_members(self) -> bool {
+        matches!(self, DataFormat::Npz | DataFormat::Safetensors)
+    }
+}
+
+/// A data file, or one named array inside an `.npz`/safetensors file.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DataRef {
+    pub path: PathBuf,
+    pub member: Option<String>,
+}
+
+impl DataRef {
+    pub fn file(path: impl Into<PathBuf>) -> Self {
+        DataRef {
+            path: path.into(),
+            member: None,
+        }
+    }
+
+    pub fn member(path: impl Into<PathBuf>, member: impl Into<String>) -> Self {
+        DataRef {
+            path: path.into(),
+            member: Some(member.into()),
+        }
+    }
+}
+
+/// `path` or `path:member`, as written in job files.
+impl fmt::Display for DataRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.member {
+            Some(m) => write!(f, "{}:{m}", self.path.display()),
+            None => write!(f, "{}", self.path.display()),
+        }
+    }
+}
+
+/// Where the model comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// An ONNX export from PyTorch.
+    Onnx(PathBuf),
+    /// A layer-spec TOML file.
+    Spec(PathBuf),
+}
+
+impl ModelSource {
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::Onnx(p) | ModelSource::Spec(p) => p,
+        }
+    }
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSection {
+    pub source: ModelSource,
+    /// One sample's shape, without the batch dimension.
+    pub input_shape: Vec<usize>,
+}
+
+/// `[data]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataSpec {
+    pub format: DataFormat,
+    pub train_inputs: DataRef,
+    pub train_labels: DataRef,
+    pub test_inputs: Option<DataRef>,
+    pub test_labels: Option<DataRef>,
+    /// Inputs become `(x * scale - mean) / std` (in f32), each part optional.
+    pub scale: Option<f64>,
+    pub mean: Option<f64>,
+    pub std: Option<f64>,
+}
+
+impl DataSpec {
+    /// `(scale, mean, std)` with the defaults (1, 0, 1) filled in.
+    pub fn normalisation(&self) -> (f32, f32, f32) {
+        (
+            self.scale.unwrap_or(1.0) as f32,
+            self.mean.unwrap_or(0.0) as f32,
+            self.std.unwrap_or(1.0) as f32,
+        )
+    }
+}
+
+/// `[training]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainingSpec {
+    pub epochs: u64,
+    /// Samples per cluster per step.
+    pub batch_size: usize,
+    /// Micro-batches a step's batch is cut into for pipelining (`torch.chunk`).
+    pub micro_batches: usize,
+    pub loss: Loss,
+    pub optimizer: OptimizerConfig,
+    pub clusters: ClusterCount,
+    /// Steps between parameter averages across clusters.
+    pub sync_every: u64,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub wire_dtype: WireDType,
+}
+
+/// A whole job. Serializes as the JSON form of the job file (paths absolute
+/// when the base directory was), which [`JobSpec::from_json`] reads back.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(into = "JobFile")]
+pub struct JobSpec {
+    pub model: ModelSection,
+    pub data: DataSpec,
+    pub training: TrainingSpec,
+}
+
+impl JobSpec {
+    /// Parses and validates a TOML job file; relative paths resolve against `base_dir`.
+    pub fn from_toml(text: &str, base_dir: &Path) -> Result<Self, JobError> {
+        let de = toml::de::Deserializer::parse(text).map_err(|e| JobError::Syntax {
+            format: "TOML",
+            reason: toml_reason(&e, text),
+        })?;
+        let file: JobFile = serde_path_to_error::deserialize(de)
+            .map_err(|e| path_error(e, |e| toml_reason(e, text)))?;
+        Self::from_file_form(file, base_dir)
+    }
+
+    /// Parses and validates the JSON form; relative paths resolve against `base_dir`.
+    pub fn from_json(text: &str, base_dir: &Path) -> Result<Self, JobError> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let file: JobFile = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            if e.inner().is_syntax() || e.inner().is_eof() {
+                JobError::Syntax {
+                    format: "JSON",
+                    reason: e.into_inner().to_string(),
+                }
+            } else {
+                path_error(e, |e| e.to_string())
+            }
+        })?;
+        de.end().map_err(|e| JobError::Syntax {
+            format: "JSON",
+            reason: e.to_string(),
+        })?;
+        Self::from_file_form(file, base_dir)
+    }
+
+    /// Reads a `.toml` or `.json` job file; paths resolve against its folder
+    /// (made absolute).
+    pub fn from_file(path: &Path) -> Result<Self, JobError> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            JobError::file(path.display(), format!("cannot read the job file: {e}"))
+        })?;
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let base = std::path::absolute(parent).map_err(|e| {
+            JobError::file(path.display(), format!("cannot resolve its folder: {e}"))
+        })?;
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("toml") => Self::from_toml(&text, &base),
+            Some("json") => Self::from_json(&text, &base),
+            _ => Err(JobError::file(
+                path.display(),
+                "unknown job file type: expected .toml or .json",
+            )),
+        }
+    }
+
+    /// The JSON form; [`JobSpec::from_json`] reads it back to an equal spec
+    /// (paths are written as given, so resolve them against an absolute base
+    /// first). Non-UTF-8 paths are written lossily.
+    pub fn to_json(&self) -> Result<String, serde_json::Error> {
+        serde_json::to_string_pretty(self)
+    }
+
+    /// Samples in one micro-batch: `ceil(batch_size / micro_batches)`, the
+    /// size of `torch.chunk`'s chunks (the last may be smaller).
+    pub fn micro_batch_size(&self) -> usize {
+        self.training
+            .batch_size
+            .div_ceil(self.training.micro_batches.max(1))
+    }
+
+    /// Loads the model at one sample's `input_shape`, analysed at the micro-batch size.
+    pub fn load_model(&self) -> Result<LoadedModel, JobError> {
+        Ok(load_model_file(
+            self.model.source.path(),
+            Some(&self.model.input_shape),
+            self.micro_batch_size(),
+        )?)
+    }
+
+    /// The checks made before anything runs: ranges of every number, the
+    /// optimizer's own checks (`torch.optim`'s wording) and that every file exists.
+    /// The parsers call it; call it again after editing a spec.
+    pub fn validate(&self) -> Result<(), JobError> {
+        let m = &self.model;
+        if m.input_shape.is_empty() || m.input_shape.contains(&0) {
+            return Err(JobError::field(
+                "model.input_shape",
+                format!(
+                    "must list one sample's dimensions, each at least 1 (got {:?})",
+                    m.input_shape
+                ),
+            ));
+        }
+        let model_field = match m.source {
+            ModelSource::Onnx(_) => "model.onnx",
+            ModelSource::Spec(_) => "model.spec",
+        };
+        check_file(model_field, m.source.path(), false)?;
+
+        let d = &self.data;
+        let has_members = d.format.has_members();
+        check_ref("data.train_inputs", &d.train_inputs, has_members)?;
+        check_ref("data.train_labels", &d.train_labels, has_members)?;
+        match (&d.test_inputs, &d.test_labels) {
+            (Some(i), Some(l)) => {
+                check_ref("data.test_inputs", i, has_members)?;
+                check_ref("data.test_labels", l, has_members)?;
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(JobError::field(
+                    "data.test_labels",
+                    "missing: data.test_inputs is given, so give its labels too",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(JobError::field(
+                    "data.test_inputs",
+                    "missing: data.test_labels is given, so give the inputs too",
+                ));
+            }
+        }
+        for (field, v) in [("data.scale", d.scale), ("data.mean", d.mean)] {
+            if let Some(v) = v
+                && !v.is_finite()
+            {
+                return Err(JobError::field(
+                    field,
+                    format!("must be a finite number (got {v})"),
+                ));
+            }
+        }
+        if let Some(s) = d.std
+            && !(s > 0.0 && s.is_finite())
+        {
+            return Err(JobError::field(
+                "data.std",
+                format!("must be greater than 0 (got {s})"),
+            ));
+        }
+
+        let t = &self.training;
+        if t.epochs < 1 {
+            return Err(JobError::field(
+                "training.epochs",
+                "must be at least 1 (got 0)",
+            ));
+        }
+        if t.batch_size < 1 {
+            return Err(JobError::field(
+                "training.batch_size",
+                "must be at least 1 (got 0)",
+            ));
+        }
+        if !(1..=t.batch_size).contains(&t.micro_batches) {
+            return Err(JobError::field(
+                "training.micro_batches",
+                format!(
+                    "must be between 1 and training.batch_size ({}) (got {})",
+                    t.batch_size, t.micro_batches
+                ),
+            ));
+        }
+        if t.sync_every < 1 {
+            return Err(JobError::field(
+                "training.sync_every",
+                "must be at least 1 (got 0)",
+            ));
+        }
+        if t.clusters == ClusterCount::Fixed(0) {
+            return Err(JobError::field(
+                "training.clusters",
+                "must be \"auto\" or at least 1 (got 0)",
+            ));
+        }
+        t.optimizer.validate().map_err(|m| {
+            JobError::field(format!("training.optimizer.{}", optimizer_field(&m)), m)
+        })?;
+        Ok(())
+    }
+
+    fn from_file_form(f: JobFile, base: &Path) -> Result<Self, JobError> {
+        let source = match (f.model.onnx, f.model.spec) {
+            (Some(p), None) => ModelSource::Onnx(resolve("model.onnx", &p, base)?),
+            (None, Some(p)) => ModelSource::Spec(resolve("model.spec", &p, base)?),
+            (Some(_), Some(_)) => {
+                return Err(JobError::field(
+                    "model",
+                    "give either `onnx` or `spec`, not both",
+                ));
+            }
+            (None, None) => {
+                return Err(JobError::field(
+                    "model",
+                    "missing the model file: give `onnx = \"model.onnx\"` (an ONNX export) \
+                     or `spec = \"model.toml\"` (a layer spec)",
+                ));
+            }
+        };
+        let d = f.data;
+        let fmt = d.format;
+        let data_ref = |field: &str, s: &str| parse_ref(field, s, base, fmt);
+        let data = DataSpec {
+            format: fmt,
+            train_inputs: data_ref("data.train_inputs", &d.train_inputs)?,
+            train_labels: data_ref("data.train_labels", &d.train_labels)?,
+            test_inputs: d
+                .test_inputs
+                .as_deref()
+                .map(|s| data_ref("data.test_inputs", s))
+                .transpose()?,
+            test_labels: d
+                .test_labels
+                .as_deref()
+                .map(|s| data_ref("data.test_labels", s))
+                .transpose()?,
+            scale: d.scale,
+            mean: d.mean,
+            std: d.std,
+        };
+        let t = f.training;
+        let training = TrainingSpec {
+            epochs: t.epochs.unwrap_or(1),
+            batch_size: t.batch_size,
+            micro_batches: t.micro_batches.unwrap_or(1),
+            loss: t.loss.unwrap_or(Loss::CrossEntropy),
+            optimizer: match t.optimizer {
+                Some(o) => o.into_config()?,
+                None => OptimizerConfig::sgd(0.01),
+            },
+            clusters: t.clusters.map_or(ClusterCount::Auto, |c| c.0),
+            sync_every: t.sync_every.unwrap_or(1),
+            shuffle: t.shuffle.unwrap_or(true),
+            seed: t.seed.unwrap_or(0),
+            wire_dtype: t.wire_dtype.unwrap_or_default(),
+        };
+        let spec = JobSpec {
+            model: ModelSection {
+                source,
+                input_shape: f.model.input_shape,
+            },
+            data,
+            training,
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+fn resolve(field: &str, s: &str, base: &Path) -> Result<PathBuf, JobError> {
+    if s.is_empty() {
+        return Err(JobError::field(field, "is empty: expected a file path"));
+    }
+    Ok(base.join(s))
+}
+
+/// `file:array` for formats with members, unless the whole string names a file.
+fn parse_ref(field: &str, s: &str, base: &Path, format: DataFormat) -> Result<DataRef, JobError> {
+    let whole = resolve(field, s, base)?;
+    if format.has_members()
+        && !whole.is_file()
+        && let Some((file, member)) = s.rsplit_once(':')
+        && !file.is_empty()
+        && !member.is_empty()
+        && !member.contains(['/', '\\'])
+    {
+        return Ok(DataRef::member(resolve(field, file, base)?, member));
+    }
+    Ok(DataRef::file(whole))
+}
+
+fn check_ref(field: &str, r: &DataRef, has_members: bool) -> Result<(), JobError> {
+    if r.member.is_some() && !has_members {
+        return Err(JobError::field(
+            field,
+            format!("`{r}`: only npz and safetensors files hold named arrays"),
+        ));
+    }
+    check_file(field, &r.path, !has_members)
+}
+
+fn check_file(field: &str, path: &Path, hint_colon: bool) -> Result<(), JobError> {
+    if path.is_file() {
+        return Ok(());
+    }
+    let hint = if hint_colon && path.to_string_lossy().contains(':') {
+        " (`file:array` references are for npz and safetensors data)"
+    } else {
+        ""
+    };
+    Err(JobError::field(
+        field,
+        format!("no such file: {}{hint}", path.display()),
+    ))
+}
+
+/// Which optimizer field a `torch.optim`-worded validation message is about.
+fn optimizer_field(message: &str) -> &'static str {
+    const KEYS: [(&str, &str); 8] = [
+        ("Nesterov", "nesterov"),
+        ("learning rate", "lr"),
+        ("momentum", "momentum"),
+        ("beta", "betas"),
+        ("epsilon", "eps"),
+        ("weight_decay", "weight_decay"),
+        ("alpha", "alpha"),
+        ("dampening", "dampening"),
+    ];
+    KEYS.iter()
+        .find(|(k, _)| message.contains(k))
+        .map_or("name", |(_, f)| f)
+}
+
+/// One line: toml's message and the line it is on.
+fn toml_reason(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().trim();
+    match e.span() {
+        Some(span) => {
+            let line = text
+                .get(..span.start)
+                .map_or(0, |s| s.matches('\n').count())
+                + 1;
+            format!("{message} (line {line})")
+        }
+        None => message.to_string(),
+    }
+}
+
+/// A typed-deserialization error with the dotted path of the field it is in.
+fn path_error<E>(e: serde_path_to_error::Error<E>, reason: impl Fn(&E) -> String) -> JobError {
+    let path = e.path().to_string();
+    let reason = reason(e.inner());
+    // serde names a missing or unknown field in the message; put it in the path.
+    let named = ["missing field `", "unknown field `"]
+        .iter()
+        .find_map(|p| reason.split_once(p).and_then(|(_, r)| r.split_once('`')))
+        .map(|(name, _)| name.to_string());
+    let field = match (path.as_str(), named) {
+        (".", Some(n)) => n,
+        (".", None) => "job".to_string(),
+        (p, Some(n)) if reason.contains("missing field") => format!("{p}.{n}"),
+        (p, _) => p.to_string(),
+    };
+    JobError::Field { field, reason }
+}
+
+// ---------------------------------------------------------------------------
+// The file form: what serde reads and writes.
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JobFile {
+    model: ModelFile,
+    data: DataFile,
+    training: TrainingFile,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    onnx: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    spec: Option<String>,
+    input_shape: Vec<usize>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DataFile {
+    format: DataFormat,
+    train_inputs: String,
+    train_labels: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    test_inputs: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    test_labels: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mean: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    std: Option<f64>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrainingFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    epochs: Option<u64>,
+    batch_size: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    micro_batches: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    loss: Option<Loss>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    optimizer: Option<OptimizerFile>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    clusters: Option<Clusters>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sync_every: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shuffle: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    wire_dtype: Option<WireDType>,
+}
+
+/// `torch.optim` parameter names, tagged by `name`.
+#[derive(Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OptimizerFile {
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    momentum: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dampening: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    nesterov: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    weight_decay: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    betas: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    eps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    amsgrad: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    alpha: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    centered: Option<bool>,
+}
+
+const SGD_PARAMS: &[&str] = &["lr", "momentum", "dampening", "nesterov", "weight_decay"];
+const ADAM_PARAMS: &[&str] = &["lr", "betas", "eps", "weight_decay", "amsgrad"];
+const RMSPROP_PARAMS: &[&str] = &["lr", "alpha", "eps", "weight_decay", "momentum", "centered"];
+
+impl OptimizerFile {
+    fn given(&self) -> [(&'static str, bool); 10] {
+        [
+            ("lr", self.lr.is_some()),
+            ("momentum", self.momentum.is_some()),
+            ("dampening", self.dampening.is_some()),
+            ("nesterov", self.nesterov.is_some()),
+            ("weight_decay", self.weight_decay.is_some()),
+            ("betas", self.betas.is_some()),
+            ("eps", self.eps.is_some()),
+            ("amsgrad", self.amsgrad.is_some()),
+            ("alpha", self.alpha.is_some()),
+            ("centered", self.centered.is_some()),
+        ]
+    }
+
+    fn into_config(self) -> Result<OptimizerConfig, JobError> {
+        let name = self.name.to_ascii_lowercase();
+        // torch.optim's default learning rates.
+        let (params, mut config) = match name.as_str() {
+            "sgd" => (SGD_PARAMS, OptimizerConfig::sgd(self.lr.unwrap_or(1e-3))),
+            "adam" => (ADAM_PARAMS, OptimizerConfig::adam(self.lr.unwrap_or(1e-3))),
+            "adamw" => (ADAM_PARAMS, OptimizerConfig::adamw(self.lr.unwrap_or(1e-3))),
+            "rmsprop" => (
+                RMSPROP_PARAMS,
+                OptimizerConfig::rmsprop(self.lr.unwrap_or(1e-2)),
+            ),
+            _ => {
+                return Err(JobError::field(
+                    "training.optimizer.name",
+                    format!(
+                        "unknown optimizer `{}`; expected one of sgd, adam, adamw, rmsprop",
+                        self.name
+                    ),
+                ));
+            }
+        };
+        if let Some((key, _)) = self
+            .given()
+            .into_iter()
+            .find(|(k, given)| *given && !params.contains(k))
+        {
+            return Err(JobError::field(
+                format!("training.optimizer.{key}"),
+                format!(
+                    "{name} has no parameter `{key}` (it takes {})",
+                    params.join(", ")
+                ),
+            ));
+        }
+        let set = |slot: &mut f64, v: Option<f64>| {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        };
+        match &mut config {
+            OptimizerConfig::Sgd {
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+                ..
+            } => {
+                set(momentum, self.momentum);
+                set(dampening, self.dampening);
+                set(weight_decay, self.weight_decay);
+                *nesterov = self.nesterov.unwrap_or(*nesterov);
+            }
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                ..
+            }
+            | OptimizerConfig::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                ..
+            } => {
+                match self.betas.as_deref() {
+                    None => {}
+                    Some(&[b1, b2]) => {
+                        *beta1 = b1;
+                        *beta2 = b2;
+                    }
+                    Some(other) => {
+                        return Err(JobError::field(
+                            "training.optimizer.betas",
+                            format!("expected two values [beta1, beta2], got {other:?}"),
+                        ));
+                    }
+                }
+                set(eps, self.eps);
+                set(weight_decay, self.weight_decay);
+                *amsgrad = self.amsgrad.unwrap_or(*amsgrad);
+            }
+            OptimizerConfig::RmsProp {
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+                ..
+            } => {
+                set(alpha, self.alpha);
+                set(eps, self.eps);
+                set(weight_decay, self.weight_decay);
+                set(momentum, self.momentum);
+                *centered = self.centered.unwrap_or(*centered);
+            }
+        }
+        Ok(config)
+    }
+}
+
+impl From<OptimizerConfig> for OptimizerFile {
+    fn from(c: OptimizerConfig) -> Self {
+        match c {
+            OptimizerConfig::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => OptimizerFile {
+                name: "sgd".into(),
+                lr: Some(lr),
+                momentum: Some(momentum),
+                dampening: Some(dampening),
+                nesterov: Some(nesterov),
+                weight_decay: Some(weight_decay),
+                ..OptimizerFile::default()
+            },
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            }
+            | OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            } => OptimizerFile {
+                name: if matches!(c, OptimizerConfig::Adam { .. }) {
+                    "adam".into()
+                } else {
+                    "adamw".into()
+                },
+                lr: Some(lr),
+                betas: Some(vec![beta1, beta2]),
+                eps: Some(eps),
+                weight_decay: Some(weight_decay),
+                amsgrad: Some(amsgrad),
+                ..OptimizerFile::default()
+            },
+            OptimizerConfig::RmsProp {
+                lr,
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+            } => OptimizerFile {
+                name: "rmsprop".into(),
+                lr: Some(lr),
+                alpha: Some(alpha),
+                eps: Some(eps),
+                weight_decay: Some(weight_decay),
+                momentum: Some(momentum),
+                centered: Some(centered),
+                ..OptimizerFile::default()
+            },
+        }
+    }
+}
+
+/// `clusters = "auto"` or `clusters = 3`.
+#[derive(Clone, Copy)]
+struct Clusters(ClusterCount);
+
+impl Serialize for Clusters {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            ClusterCount::Auto => s.serialize_str("auto"),
+            ClusterCount::Fixed(n) => s.serialize_u64(n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Clusters {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Clusters;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\" or a number of clusters")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Clusters, E> {
+                if v == "auto" {
+                    Ok(Clusters(ClusterCount::Auto))
+                } else {
+                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
+                }
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Clusters, E> {
+                usize::try_from(v)
+                    .map(|n| Clusters(ClusterCount::Fixed(n)))
+                    .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Clusters, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+impl From<JobSpec> for JobFile {
+    fn from(j: JobSpec) -> Self {
+        let (onnx, spec) = match &j.model.source {
+            ModelSource::Onnx(p) => (Some(path_string(p)), None),
+            ModelSource::Spec(p) => (None, Some(path_string(p))),
+        };
+        let d = j.data;
+        let t = j.training;
+        JobFile {
+            model: ModelFile {
+                onnx,
+                spec,
+                input_shape: j.model.input_shape,
+            },
+            data: DataFile {
+                format: d.format,
+                train_inputs: d.train_inputs.to_string(),
+                train_labels: d.train_labels.to_string(),
+                test_inputs: d.test_inputs.map(|r| r.to_string()),
+                test_labels: d.test_labels.map(|r| r.to_string()),
+                scale: d.scale,
+                mean: d.mean,
+                std: d.std,
+            },
+            training: TrainingFile {
+                epochs: Some(t.epochs),
+                batch_size: t.batch_size,
+                micro_batches: Some(t.micro_batches),
+                loss: Some(t.loss),
+                optimizer: Some(t.optimizer.into()),
+                clusters: Some(Clusters(t.clusters)),
+                sync_every: Some(t.sync_every),
+                shuffle: Some(t.shuffle),
+                seed: Some(t.seed),
+                wire_dtype: Some(t.wire_dtype),
+            },
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Weights files in the safetensors format, named as the PyTorch `state_dict`,
+//! so `model.load_state_dict(safetensors.torch.load_file(path))` loads them.
+//!
+//! Values are held as f32. A tensor may be written as I64 instead: PyTorch
+//! keeps BatchNorm's `num_batches_tracked` as int64, and although
+//! `load_state_dict` copies an F32 value into it just as well, writing I64
+//! makes the file match `model.state_dict()` exactly.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::Path;
+
+use safetensors::SafeTensors;
+
+use crate::error::JobError;
+
+/// Element type a weight is stored as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WeightDType {
+    #[default]
+    F32,
+    /// Integral values (counters such as `num_batches_tracked`), written as int64.
+    I64,
+}
+
+/// One `state_dict` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: WeightDType,
+    /// Row-major, `prod(shape)` values (for I64, integral values).
+    pub values: Vec<f32>,
+}
+
+impl WeightTensor {
+    pub fn f32(name: impl Into<String>, shape: Vec<usize>, values: Vec<f32>) -> Self {
+        WeightTensor {
+            name: name.into(),
+            shape,
+            dtype: WeightDType::F32,
+            values,
+        }
+    }
+
+    pub fn i64(name: impl Into<String>, shape: Vec<usize>, values: Vec<f32>) -> Self {
+        WeightTensor {
+            dtype: WeightDType::I64,
+            ..WeightTensor::f32(name, shape, values)
+        }
+    }
+}
+
+impl From<(String, Vec<usize>, Vec<f32>)> for WeightTensor {
+    fn from((name, shape, values): (String, Vec<usize>, Vec<f32>)) -> Self {
+        WeightTensor::f32(name, shape, values)
+    }
+}
+
+fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, msg)
+}
+
+/// The safetensors encoding of `tensors`, laid out in the order given, with
+/// `__metadata__ = {"format": "pt"}` as `safetensors.torch.save_file` writes.
+/// Errors (`InvalidInput`) on a duplicate or reserved name, or values that do
+/// not fill the shape.
+pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0usize;
+    for t in tensors {
+        let numel: usize = t.shape.iter().product();
+        if numel != t.values.len() {
+            return Err(invalid(format!(
+                "weight `{}`: shape {:?} needs {numel} values, got {}",
+                t.name,
+                t.shape,
+                t.values.len()
+            )));
+        }
+        if t.name == "__metadata__" || header.contains_key(&t.name) {
+            return Err(invalid(format!(
+                "weight name `{}` is reserved or repeated",
+                t.name
+            )));
+        }
+        let (dtype, size) = match t.dtype {
+            WeightDType::F32 => ("F32", 4),
+            WeightDType::I64 => ("I64", 8),
+        };
+        let end = offset + numel * size;
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::to_string(&header).map_err(io::Error::other)?;
+    // Data starts 8-byte aligned, as the reference writer does.
+    while (8 + json.len()) % 8 != 0 {
+        json.push(' ');
+    }
+    let mut out = Vec::with_capacity(8 + json.len() + offset);
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    for t in tensors {
+        match t.dtype {
+            WeightDType::F32 => t.values.iter().for_each(|v| out.extend(v.to_le_bytes())),
+            WeightDType::I64 => t
+                .values
+                .iter()
+                .for_each(|v| out.extend((v.round() as i64).to_le_bytes())),
+        }
+    }
+    Ok(out)
+}
+
+/// Writes `tensors` to `path` atomically: to `PATH.tmp` in the same folder,
+/// fsynced, then renamed over `path` (and the folder fsynced, where possible).
+pub fn write_safetensors(path: &Path, tensors: &[WeightTensor]) -> io::Result<()> {
+    let bytes = to_safetensors_bytes(tensors)?;
+    let mut tmp_name = path
+        .file_name()
+        .ok_or_else(|| invalid(format!("{}: not a file path", path.display())))?
+        .to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = path.with_file_name(tmp_name);
+    let written = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && let Ok(d) = File::open(dir)
+    {
+        // Makes the rename durable on Linux; not possible everywhere, so best effort.
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Reads a weights file: F32 and I64 tensors (I64 values become f32 with
+/// `dtype: I64`), sorted by name. Other dtypes are an error naming the tensor.
+pub fn read_safetensors(path: &Path) -> Result<Vec<WeightTensor>, JobError> {
+    let shown = path.display().to_string();
+    let bytes =
+        std::fs::read(path).map_err(|e| JobError::file(&shown, format!("cannot read: {e}")))?;
+    let st = parse_safetensors(&bytes, &shown)?;
+    let mut out: Vec<WeightTensor> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let (dtype, values) = match view.dtype() {
+                safetensors::Dtype::F32 => (
+                    WeightDType::F32,
+                    view.data()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                ),
+                safetensors::Dtype::I64 => (
+                    WeightDType::I64,
+                    view.data()
+                        .chunks_exact(8)
+                        .map(|c| {
+                            let mut a = [0u8; 8];
+                            a.copy_from_slice(c);
+                            i64::from_le_bytes(a) as f32
+                        })
+                        .collect(),
+                ),
+                other => {
+                    return Err(JobError::file(
+                        &shown,
+                        format!(
+                            "weight `{name}` is {other:?}; only F32 (and I64 counters) are read"
+                        ),
+                    ));
+                }
+            };
+            Ok(WeightTensor {
+                shape: view.shape().to_vec(),
+                name,
+                dtype,
+                values,
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Parses a safetensors buffer with the `safetensors` crate, after checking
+/// what its 0.3 release does not: every data offset inside the buffer (so its
+/// own arithmetic cannot overflow).
+pub(crate) fn parse_safetensors<'a>(
+    bytes: &'a [u8],
+    shown: &str,
+) -> Result<SafeTensors<'a>, JobError> {
+    let bad =
+        |reason: String| JobError::file(shown, format!("not a valid safetensors file: {reason}"));
+    let Some((len, rest)) = bytes.split_first_chunk::<8>() else {
+        return Err(bad("shorter than its 8-byte header length".into()));
+    };
+    let n = u64::from_le_bytes(*len);
+    if n > rest.len() as u64 {
+        return Err(bad(format!(
+            "the header claims {n} bytes, the file has {} after the length",
+            rest.len()
+        )));
+    }
+    let (head, data) = rest.split_at(n as usize);
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(head).map_err(|e| bad(format!("header: {e}")))?;
+    for (name, info) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+        let offsets = info
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .filter(|o| o.len() == 2)
+            .ok_or_else(|| bad(format!("tensor `{name}` has no data_offsets [begin, end]")))?;
+        for o in offsets {
+            match o.as_u64() {
+                Some(o) if o <= data.len() as u64 => {}
+                _ => {
+                    return Err(bad(format!(
+                        "tensor `{name}`: data offset {o} is outside the {} bytes of data",
+                        data.len()
+                    )));
+                }
+            }
+        }
+    }
+    SafeTensors::deserialize(bytes).map_err(|e| bad(format!("{e:?}")))
+}
