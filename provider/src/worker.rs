@@ -11,7 +11,8 @@
 //! [`ToServer::JobFailed`]; nothing a server sends can panic it.
 //!
 //! The server relies on these rules:
-//! - a stage counts a step's micro-batches as `torch.chunk` does:
+//! - a stage counts a step's micro-batches as `torch.chunk` (and
+//!   `rookery_job::micro_batch_ranges`) does:
 //!   `chunk = ceil(step_samples / micro_batches)`, `count = ceil(step_samples /
 //!   chunk)`, micro-batch `m` holding samples `m * chunk ..`; dropout masks are
 //!   seeded by [`step_seed`] and those sample positions, so a run in stages
@@ -263,9 +264,6 @@ impl Stage {
                 a.wire_dtype.as_str()
             )));
         }
-        if a.micro_batches == 0 {
-            return Err(protocol("a step needs at least one micro-batch"));
-        }
         let graph = Graph::from_json(&a.graph_json)
             .map_err(|e| protocol(format!("the model graph JSON does not parse: {e}")))?;
         let params = a
@@ -301,7 +299,8 @@ impl Stage {
             loss: loss_from_wire(a.loss),
             wire_dtype: a.wire_dtype,
             seed: a.seed,
-            micro_batches: a.micro_batches,
+            // As the server's `micro_batch_ranges`: 0 means the batch is not split.
+            micro_batches: a.micro_batches.max(1),
             leaf_output,
             next_step: a.start_step,
             step: None,

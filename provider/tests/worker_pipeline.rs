@@ -5,6 +5,8 @@
 //! both batches at once.
 #![cfg(feature = "torch")]
 #![allow(clippy::unwrap_used)]
+// A chain of one stage is a list of one node range.
+#![allow(clippy::single_range_in_vec_init)]
 
 mod exec_common;
 mod worker_common;

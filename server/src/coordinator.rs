@@ -443,6 +443,7 @@ pub fn plan_options(spec: &JobSpec) -> PlanOptions {
             _ => 2,
         },
         in_flight_micro_batches: t.micro_batches.max(1) as u32,
+        stages_per_cluster: t.stages,
         ..PlanOptions::default()
     }
 }

@@ -951,3 +951,234 @@ pub fn wire_optimizer(o: OptimizerConfig) -> WireOptimizer {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_job::{DataFormat, DataRef, DataSpec, ModelSection, ModelSource, TrainingSpec};
+    use rookery_model::{ClusterCount, PlanOptions, ProviderKind, ProviderSpec};
+
+    const MLP: &str = r#"
+input_shape = [4]
+[[layers]]
+type = "Dense"
+units = 8
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 3
+"#;
+
+    fn spec() -> JobSpec {
+        JobSpec {
+            model: ModelSection {
+                source: ModelSource::Spec("mlp.toml".into()),
+                input_shape: vec![4],
+            },
+            data: DataSpec {
+                format: DataFormat::Npy,
+                train_inputs: DataRef::file("x.npy"),
+                train_labels: DataRef::file("y.npy"),
+                test_inputs: None,
+                test_labels: None,
+                scale: None,
+                mean: None,
+                std: None,
+            },
+            training: TrainingSpec {
+                epochs: 1,
+                batch_size: 4,
+                micro_batches: 2,
+                loss: Loss::CrossEntropy,
+                optimizer: OptimizerConfig::sgd(0.1),
+                clusters: ClusterCount::Fixed(2),
+                sync_every: 1,
+                stages: Some(2),
+                shuffle: true,
+                seed: 7,
+                wire_dtype: rookery_job::WireDType::F32,
+            },
+        }
+    }
+
+    fn data(n: usize) -> Dataset {
+        Dataset {
+            sample_shape: vec![4],
+            inputs: (0..n * 4).map(|i| i as f32 / 10.0).collect(),
+            labels: Labels::Classes((0..n as i64).map(|i| i % 3).collect()),
+        }
+    }
+
+    /// A run over 4 providers (ids 10..14): 2 clusters of Root -> Leaf, 16
+    /// samples, so 2 steps; and the `Assign` frames it starts with.
+    fn started() -> (JobRun, Vec<Effect>) {
+        let graph = rookery_model::from_toml(MLP).unwrap();
+        let spec = spec();
+        let providers: Vec<ProviderSpec> = (10..14)
+            .map(|i| ProviderSpec {
+                id: i.to_string(),
+                kind: ProviderKind::Native,
+                memory_bytes: 1 << 30,
+                gflops: 10.0,
+                bandwidth_mbps: 1000.0,
+            })
+            .collect();
+        let options = PlanOptions {
+            micro_batch: 2,
+            clusters: ClusterCount::Fixed(2),
+            stages_per_cluster: Some(2),
+            ..PlanOptions::default()
+        };
+        let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
+        let ids = (10..14).map(|i| (i.to_string(), i)).collect();
+        let analysis = graph.analyze().unwrap();
+        JobRun::start(1, spec, &graph, &analysis, &plan, &ids, data(16), None).unwrap()
+    }
+
+    fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Send(p, m) => Some((*p, m)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn roles(run: &JobRun) -> [[u64; 2]; 2] {
+        let p = |c: usize, s: usize| run.clusters[c].stages[s].provider;
+        [[p(0, 0), p(0, 1)], [p(1, 0), p(1, 1)]]
+    }
+
+    fn activations(step: u64, micro: u32, shape: &[usize], name: &str) -> ToServer {
+        let n: usize = shape.iter().product();
+        ToServer::Activations(Activations {
+            job_id: 1,
+            phase: Phase::Train { step },
+            micro,
+            outputs: vec![WireTensor::from_f32(name, shape, &vec![0.5; n], WireDType::F32)],
+            compute_ms: 1.0,
+        })
+    }
+
+    #[test]
+    fn the_server_feeds_roots_relays_both_ways_and_averages_at_sync() {
+        let (mut run, effects) = started();
+        let assigns = sends(&effects);
+        assert_eq!(assigns.len(), 4);
+        assert!(assigns.iter().all(|(_, m)| matches!(m, ToProvider::Assign(_))));
+        let [[root0, leaf0], [root1, leaf1]] = roles(&run);
+        let boundary = run.clusters[0].stages[0].outputs[0].0.clone();
+
+        // Nothing starts until every stage is ready; then each Root gets its micro-batches.
+        for p in [root0, leaf0, root1] {
+            assert!(run.on_message(p, ToServer::Ready { job_id: 1 }).is_empty());
+        }
+        let effects = run.on_message(leaf1, ToServer::Ready { job_id: 1 });
+        assert!(matches!(effects[0], Effect::Running));
+        let feeds = sends(&effects);
+        assert_eq!(feeds.len(), 4);
+        for (p, m) in &feeds {
+            let ToProvider::Forward(f) = m else { panic!("{m:?}") };
+            assert!([root0, root1].contains(p));
+            assert_eq!((f.step_samples, f.inputs[0].shape.clone()), (4, vec![2, 4]));
+            assert!(f.labels.is_none(), "labels wait for the Leaf");
+        }
+
+        // A wrongly shaped activation is dropped; a good one reaches the Leaf with its labels.
+        assert!(run.on_message(root0, activations(0, 0, &[3, 8], &boundary)).is_empty());
+        assert!(run.on_message(root0, activations(1, 0, &[2, 8], &boundary)).is_empty());
+        let relayed = run.on_message(root0, activations(0, 0, &[2, 8], &boundary));
+        let [(to, ToProvider::Forward(f))] = sends(&relayed)[..] else { panic!("{relayed:?}") };
+        assert_eq!(to, leaf0);
+        assert_eq!(f.labels.as_ref().map(|l| l.shape.clone()), Some(vec![2]));
+
+        // Gradients go back to the Root.
+        let grads = ToServer::Gradients(Gradients {
+            job_id: 1,
+            step: 0,
+            micro: 0,
+            grads: vec![WireTensor::from_f32(&boundary, &[2, 8], &[0.1; 16], WireDType::F32)],
+            compute_ms: 1.0,
+        });
+        let back = run.on_message(leaf0, grads);
+        assert!(matches!(sends(&back)[..], [(p, ToProvider::Backward(_))] if p == root0));
+
+        // Losses from every micro-batch of both clusters, then StepDone: a step
+        // record and a sync.
+        for (c, leaf) in [(0, leaf0), (1, leaf1)] {
+            for micro in 0..2 {
+                if c == 1 || micro == 1 {
+                    let root = if c == 0 { root0 } else { root1 };
+                    run.on_message(root, activations(0, micro, &[2, 8], &boundary));
+                }
+                let loss = ToServer::LeafLoss(LeafLoss {
+                    job_id: 1,
+                    phase: Phase::Train { step: 0 },
+                    micro,
+                    loss_sum: 2.0,
+                    correct: 1,
+                    samples: 2,
+                });
+                assert!(run.on_message(leaf, loss).is_empty());
+            }
+        }
+        let done = |step| ToServer::StepDone(StepDone { job_id: 1, step, compute_ms: 3.0 });
+        for p in [root0, leaf0, root1] {
+            assert!(run.on_message(p, done(0)).is_empty());
+        }
+        let effects = run.on_message(leaf1, done(0));
+        let Effect::Step(record) = &effects[0] else { panic!("{effects:?}") };
+        assert!((record.loss - 1.0).abs() < 1e-12, "8 samples, loss sum 8");
+        assert_eq!(record.stages.len(), 4);
+        let uploads = sends(&effects);
+        assert_eq!(uploads.len(), 4);
+        assert!(uploads.iter().all(|(_, m)| matches!(m, ToProvider::UploadParams { step: 1, .. })));
+
+        // Each cluster uploads its own values; everyone gets the average back.
+        let mut last = Vec::new();
+        for (c, stage, p) in [(0, 0, root0), (0, 1, leaf0), (1, 0, root1), (1, 1, leaf1)] {
+            let value = if c == 0 { 1.0 } else { 3.0 };
+            let params = run.clusters[c].stages[stage]
+                .params
+                .iter()
+                .map(|n| {
+                    let shape = run.params[n].shape.clone();
+                    let len = shape.iter().product();
+                    WireTensor::from_f32(n.clone(), &shape, &vec![value; len], WireDType::F32)
+                })
+                .collect();
+            last = run.on_message(p, ToServer::Params(ParamSet { job_id: 1, step: 1, params }));
+        }
+        let sets = sends(&last);
+        assert_eq!((sets.len(), last.len()), (8, 9), "4 SetParams, 4 forwards, a checkpoint");
+        for (_, m) in sets.iter().take(4) {
+            let ToProvider::SetParams(set) = m else { panic!("{m:?}") };
+            for t in &set.params {
+                assert!(t.to_f32().unwrap().iter().all(|&v| v == 2.0), "{}", t.name);
+            }
+        }
+        assert!(last.iter().any(|e| matches!(e, Effect::Checkpoint(w) if w.len() == 4)));
+        // And step 1 starts.
+        assert!(sends(&last)[4..].iter().all(|(_, m)| matches!(m, ToProvider::Forward(f) if f.phase == Phase::Train { step: 1 })));
+    }
+
+    #[test]
+    fn frames_for_another_job_or_from_strangers_are_dropped() {
+        let (mut run, _) = started();
+        assert!(run.on_message(99, ToServer::Ready { job_id: 1 }).is_empty());
+        let [[root0, ..], _] = roles(&run);
+        assert!(run.on_message(root0, ToServer::Ready { job_id: 2 }).is_empty());
+        assert!(!run.clusters[0].stages[0].ready);
+        // A provider's own failure ends the job.
+        let failed = run.on_message(
+            root0,
+            ToServer::JobFailed {
+                job_id: 1,
+                message: "out of memory".into(),
+            },
+        );
+        assert!(matches!(&failed[..], [Effect::Failed(m)] if m.contains("out of memory")));
+        assert!(run.is_over());
+    }
+}

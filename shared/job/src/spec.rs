@@ -23,6 +23,7 @@
 //! optimizer = { name = "adam", lr = 0.001 }   # default: sgd with lr 0.01
 //! clusters = "auto"            # default "auto", or a number
 //! sync_every = 1               # default 1
+//! stages = 3                   # optional: exactly this many pipeline stages per cluster
 //! shuffle = true               # default true
 //! seed = 42                    # default 0
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16
@@ -188,6 +189,8 @@ pub struct TrainingSpec {
     pub clusters: ClusterCount,
     /// Steps between parameter averages across clusters.
     pub sync_every: u64,
+    /// Pipeline stages per cluster; `None` lets the planner choose.
+    pub stages: Option<usize>,
     pub shuffle: bool,
     pub seed: u64,
     pub wire_dtype: WireDType,
@@ -273,7 +276,8 @@ impl JobSpec {
             .div_ceil(self.training.micro_batches.max(1))
     }
 
-    /// Loads the model at one sample's `input_shape`, analysed at the micro-batch size.
+    /// Loads the model at one sample's `input_shape`. An ONNX model is imported
+    /// at the micro-batch size; a layer spec keeps its own example batch (1).
     pub fn load_model(&self) -> Result<LoadedModel, JobError> {
         Ok(load_model_file(
             self.model.source.path(),
@@ -372,6 +376,9 @@ impl JobSpec {
                 "must be at least 1 (got 0)",
             ));
         }
+        if t.stages == Some(0) {
+            return Err(JobError::field("training.stages", "must be at least 1 (got 0)"));
+        }
         if t.clusters == ClusterCount::Fixed(0) {
             return Err(JobError::field(
                 "training.clusters",
@@ -435,6 +442,7 @@ impl JobSpec {
             },
             clusters: t.clusters.map_or(ClusterCount::Auto, |c| c.0),
             sync_every: t.sync_every.unwrap_or(1),
+            stages: t.stages,
             shuffle: t.shuffle.unwrap_or(true),
             seed: t.seed.unwrap_or(0),
             wire_dtype: t.wire_dtype.unwrap_or_default(),
@@ -604,6 +612,8 @@ struct TrainingFile {
     clusters: Option<Clusters>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     sync_every: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stages: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     shuffle: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -909,6 +919,7 @@ impl From<JobSpec> for JobFile {
                 optimizer: Some(t.optimizer.into()),
                 clusters: Some(Clusters(t.clusters)),
                 sync_every: Some(t.sync_every),
+                stages: t.stages,
                 shuffle: Some(t.shuffle),
                 seed: Some(t.seed),
                 wire_dtype: Some(t.wire_dtype),

@@ -5,6 +5,7 @@
 //! keeps BatchNorm's `num_batches_tracked` as int64, and although
 //! `load_state_dict` copies an F32 value into it just as well, writing I64
 //! makes the file match `model.state_dict()` exactly.
+//! (I64 values pass through f32 here, so they are exact up to 2^24.)
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};

@@ -81,6 +81,12 @@ pub struct PlanOptions {
     pub in_flight_micro_batches: u32,
     /// For [`ClusterCount::Auto`].
     pub auto_factor: f64,
+    /// When set, every cluster is a chain of exactly this many stages, each on
+    /// its own provider (the cuts still minimise the slowest stage). For
+    /// Requesters who want a deep pipeline even where the cost model would
+    /// keep a model on fewer providers, e.g. to spread memory or to test.
+    #[serde(default)]
+    pub stages_per_cluster: Option<usize>,
 }
 
 impl Default for PlanOptions {
@@ -91,6 +97,7 @@ impl Default for PlanOptions {
             optimizer_copies: 2,
             in_flight_micro_batches: 1,
             auto_factor: 2.0,
+            stages_per_cluster: None,
         }
     }
 }
@@ -777,6 +784,10 @@ pub fn clusterize(
         }
         ClusterCount::Auto => 0,
     };
+    if let Some(stages) = options.stages_per_cluster {
+        let plans = fixed_stage_clusters(&c, &analysis, providers, options, stages)?;
+        return Ok(assemble(&c, &analysis, graph, providers, options, plans));
+    }
     let plans = if k > 0 {
         plan_clusters(&c, providers, k, INF)
             .map_err(|(ci, g)| diagnose(&c, &analysis, providers, &g, ci))?
@@ -785,6 +796,93 @@ pub fn clusterize(
             .map_err(|(ci, g)| diagnose(&c, &analysis, providers, &g, ci))?
     };
     Ok(assemble(&c, &analysis, graph, providers, options, plans))
+}
+
+/// [`PlanOptions::stages_per_cluster`]: clusters of exactly `stages` providers
+/// (as many as fit, or the fixed count), each cut by an exact DP over every
+/// provider ordering (up to [`EXACT_PERMUTATIONS_UP_TO`] providers; beyond,
+/// the orderings [`orderings`] tries) into `stages` non-empty stages.
+fn fixed_stage_clusters(
+    c: &Costs,
+    a: &Analysis,
+    provs: &[ProviderSpec],
+    options: &PlanOptions,
+    stages: usize,
+) -> Result<GroupPlans, PlanError> {
+    if stages == 0 || stages > c.n {
+        return Err(PlanError::Options(format!(
+            "{stages} stages per cluster: the model has {} nodes, so it takes 1 to {} stages",
+            c.n, c.n
+        )));
+    }
+    let k = match options.clusters {
+        ClusterCount::Fixed(k) => k,
+        ClusterCount::Auto => provs.len() / stages,
+    };
+    if k == 0 || k * stages > provs.len() {
+        return Err(PlanError::Options(format!(
+            "{} cluster(s) of {stages} stages need {} providers, only {} are available",
+            k.max(1),
+            k.max(1) * stages,
+            provs.len()
+        )));
+    }
+    // The k * stages fastest providers, dealt so clusters are balanced.
+    let mut idx: Vec<usize> = (0..provs.len()).collect();
+    idx.sort_by(|&x, &y| provs[y].gflops.total_cmp(&provs[x].gflops).then(x.cmp(&y)));
+    idx.truncate(k * stages);
+    let chosen: Vec<ProviderSpec> = idx.iter().map(|&i| provs[i].clone()).collect();
+    let groups = deal(&chosen, k, false);
+    let mut plans = Vec::with_capacity(k);
+    for (gi, group) in groups.iter().enumerate() {
+        let group: Vec<usize> = group.iter().map(|&g| idx[g]).collect();
+        let best = orderings(provs, &group)
+            .into_iter()
+            .filter_map(|ord| exact_chain(c, provs, &ord))
+            .min_by(|x, y| x.0.total_cmp(&y.0));
+        match best {
+            Some(plan) => plans.push(plan),
+            None => return Err(diagnose(c, a, provs, &group, gi)),
+        }
+    }
+    Ok(plans)
+}
+
+/// Cuts the whole order into one non-empty stage per provider of `ord`, in
+/// order, minimising the slowest stage: `best[k][j]` is the best bottleneck
+/// of nodes `[0, j)` on the first `k` providers.
+fn exact_chain(c: &Costs, provs: &[ProviderSpec], ord: &[usize]) -> Option<(f64, Stages)> {
+    let (n, m) = (c.n, ord.len());
+    let mut best = vec![vec![INF; n + 1]; m + 1];
+    let mut from = vec![vec![0usize; n + 1]; m + 1];
+    best[0][0] = 0.0;
+    for k in 1..=m {
+        let p = &provs[ord[k - 1]];
+        for j in k..=n {
+            for i in (k - 1)..j {
+                if best[k - 1][i] == INF || c.mem(i, j) > p.memory_bytes {
+                    continue;
+                }
+                let t = best[k - 1][i].max(c.compute_s(i, j, p) + c.transfer_s(i, j, p));
+                if t < best[k][j] {
+                    best[k][j] = t;
+                    from[k][j] = i;
+                }
+            }
+        }
+    }
+    if best[m][n] == INF {
+        return None;
+    }
+    let mut stages = Vec::with_capacity(m);
+    let mut j = n;
+    for k in (1..=m).rev() {
+        let i = from[k][j];
+        stages.push((i, j, ord[k - 1]));
+        j = i;
+    }
+    stages.reverse();
+    Some((best[m][n], stages))
 }
 
 fn validate(providers: &[ProviderSpec], o: &PlanOptions) -> Result<(), PlanError> {

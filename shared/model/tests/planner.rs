@@ -474,3 +474,72 @@ fn optimised_planner_is_not_worse_than_before() {
         }
     }
 }
+
+#[test]
+fn a_fixed_stage_count_gives_chains_of_exactly_that_length() {
+    let g = synthetic_chain(12);
+    // Fast links and identical providers: the cost model alone would keep
+    // fewer stages, the Requester asks for three.
+    let provs: Vec<ProviderSpec> = (0..7)
+        .map(|i| provider(&format!("p{i}"), ProviderKind::Native, 1 << 14, 50.0, 1.0))
+        .collect();
+    let options = PlanOptions {
+        stages_per_cluster: Some(3),
+        ..opts(8, ClusterCount::Auto)
+    };
+    let plan = clusterize(&g, &provs, &options).unwrap();
+    check_plan(&g, &provs, &plan);
+    assert_eq!(plan.clusters.len(), 2, "{}", render(&plan));
+    for cluster in &plan.clusters {
+        let roles: Vec<StageRole> = cluster.stages.iter().map(|s| s.role).collect();
+        assert_eq!(roles, [StageRole::Root, StageRole::Stem, StageRole::Leaf]);
+        assert!(cluster.stages.iter().all(|s| s.end > s.first));
+    }
+    assert_eq!(plan.standbys.len(), 1);
+
+    // Too many stages for the providers, or for the model, say why.
+    let err = clusterize(
+        &g,
+        &provs[..2],
+        &PlanOptions {
+            stages_per_cluster: Some(3),
+            ..opts(8, ClusterCount::Auto)
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("need 3 providers, only 2"), "{err}");
+    let err = clusterize(
+        &g,
+        &provs,
+        &PlanOptions {
+            stages_per_cluster: Some(99),
+            ..opts(8, ClusterCount::Fixed(1))
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("99 stages per cluster"), "{err}");
+}
+
+#[test]
+fn a_fixed_stage_count_gives_the_fastest_provider_the_most_work() {
+    let g = synthetic_chain(9);
+    let provs = vec![
+        provider("a", ProviderKind::Native, 1 << 14, 30.0, 10000.0),
+        provider("b", ProviderKind::Native, 1 << 14, 90.0, 10000.0),
+        provider("c", ProviderKind::Native, 1 << 14, 60.0, 10000.0),
+    ];
+    let options = PlanOptions {
+        stages_per_cluster: Some(3),
+        ..opts(16, ClusterCount::Fixed(1))
+    };
+    let plan = clusterize(&g, &provs, &options).unwrap();
+    check_plan(&g, &provs, &plan);
+    let stages = &plan.clusters[0].stages;
+    let work = |id: &str| {
+        let s = stages.iter().find(|s| s.provider == id).unwrap();
+        s.compute_s * provs.iter().find(|p| p.id == id).unwrap().gflops
+    };
+    assert!(work("a") < work("c") && work("c") <= work("b"), "{}", render(&plan));
+}
