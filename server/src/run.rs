@@ -63,11 +63,25 @@ struct ClusterRun {
     stages: Vec<StageSlot>,
     /// Labels waiting for the Leaf's forward, by (phase, micro-batch).
     labels: HashMap<(Phase, u32), WireTensor>,
-    /// Samples in each micro-batch in flight, for shape checks.
+    /// Samples in each micro-batch of the current step or evaluation, for shape checks.
     micro_samples: HashMap<(Phase, u32), usize>,
+    /// Micro-batches whose loss the Leaf has reported.
+    reported: std::collections::HashSet<(Phase, u32)>,
     loss_sum: f64,
     correct: u64,
     samples: u64,
+}
+
+impl ClusterRun {
+    /// Forgets the previous step's or evaluation's micro-batches and totals.
+    fn reset(&mut self) {
+        self.labels.clear();
+        self.micro_samples.clear();
+        self.reported.clear();
+        self.loss_sum = 0.0;
+        self.correct = 0;
+        self.samples = 0;
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -390,9 +404,7 @@ impl JobRun {
                 stage.compute_ms = 0.0;
             }
             let run = &mut self.clusters[c];
-            run.loss_sum = 0.0;
-            run.correct = 0;
-            run.samples = 0;
+            run.reset();
             for (m, r) in ranges.iter().enumerate() {
                 let chunk = &idx[r.clone()];
                 effects.push(feed(
@@ -502,10 +514,16 @@ impl JobRun {
         if s + 1 != run.stages.len() {
             return Err("only the Leaf reports losses".into());
         }
-        let samples = run
+        let samples = *run
             .micro_samples
-            .remove(&(l.phase, l.micro))
+            .get(&(l.phase, l.micro))
             .ok_or_else(|| format!("micro-batch {} is not in flight", l.micro))?;
+        if !run.reported.insert((l.phase, l.micro)) {
+            return Err(format!(
+                "micro-batch {}'s loss was already reported",
+                l.micro
+            ));
+        }
         if samples != l.samples as usize
             || !l.loss_sum.is_finite()
             || l.correct > u64::from(l.samples)
@@ -726,9 +744,7 @@ impl JobRun {
         let micro = self.spec.micro_batch_size().max(1);
         let mut effects = Vec::new();
         for (c, run) in self.clusters.iter_mut().enumerate() {
-            run.loss_sum = 0.0;
-            run.correct = 0;
-            run.samples = 0;
+            run.reset();
             let share = (c * n / clusters)..((c + 1) * n / clusters);
             let idx: Vec<usize> = share.collect();
             for (m, chunk) in idx.chunks(micro).enumerate() {
@@ -1056,7 +1072,12 @@ units = 3
             job_id: 1,
             phase: Phase::Train { step },
             micro,
-            outputs: vec![WireTensor::from_f32(name, shape, &vec![0.5; n], WireDType::F32)],
+            outputs: vec![WireTensor::from_f32(
+                name,
+                shape,
+                &vec![0.5; n],
+                WireDType::F32,
+            )],
             compute_ms: 1.0,
         })
     }
@@ -1066,7 +1087,11 @@ units = 3
         let (mut run, effects) = started();
         let assigns = sends(&effects);
         assert_eq!(assigns.len(), 4);
-        assert!(assigns.iter().all(|(_, m)| matches!(m, ToProvider::Assign(_))));
+        assert!(
+            assigns
+                .iter()
+                .all(|(_, m)| matches!(m, ToProvider::Assign(_)))
+        );
         let [[root0, leaf0], [root1, leaf1]] = roles(&run);
         let boundary = run.clusters[0].stages[0].outputs[0].0.clone();
 
@@ -1079,17 +1104,27 @@ units = 3
         let feeds = sends(&effects);
         assert_eq!(feeds.len(), 4);
         for (p, m) in &feeds {
-            let ToProvider::Forward(f) = m else { panic!("{m:?}") };
+            let ToProvider::Forward(f) = m else {
+                panic!("{m:?}")
+            };
             assert!([root0, root1].contains(p));
             assert_eq!((f.step_samples, f.inputs[0].shape.clone()), (4, vec![2, 4]));
             assert!(f.labels.is_none(), "labels wait for the Leaf");
         }
 
         // A wrongly shaped activation is dropped; a good one reaches the Leaf with its labels.
-        assert!(run.on_message(root0, activations(0, 0, &[3, 8], &boundary)).is_empty());
-        assert!(run.on_message(root0, activations(1, 0, &[2, 8], &boundary)).is_empty());
+        assert!(
+            run.on_message(root0, activations(0, 0, &[3, 8], &boundary))
+                .is_empty()
+        );
+        assert!(
+            run.on_message(root0, activations(1, 0, &[2, 8], &boundary))
+                .is_empty()
+        );
         let relayed = run.on_message(root0, activations(0, 0, &[2, 8], &boundary));
-        let [(to, ToProvider::Forward(f))] = sends(&relayed)[..] else { panic!("{relayed:?}") };
+        let [(to, ToProvider::Forward(f))] = sends(&relayed)[..] else {
+            panic!("{relayed:?}")
+        };
         assert_eq!(to, leaf0);
         assert_eq!(f.labels.as_ref().map(|l| l.shape.clone()), Some(vec![2]));
 
@@ -1098,7 +1133,12 @@ units = 3
             job_id: 1,
             step: 0,
             micro: 0,
-            grads: vec![WireTensor::from_f32(&boundary, &[2, 8], &[0.1; 16], WireDType::F32)],
+            grads: vec![WireTensor::from_f32(
+                &boundary,
+                &[2, 8],
+                &[0.1; 16],
+                WireDType::F32,
+            )],
             compute_ms: 1.0,
         });
         let back = run.on_message(leaf0, grads);
@@ -1123,17 +1163,29 @@ units = 3
                 assert!(run.on_message(leaf, loss).is_empty());
             }
         }
-        let done = |step| ToServer::StepDone(StepDone { job_id: 1, step, compute_ms: 3.0 });
+        let done = |step| {
+            ToServer::StepDone(StepDone {
+                job_id: 1,
+                step,
+                compute_ms: 3.0,
+            })
+        };
         for p in [root0, leaf0, root1] {
             assert!(run.on_message(p, done(0)).is_empty());
         }
         let effects = run.on_message(leaf1, done(0));
-        let Effect::Step(record) = &effects[0] else { panic!("{effects:?}") };
+        let Effect::Step(record) = &effects[0] else {
+            panic!("{effects:?}")
+        };
         assert!((record.loss - 1.0).abs() < 1e-12, "8 samples, loss sum 8");
         assert_eq!(record.stages.len(), 4);
         let uploads = sends(&effects);
         assert_eq!(uploads.len(), 4);
-        assert!(uploads.iter().all(|(_, m)| matches!(m, ToProvider::UploadParams { step: 1, .. })));
+        assert!(
+            uploads
+                .iter()
+                .all(|(_, m)| matches!(m, ToProvider::UploadParams { step: 1, .. }))
+        );
 
         // Each cluster uploads its own values; everyone gets the average back.
         let mut last = Vec::new();
@@ -1148,19 +1200,37 @@ units = 3
                     WireTensor::from_f32(n.clone(), &shape, &vec![value; len], WireDType::F32)
                 })
                 .collect();
-            last = run.on_message(p, ToServer::Params(ParamSet { job_id: 1, step: 1, params }));
+            last = run.on_message(
+                p,
+                ToServer::Params(ParamSet {
+                    job_id: 1,
+                    step: 1,
+                    params,
+                }),
+            );
         }
         let sets = sends(&last);
-        assert_eq!((sets.len(), last.len()), (8, 9), "4 SetParams, 4 forwards, a checkpoint");
+        assert_eq!(
+            (sets.len(), last.len()),
+            (8, 9),
+            "4 SetParams, 4 forwards, a checkpoint"
+        );
         for (_, m) in sets.iter().take(4) {
-            let ToProvider::SetParams(set) = m else { panic!("{m:?}") };
+            let ToProvider::SetParams(set) = m else {
+                panic!("{m:?}")
+            };
             for t in &set.params {
                 assert!(t.to_f32().unwrap().iter().all(|&v| v == 2.0), "{}", t.name);
             }
         }
-        assert!(last.iter().any(|e| matches!(e, Effect::Checkpoint(w) if w.len() == 4)));
+        assert!(
+            last.iter()
+                .any(|e| matches!(e, Effect::Checkpoint(w) if w.len() == 4))
+        );
         // And step 1 starts.
-        assert!(sends(&last)[4..].iter().all(|(_, m)| matches!(m, ToProvider::Forward(f) if f.phase == Phase::Train { step: 1 })));
+        assert!(sends(&last)[4..].iter().all(
+            |(_, m)| matches!(m, ToProvider::Forward(f) if f.phase == Phase::Train { step: 1 })
+        ));
     }
 
     #[test]
@@ -1168,7 +1238,10 @@ units = 3
         let (mut run, _) = started();
         assert!(run.on_message(99, ToServer::Ready { job_id: 1 }).is_empty());
         let [[root0, ..], _] = roles(&run);
-        assert!(run.on_message(root0, ToServer::Ready { job_id: 2 }).is_empty());
+        assert!(
+            run.on_message(root0, ToServer::Ready { job_id: 2 })
+                .is_empty()
+        );
         assert!(!run.clusters[0].stages[0].ready);
         // A provider's own failure ends the job.
         let failed = run.on_message(

@@ -377,7 +377,10 @@ impl JobSpec {
             ));
         }
         if t.stages == Some(0) {
-            return Err(JobError::field("training.stages", "must be at least 1 (got 0)"));
+            return Err(JobError::field(
+                "training.stages",
+                "must be at least 1 (got 0)",
+            ));
         }
         if t.clusters == ClusterCount::Fixed(0) {
             return Err(JobError::field(

@@ -541,5 +541,9 @@ fn a_fixed_stage_count_gives_the_fastest_provider_the_most_work() {
         let s = stages.iter().find(|s| s.provider == id).unwrap();
         s.compute_s * provs.iter().find(|p| p.id == id).unwrap().gflops
     };
-    assert!(work("a") < work("c") && work("c") <= work("b"), "{}", render(&plan));
+    assert!(
+        work("a") < work("c") && work("c") <= work("b"),
+        "{}",
+        render(&plan)
+    );
 }

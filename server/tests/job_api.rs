@@ -1,0 +1,316 @@
+//! The job endpoints through `tower::ServiceExt::oneshot`: the token guards
+//! every one, uploads are checked before they are accepted, and a bad upload
+//! leaves nothing behind. Uses the real MNIST files and the example CNN.
+
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
+use std::path::{Path, PathBuf};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use http_body_util::BodyExt;
+use rookery_proto::api::{ApiError, JobCreated, JobInfo, JobMetrics};
+use rookery_server::auth::Token;
+use rookery_server::db::Db;
+use rookery_server::{AppState, Limits, app};
+use tower::ServiceExt;
+
+const TOKEN: &str = "secret-token";
+const BOUNDARY: &str = "rookery-test-boundary";
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+fn state(data_dir: &Path) -> AppState {
+    AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits::default(),
+        None,
+        data_dir.to_path_buf(),
+        Token::new(TOKEN),
+    )
+}
+
+async fn call(state: &AppState, request: Request<Body>) -> (StatusCode, Vec<u8>) {
+    let response = app(state.clone()).oneshot(request).await.unwrap();
+    let status = response.status();
+    (
+        status,
+        response
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+}
+
+fn authed(method: &str, path: &str, token: Option<&str>) -> axum::http::request::Builder {
+    let builder = Request::builder().method(method).uri(path);
+    match token {
+        Some(token) => builder.header(header::AUTHORIZATION, format!("Bearer {token}")),
+        None => builder,
+    }
+}
+
+/// A multipart body: the job part, then files as (part name, bytes).
+fn multipart(job: &str, files: &[(&str, Vec<u8>)]) -> Body {
+    let mut body = Vec::new();
+    let mut part = |name: &str, bytes: &[u8]| {
+        body.extend_from_slice(
+            format!(
+                "--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(b"\r\n");
+    };
+    part("job", job.as_bytes());
+    for (name, bytes) in files {
+        part(name, bytes);
+    }
+    body.extend_from_slice(format!("--{BOUNDARY}--\r\n").as_bytes());
+    Body::from(body)
+}
+
+fn mnist_files() -> Vec<(&'static str, Vec<u8>)> {
+    let mut files = vec![(
+        "cnn.toml",
+        std::fs::read(repo("examples/mnist-cnn.toml")).unwrap(),
+    )];
+    for name in [
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+    ] {
+        files.push((
+            name,
+            std::fs::read(repo(&format!("datasets/mnist-10k/{name}"))).unwrap(),
+        ));
+    }
+    files
+}
+
+const JOB: &str = r#"
+[model]
+spec = "cnn.toml"
+input_shape = [1, 28, 28]
+[data]
+format = "idx"
+train_inputs = "train-images-idx3-ubyte.gz"
+train_labels = "train-labels-idx1-ubyte.gz"
+test_inputs = "t10k-images-idx3-ubyte.gz"
+test_labels = "t10k-labels-idx1-ubyte.gz"
+scale = 0.00392156862745098
+[training]
+epochs = 1
+batch_size = 64
+optimizer = { name = "adam", lr = 0.001 }
+"#;
+
+async fn submit(state: &AppState, job: &str, files: &[(&str, Vec<u8>)]) -> (StatusCode, Vec<u8>) {
+    let request = authed("POST", "/api/jobs", Some(TOKEN))
+        .header(
+            header::CONTENT_TYPE,
+            format!("multipart/form-data; boundary={BOUNDARY}"),
+        )
+        .body(multipart(job, files))
+        .unwrap();
+    call(state, request).await
+}
+
+fn error_of(body: &[u8]) -> String {
+    serde_json::from_slice::<ApiError>(body).unwrap().error
+}
+
+#[tokio::test]
+async fn every_job_endpoint_needs_the_right_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let endpoints = [
+        ("GET", "/api/jobs"),
+        ("POST", "/api/jobs"),
+        ("GET", "/api/jobs/1"),
+        ("GET", "/api/jobs/1/metrics"),
+        ("POST", "/api/jobs/1/cancel"),
+        ("GET", "/api/jobs/1/weights"),
+    ];
+    for (method, path) in endpoints {
+        for token in [None, Some("wrong"), Some("")] {
+            let (status, body) = call(
+                &state,
+                authed(method, path, token).body(Body::empty()).unwrap(),
+            )
+            .await;
+            assert_eq!(
+                status,
+                StatusCode::UNAUTHORIZED,
+                "{method} {path} with {token:?}"
+            );
+            assert!(error_of(&body).contains("token"), "{method} {path}");
+        }
+    }
+    // The right token reaches the handler (an unknown job is a 404, not a 401).
+    let (status, _) = call(
+        &state,
+        authed("GET", "/api/jobs/1", Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    // Providers and health stay public.
+    let (status, _) = call(
+        &state,
+        authed("GET", "/api/providers", None)
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_good_upload_is_queued_listed_and_cancellable_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let (status, body) = submit(&state, JOB, &mnist_files()).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let created: JobCreated = serde_json::from_slice(&body).unwrap();
+
+    let get = |path: String| {
+        authed("GET", &path, Some(TOKEN))
+            .body(Body::empty())
+            .unwrap()
+    };
+    let (status, body) = call(&state, get("/api/jobs".into())).await;
+    assert_eq!(status, StatusCode::OK);
+    let jobs: Vec<JobInfo> = serde_json::from_slice(&body).unwrap();
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(
+        (jobs[0].id, jobs[0].status.as_str()),
+        (created.id, "queued")
+    );
+    // The files live in the job's own folder now.
+    assert!(
+        dir.path()
+            .join(format!("jobs/{}/cnn.toml", created.id))
+            .is_file()
+    );
+
+    let (status, body) = call(&state, get(format!("/api/jobs/{}/metrics", created.id))).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        serde_json::from_slice::<JobMetrics>(&body).unwrap(),
+        JobMetrics::default()
+    );
+    let (status, body) = call(&state, get(format!("/api/jobs/{}/weights", created.id))).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(error_of(&body).contains("none yet"));
+
+    let cancel = || {
+        authed(
+            "POST",
+            &format!("/api/jobs/{}/cancel", created.id),
+            Some(TOKEN),
+        )
+        .body(Body::empty())
+        .unwrap()
+    };
+    let (status, body) = call(&state, cancel()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        serde_json::from_slice::<JobInfo>(&body).unwrap().status,
+        "cancelled"
+    );
+    let (status, body) = call(&state, cancel()).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(error_of(&body).contains("already cancelled"));
+}
+
+#[tokio::test]
+async fn bad_uploads_get_a_clear_400_and_leave_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let files = mnist_files();
+    let without = |name: &str| {
+        files
+            .iter()
+            .filter(|(n, _)| *n != name)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let cases: Vec<(String, Vec<(&str, Vec<u8>)>, &str)> = vec![
+        (
+            JOB.replace("adam", "adagrad"),
+            files.clone(),
+            "training.optimizer",
+        ),
+        (
+            JOB.to_string(),
+            without("train-labels-idx1-ubyte.gz"),
+            "train-labels-idx1-ubyte.gz",
+        ),
+        (
+            JOB.replace("[1, 28, 28]", "[3, 28, 28]"),
+            files.clone(),
+            "input_shape",
+        ),
+        ("this is not toml [".to_string(), files.clone(), "TOML"),
+        (
+            JOB.to_string(),
+            {
+                let mut bad = without("cnn.toml");
+                bad.push(("cnn.toml", b"[[layers]]\ntype = \"Teleport\"\n".to_vec()));
+                bad
+            },
+            "cnn.toml",
+        ),
+        (
+            JOB.to_string(),
+            vec![("../escape", vec![1])],
+            "relative paths",
+        ),
+    ];
+    for (job, files, expected) in cases {
+        let (status, body) = submit(&state, &job, &files).await;
+        assert_eq!(
+            status,
+            StatusCode::BAD_REQUEST,
+            "{expected}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        let error = error_of(&body);
+        assert!(
+            error.contains(expected),
+            "expected `{expected}` in: {error}"
+        );
+    }
+    // No job, and no upload folder, survived.
+    let (_, body) = call(
+        &state,
+        authed("GET", "/api/jobs", Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert!(
+        serde_json::from_slice::<Vec<JobInfo>>(&body)
+            .unwrap()
+            .is_empty()
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path().join("jobs"))
+        .map(|d| d.count())
+        .into_iter()
+        .collect();
+    assert_eq!(left, vec![0]);
+}

@@ -1,0 +1,202 @@
+//! Training across real processes equals training in one: `rookery train`
+//! (an embedded server and local `rookery-provider`s over loopback
+//! WebSockets) against the single-process libtorch reference on the same
+//! batches, step by step.
+#![cfg(feature = "torch")]
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
+use std::path::Path;
+
+use rookery_e2e::{NpyValues, rookery_train, write_npy};
+use rookery_job::{JobSpec, Labels, Schedule, Split, epoch_permutation, load_split};
+use rookery_provider::exec::reference::train_step;
+use rookery_provider::exec::{Optimizer, tensors_from_values};
+use rookery_provider::trainer::step_seed;
+use tch::{Kind, Tensor};
+
+const MLP: &str = r#"
+input_shape = [12]
+[[layers]]
+type = "Dense"
+units = 24
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 16
+activation = "tanh"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// A CNN without BatchNorm (whose batch statistics would differ per micro-batch).
+const CNN: &str = r#"
+input_shape = [1, 8, 8]
+[[layers]]
+type = "Conv2D"
+filters = 4
+kernel_size = 3
+padding = 1
+activation = "relu"
+[[layers]]
+type = "MaxPooling2D"
+pool_size = 2
+[[layers]]
+type = "Flatten"
+[[layers]]
+type = "Dense"
+units = 16
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// Writes a model, a seeded synthetic 4-class dataset of `samples` samples
+/// and a job file into `dir`; returns the job file.
+fn job(
+    dir: &Path,
+    model: &str,
+    sample: &[usize],
+    samples: usize,
+    training: &str,
+) -> std::path::PathBuf {
+    std::fs::write(dir.join("model.toml"), model).unwrap();
+    let numel: usize = sample.iter().product();
+    // A fixed LCG: data differs per position but not per run.
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let x: Vec<f32> = (0..samples * numel).map(|_| next()).collect();
+    let y: Vec<i64> = (0..samples)
+        .map(|i| {
+            let s: f32 = x[i * numel..(i + 1) * numel].iter().take(4).sum();
+            ((s + 2.0).clamp(0.0, 3.99)) as i64
+        })
+        .collect();
+    let mut shape = vec![samples];
+    shape.extend_from_slice(sample);
+    write_npy(&dir.join("x.npy"), &shape, NpyValues::F32(&x)).unwrap();
+    write_npy(&dir.join("y.npy"), &[samples], NpyValues::I64(&y)).unwrap();
+    let path = dir.join("job.toml");
+    let text = format!(
+        "[model]\nspec = \"model.toml\"\ninput_shape = {sample:?}\n\
+         [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
+         [training]\n{training}\n"
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The per-step losses of training the job in one process, with its whole
+/// step batch (every cluster's samples) at once.
+fn reference_losses(job_file: &Path) -> Vec<f64> {
+    let spec = JobSpec::from_file(job_file).unwrap();
+    let t = &spec.training;
+    let graph = spec.load_model().unwrap().graph;
+    let mut data = load_split(&spec.data, Split::Train, t.loss)
+        .unwrap()
+        .unwrap();
+    rookery_job::validate_against_model(&graph, &spec.model.input_shape, &mut data, t.loss)
+        .unwrap();
+    let clusters = match t.clusters {
+        rookery_model::ClusterCount::Fixed(c) => c,
+        rookery_model::ClusterCount::Auto => panic!("parity jobs fix their cluster count"),
+    };
+    let schedule = Schedule::new(data.len(), clusters, t.batch_size).unwrap();
+    let mut params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
+    let mut optimizer = Optimizer::new(t.optimizer).unwrap();
+    let mut losses = Vec::new();
+    for epoch in 0..t.epochs {
+        let perm = epoch_permutation(data.len(), t.seed, epoch, t.shuffle);
+        for s in 0..schedule.steps_per_epoch {
+            let idx = schedule.step_samples(&perm, s);
+            let mut shape = vec![idx.len() as i64];
+            shape.extend(data.sample_shape.iter().map(|&d| d as i64));
+            let x = Tensor::from_slice(&data.gather_inputs(idx)).reshape(shape.as_slice());
+            let Labels::Classes(y) = data.gather_labels(idx) else {
+                panic!("classes")
+            };
+            let y = Tensor::from_slice(&y).to_kind(Kind::Int64);
+            let step = epoch * schedule.steps_per_epoch as u64 + s as u64;
+            let inputs = [(graph.inputs[0].name.clone(), x)];
+            losses.push(
+                train_step(
+                    &graph,
+                    &mut params,
+                    &inputs,
+                    &y,
+                    t.loss,
+                    &mut optimizer,
+                    step_seed(t.seed, step),
+                )
+                .unwrap(),
+            );
+        }
+    }
+    losses
+}
+
+fn assert_same_losses(
+    job_file: &Path,
+    providers: usize,
+    steps: usize,
+    tolerance: f64,
+    must_learn: bool,
+) {
+    let out = job_file.parent().unwrap().join("out");
+    let metrics = rookery_train(job_file, providers, &out).unwrap();
+    let got: Vec<f64> = metrics.steps.iter().map(|s| s.loss).collect();
+    let want = reference_losses(job_file);
+    assert_eq!((got.len(), want.len()), (steps, steps));
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(1e-12);
+        assert!(
+            rel < tolerance,
+            "step {step}: pipeline {g}, reference {w} (relative {rel:e})"
+        );
+    }
+    if must_learn {
+        assert!(got[steps - 1] < got[0] * 0.8, "{got:?}");
+    }
+    assert!(out.join("weights.safetensors").is_file());
+}
+
+#[test]
+fn one_cluster_of_three_stages_matches_the_reference_mlp_sgd_and_adam() {
+    for optimizer in [
+        "{ name = \"sgd\", lr = 0.1, momentum = 0.9 }",
+        "{ name = \"adam\", lr = 0.01 }",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let training = format!(
+            "epochs = 1\nbatch_size = 16\nmicro_batches = 4\noptimizer = {optimizer}\n\
+             clusters = 1\nstages = 3\nseed = 5"
+        );
+        let job = job(dir.path(), MLP, &[12], 30 * 16, &training);
+        assert_same_losses(&job, 3, 30, 1e-5, true);
+    }
+}
+
+#[test]
+fn one_cluster_of_three_stages_matches_the_reference_cnn() {
+    let dir = tempfile::tempdir().unwrap();
+    let training = "epochs = 1\nbatch_size = 8\nmicro_batches = 4\n\
+        optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 9";
+    let job = job(dir.path(), CNN, &[1, 8, 8], 30 * 8, training);
+    // 30 small steps move a CNN on noise too little to promise progress.
+    assert_same_losses(&job, 3, 30, 1e-5, false);
+}
+
+#[test]
+fn two_clusters_with_sgd_match_the_reference_with_the_doubled_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let training = "epochs = 1\nbatch_size = 8\nmicro_batches = 2\n\
+        optimizer = { name = \"sgd\", lr = 0.1 }\nclusters = 2\nstages = 2\nsync_every = 1\nseed = 11";
+    let job = job(dir.path(), MLP, &[12], 20 * 16, training);
+    assert_same_losses(&job, 4, 20, 1e-5, true);
+}
