@@ -208,10 +208,14 @@ impl Actor {
             if self.runs.contains_key(&job.id) {
                 continue;
             }
+            // Browser tabs join and benchmark, but run no stages until the
+            // WebGPU executor lands (issue 5), so plans use native providers.
             let idle: Vec<(u64, Hello)> = self
                 .providers
                 .iter()
-                .filter(|(_, p)| p.job.is_none())
+                .filter(|(_, p)| {
+                    p.job.is_none() && p.hello.kind == rookery_proto::ProviderKind::Native
+                })
                 .map(|(id, p)| (*id, p.hello.clone()))
                 .collect();
             if idle.is_empty() {
@@ -437,7 +441,7 @@ pub fn plan_options(spec: &JobSpec) -> PlanOptions {
             ClusterCount::Auto => ClusterCount::Auto,
         },
         optimizer_copies: match t.optimizer {
-            rookery_model::OptimizerConfig::Sgd { momentum, .. } if momentum == 0.0 => 0,
+            rookery_model::OptimizerConfig::Sgd { momentum: 0.0, .. } => 0,
             rookery_model::OptimizerConfig::Sgd { .. }
             | rookery_model::OptimizerConfig::RmsProp { .. } => 1,
             _ => 2,

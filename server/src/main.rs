@@ -158,13 +158,19 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // Commands for people show their own progress; only `serve` narrates.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "info,tower_http=warn",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,tower_http=warn".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .init();
-    match Cli::parse().command {
+    match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Plan(args) => {
             let input_shape = args
@@ -199,8 +205,11 @@ async fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Watch { id, server } => {
-            let job = server.client()?.watch(id).await?;
-            finished(&job)
+            let client = server.client()?;
+            let job = client.watch(id).await?;
+            finished(&job)?;
+            print_accuracy(&client.metrics(id).await?);
+            Ok(())
         }
         Command::Download { id, out, server } => {
             let bytes = server.client()?.download(id, &out).await?;
@@ -224,6 +233,17 @@ fn finished(job: &rookery_proto::api::JobInfo) -> anyhow::Result<()> {
             job.id,
             job.detail.as_deref().unwrap_or("no reason recorded")
         ),
+    }
+}
+
+fn print_accuracy(metrics: &rookery_proto::api::JobMetrics) {
+    if let Some(last) = metrics.epochs.last() {
+        println!(
+            "test accuracy {:.2}% (loss {:.4}) on {} held-out samples",
+            last.test_accuracy * 100.0,
+            last.test_loss,
+            last.samples
+        );
     }
 }
 
@@ -293,14 +313,7 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
     let metrics_path = args.out.join("metrics.json");
     std::fs::write(&metrics_path, serde_json::to_string_pretty(&metrics)?)
         .with_context(|| format!("writing {}", metrics_path.display()))?;
-    if let Some(last) = metrics.epochs.last() {
-        println!(
-            "test accuracy {:.2}% (loss {:.4}) on {} held-out samples",
-            last.test_accuracy * 100.0,
-            last.test_loss,
-            last.samples
-        );
-    }
+    print_accuracy(&metrics);
     println!("weights: {}", weights.display());
     println!("metrics: {}", metrics_path.display());
     for mut child in children {

@@ -594,8 +594,8 @@ impl JobRun {
         };
         let mut effects = vec![Effect::Step(record)];
         let done = step + 1;
-        let sync = done % self.spec.training.sync_every == 0
-            || done % spe == 0
+        let sync = done.is_multiple_of(self.spec.training.sync_every)
+            || done.is_multiple_of(spe)
             || done == self.total_steps;
         if sync {
             effects.extend(self.start_sync(done));
@@ -706,11 +706,11 @@ impl JobRun {
         }
         effects.push(Effect::Checkpoint(self.weights()));
         let spe = self.schedule.steps_per_epoch as u64;
-        if step_done % spe == 0 {
-            if let Some(eval) = self.start_eval(step_done / spe - 1) {
-                effects.extend(eval);
-                return effects;
-            }
+        if step_done.is_multiple_of(spe)
+            && let Some(eval) = self.start_eval(step_done / spe - 1)
+        {
+            effects.extend(eval);
+            return effects;
         }
         effects.extend(self.next_or_finish(step_done));
         effects

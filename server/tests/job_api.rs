@@ -76,7 +76,10 @@ fn multipart(job: &str, files: &[(&str, Vec<u8>)]) -> Body {
     Body::from(body)
 }
 
-fn mnist_files() -> Vec<(&'static str, Vec<u8>)> {
+/// Upload parts: (part name, bytes).
+type Files = Vec<(&'static str, Vec<u8>)>;
+
+fn mnist_files() -> Files {
     let mut files = vec![(
         "cnn.toml",
         std::fs::read(repo("examples/mnist-cnn.toml")).unwrap(),
@@ -249,7 +252,7 @@ async fn bad_uploads_get_a_clear_400_and_leave_nothing_behind() {
             .cloned()
             .collect::<Vec<_>>()
     };
-    let cases: Vec<(String, Vec<(&str, Vec<u8>)>, &str)> = vec![
+    let cases: Vec<(String, Files, &str)> = vec![
         (
             JOB.replace("adam", "adagrad"),
             files.clone(),

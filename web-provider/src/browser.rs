@@ -119,7 +119,7 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
                 TimeoutFuture::new(delay_ms).await;
             }
             // `connect_once` only ends with one of the two above.
-            Reaction::Ignore | Reaction::Welcomed { .. } => {}
+            Reaction::Ignore | Reaction::Welcomed { .. } | Reaction::Answer(_) => {}
         }
     }
 }
@@ -180,6 +180,11 @@ async fn connect_once(
                             adapter: adapter.to_owned(),
                             gflops,
                         });
+                    }
+                }
+                Reaction::Answer(reply) => {
+                    if let Err(reason) = socket.send(&reply) {
+                        return Reaction::Reconnect(reason);
                     }
                 }
                 end @ (Reaction::Reconnect(_) | Reaction::GiveUp(_)) => return end,

@@ -76,6 +76,8 @@ pub(crate) enum Reaction {
     Reconnect(String),
     /// Stop donating: reconnecting cannot help. The text is for a person.
     GiveUp(String),
+    /// Send this frame back (a training request this tab cannot take yet).
+    Answer(Vec<u8>),
 }
 
 pub(crate) fn react(frame: &[u8]) -> Reaction {
@@ -99,9 +101,37 @@ pub(crate) fn react(frame: &[u8]) -> Reaction {
         Ok(ToProvider::Error(ErrorMessage { message, .. })) => {
             Reaction::Reconnect(format!("the server refused this tab: {message}"))
         }
+        Ok(ToProvider::Release { .. }) => Reaction::Ignore,
+        Ok(
+            message @ (ToProvider::Assign(_)
+            | ToProvider::Forward(_)
+            | ToProvider::Backward(_)
+            | ToProvider::UploadParams { .. }
+            | ToProvider::SetParams(_)),
+        ) => decline(&message),
         Err(error) => Reaction::Reconnect(format!(
             "the server sent a message this tab cannot read ({error})"
         )),
+    }
+}
+
+/// Browser tabs do not run stages yet (WebGPU training comes with the kernel
+/// executor); the server hears so and moves on.
+fn decline(message: &ToProvider) -> Reaction {
+    let job_id = match message {
+        ToProvider::Assign(a) => a.job_id,
+        ToProvider::Forward(f) => f.job_id,
+        ToProvider::Backward(b) => b.job_id,
+        ToProvider::UploadParams { job_id, .. } => *job_id,
+        ToProvider::SetParams(p) => p.job_id,
+        _ => 0,
+    };
+    match rookery_proto::encode(&ToServer::JobFailed {
+        job_id,
+        message: "browser providers cannot run training stages yet".to_owned(),
+    }) {
+        Ok(frame) => Reaction::Answer(frame),
+        Err(error) => Reaction::Reconnect(format!("cannot encode a reply: {error}")),
     }
 }
 
@@ -262,6 +292,15 @@ mod tests {
             Reaction::Reconnect(text) if text.contains("too quiet")
         ));
         assert!(matches!(react(&[0xff, 0xff]), Reaction::Reconnect(_)));
+        let Reaction::Answer(reply) =
+            react(&frame(ToProvider::UploadParams { job_id: 4, step: 1 }))
+        else {
+            panic!("a training request gets an answer");
+        };
+        assert!(matches!(
+            rookery_proto::decode::<ToServer>(&reply, 1 << 16),
+            Ok(ToServer::JobFailed { job_id: 4, .. })
+        ));
         assert!(matches!(react(&[]), Reaction::Reconnect(_)));
     }
 

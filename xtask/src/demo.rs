@@ -1,9 +1,14 @@
-//! `cargo xtask demo [--addr HOST:PORT] [--providers N]`: a local Rookery to click
-//! through.
+//! `cargo xtask demo [--addr HOST:PORT] [--providers N]`: a real model trained
+//! across local providers, then a local Rookery to click through.
 //!
 //! Builds the server, the provider (with libtorch) and the release dashboard,
 //! starts `rookery serve` with its data in `target/demo-data`, waits until its API
-//! answers, then starts N native providers (default 2) and waits on the server.
+//! answers, starts N native providers (default 6), submits
+//! `examples/mnist-job.toml` (the MNIST CNN on the 10,000 real digits in
+//! `datasets/mnist-10k`, two clusters of Root -> Stem -> Leaf) with `rookery
+//! submit`, follows it with `rookery watch`, downloads the weights to
+//! `target/demo-out/weights.safetensors`, prints the test accuracy, and keeps
+//! the server up for the dashboard.
 //! Ctrl-C in the terminal reaches every process of the foreground group, so it
 //! stops the server and the providers too; if xtask fails instead, it kills the
 //! processes it started.
@@ -22,7 +27,7 @@ const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub fn main(args: &[String]) -> Result<()> {
     let mut addr = "127.0.0.1:8080".to_owned();
-    let mut providers = 2;
+    let mut providers = 6;
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -87,7 +92,41 @@ fn demo(addr: &str, providers: usize) -> Result<()> {
         }
         Ok(())
     })?;
-    println!("\nRookery is running: open http://{addr}/ (Ctrl-C stops everything)\n");
+    let token = std::fs::read_to_string(target.join("demo-data/api-token"))
+        .context("reading the server's API token")?;
+    let rookery = |args: &[&str]| {
+        let mut cmd = env.command(target.join("debug/rookery"));
+        cmd.args(args)
+            .args(["--server", &format!("http://{addr}")])
+            .env("ROOKERY_TOKEN", token.trim());
+        cmd
+    };
+    let job = crate::util::repo_root().join("examples/mnist-job.toml");
+    let id = step("submit the MNIST job", || {
+        let mut cmd = rookery(&["submit", &job.display().to_string()]);
+        println!("$ {}", show(&cmd));
+        let output = cmd.output().context("cannot run rookery submit")?;
+        if !output.status.success() {
+            bail!(
+                "rookery submit failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+    })?;
+    println!("job {id}: follow it on http://{addr}/ too");
+    step("train", || run(&mut rookery(&["watch", &id])))?;
+    let weights = target.join("demo-out/weights.safetensors");
+    step("download the weights", || {
+        run(&mut rookery(&[
+            "download",
+            &id,
+            "-o",
+            &weights.display().to_string(),
+        ]))
+    })?;
+    println!("\nTrained weights: {}", weights.display());
+    println!("Rookery is running: open http://{addr}/ (Ctrl-C stops everything)\n");
     let status = children.0[0].wait().context("cannot wait for the server")?;
     if !status.success() {
         bail!("the server stopped ({status})");
