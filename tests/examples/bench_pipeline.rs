@@ -1,0 +1,132 @@
+//! `cargo xtask bench pipeline`: samples/s of `rookery train` with one
+//! cluster of 3 local providers against the single-process reference
+//! trainer on the same model (the MNIST CNN of the demo) and the same
+//! batches, measured in one run and printed as a ratio (target >= 0.8); and
+//! the bytes on the wire per step for f32, f16 and bf16 activations.
+//!
+//! Needs release binaries (`ROOKERY_BIN_DIR`, set by xtask).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use rookery_e2e::{NpyValues, rookery_train, workspace_root, write_npy};
+use rookery_job::{JobSpec, Labels, Schedule, Split, epoch_permutation, load_split};
+use rookery_provider::exec::reference::whole_batch_step;
+use rookery_provider::exec::{Optimizer, StageExecutor, tensors_from_values};
+use rookery_provider::trainer::step_seed;
+use tch::{Device, Kind, Tensor};
+
+const BATCH: usize = 64;
+const STEPS: usize = 40;
+/// Steps left out of both timings: process start, first allocations.
+const WARMUP: usize = 5;
+
+fn main() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let job = write_job(dir.path(), "f32")?;
+    println!(
+        "model: examples/mnist-cnn.toml on MNIST, batch {BATCH}, 4 micro-batches, {STEPS} steps ({WARMUP} warm-up)"
+    );
+
+    let out = dir.path().join("out-f32");
+    let metrics = rookery_train(&job, 3, &out)?;
+    let timed = &metrics.steps[WARMUP..];
+    let pipeline_ms: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
+    let pipeline = (timed.len() * BATCH) as f64 / (pipeline_ms / 1e3);
+
+    let reference = reference_samples_per_s(&job)?;
+    println!("rookery train, 1 cluster x 3 stages: {pipeline:>8.1} samples/s");
+    println!("single-process reference:          {reference:>8.1} samples/s");
+    println!(
+        "ratio pipeline / reference: {:.3} (target >= 0.8)",
+        pipeline / reference
+    );
+
+    println!("bytes on the wire per step (activations and gradients relayed):");
+    for dtype in ["f32", "f16", "bf16"] {
+        let metrics = if dtype == "f32" {
+            metrics.clone()
+        } else {
+            let job = write_job(dir.path(), dtype)?;
+            rookery_train(&job, 3, &dir.path().join(format!("out-{dtype}")))?
+        };
+        let per_step =
+            metrics.steps.iter().map(|s| s.bytes_relayed).sum::<u64>() / metrics.steps.len() as u64;
+        println!("  {dtype:>4}: {per_step:>10} bytes/step");
+    }
+    Ok(())
+}
+
+/// The demo's model on the first `STEPS * BATCH` MNIST digits, as npy files
+/// beside a job file with the given wire dtype.
+fn write_job(dir: &Path, wire: &str) -> anyhow::Result<PathBuf> {
+    let root = workspace_root();
+    let demo = JobSpec::from_file(&root.join("examples/mnist-job.toml"))?;
+    let n = STEPS * BATCH;
+    if !dir.join("x.npy").exists() {
+        let data =
+            load_split(&demo.data, Split::Train, demo.training.loss)?.context("train split")?;
+        let idx: Vec<usize> = (0..n).collect();
+        write_npy(
+            &dir.join("x.npy"),
+            &[n, 1, 28, 28],
+            NpyValues::F32(&data.gather_inputs(&idx)),
+        )?;
+        let Labels::Classes(y) = data.gather_labels(&idx) else {
+            anyhow::bail!("MNIST labels are classes")
+        };
+        write_npy(&dir.join("y.npy"), &[n], NpyValues::I64(&y))?;
+    }
+    let path = dir.join(format!("job-{wire}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
+             [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
+             [training]\nepochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
+             optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
+             seed = 1\nwire_dtype = \"{wire}\"\n",
+            root.join("examples/mnist-cnn.toml").display()
+        ),
+    )?;
+    Ok(path)
+}
+
+/// The same steps in one process: one executor over the whole graph.
+fn reference_samples_per_s(job: &Path) -> anyhow::Result<f64> {
+    let spec = JobSpec::from_file(job)?;
+    let t = &spec.training;
+    let graph = spec.load_model()?.graph;
+    let mut data = load_split(&spec.data, Split::Train, t.loss)?.context("train split")?;
+    rookery_job::validate_against_model(&graph, &spec.model.input_shape, &mut data, t.loss)?;
+    let schedule = Schedule::new(data.len(), 1, t.batch_size)?;
+    let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
+    let n = graph.analyze()?.nodes.len();
+    let mut exec = StageExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
+    let mut optimizer = Optimizer::new(t.optimizer)?;
+    let perm = epoch_permutation(data.len(), t.seed, 0, t.shuffle);
+    let mut started = Instant::now();
+    for step in 0..schedule.steps_per_epoch {
+        if step == WARMUP {
+            started = Instant::now();
+        }
+        let idx = schedule.step_samples(&perm, step);
+        let x = Tensor::from_slice(&data.gather_inputs(idx)).reshape([idx.len() as i64, 1, 28, 28]);
+        let Labels::Classes(y) = data.gather_labels(idx) else {
+            anyhow::bail!("MNIST labels are classes")
+        };
+        let y = Tensor::from_slice(&y).to_kind(Kind::Int64);
+        let inputs = [(graph.inputs[0].name.clone(), x)];
+        whole_batch_step(
+            &mut exec,
+            &inputs,
+            &y,
+            t.loss,
+            &mut optimizer,
+            step_seed(t.seed, step as u64),
+        )?;
+    }
+    let steps = schedule.steps_per_epoch - WARMUP;
+    Ok((steps * BATCH) as f64 / started.elapsed().as_secs_f64())
+}

@@ -1,0 +1,288 @@
+//! `cargo xtask bench relay`: how fast the server relays a 4 MiB activation
+//! from one provider to the next, against one direct loopback WebSocket hop
+//! carrying the same frame, measured in one run (target: ratio >= 0.6).
+//!
+//! The relay path is the real one: a server (in this process, on a loopback
+//! port) runs a two-stage job whose boundary tensor is 1024 x 1024 f32; two
+//! protocol clients play Root and Leaf over real WebSockets, and every relay
+//! goes through decoding, the job's checks (names, shapes, dtype, finite
+//! values), and encoding again. The direct baseline is one client sending the
+//! same `Activations` frame to one listener that decodes it.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use futures_util::{SinkExt, StreamExt};
+use rookery_e2e::{NpyValues, write_npy};
+use rookery_proto::{
+    Activations, Gradients, Hello, LeafLoss, PROTOCOL_VERSION, ParamSet, Phase, ProviderKind,
+    StepDone, ToProvider, ToServer, WireDType, WireTensor,
+};
+use rookery_server::{AppState, Limits};
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+
+const WIDTH: usize = 1024;
+const ROWS: usize = 1024;
+const STEPS: usize = 30;
+const MIB: f64 = (1 << 20) as f64;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let bytes = (ROWS * WIDTH * 4) as f64;
+    let relay = relay_latencies().await?;
+    let direct = direct_latencies().await?;
+    let (relay_ms, direct_ms) = (median(relay), median(direct));
+    let relay_rate = bytes / MIB / (relay_ms / 1e3);
+    let direct_rate = bytes / MIB / (direct_ms / 1e3);
+    println!("4 MiB activations ({ROWS} x {WIDTH} f32), median of {STEPS}:");
+    println!("  provider -> server -> provider: {relay_ms:>7.2} ms  {relay_rate:>8.1} MiB/s");
+    println!("  direct loopback WebSocket hop:   {direct_ms:>7.2} ms  {direct_rate:>8.1} MiB/s");
+    println!(
+        "ratio relay / direct: {:.3} (target >= 0.6)",
+        relay_rate / direct_rate
+    );
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn send(socket: &mut Socket, message: &ToServer) -> anyhow::Result<()> {
+    socket
+        .send(Message::Binary(rookery_proto::encode(message)?.into()))
+        .await?;
+    Ok(())
+}
+
+async fn receive(socket: &mut Socket) -> anyhow::Result<ToProvider> {
+    loop {
+        match socket.next().await.context("the server closed")?? {
+            Message::Binary(bytes) => return Ok(rookery_proto::decode(&bytes, usize::MAX)?),
+            Message::Close(frame) => bail!("closed: {frame:?}"),
+            _ => continue,
+        }
+    }
+}
+
+/// Joins as a provider and returns the socket after `Welcome`.
+async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
+    let (mut socket, _) = tokio_tungstenite::connect_async(url).await?;
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ProviderKind::Native,
+        device: "bench".into(),
+        memory_bytes: 8 << 30,
+        gflops: 100.0,
+        display_name: name.into(),
+    };
+    send(&mut socket, &ToServer::Hello(hello)).await?;
+    match receive(&mut socket).await? {
+        ToProvider::Welcome { .. } => Ok(socket),
+        other => bail!("expected Welcome, got {other:?}"),
+    }
+}
+
+/// Plays one stage; the Root reports when it sent each activation, the Leaf
+/// when it received it.
+/// Stamps are (is the Leaf, step, when).
+async fn stage(
+    mut socket: Socket,
+    stamps: mpsc::UnboundedSender<(bool, u64, Instant)>,
+) -> anyhow::Result<()> {
+    let mut assigned = None;
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(60), receive(&mut socket)).await??;
+        match message {
+            ToProvider::Assign(a) => {
+                send(&mut socket, &ToServer::Ready { job_id: a.job_id }).await?;
+                assigned = Some(a);
+            }
+            ToProvider::Forward(f) => {
+                let a = assigned.as_ref().context("Forward before Assign")?;
+                let Phase::Train { step } = f.phase else {
+                    continue;
+                };
+                let rows = f.inputs[0].shape[0] as usize;
+                let leaf = a.stage + 1 == a.stages;
+                let boundary = |name: &str| {
+                    WireTensor::from_f32(
+                        name,
+                        &[rows, WIDTH],
+                        &vec![0.25; rows * WIDTH],
+                        WireDType::F32,
+                    )
+                };
+                if leaf {
+                    let _ = stamps.send((true, step, Instant::now()));
+                    let job_id = a.job_id;
+                    let loss = LeafLoss {
+                        job_id,
+                        phase: f.phase,
+                        micro: f.micro,
+                        loss_sum: rows as f64,
+                        correct: 0,
+                        samples: rows as u32,
+                    };
+                    send(&mut socket, &ToServer::LeafLoss(loss)).await?;
+                    let grads = f.inputs.iter().map(|t| boundary(&t.name)).collect();
+                    let grads = Gradients {
+                        job_id,
+                        step,
+                        micro: f.micro,
+                        grads,
+                        compute_ms: 0.0,
+                    };
+                    send(&mut socket, &ToServer::Gradients(grads)).await?;
+                    send(
+                        &mut socket,
+                        &ToServer::StepDone(StepDone {
+                            job_id,
+                            step,
+                            compute_ms: 0.0,
+                        }),
+                    )
+                    .await?;
+                } else {
+                    let outputs = a.outputs.iter().map(|n| boundary(n)).collect();
+                    let _ = stamps.send((false, step, Instant::now()));
+                    let activations = Activations {
+                        job_id: a.job_id,
+                        phase: f.phase,
+                        micro: f.micro,
+                        outputs,
+                        compute_ms: 0.0,
+                    };
+                    send(&mut socket, &ToServer::Activations(activations)).await?;
+                }
+            }
+            ToProvider::Backward(b) => {
+                send(
+                    &mut socket,
+                    &ToServer::StepDone(StepDone {
+                        job_id: b.job_id,
+                        step: b.step,
+                        compute_ms: 0.0,
+                    }),
+                )
+                .await?;
+            }
+            ToProvider::UploadParams { job_id, step } => {
+                let a = assigned.as_ref().context("UploadParams before Assign")?;
+                let params = ParamSet {
+                    job_id,
+                    step,
+                    params: a.params.clone(),
+                };
+                send(&mut socket, &ToServer::Params(params)).await?;
+            }
+            ToProvider::Release { .. } => return Ok(()),
+            _ => {}
+        }
+    }
+}
+
+async fn relay_latencies() -> anyhow::Result<Vec<f64>> {
+    let dir = tempfile::tempdir()?;
+    let model = format!(
+        "input_shape = [{WIDTH}]\n[[layers]]\ntype = \"Dense\"\nunits = {WIDTH}\n[[layers]]\ntype = \"Dense\"\nunits = 10\n"
+    );
+    std::fs::write(dir.path().join("model.toml"), model)?;
+    write_npy(
+        &dir.path().join("x.npy"),
+        &[ROWS, WIDTH],
+        NpyValues::F32(&vec![0.5; ROWS * WIDTH]),
+    )?;
+    let labels: Vec<i64> = (0..ROWS as i64).map(|i| i % 10).collect();
+    write_npy(&dir.path().join("y.npy"), &[ROWS], NpyValues::I64(&labels))?;
+    let job = format!(
+        "[model]\nspec = \"model.toml\"\ninput_shape = [{WIDTH}]\n[data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
+         [training]\nepochs = {STEPS}\nbatch_size = {ROWS}\nmicro_batches = 1\nclusters = 1\nstages = 2\nsync_every = 1000\n"
+    );
+    std::fs::write(dir.path().join("job.toml"), job)?;
+
+    let data_dir = dir.path().join("server");
+    let state = AppState::open(&data_dir, Limits::default(), None).await?;
+    let token = state.api_token.secret().to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(rookery_server::serve(
+        listener,
+        state,
+        std::future::pending(),
+    ));
+    let url = format!("ws://{addr}{}", rookery_proto::PROVIDER_WS_PATH);
+    let (stamps, mut stamped) = mpsc::unbounded_channel();
+    let a = tokio::spawn(stage(join(&url, "a").await?, stamps.clone()));
+    let b = tokio::spawn(stage(join(&url, "b").await?, stamps));
+    let client = rookery_server::client::Client::new(&addr.to_string(), &token);
+    let created = client.submit(&dir.path().join("job.toml")).await?;
+    let job = client.watch(created.id).await?;
+    if job.status != "completed" {
+        bail!("the bench job ended {}: {:?}", job.status, job.detail);
+    }
+    let _ = (a.await, b.await);
+    let (mut sent, mut got) = (Vec::new(), Vec::new());
+    while let Ok((leaf, step, at)) = stamped.try_recv() {
+        if leaf { &mut got } else { &mut sent }.push((step, at));
+    }
+    let latencies: Vec<f64> = sent
+        .iter()
+        .filter_map(|(step, t0)| {
+            got.iter()
+                .find(|(s, _)| s == step)
+                .map(|(_, t1)| t1.duration_since(*t0).as_secs_f64() * 1e3)
+        })
+        .collect();
+    if latencies.len() != STEPS {
+        bail!("measured {} relays of {STEPS}", latencies.len());
+    }
+    Ok(latencies)
+}
+
+async fn direct_latencies() -> anyhow::Result<Vec<f64>> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await?;
+        let mut socket = tokio_tungstenite::accept_async(stream).await?;
+        while let Some(message) = socket.next().await {
+            if let Message::Binary(bytes) = message? {
+                let message: ToServer = rookery_proto::decode(&bytes, usize::MAX)?;
+                if let ToServer::Activations(a) = message {
+                    a.outputs[0].check()?;
+                }
+                let _ = tx.send(Instant::now());
+            }
+        }
+        anyhow::Ok(())
+    });
+    let (mut socket, _) = tokio_tungstenite::connect_async(format!("ws://{addr}")).await?;
+    let mut latencies = Vec::with_capacity(STEPS);
+    for step in 0..STEPS as u64 {
+        let outputs = vec![WireTensor::from_f32(
+            "h",
+            &[ROWS, WIDTH],
+            &vec![0.25; ROWS * WIDTH],
+            WireDType::F32,
+        )];
+        let message = ToServer::Activations(Activations {
+            job_id: 1,
+            phase: Phase::Train { step },
+            micro: 0,
+            outputs,
+            compute_ms: 0.0,
+        });
+        let t0 = Instant::now();
+        send(&mut socket, &message).await?;
+        let t1 = rx.recv().await.context("the listener stopped")?;
+        latencies.push(t1.duration_since(t0).as_secs_f64() * 1e3);
+    }
+    Ok(latencies)
+}
