@@ -17,6 +17,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use rookery_model::{Loss, OptimizerConfig};
+
 use crate::tensor::{WireDType, WireTensor};
 
 /// Which pass a micro-batch belongs to.
@@ -174,4 +176,150 @@ pub struct ParamSet {
     /// Steps done when the values were taken.
     pub step: u64,
     pub params: Vec<WireTensor>,
+}
+
+// The edge between job configuration (rookery-model) and its wire twins;
+// server and providers both convert here.
+
+/// The executor's optimizer configuration for the wire's (same fields, same
+/// `torch.optim` meaning).
+pub fn optimizer_config(wire: WireOptimizer) -> OptimizerConfig {
+    match wire {
+        WireOptimizer::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        } => OptimizerConfig::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        },
+        WireOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => OptimizerConfig::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        },
+        WireOptimizer::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => OptimizerConfig::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        },
+        WireOptimizer::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        } => OptimizerConfig::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        },
+    }
+}
+
+/// The inverse of [`optimizer_config`].
+pub fn wire_optimizer(config: OptimizerConfig) -> WireOptimizer {
+    match config {
+        OptimizerConfig::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        } => WireOptimizer::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        },
+        OptimizerConfig::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => WireOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        },
+        OptimizerConfig::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => WireOptimizer::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        },
+        OptimizerConfig::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        } => WireOptimizer::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        },
+    }
+}
+
+pub fn loss_from_wire(wire: WireLoss) -> Loss {
+    match wire {
+        WireLoss::CrossEntropy => Loss::CrossEntropy,
+        WireLoss::Mse => Loss::Mse,
+    }
+}
+
+pub fn wire_loss(loss: Loss) -> WireLoss {
+    match loss {
+        Loss::CrossEntropy => WireLoss::CrossEntropy,
+        Loss::Mse => WireLoss::Mse,
+    }
 }

@@ -26,10 +26,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
-use rookery_model::{Graph, Loss, OptimizerConfig};
+use rookery_model::{Graph, Loss};
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
-    TensorError, ToProvider, ToServer, WireDType, WireLoss, WireOptimizer, WireTensor,
+    TensorError, ToProvider, ToServer, WireDType, WireTensor,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -38,6 +38,7 @@ use crate::exec::{ExecError, MicroBatch, Optimizer, StageExecutor, is_float};
 use crate::trainer::{Trainer, job_of};
 
 pub use crate::trainer::step_seed;
+pub use rookery_proto::train::{loss_from_wire, optimizer_config, wire_loss, wire_optimizer};
 
 /// Why a message could not be carried out; its text goes into `JobFailed`.
 #[derive(Debug, thiserror::Error)]
@@ -677,148 +678,5 @@ pub fn tensor_to_wire(name: &str, t: &Tensor, dtype: WireDType) -> Result<WireTe
         let mut values = vec![0i64; numel];
         t.f_copy_data(&mut values, numel)?;
         Ok(WireTensor::from_i64(name, &shape, &values))
-    }
-}
-
-/// The executor's optimizer configuration for the wire's (same fields, same
-/// `torch.optim` meaning).
-pub fn optimizer_config(wire: WireOptimizer) -> OptimizerConfig {
-    match wire {
-        WireOptimizer::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        } => OptimizerConfig::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        },
-        WireOptimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => OptimizerConfig::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        WireOptimizer::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => OptimizerConfig::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        WireOptimizer::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        } => OptimizerConfig::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        },
-    }
-}
-
-/// The inverse of [`optimizer_config`].
-pub fn wire_optimizer(config: OptimizerConfig) -> WireOptimizer {
-    match config {
-        OptimizerConfig::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        } => WireOptimizer::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        },
-        OptimizerConfig::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => WireOptimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        OptimizerConfig::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => WireOptimizer::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        OptimizerConfig::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        } => WireOptimizer::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        },
-    }
-}
-
-pub fn loss_from_wire(wire: WireLoss) -> Loss {
-    match wire {
-        WireLoss::CrossEntropy => Loss::CrossEntropy,
-        WireLoss::Mse => Loss::Mse,
-    }
-}
-
-pub fn wire_loss(loss: Loss) -> WireLoss {
-    match loss {
-        Loss::CrossEntropy => WireLoss::CrossEntropy,
-        Loss::Mse => WireLoss::Mse,
     }
 }

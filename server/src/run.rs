@@ -14,10 +14,10 @@ use std::time::Instant;
 
 use rookery_job::weights::WeightTensor;
 use rookery_job::{Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges};
-use rookery_model::{Analysis, DType, Graph, Init, Loss, OptimizerConfig, ParamKind, Plan};
+use rookery_model::{Analysis, DType, Graph, Init, ParamKind, Plan};
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
-    ToProvider, ToServer, WireDType, WireLoss, WireOptimizer, WireTensor,
+    ToProvider, ToServer, WireDType, WireTensor,
 };
 
 use crate::jobs::{EpochRecord, StageTime, StepRecord};
@@ -203,11 +203,8 @@ impl JobRun {
                         end: stage.end as u32,
                         outputs: outputs.clone(),
                         params: wire_params,
-                        optimizer: wire_optimizer(t.optimizer),
-                        loss: match t.loss {
-                            Loss::CrossEntropy => WireLoss::CrossEntropy,
-                            Loss::Mse => WireLoss::Mse,
-                        },
+                        optimizer: rookery_proto::train::wire_optimizer(t.optimizer),
+                        loss: rookery_proto::train::wire_loss(t.loss),
                         batch_size: t.batch_size as u32,
                         micro_batches: t.micro_batches as u32,
                         wire_dtype: wire_dtype(t.wire_dtype),
@@ -904,75 +901,13 @@ fn wire_dtype(d: rookery_job::WireDType) -> WireDType {
     }
 }
 
-/// The edge where job configuration becomes wire configuration.
-pub fn wire_optimizer(o: OptimizerConfig) -> WireOptimizer {
-    match o {
-        OptimizerConfig::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        } => WireOptimizer::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        },
-        OptimizerConfig::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => WireOptimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        OptimizerConfig::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => WireOptimizer::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        OptimizerConfig::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        } => WireOptimizer::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use rookery_job::{DataFormat, DataRef, DataSpec, ModelSection, ModelSource, TrainingSpec};
-    use rookery_model::{ClusterCount, PlanOptions, ProviderKind, ProviderSpec};
+    use rookery_model::{
+        ClusterCount, Loss, OptimizerConfig, PlanOptions, ProviderKind, ProviderSpec,
+    };
 
     const MLP: &str = r#"
 input_shape = [4]

@@ -183,13 +183,20 @@ fn one_cluster_of_three_stages_matches_the_reference_mlp_sgd_and_adam() {
 }
 
 #[test]
-fn one_cluster_of_three_stages_matches_the_reference_cnn() {
-    let dir = tempfile::tempdir().unwrap();
-    let training = "epochs = 1\nbatch_size = 8\nmicro_batches = 4\n\
-        optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 9";
-    let job = job(dir.path(), CNN, &[1, 8, 8], 30 * 8, training);
-    // 30 small steps move a CNN on noise too little to promise progress.
-    assert_same_losses(&job, 3, 30, 1e-5, false);
+fn one_cluster_of_three_stages_matches_the_reference_cnn_sgd_and_adam() {
+    for optimizer in [
+        "{ name = \"sgd\", lr = 0.05 }",
+        "{ name = \"adam\", lr = 0.01 }",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let training = format!(
+            "epochs = 1\nbatch_size = 8\nmicro_batches = 4\noptimizer = {optimizer}\n\
+             clusters = 1\nstages = 3\nseed = 9"
+        );
+        let job = job(dir.path(), CNN, &[1, 8, 8], 30 * 8, &training);
+        // 30 small steps move a CNN on noise too little to promise progress.
+        assert_same_losses(&job, 3, 30, 1e-5, false);
+    }
 }
 
 #[test]
