@@ -99,7 +99,7 @@ fn impossible_plans_and_bad_files_fail_with_one_clear_line() {
                 "--providers",
                 tiny.to_str().unwrap(),
             ],
-            "cannot read missing.toml",
+            "missing.toml: cannot read the file",
         ),
         (
             vec![
