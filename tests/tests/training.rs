@@ -161,7 +161,8 @@ fn assert_same_losses(
         );
     }
     if must_learn {
-        assert!(got[steps - 1] < got[0] * 0.8, "{got:?}");
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+        assert!(mean(&got[steps - 5..]) < mean(&got[..5]), "{got:?}");
     }
     assert!(out.join("weights.safetensors").is_file());
 }
