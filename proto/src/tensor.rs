@@ -149,16 +149,27 @@ impl WireTensor {
     /// [`check_size`](Self::check_size), and every float element finite.
     pub fn check(&self) -> Result<(), TensorError> {
         self.check_size()?;
-        if self.dtype.is_float() {
-            let values = self.to_f32()?;
-            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
-                return Err(TensorError::NotFinite {
-                    name: self.name.clone(),
-                    index,
-                });
-            }
+        // Straight off the bytes: relays check every tensor, so no copy.
+        let d = &self.data;
+        let bad = match self.dtype {
+            WireDType::F32 => d
+                .chunks_exact(4)
+                .position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+            WireDType::F16 => d
+                .chunks_exact(2)
+                .position(|c| !half::f16::from_le_bytes([c[0], c[1]]).is_finite()),
+            WireDType::Bf16 => d
+                .chunks_exact(2)
+                .position(|c| !half::bf16::from_le_bytes([c[0], c[1]]).is_finite()),
+            WireDType::I64 => None,
+        };
+        match bad {
+            Some(index) => Err(TensorError::NotFinite {
+                name: self.name.clone(),
+                index,
+            }),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The elements as f32 (i64 converts with rounding to the nearest f32).

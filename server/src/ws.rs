@@ -252,7 +252,7 @@ async fn next_frame<St, E>(
     stream: &mut St,
     state: &AppState,
     deadline: tokio::time::Instant,
-) -> Result<Vec<u8>, Ending>
+) -> Result<axum::body::Bytes, Ending>
 where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
@@ -278,7 +278,7 @@ where
                         limit,
                     }));
                 }
-                return Ok(bytes.to_vec());
+                return Ok(bytes);
             }
             Some(Ok(Message::Text(_))) => {
                 return Err(Ending::rejected(
