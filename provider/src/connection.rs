@@ -285,8 +285,9 @@ pub async fn run(
         if *shutdown.borrow() {
             return Ok(());
         }
+        // No Nagle: small frames (losses, step reports) must not wait for ACKs.
         let connected = tokio::select! {
-            connected = tokio_tungstenite::connect_async(url) => connected,
+            connected = tokio_tungstenite::connect_async_with_config(url, None, true) => connected,
             _ = shutdown.changed() => return Ok(()),
         };
         match connected {
