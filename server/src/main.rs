@@ -292,6 +292,9 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            // Several libtorch processes share these cores: OpenMP threads that
+            // spin while idle would steal them from the stage that computes.
+            .env("OMP_WAIT_POLICY", "PASSIVE")
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", provider_bin.display()))?;

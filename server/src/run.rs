@@ -108,6 +108,9 @@ pub struct JobRun {
     /// Params uploaded at the current sync: name -> one value per cluster.
     uploads: BTreeMap<String, Vec<Vec<f32>>>,
     state: State,
+    /// When the current step's clock started: the end of the previous step
+    /// (so its sync and the gap between steps count), or the step's own start
+    /// when it opens an epoch (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
 }
@@ -386,7 +389,9 @@ impl JobRun {
             self.perm_epoch = Some(epoch);
         }
         self.state = State::Training { step };
-        self.step_started = Instant::now();
+        if step.is_multiple_of(spe) {
+            self.step_started = Instant::now();
+        }
         let phase = Phase::Train { step };
         let batch = self.spec.training.batch_size;
         let ranges = micro_batch_ranges(batch, self.spec.training.micro_batches);
@@ -563,6 +568,7 @@ impl JobRun {
 
     fn finish_step(&mut self, step: u64) -> Vec<Effect> {
         let elapsed_ms = self.step_started.elapsed().as_secs_f64() * 1e3;
+        self.step_started = Instant::now();
         let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
         let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / samples.max(1) as f64;
         let spe = self.schedule.steps_per_epoch as u64;
