@@ -132,26 +132,6 @@ fn assert_same_losses(run: &Run, what: &str) {
     );
 }
 
-const MLP: &str = r#"
-input_shape = [6]
-[[layers]]
-type = "Dense"
-units = 16
-activation = "relu"
-[[layers]]
-type = "Dropout"
-rate = 0.2
-[[layers]]
-type = "Dense"
-units = 12
-activation = "tanh"
-[[layers]]
-type = "LayerNormalization"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
-
 fn mlp_batch() -> (Tensor, Tensor) {
     let b = 16;
     let x = t(&pseudo(b * 6, 5), &[b as i64, 6]);
@@ -197,33 +177,6 @@ fn mlp_in_three_stages_with_four_micro_batches_matches_one_process_adam() {
     );
     assert_same_losses(&run, "MLP, Adam");
 }
-
-const CNN: &str = r#"
-input_shape = [2, 8, 8]
-[[layers]]
-type = "Conv2D"
-filters = 4
-kernel_size = 3
-padding = "same"
-activation = "relu"
-[[layers]]
-type = "MaxPooling2D"
-pool_size = 2
-[[layers]]
-type = "Conv2D"
-filters = 6
-kernel_size = 3
-stride = 1
-activation = "gelu"
-[[layers]]
-type = "AveragePooling2D"
-pool_size = 2
-[[layers]]
-type = "Flatten"
-[[layers]]
-type = "Dense"
-units = 3
-"#;
 
 fn cnn_batch() -> (Tensor, Tensor) {
     let b = 8;

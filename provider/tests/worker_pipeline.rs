@@ -26,26 +26,6 @@ use worker_common::*;
 
 const STEPS: u64 = 30;
 
-const MLP: &str = r#"
-input_shape = [6]
-[[layers]]
-type = "Dense"
-units = 16
-activation = "relu"
-[[layers]]
-type = "Dropout"
-rate = 0.2
-[[layers]]
-type = "Dense"
-units = 12
-activation = "tanh"
-[[layers]]
-type = "LayerNormalization"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
-
 /// The MLP without Dropout: two clusters number their samples from 0 each, so
 /// their dropout masks cannot be those of one run over the doubled batch.
 const MLP_NO_DROPOUT: &str = r#"
@@ -63,33 +43,6 @@ type = "LayerNormalization"
 [[layers]]
 type = "Dense"
 units = 4
-"#;
-
-const CNN: &str = r#"
-input_shape = [2, 8, 8]
-[[layers]]
-type = "Conv2D"
-filters = 4
-kernel_size = 3
-padding = "same"
-activation = "relu"
-[[layers]]
-type = "MaxPooling2D"
-pool_size = 2
-[[layers]]
-type = "Conv2D"
-filters = 6
-kernel_size = 3
-stride = 1
-activation = "gelu"
-[[layers]]
-type = "AveragePooling2D"
-pool_size = 2
-[[layers]]
-type = "Flatten"
-[[layers]]
-type = "Dense"
-units = 3
 "#;
 
 /// `b` samples of 6 features with learnable labels (the argmax of a fixed

@@ -132,3 +132,53 @@ pub fn pseudo(n: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// The pipeline tests' MLP (with dropout), shared by the executor's and the
+/// worker's parity tests so both prove the same model.
+pub const MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 16
+activation = "relu"
+[[layers]]
+type = "Dropout"
+rate = 0.2
+[[layers]]
+type = "Dense"
+units = 12
+activation = "tanh"
+[[layers]]
+type = "LayerNormalization"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// The pipeline tests' CNN (no BatchNorm).
+pub const CNN: &str = r#"
+input_shape = [2, 8, 8]
+[[layers]]
+type = "Conv2D"
+filters = 4
+kernel_size = 3
+padding = "same"
+activation = "relu"
+[[layers]]
+type = "MaxPooling2D"
+pool_size = 2
+[[layers]]
+type = "Conv2D"
+filters = 6
+kernel_size = 3
+stride = 1
+activation = "gelu"
+[[layers]]
+type = "AveragePooling2D"
+pool_size = 2
+[[layers]]
+type = "Flatten"
+[[layers]]
+type = "Dense"
+units = 3
+"#;
