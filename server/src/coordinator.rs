@@ -62,6 +62,7 @@ impl Coordinator {
                 providers: BTreeMap::new(),
                 runs: HashMap::new(),
                 waiting: HashMap::new(),
+                prepared: HashMap::new(),
             }
             .run(rx),
         );
@@ -87,29 +88,26 @@ struct Actor {
     runs: HashMap<u64, JobRun>,
     /// The last reason each queued job gave for waiting, to write it only when it changes.
     waiting: HashMap<u64, String>,
+    /// Queued jobs already read and checked, so waiting for providers does
+    /// not reload their data on every scheduling tick.
+    prepared: HashMap<u64, Prepared>,
 }
 
 /// Everything a job needs before any provider is touched.
-struct Prepared {
-    spec: JobSpec,
-    graph: rookery_model::Graph,
-    analysis: rookery_model::Analysis,
-    train: rookery_job::Dataset,
-    test: Option<rookery_job::Dataset>,
+pub struct Prepared {
+    pub spec: JobSpec,
+    pub graph: rookery_model::Graph,
+    pub analysis: rookery_model::Analysis,
+    /// What the model's importer wants the Requester to know.
+    pub warnings: Vec<String>,
+    pub train: rookery_job::Dataset,
+    pub test: Option<rookery_job::Dataset>,
 }
 
-/// Reads and checks a job's model and data (blocking work).
-pub fn prepare(
-    spec: JobSpec,
-) -> Result<
-    (
-        JobSpec,
-        rookery_model::Graph,
-        rookery_job::Dataset,
-        Option<rookery_job::Dataset>,
-    ),
-    String,
-> {
+/// Reads and checks a job's model and data against each other (blocking
+/// work): the upload handler runs it before accepting a job, the scheduler
+/// before planning one.
+pub fn prepare(spec: JobSpec) -> Result<Prepared, String> {
     let loaded = spec.load_model().map_err(|e| e.to_string())?;
     let loss = spec.training.loss;
     let mut train = rookery_job::load_split(&spec.data, rookery_job::Split::Train, loss)
@@ -123,7 +121,15 @@ pub fn prepare(
         rookery_job::validate_against_model(&loaded.graph, &spec.model.input_shape, test, loss)
             .map_err(|e| format!("test set: {e}"))?;
     }
-    Ok((spec, loaded.graph, train, test))
+    let analysis = loaded.graph.analyze().map_err(|e| e.to_string())?;
+    Ok(Prepared {
+        spec,
+        graph: loaded.graph,
+        analysis,
+        warnings: loaded.warnings,
+        train,
+        test,
+    })
 }
 
 impl Actor {
@@ -180,6 +186,7 @@ impl Actor {
                 self.apply(job_id, effects).await;
             }
             Event::Cancel { job_id } => {
+                self.prepared.remove(&job_id);
                 if let Some(mut run) = self.runs.remove(&job_id) {
                     let effects = run.release();
                     self.apply_sends(effects);
@@ -223,36 +230,24 @@ impl Actor {
                     .await;
                 continue;
             }
-            let dir = PathBuf::from(&job.dir);
-            let spec_json = job.spec_json.clone();
-            let prepared = tokio::task::spawn_blocking(move || {
-                let spec = JobSpec::from_json(&spec_json, &dir).map_err(|e| e.to_string())?;
-                let (spec, graph, train, test) = prepare(spec)?;
-                let analysis = graph.analyze().map_err(|e| e.to_string())?;
-                Ok::<_, String>(Prepared {
-                    spec,
-                    graph,
-                    analysis,
-                    train,
-                    test,
-                })
-            })
-            .await;
-            let prepared = match prepared {
-                Ok(Ok(prepared)) => prepared,
-                Ok(Err(reason)) => {
-                    self.set_status(job.id, JobStatus::Failed, Some(reason))
-                        .await;
-                    continue;
-                }
-                Err(error) => {
-                    self.set_status(
-                        job.id,
-                        JobStatus::Failed,
-                        Some(format!("preparing the job crashed: {error}")),
-                    )
-                    .await;
-                    continue;
+            let prepared = match self.prepared.remove(&job.id) {
+                Some(prepared) => prepared,
+                None => {
+                    let dir = PathBuf::from(&job.dir);
+                    let spec_json = job.spec_json.clone();
+                    let read = tokio::task::spawn_blocking(move || {
+                        prepare(JobSpec::from_json(&spec_json, &dir).map_err(|e| e.to_string())?)
+                    })
+                    .await
+                    .unwrap_or_else(|error| Err(format!("preparing the job crashed: {error}")));
+                    match read {
+                        Ok(prepared) => prepared,
+                        Err(reason) => {
+                            self.set_status(job.id, JobStatus::Failed, Some(reason))
+                                .await;
+                            continue;
+                        }
+                    }
                 }
             };
             let specs: Vec<ProviderSpec> = idle
@@ -274,6 +269,7 @@ impl Actor {
                 Err(error) => {
                     self.wait(job.id, format!("waiting for providers: {error}"))
                         .await;
+                    self.prepared.insert(job.id, prepared);
                     continue;
                 }
             };
@@ -285,6 +281,7 @@ impl Actor {
                 analysis,
                 train,
                 test,
+                ..
             } = prepared;
             let started = JobRun::start(job.id, spec, &graph, &analysis, &plan, &ids, train, test);
             let (run, effects) = match started {

@@ -214,9 +214,8 @@ pub async fn create(
     let base = upload.clone();
     let checked = tokio::task::spawn_blocking(move || {
         let spec = parse_job(&text, &base).map_err(|e| e.to_string())?;
-        let loaded = spec.load_model().map_err(|e| e.to_string())?;
-        coordinator::prepare(spec).map_err(|e| e.to_string())?;
-        Ok::<_, String>((text, loaded.warnings))
+        let prepared = coordinator::prepare(spec)?;
+        Ok::<_, String>((text, prepared.warnings))
     })
     .await
     .map_err(|e| AppError::Internal(format!("checking a job crashed: {e}")))?;
