@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use rookery_job::JobSpec;
 use rookery_job::weights::{WeightTensor, write_safetensors};
-use rookery_model::{ClusterCount, PlanOptions, ProviderKind, ProviderSpec};
+use rookery_model::{PlanOptions, ProviderKind, ProviderSpec};
 use rookery_proto::{Hello, ToProvider, ToServer};
 use tokio::sync::mpsc;
 
@@ -433,10 +433,7 @@ pub fn plan_options(spec: &JobSpec) -> PlanOptions {
     let t = &spec.training;
     PlanOptions {
         micro_batch: spec.micro_batch_size().max(1),
-        clusters: match t.clusters {
-            ClusterCount::Fixed(n) => ClusterCount::Fixed(n),
-            ClusterCount::Auto => ClusterCount::Auto,
-        },
+        clusters: t.clusters,
         optimizer_copies: match t.optimizer {
             rookery_model::OptimizerConfig::Sgd { momentum: 0.0, .. } => 0,
             rookery_model::OptimizerConfig::Sgd { .. }

@@ -797,15 +797,11 @@ fn feed(
 ) -> Effect {
     let mut shape = vec![idx.len()];
     shape.extend_from_slice(&data.sample_shape);
-    let dtype = match input.1 {
-        DType::F32 => WireDType::F32,
-        DType::I64 => WireDType::I64,
-    };
     let inputs = vec![WireTensor::from_f32(
         input.0.clone(),
         &shape,
         &data.gather_inputs(idx),
-        dtype,
+        on_wire(input.1, WireDType::F32),
     )];
     let labels = match data.gather_labels(idx) {
         Labels::Classes(classes) => WireTensor::from_i64("labels", &[idx.len()], &classes),
@@ -865,10 +861,7 @@ fn check_tensors(
                 t.shape
             ));
         }
-        let want = match dtype {
-            DType::F32 => wire,
-            DType::I64 => WireDType::I64,
-        };
+        let want = on_wire(*dtype, wire);
         if t.dtype != want {
             return Err(format!(
                 "tensor `{name}` is {}, expected {}",
@@ -891,12 +884,17 @@ fn average(copies: &[Vec<f32>]) -> Vec<f32> {
         .collect()
 }
 
-fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
-    let dtype = match v.dtype {
-        DType::F32 => WireDType::F32,
+/// How a tensor of the graph's `dtype` travels: floats as `floats`
+/// (the job's wire dtype, or f32 for data and parameters), integers as i64.
+fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
+    match dtype {
+        DType::F32 => floats,
         DType::I64 => WireDType::I64,
-    };
-    WireTensor::from_f32(name, &v.shape, &v.values, dtype)
+    }
+}
+
+fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
+    WireTensor::from_f32(name, &v.shape, &v.values, on_wire(v.dtype, WireDType::F32))
 }
 
 fn wire_dtype(d: rookery_job::WireDType) -> WireDType {
