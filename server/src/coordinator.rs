@@ -43,6 +43,11 @@ pub enum Event {
     Cancel {
         job_id: u64,
     },
+    /// A job just accepted, with its model and data already read and checked.
+    Prepared {
+        job_id: u64,
+        prepared: Box<Prepared>,
+    },
 }
 
 /// A cheap handle to the coordinator task.
@@ -94,6 +99,7 @@ struct Actor {
 }
 
 /// Everything a job needs before any provider is touched.
+#[derive(Debug)]
 pub struct Prepared {
     pub spec: JobSpec,
     pub graph: rookery_model::Graph,
@@ -184,6 +190,11 @@ impl Actor {
                     None => return,
                 };
                 self.apply(job_id, effects).await;
+            }
+            Event::Prepared { job_id, prepared } => {
+                if !self.runs.contains_key(&job_id) {
+                    self.prepared.insert(job_id, *prepared);
+                }
             }
             Event::Cancel { job_id } => {
                 self.prepared.remove(&job_id);

@@ -215,11 +215,11 @@ pub async fn create(
     let checked = tokio::task::spawn_blocking(move || {
         let spec = parse_job(&text, &base).map_err(|e| e.to_string())?;
         let prepared = coordinator::prepare(spec)?;
-        Ok::<_, String>((text, prepared.warnings))
+        Ok::<_, String>((text, prepared))
     })
     .await
     .map_err(|e| AppError::Internal(format!("checking a job crashed: {e}")))?;
-    let (text, warnings) = match checked {
+    let (text, mut prepared) = match checked {
         Ok(ok) => ok,
         Err(reason) => {
             let _ = tokio::fs::remove_dir_all(&upload).await;
@@ -235,11 +235,15 @@ pub async fn create(
             .await
             .map_err(|e| format!("moving the upload: {e}"))?;
         let spec = parse_job(&text, &dir).map_err(|e| e.to_string())?;
-        spec.to_json().map_err(|e| e.to_string())
+        let json = spec.to_json().map_err(|e| e.to_string())?;
+        Ok::<_, String>((spec, json))
     }
     .await;
     let spec_json = match stored {
-        Ok(json) => json,
+        Ok((spec, json)) => {
+            prepared.spec = spec;
+            json
+        }
         Err(reason) => {
             let _ = tokio::fs::remove_dir_all(&upload).await;
             jobs::set_status(
@@ -255,6 +259,12 @@ pub async fn create(
     };
     jobs::set_files(&state.db, id, spec_json, dir.display().to_string()).await?;
     tracing::info!(job = id, "job queued");
+    let warnings = prepared.warnings.clone();
+    // The data is read and checked already; the scheduler starts from it.
+    state.coordinator.send(Event::Prepared {
+        job_id: id,
+        prepared: Box::new(prepared),
+    });
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }
 
