@@ -152,6 +152,7 @@ mod tests {
             device: "cpu".into(),
             memory_bytes: 0,
             gflops: 1.0,
+            bandwidth_mbps: None,
             status,
             connected_since_ms: since,
             last_heartbeat_ms: since,

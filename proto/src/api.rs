@@ -23,6 +23,9 @@ pub struct ProviderInfo {
     pub device: String,
     pub memory_bytes: u64,
     pub gflops: f64,
+    /// Link bandwidth to the server in Mbit/s, measured after joining.
+    #[serde(default)]
+    pub bandwidth_mbps: Option<f64>,
     pub status: ProviderStatus,
     pub connected_since_ms: u64,
     pub last_heartbeat_ms: u64,
@@ -65,6 +68,7 @@ mod tests {
             device: "SwiftShader".into(),
             memory_bytes: 1,
             gflops: 2.0,
+            bandwidth_mbps: Some(950.0),
             status: ProviderStatus::Gone,
             connected_since_ms: 3,
             last_heartbeat_ms: 4,

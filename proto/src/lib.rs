@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Default largest frame a peer may send. Tensor payloads of later protocol
 /// messages fit well inside; anything larger is a misbehaving peer.
@@ -132,6 +132,10 @@ pub enum ToServer {
         job_id: u64,
         message: String,
     },
+    /// Answer to [`ToProvider::Probe`], sent as soon as the probe is read.
+    ProbeAck {
+        seq: u32,
+    },
 }
 
 /// Frames the server sends to a provider.
@@ -166,6 +170,14 @@ pub enum ToProvider {
     /// drop the stage.
     Release {
         job_id: u64,
+    },
+    /// Measures the link: the provider answers [`ToServer::ProbeAck`] at
+    /// once, and the server times an empty probe and a large one to estimate
+    /// the bandwidth the planner uses.
+    Probe {
+        seq: u32,
+        #[serde(with = "crate::tensor::frame_bytes")]
+        padding: Bytes,
     },
 }
 
@@ -311,6 +323,7 @@ mod tests {
                 job_id: 1,
                 message: "no memory".into(),
             },
+            ToServer::ProbeAck { seq: 1 },
         ]
     }
 
@@ -377,6 +390,10 @@ mod tests {
                 params: vec![],
             }),
             ToProvider::Release { job_id: 1 },
+            ToProvider::Probe {
+                seq: 1,
+                padding: Bytes::from(vec![0; 100]),
+            },
         ];
         for code in [
             ErrorCode::VersionMismatch,

@@ -246,7 +246,7 @@ fn first_non_finite<const N: usize>(data: &[u8], exponent_mask: u32) -> Option<u
 
 /// Serde for tensor bytes: a byte string on the wire; decoded as a view into
 /// the frame that [`crate::decode_frame`] is decoding, or as a copy otherwise.
-mod frame_bytes {
+pub(crate) mod frame_bytes {
     use std::cell::RefCell;
 
     use bytes::Bytes;

@@ -99,6 +99,13 @@ where
                     last_heard = Instant::now();
                     match message {
                         ToProvider::Heartbeat { .. } => {}
+                        // Answered here, not by the trainer, so the server
+                        // times the link and not the training thread.
+                        ToProvider::Probe { seq, .. } => {
+                            if let Err(end) = send(sink, &ToServer::ProbeAck { seq }).await {
+                                return end;
+                            }
+                        }
                         message if is_training_message(&message) => {
                             if worker.inbox.send(message).is_err() {
                                 return SessionEnd::Lost("the training thread stopped".into());

@@ -43,7 +43,10 @@ pub fn job_of(message: &ToProvider) -> Option<u64> {
         ToProvider::Backward(b) => Some(b.job_id),
         ToProvider::UploadParams { job_id, .. } | ToProvider::Release { job_id } => Some(*job_id),
         ToProvider::SetParams(p) => Some(p.job_id),
-        ToProvider::Welcome { .. } | ToProvider::Heartbeat { .. } | ToProvider::Error(_) => None,
+        ToProvider::Welcome { .. }
+        | ToProvider::Heartbeat { .. }
+        | ToProvider::Error(_)
+        | ToProvider::Probe { .. } => None,
     }
 }
 

@@ -208,6 +208,7 @@ fn describe(message: &ToProvider) -> String {
         ToProvider::Welcome { .. } => "Welcome".into(),
         ToProvider::Heartbeat { .. } => "Heartbeat".into(),
         ToProvider::Error(_) => "Error".into(),
+        ToProvider::Probe { .. } => "Probe".into(),
     }
 }
 

@@ -197,6 +197,27 @@ async fn the_session_keeps_heartbeating_while_the_trainer_computes_and_relays_it
 }
 
 #[tokio::test]
+async fn a_link_probe_is_answered_at_once_even_while_the_trainer_is_busy() {
+    let (replies, _, end) = drive(
+        Box::new(SlowTrainer(Duration::from_millis(400))),
+        vec![
+            ToProvider::Assign(Box::new(assignment("{}".into()))),
+            ToProvider::Probe {
+                seq: 4,
+                padding: vec![0; 1 << 20].into(),
+            },
+        ],
+        2,
+    )
+    .await;
+    assert_eq!(end, SessionEnd::Shutdown);
+    assert_eq!(
+        replies,
+        vec![ToServer::ProbeAck { seq: 4 }, ToServer::Ready { job_id: 5 }]
+    );
+}
+
+#[tokio::test]
 async fn a_build_without_libtorch_fails_the_assignment_through_the_session() {
     let (replies, _, end) = drive(
         Box::new(NoTorch),

@@ -21,8 +21,6 @@ use crate::jobs::{self, JobStatus};
 use crate::now_ms;
 use crate::run::{Effect, JobRun};
 
-/// Link speed assumed for providers until they measure it.
-const DEFAULT_BANDWIDTH_MBPS: f64 = 1000.0;
 /// How often queued jobs are matched against idle providers.
 const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
 
@@ -51,6 +49,11 @@ pub enum Event {
     },
     Cancel {
         job_id: u64,
+    },
+    /// The provider's link was measured.
+    Measured {
+        id: u64,
+        bandwidth_mbps: f64,
     },
     /// A job just accepted, with its model and data already read and checked.
     Prepared {
@@ -103,6 +106,8 @@ struct Live {
     job: Option<u64>,
     /// Where the payload frames this provider still owes go, in order.
     routes: VecDeque<Route>,
+    /// Until its link is measured, a provider is not planned onto.
+    bandwidth_mbps: Option<f64>,
 }
 
 /// The destination of the bytes that follow one streamed message: the
@@ -189,6 +194,7 @@ impl Actor {
                         tx,
                         job: None,
                         routes: VecDeque::new(),
+                        bandwidth_mbps: None,
                     },
                 );
             }
@@ -230,6 +236,11 @@ impl Actor {
                 self.apply(job_id, effects).await;
             }
             Event::Payload { id, payload } => self.relay_payload(id, payload),
+            Event::Measured { id, bandwidth_mbps } => {
+                if let Some(live) = self.providers.get_mut(&id) {
+                    live.bandwidth_mbps = Some(bandwidth_mbps);
+                }
+            }
             Event::Prepared { job_id, prepared } => {
                 if !self.runs.contains_key(&job_id) {
                     self.prepared.insert(job_id, *prepared);
@@ -267,13 +278,13 @@ impl Actor {
             }
             // Browser tabs join and benchmark, but run no stages until the
             // WebGPU executor lands (issue 5), so plans use native providers.
-            let idle: Vec<(u64, Hello)> = self
+            let idle: Vec<(u64, Hello, f64)> = self
                 .providers
                 .iter()
                 .filter(|(_, p)| {
                     p.job.is_none() && p.hello.kind == rookery_proto::ProviderKind::Native
                 })
-                .map(|(id, p)| (*id, p.hello.clone()))
+                .filter_map(|(id, p)| Some((*id, p.hello.clone(), p.bandwidth_mbps?)))
                 .collect();
             if idle.is_empty() {
                 self.wait(job.id, "waiting for providers to connect".into())
@@ -302,7 +313,7 @@ impl Actor {
             };
             let specs: Vec<ProviderSpec> = idle
                 .iter()
-                .map(|(id, hello)| ProviderSpec {
+                .map(|(id, hello, bandwidth_mbps)| ProviderSpec {
                     id: id.to_string(),
                     kind: match hello.kind {
                         rookery_proto::ProviderKind::Native => ProviderKind::Native,
@@ -310,7 +321,7 @@ impl Actor {
                     },
                     memory_bytes: hello.memory_bytes,
                     gflops: hello.gflops,
-                    bandwidth_mbps: DEFAULT_BANDWIDTH_MBPS,
+                    bandwidth_mbps: *bandwidth_mbps,
                 })
                 .collect();
             let options = plan_options(&prepared.spec);
@@ -324,7 +335,7 @@ impl Actor {
                 }
             };
             let ids: HashMap<String, u64> =
-                idle.iter().map(|(id, _)| (id.to_string(), *id)).collect();
+                idle.iter().map(|(id, ..)| (id.to_string(), *id)).collect();
             let Prepared {
                 spec,
                 graph,

@@ -61,6 +61,8 @@ const MIGRATIONS: &[&str] = &[
         samples         INTEGER NOT NULL,
         PRIMARY KEY (job_id, epoch)
     );",
+    // Measured by the server's link probe after Welcome; NULL until then.
+    "ALTER TABLE providers ADD COLUMN bandwidth_mbps REAL;",
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -52,6 +52,7 @@ fn provider_info(record: ProviderRecord) -> ProviderInfo {
         device: record.device,
         memory_bytes: record.memory_bytes,
         gflops: record.gflops,
+        bandwidth_mbps: record.bandwidth_mbps,
         status: if record.gone.is_some() {
             ProviderStatus::Gone
         } else {

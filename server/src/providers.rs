@@ -19,6 +19,8 @@ pub struct ProviderRecord {
     pub connected_ms: u64,
     pub last_heartbeat_ms: u64,
     pub gone: Option<Departure>,
+    /// Link bandwidth to the server, once measured.
+    pub bandwidth_mbps: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +60,17 @@ pub async fn record_heartbeat(db: &Db, id: u64, now_ms: u64) -> Result<(), DbErr
     .await
 }
 
+pub async fn record_bandwidth(db: &Db, id: u64, mbps: f64) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "UPDATE providers SET bandwidth_mbps = ?2 WHERE id = ?1",
+            params![id as i64, mbps],
+        )
+        .map(drop)
+    })
+    .await
+}
+
 pub async fn mark_gone(db: &Db, id: u64, now_ms: u64, reason: String) -> Result<(), DbError> {
     db.call(move |conn| {
         conn.execute(
@@ -86,7 +99,7 @@ pub async fn mark_all_gone(db: &Db, now_ms: u64, reason: &str) -> Result<usize, 
 pub async fn list(db: &Db) -> Result<Vec<ProviderRecord>, DbError> {
     db.call(|conn| {
         let mut statement = conn.prepare(
-            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps
              FROM providers ORDER BY gone_ms IS NOT NULL, id DESC",
         )?;
         let rows = statement.query_map([], row_to_record)?;
@@ -98,7 +111,7 @@ pub async fn list(db: &Db) -> Result<Vec<ProviderRecord>, DbError> {
 pub async fn get(db: &Db, id: u64) -> Result<Option<ProviderRecord>, DbError> {
     db.call(move |conn| {
         conn.query_row(
-            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps
              FROM providers WHERE id = ?1",
             [id as i64],
             row_to_record,
@@ -126,6 +139,7 @@ fn row_to_record(row: &rusqlite::Row<'_>) -> rusqlite::Result<ProviderRecord> {
             at_ms: at as u64,
             reason: gone_reason.unwrap_or_default(),
         }),
+        bandwidth_mbps: row.get(10)?,
     })
 }
 
@@ -151,6 +165,10 @@ mod tests {
         let id = register(&db, hello("tab"), 1_000).await.unwrap();
         record_heartbeat(&db, id, 2_000).await.unwrap();
         let record = get(&db, id).await.unwrap().unwrap();
+        assert_eq!(record.bandwidth_mbps, None);
+        record_bandwidth(&db, id, 940.5).await.unwrap();
+        let record = get(&db, id).await.unwrap().unwrap();
+        assert_eq!(record.bandwidth_mbps, Some(940.5));
         assert_eq!(record.kind, ProviderKind::Browser);
         assert_eq!(
             (record.connected_ms, record.last_heartbeat_ms),

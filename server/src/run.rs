@@ -335,7 +335,10 @@ impl JobRun {
                     "provider {provider} (cluster {c}, stage {s}) failed: {message}"
                 ))]
             }),
-            ToServer::Hello(_) | ToServer::Heartbeat { .. } | ToServer::Error(_) => Ok(Vec::new()),
+            ToServer::Hello(_)
+            | ToServer::Heartbeat { .. }
+            | ToServer::Error(_)
+            | ToServer::ProbeAck { .. } => Ok(Vec::new()),
         };
         result.unwrap_or_else(|reason| {
             tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");

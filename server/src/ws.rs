@@ -202,6 +202,10 @@ where
     }
     let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel();
     state.coordinator.send(Event::Connected { id, hello, tx });
+    let mut probe = LinkProbe::default();
+    if let Err(ending) = send(sink, &probe.start()).await {
+        return ending;
+    }
     let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
     let mut owed = Owed::default();
     let ending = loop {
@@ -256,6 +260,26 @@ where
                     "Hello was already accepted on this connection",
                 );
             }
+            Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
+                ProbeNext::Send(next) => {
+                    if let Err(ending) = send(sink, &next).await {
+                        break ending;
+                    }
+                }
+                ProbeNext::Measured(mbps) => {
+                    tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
+                    if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
+                        tracing::error!(id, %error, "cannot record a bandwidth");
+                    }
+                    state.coordinator.send(Event::Measured {
+                        id,
+                        bandwidth_mbps: mbps,
+                    });
+                }
+                ProbeNext::Ignore => {
+                    tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
+                }
+            },
             Ok(ToServer::Error(ErrorMessage { code, message })) => {
                 break Ending::Left(format!("provider gave up ({code:?}): {message}"));
             }
@@ -347,6 +371,72 @@ async fn send_frame<Si: Sink<Message> + Unpin>(
     sink.send(Message::Binary(frame))
         .await
         .map_err(|_| Ending::Left("connection lost while sending".into()))
+}
+
+/// Measures a provider's link once, right after `Welcome`: an empty probe
+/// times the round trip, then a [`LinkProbe::BYTES`] probe times the round
+/// trip plus the transfer; the difference gives the bandwidth the planner
+/// weighs boundary tensors with.
+#[derive(Debug, Default)]
+enum LinkProbe {
+    #[default]
+    NotStarted,
+    Empty {
+        sent: tokio::time::Instant,
+    },
+    Full {
+        sent: tokio::time::Instant,
+        round_trip: std::time::Duration,
+    },
+    Done,
+}
+
+enum ProbeNext {
+    Send(ToProvider),
+    Measured(f64),
+    Ignore,
+}
+
+impl LinkProbe {
+    /// Large enough to time a fast link, small enough for a slow one (8 s
+    /// at 1 Mbit/s).
+    const BYTES: usize = 1 << 20;
+    /// What a measurement is clamped to, in Mbit/s: timer resolution makes
+    /// loopback look unboundedly fast.
+    const RANGE: (f64, f64) = (1.0, 100_000.0);
+
+    fn start(&mut self) -> ToProvider {
+        *self = LinkProbe::Empty {
+            sent: tokio::time::Instant::now(),
+        };
+        ToProvider::Probe {
+            seq: 0,
+            padding: Default::default(),
+        }
+    }
+
+    fn acknowledged(&mut self, seq: u32) -> ProbeNext {
+        let now = tokio::time::Instant::now();
+        match (&*self, seq) {
+            (LinkProbe::Empty { sent }, 0) => {
+                *self = LinkProbe::Full {
+                    sent: now,
+                    round_trip: now - *sent,
+                };
+                ProbeNext::Send(ToProvider::Probe {
+                    seq: 1,
+                    padding: vec![0; Self::BYTES].into(),
+                })
+            }
+            (LinkProbe::Full { sent, round_trip }, 1) => {
+                let transfer = (now - *sent).saturating_sub(*round_trip).as_secs_f64();
+                let mbps = (Self::BYTES * 8) as f64 / transfer.max(1e-9) / 1e6;
+                *self = LinkProbe::Done;
+                ProbeNext::Measured(mbps.clamp(Self::RANGE.0, Self::RANGE.1))
+            }
+            _ => ProbeNext::Ignore,
+        }
+    }
 }
 
 /// The tensor bytes a provider announced and has not sent yet, tensor by
@@ -453,6 +543,7 @@ fn message_name(message: &ToServer) -> &'static str {
         ToServer::StepDone(_) => "StepDone",
         ToServer::Params(_) => "Params",
         ToServer::JobFailed { .. } => "JobFailed",
+        ToServer::ProbeAck { .. } => "ProbeAck",
     }
 }
 
@@ -502,13 +593,31 @@ mod tests {
 
     fn decode_reply(message: Message) -> ToProvider {
         match message {
-            Message::Binary(bytes) => rookery_proto::decode(&bytes, 1 << 20).unwrap(),
+            Message::Binary(bytes) => rookery_proto::decode(&bytes, 1 << 21).unwrap(),
             other => panic!("expected a binary frame, got {other:?}"),
         }
     }
 
-    /// Runs a connection over channels: `frames` in, every reply out.
+    /// Runs a connection over channels: `frames` in, every reply out but
+    /// the link probes.
     async fn run(
+        state: &AppState,
+        frames: Vec<Result<Message, std::convert::Infallible>>,
+    ) -> Vec<Message> {
+        let is_probe = |m: &Message| {
+            matches!(m, Message::Binary(b) if matches!(
+                rookery_proto::decode(b, 1 << 21),
+                Ok(ToProvider::Probe { .. })
+            ))
+        };
+        run_all(state, frames)
+            .await
+            .into_iter()
+            .filter(|m| !is_probe(m))
+            .collect()
+    }
+
+    async fn run_all(
         state: &AppState,
         frames: Vec<Result<Message, std::convert::Infallible>>,
     ) -> Vec<Message> {
@@ -516,6 +625,41 @@ mod tests {
         let incoming = futures_util::stream::iter(frames);
         serve_provider(out_tx, incoming, state.clone()).await;
         out_rx.collect().await
+    }
+
+    #[tokio::test]
+    async fn the_link_is_probed_once_and_its_bandwidth_recorded() {
+        let state = state();
+        let replies = run_all(
+            &state,
+            vec![
+                binary(&ToServer::Hello(hello())),
+                // An answer to a probe never sent is ignored.
+                binary(&ToServer::ProbeAck { seq: 7 }),
+                binary(&ToServer::ProbeAck { seq: 0 }),
+                binary(&ToServer::ProbeAck { seq: 1 }),
+                binary(&ToServer::ProbeAck { seq: 1 }),
+                Ok(Message::Close(None)),
+            ],
+        )
+        .await;
+        let probes: Vec<(u32, usize)> = replies
+            .into_iter()
+            .filter_map(|m| match m {
+                Message::Binary(_) => match decode_reply(m) {
+                    ToProvider::Probe { seq, padding } => Some((seq, padding.len())),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect();
+        assert_eq!(probes, vec![(0, 0), (1, LinkProbe::BYTES)]);
+        let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+        let mbps = record.bandwidth_mbps.expect("measured");
+        assert!(
+            (LinkProbe::RANGE.0..=LinkProbe::RANGE.1).contains(&mbps),
+            "{mbps}"
+        );
     }
 
     #[tokio::test]
@@ -749,7 +893,8 @@ mod tests {
         serve_provider(out_tx, in_rx, state.clone()).await;
         drop(in_tx);
         let replies: Vec<Message> = out_rx.collect().await;
-        let ToProvider::Error(error) = decode_reply(replies[1].clone()) else {
+        // Welcome, the unanswered link probe, then the error.
+        let ToProvider::Error(error) = decode_reply(replies[2].clone()) else {
             panic!("expected an error");
         };
         assert_eq!(error.code, ErrorCode::HeartbeatTimeout);

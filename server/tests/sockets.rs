@@ -52,6 +52,8 @@ async fn send(client: &mut Client, message: &ToServer) {
     client.send(Message::Binary(frame.into())).await.unwrap();
 }
 
+/// The next message, answering the server's link probes on the way as a
+/// provider does.
 async fn receive(client: &mut Client) -> ToProvider {
     loop {
         let message = tokio::time::timeout(Duration::from_secs(5), client.next())
@@ -60,7 +62,10 @@ async fn receive(client: &mut Client) -> ToProvider {
             .expect("connection open")
             .expect("frame readable");
         if let Message::Binary(bytes) = message {
-            return rookery_proto::decode(&bytes, 1 << 20).unwrap();
+            match rookery_proto::decode(&bytes, 1 << 21).unwrap() {
+                ToProvider::Probe { seq, .. } => send(client, &ToServer::ProbeAck { seq }).await,
+                message => return message,
+            }
         }
     }
 }

@@ -230,6 +230,9 @@ async fn stage(
                 };
                 send(&mut socket, &ToServer::Params(params)).await?;
             }
+            ToProvider::Probe { seq, .. } => {
+                send(&mut socket, &ToServer::ProbeAck { seq }).await?;
+            }
             ToProvider::Release { .. } => return Ok(()),
             _ => {}
         }

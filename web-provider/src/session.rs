@@ -102,6 +102,7 @@ pub(crate) fn react(frame: &[u8]) -> Reaction {
             Reaction::Reconnect(format!("the server refused this tab: {message}"))
         }
         Ok(ToProvider::Release { .. }) => Reaction::Ignore,
+        Ok(ToProvider::Probe { seq, .. }) => answer(&ToServer::ProbeAck { seq }),
         Ok(
             message @ (ToProvider::Assign(_)
             | ToProvider::Forward(_)
@@ -126,10 +127,14 @@ fn decline(message: &ToProvider) -> Reaction {
         ToProvider::SetParams(p) => p.job_id,
         _ => 0,
     };
-    match rookery_proto::encode(&ToServer::JobFailed {
+    answer(&ToServer::JobFailed {
         job_id,
         message: "browser providers cannot run training stages yet".to_owned(),
-    }) {
+    })
+}
+
+fn answer(message: &ToServer) -> Reaction {
+    match rookery_proto::encode(message) {
         Ok(frame) => Reaction::Answer(frame),
         Err(error) => Reaction::Reconnect(format!("cannot encode a reply: {error}")),
     }
@@ -276,6 +281,15 @@ mod tests {
         assert_eq!(
             react(&frame(ToProvider::Heartbeat { seq: 1 })),
             Reaction::Ignore
+        );
+        // A link probe is answered at once, so the server can time the link.
+        let probe = ToProvider::Probe {
+            seq: 3,
+            padding: vec![0; 64].into(),
+        };
+        assert_eq!(
+            react(&frame(probe)),
+            Reaction::Answer(rookery_proto::encode(&ToServer::ProbeAck { seq: 3 }).unwrap())
         );
         assert!(matches!(
             react(&frame(ToProvider::Error(ErrorMessage {
