@@ -157,6 +157,7 @@ mod tests {
             last_heartbeat_ms: since,
             gone_since_ms: gone,
             gone_reason: gone.map(|_| "heartbeat timeout".into()),
+            work: None,
         }
     }
 

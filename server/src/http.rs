@@ -6,7 +6,7 @@ use axum::Json;
 use axum::extract::{OriginalUri, State};
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse};
-use rookery_proto::api::{ProviderInfo, ProviderStatus};
+use rookery_proto::api::{ProviderInfo, ProviderStatus, ProviderWork};
 
 use crate::AppState;
 use crate::error::AppError;
@@ -16,7 +16,25 @@ pub async fn list_providers(
     State(state): State<AppState>,
 ) -> Result<Json<Vec<ProviderInfo>>, AppError> {
     let records = providers::list(&state.db).await?;
-    Ok(Json(records.into_iter().map(provider_info).collect()))
+    let mut work: std::collections::HashMap<u64, ProviderWork> = state
+        .coordinator
+        .snapshot()
+        .await
+        .into_iter()
+        .filter_map(|live| Some((live.id, live.work?)))
+        .collect();
+    Ok(Json(
+        records
+            .into_iter()
+            .map(|record| {
+                let work = work.remove(&record.id);
+                ProviderInfo {
+                    work,
+                    ..provider_info(record)
+                }
+            })
+            .collect(),
+    ))
 }
 
 pub async fn health() -> Json<serde_json::Value> {
@@ -61,6 +79,7 @@ fn provider_info(record: ProviderRecord) -> ProviderInfo {
         last_heartbeat_ms: record.last_heartbeat_ms,
         gone_since_ms: record.gone.as_ref().map(|gone| gone.at_ms),
         gone_reason: record.gone.map(|gone| gone.reason),
+        work: None,
     }
 }
 

@@ -15,6 +15,7 @@ pub mod http;
 pub mod job_api;
 pub mod jobs;
 pub mod plan_cli;
+pub mod plan_view;
 pub mod providers;
 pub mod run;
 pub mod ws;
@@ -135,6 +136,10 @@ pub fn app(state: AppState) -> Router {
         .route("/jobs", get(job_api::list).post(job_api::create))
         .route("/jobs/{id}", get(job_api::get))
         .route("/jobs/{id}/metrics", get(job_api::metrics))
+        .route("/jobs/{id}/metrics.csv", get(job_api::metrics_as_csv))
+        .route("/jobs/{id}/log", get(job_api::log))
+        .route("/plan", post(job_api::plan))
+        .route("/events", get(job_api::events))
         .route("/jobs/{id}/cancel", post(job_api::cancel))
         .route("/jobs/{id}/weights", get(job_api::weights))
         .route_layer(middleware::from_fn_with_state(
