@@ -6,6 +6,7 @@ use crate::ProviderKind;
 
 /// Whether a provider is connected now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ProviderStatus {
     Connected,
@@ -15,10 +16,12 @@ pub enum ProviderStatus {
 
 /// One row of `GET /api/providers`. Times are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProviderInfo {
     pub id: u64,
     pub name: String,
     #[serde(with = "kind_as_str")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub kind: ProviderKind,
     pub device: String,
     pub memory_bytes: u64,
@@ -36,6 +39,7 @@ pub struct ProviderInfo {
 
 /// What a connected provider is doing for a job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProviderWork {
     pub job_id: u64,
     pub cluster: u32,
@@ -49,6 +53,7 @@ pub struct ProviderWork {
 
 /// Body of every error response of the REST API.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     pub error: String,
     /// The job-file field the error is about (dotted, e.g.
@@ -103,6 +108,7 @@ mod tests {
 /// One job as listed by `GET /api/jobs` and `GET /api/jobs/{id}`. Times are
 /// Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobInfo {
     pub id: u64,
     pub name: String,
@@ -126,6 +132,7 @@ pub struct JobInfo {
 /// A plan as people read it: each cluster a chain of stages from Root to
 /// Leaf. Answer of `POST /api/plan`, and `JobInfo::plan` once a job started.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PlanView {
     pub clusters: Vec<ClusterView>,
     /// Providers the plan leaves idle, by id.
@@ -139,6 +146,7 @@ pub struct PlanView {
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ClusterView {
     pub stages: Vec<StageView>,
     pub bottleneck_s: f64,
@@ -146,12 +154,14 @@ pub struct ClusterView {
 
 /// One stage of a cluster and the provider that runs it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StageView {
     /// `root`, `stem`, `leaf` or `single` (Root and Leaf at once).
     pub role: String,
     pub provider: u64,
     pub provider_name: String,
     #[serde(with = "kind_as_str")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub provider_kind: ProviderKind,
     pub device: String,
     pub provider_memory_bytes: u64,
@@ -172,6 +182,7 @@ pub struct StageView {
 /// Answer to `POST /api/plan`: what the scheduler would do with the upload
 /// and the providers connected now.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PlanPreview {
     pub plan: PlanView,
     /// Things the Requester should know (e.g. an inference-mode ONNX export).
@@ -182,6 +193,7 @@ pub struct PlanPreview {
 
 /// One line of a job's event log (`GET /api/jobs/{id}/log`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LogEntry {
     pub at_ms: u64,
     /// `submitted`, `planned`, `provider_joined`, `provider_left`,
@@ -195,6 +207,7 @@ pub struct LogEntry {
 /// the SSE event name is `job`). Every change the dashboard shows arrives
 /// this way, so pages never reload to see progress.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobEvent {
     pub job_id: u64,
     #[serde(flatten)]
@@ -202,6 +215,7 @@ pub struct JobEvent {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum JobEventBody {
     /// The job's row changed (status, progress, plan): here is all of it.
@@ -221,6 +235,7 @@ pub enum JobEventBody {
 
 /// Answer to `POST /api/jobs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobCreated {
     pub id: u64,
     /// Things the Requester should know (e.g. an inference-mode ONNX export).
@@ -229,6 +244,7 @@ pub struct JobCreated {
 
 /// Time one stage spent on a step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StageMetric {
     pub cluster: u32,
     pub stage: u32,
@@ -238,6 +254,7 @@ pub struct StageMetric {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StepMetric {
     pub step: u64,
     pub epoch: u64,
@@ -251,6 +268,7 @@ pub struct StepMetric {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EpochMetric {
     pub epoch: u64,
     pub test_loss: f64,
@@ -260,6 +278,7 @@ pub struct EpochMetric {
 
 /// `GET /api/jobs/{id}/metrics`, also written as `metrics.json` by `rookery train`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobMetrics {
     pub steps: Vec<StepMetric>,
     pub epochs: Vec<EpochMetric>,

@@ -12,6 +12,9 @@ use crate::AppState;
 use crate::error::AppError;
 use crate::providers::{self, ProviderRecord};
 
+/// Every provider the server has seen, connected ones with the stage they run.
+#[utoipa::path(get, path = "/api/providers", tag = "providers",
+    responses((status = 200, description = "Every provider, connected or gone", body = Vec<ProviderInfo>)))]
 pub async fn list_providers(
     State(state): State<AppState>,
 ) -> Result<Json<Vec<ProviderInfo>>, AppError> {
@@ -37,6 +40,9 @@ pub async fn list_providers(
     ))
 }
 
+/// Liveness and the provider protocol version.
+#[utoipa::path(get, path = "/api/health", tag = "server",
+    responses((status = 200, description = "`{\"status\": \"ok\", \"protocol_version\": N}`", body = Object)))]
 pub async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({
         "status": "ok",

@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use futures_util::Stream;
 use rookery_job::JobSpec;
 use rookery_proto::api::{
-    EpochMetric, JobCreated, JobEvent, JobEventBody, JobInfo, JobMetrics, LogEntry, PlanPreview,
-    StageMetric, StepMetric,
+    ApiError, EpochMetric, JobCreated, JobEvent, JobEventBody, JobInfo, JobMetrics, LogEntry,
+    PlanPreview, StageMetric, StepMetric,
 };
 use rookery_proto::{Hello, ProviderKind};
 use serde::Deserialize;
@@ -29,6 +29,9 @@ use crate::coordinator::{self, Event, PrepareError, Prepared};
 use crate::error::AppError;
 use crate::jobs::{self, JobRecord, LogRecord};
 use crate::{AppState, now_ms};
+
+/// How a job upload is laid out, for the OpenAPI description.
+const UPLOAD_DESCRIPTION: &str = "Part `job`: the job file (TOML, or JSON when it starts with `{`; the job is named after the part's file name). Every other part is a file the job file names, stored under its part name (a relative path), e.g. the ONNX model, its `.data` side file and the data files.";
 
 /// Log lines `GET /api/jobs/{id}/log` returns at most (the latest).
 const LOG_LINES: usize = 1000;
@@ -60,6 +63,10 @@ pub fn job_info(record: JobRecord) -> JobInfo {
     }
 }
 
+/// Every job, newest first.
+#[utoipa::path(get, path = "/api/jobs", tag = "jobs", security(("api_token" = [])),
+    responses((status = 200, description = "Every job", body = Vec<JobInfo>),
+        (status = 401, description = "No or wrong API token", body = ApiError)))]
 pub async fn list(State(state): State<AppState>) -> Result<Json<Vec<JobInfo>>, AppError> {
     let records = jobs::list(&state.db).await?;
     Ok(Json(records.into_iter().map(job_info).collect()))
@@ -71,6 +78,11 @@ async fn find(state: &AppState, id: u64) -> Result<JobRecord, AppError> {
         .ok_or_else(|| AppError::NotFound(format!("job {id}")))
 }
 
+/// One job.
+#[utoipa::path(get, path = "/api/jobs/{id}", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+    security(("api_token" = [])),
+    responses((status = 200, description = "The job", body = JobInfo),
+        (status = 404, description = "No such job", body = ApiError)))]
 pub async fn get(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<u64>,
@@ -78,6 +90,11 @@ pub async fn get(
     Ok(Json(job_info(find(&state, id).await?)))
 }
 
+/// Per-step and per-epoch metrics so far.
+#[utoipa::path(get, path = "/api/jobs/{id}/metrics", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+    security(("api_token" = [])),
+    responses((status = 200, description = "Every step and evaluated epoch", body = JobMetrics),
+        (status = 404, description = "No such job", body = ApiError)))]
 pub async fn metrics(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<u64>,
@@ -148,6 +165,12 @@ pub fn metrics_csv(steps: &[jobs::StepRecord], epochs: &[jobs::EpochRecord]) -> 
     csv
 }
 
+/// The metrics as CSV: one row per step, then one per epoch (see
+/// [`METRICS_CSV_HEADER`]).
+#[utoipa::path(get, path = "/api/jobs/{id}/metrics.csv", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+    security(("api_token" = [])),
+    responses((status = 200, description = "kind,step,epoch,loss,samples_per_s,elapsed_ms,bytes_relayed,test_loss,test_accuracy,test_samples", body = String, content_type = "text/csv"),
+        (status = 404, description = "No such job", body = ApiError)))]
 pub async fn metrics_as_csv(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<u64>,
@@ -170,6 +193,10 @@ pub async fn metrics_as_csv(
 }
 
 /// The job's event log, oldest first (the latest lines only).
+#[utoipa::path(get, path = "/api/jobs/{id}/log", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+    security(("api_token" = [])),
+    responses((status = 200, description = "The latest 1000 lines", body = Vec<LogEntry>),
+        (status = 404, description = "No such job", body = ApiError)))]
 pub async fn log(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<u64>,
@@ -197,6 +224,9 @@ pub struct EventFilter {
 /// `GET /api/events`: server-sent events, each a JSON [`JobEvent`] under
 /// the event name `job`. A subscriber that falls too far behind gets one
 /// `lagged` event (with how many it missed) and should reload what it shows.
+#[utoipa::path(get, path = "/api/events", tag = "jobs",
+    params(("job" = Option<u64>, Query, description = "Only this job's events")), security(("api_token" = [])),
+    responses((status = 200, description = "Server-sent events: `event: job` with a JobEvent as JSON data, or `event: lagged` with the number of events missed", body = JobEvent, content_type = "text/event-stream")))]
 pub async fn events(
     State(state): State<AppState>,
     Query(filter): Query<EventFilter>,
@@ -221,6 +251,12 @@ pub async fn events(
     Sse::new(stream).keep_alive(KeepAlive::default())
 }
 
+/// Stops a job; its providers are released.
+#[utoipa::path(post, path = "/api/jobs/{id}/cancel", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+    security(("api_token" = [])),
+    responses((status = 200, description = "The cancelled job", body = JobInfo),
+        (status = 404, description = "No such job", body = ApiError),
+        (status = 409, description = "The job had already finished", body = ApiError)))]
 pub async fn cancel(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<u64>,
@@ -273,6 +309,10 @@ async fn log_line(state: &AppState, id: u64, kind: &str, message: String) -> Res
 }
 
 /// The trained weights of a completed job; while it runs, the latest checkpoint.
+#[utoipa::path(get, path = "/api/jobs/{id}/weights", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+    security(("api_token" = [])),
+    responses((status = 200, description = "A safetensors file named by the model's parameters", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 404, description = "No such job, or no weights yet", body = ApiError)))]
 pub async fn weights(
     State(state): State<AppState>,
     UrlPath(id): UrlPath<u64>,
@@ -396,6 +436,11 @@ fn upload_error(error: PrepareError, upload: &Path) -> AppError {
 /// `POST /api/plan`: the same upload as `POST /api/jobs`, checked the same
 /// way, answered with the plan the scheduler would make with the idle native
 /// providers connected now. Nothing is kept.
+#[utoipa::path(post, path = "/api/plan", tag = "jobs", security(("api_token" = [])),
+    request_body(content = String, content_type = "multipart/form-data", description = UPLOAD_DESCRIPTION),
+    responses((status = 200, description = "The plan, per cluster and stage", body = PlanPreview),
+        (status = 400, description = "The upload is invalid; `field` names the job-file field or file", body = ApiError),
+        (status = 409, description = "The upload is fine but the providers connected now cannot take it", body = ApiError)))]
 pub async fn plan(
     State(state): State<AppState>,
     mut multipart: Multipart,
@@ -437,6 +482,11 @@ pub async fn plan(
     }))
 }
 
+/// Submits a job: checked in full, then queued until providers take it.
+#[utoipa::path(post, path = "/api/jobs", tag = "jobs", security(("api_token" = [])),
+    request_body(content = String, content_type = "multipart/form-data", description = UPLOAD_DESCRIPTION),
+    responses((status = 201, description = "Accepted and queued", body = JobCreated),
+        (status = 400, description = "The upload is invalid; `field` names the job-file field or file", body = ApiError)))]
 pub async fn create(
     State(state): State<AppState>,
     mut multipart: Multipart,

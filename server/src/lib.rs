@@ -14,6 +14,7 @@ pub mod error;
 pub mod http;
 pub mod job_api;
 pub mod jobs;
+pub mod openapi;
 pub mod plan_cli;
 pub mod plan_view;
 pub mod providers;
@@ -150,6 +151,7 @@ pub fn app(state: AppState) -> Router {
     let api = Router::new()
         .route("/providers", get(http::list_providers))
         .route("/health", get(http::health))
+        .route("/openapi.json", get(openapi::openapi_json))
         .merge(jobs)
         .fallback(http::api_not_found);
     let router = Router::new()
