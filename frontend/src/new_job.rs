@@ -8,7 +8,9 @@
 //!
 //! DOM contract (end-to-end tests rely on it): `form#new-job`; file inputs
 //! `#model-file`, `#model-data-file`, `#train-inputs`, `#train-labels`,
-//! `#test-inputs`, `#test-labels`; the other inputs by the ids in
+//! `#test-inputs`, `#test-labels` (selects of the dataset's files when
+//! `select#data-source` picks a dataset kept on the server); the other
+//! inputs by the ids in
 //! [`FIELDS`]; `#error-<id>` next to a field in error; `button#preview-plan`,
 //! `#plan-preview` (with `.cluster` and `tr.plan-stage` rows), `#form-error`,
 //! and `button#submit-job`, which opens the new job's page.
@@ -18,7 +20,7 @@ use std::collections::BTreeMap;
 use leptos::html::Input;
 use leptos::prelude::*;
 use leptos_router::hooks::use_navigate;
-use rookery_proto::api::{JobCreated, PlanPreview};
+use rookery_proto::api::{DatasetInfo, JobCreated, PlanPreview};
 use serde_json::{Map, Value, json};
 use wasm_bindgen::JsCast;
 
@@ -282,6 +284,41 @@ pub fn job_file_name(values: &FormValues) -> String {
     format!("{stem}.json")
 }
 
+/// The data inputs, filled from a server dataset when one is picked.
+pub const DATA_INPUTS: [&str; 4] = ["train-inputs", "train-labels", "test-inputs", "test-labels"];
+
+/// The file of a server dataset that most likely fills a data input, by
+/// the usual names (`train-images...`, `t10k-labels...`, `x_test.npy`).
+pub fn guess_file(files: &[String], id: &str) -> Option<String> {
+    let (split, kind): (&[&str], &[&str]) = match id {
+        "train-inputs" => (&["train"], &["image", "input", "x"]),
+        "train-labels" => (&["train"], &["label", "target", "y"]),
+        "test-inputs" => (&["test", "t10k"], &["image", "input", "x"]),
+        "test-labels" => (&["test", "t10k"], &["label", "target", "y"]),
+        _ => return None,
+    };
+    // Whole words of the name: `x_train.npy` is x, train, npy.
+    let words = |f: &str| -> Vec<String> {
+        f.to_lowercase()
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .map(str::to_string)
+            .collect()
+    };
+    // One-letter kinds (x, y) must be a whole word; longer ones may be a
+    // word's start (`images`, `labels`).
+    let is_kind = |w: &str, kind: &str| w == kind || (kind.len() > 1 && w.starts_with(kind));
+    kind.iter().find_map(|k| {
+        files
+            .iter()
+            .find(|f| {
+                let words = words(f);
+                words.iter().any(|w| split.contains(&w.as_str()))
+                    && words.iter().any(|w| is_kind(w, k))
+            })
+            .cloned()
+    })
+}
+
 /// The input a server error is about: a job-file field (the most specific
 /// known prefix) or an uploaded file's name.
 pub fn input_for(server_field: &str, values: &FormValues) -> Option<&'static str> {
@@ -311,6 +348,36 @@ pub fn NewJobPage() -> impl IntoView {
     let preview = RwSignal::new(None::<PlanPreview>);
     let plan_error = RwSignal::new(None::<String>);
     let busy = RwSignal::new(false);
+    // Datasets on the server, and the one picked ("" = upload the files).
+    let datasets = RwSignal::new(Vec::<DatasetInfo>::new());
+    let source = RwSignal::new(String::new());
+    {
+        let token = auth.token.get_untracked().unwrap_or_default();
+        wasm_bindgen_futures::spawn_local(async move {
+            // Without the list the form still uploads; no need to alarm.
+            if let Ok(list) = api::get_json::<Vec<DatasetInfo>>(&token, "/api/datasets").await {
+                datasets.set(list);
+            }
+        });
+    }
+    let pick_source = move |name: String| {
+        let files_of: Vec<String> = datasets.with_untracked(|all| {
+            all.iter()
+                .find(|d| d.name == name)
+                .map(|d| d.files.iter().map(|f| f.name.clone()).collect())
+                .unwrap_or_default()
+        });
+        files.update(|f| {
+            for id in DATA_INPUTS {
+                match guess_file(&files_of, id).filter(|_| !name.is_empty()) {
+                    Some(file) => f.insert(id, file),
+                    None => f.remove(id),
+                };
+            }
+        });
+        preview.set(None);
+        source.set(name);
+    };
 
     let model_file = NodeRef::<Input>::new();
     let model_data = NodeRef::<Input>::new();
@@ -354,8 +421,16 @@ pub fn NewJobPage() -> impl IntoView {
                 failed.insert("form".into(), "cannot build the job file".into());
             }
         }
-        let mut inputs: Vec<(&str, NodeRef<Input>)> = file_inputs.to_vec();
+        let dataset = source.get_untracked();
+        let mut inputs: Vec<(&str, NodeRef<Input>)> = file_inputs
+            .iter()
+            .filter(|(id, _)| dataset.is_empty() || !DATA_INPUTS.contains(id))
+            .copied()
+            .collect();
         inputs.push(("model-data-file", model_data));
+        if !dataset.is_empty() && form.append_with_str("dataset", &dataset).is_err() {
+            failed.insert("data-source".into(), "cannot name the dataset".into());
+        }
         for (id, node) in inputs {
             let Some(list) = node.get_untracked().and_then(|input| input.files()) else {
                 continue;
@@ -549,6 +624,37 @@ pub fn NewJobPage() -> impl IntoView {
         }
     };
 
+    // A data input filled from the picked server dataset.
+    let dataset_file = move |id: &'static str, label: &'static str, names: Vec<String>| {
+        view! {
+            <div class="field" class:invalid=move || errors.with(|e| e.contains_key(id))>
+                <label for=id>{label}</label>
+                <select
+                    id=id
+                    prop:value=move || files.with(|f| f.get(id).cloned().unwrap_or_default())
+                    on:change=move |ev| {
+                        let value = event_target_value(&ev);
+                        files.update(|f| {
+                            if value.is_empty() {
+                                f.remove(id);
+                            } else {
+                                f.insert(id, value);
+                            }
+                        });
+                        preview.set(None);
+                    }
+                >
+                    <option value="">"(none)"</option>
+                    {names
+                        .into_iter()
+                        .map(|name| view! { <option value=name.clone()>{name.clone()}</option> })
+                        .collect_view()}
+                </select>
+                {error_for(id)}
+            </div>
+        }
+    };
+
     view! {
         <section class="page">
             <p class="crumbs">
@@ -572,10 +678,55 @@ pub fn NewJobPage() -> impl IntoView {
                         ("safetensors", "safetensors"),
                         ("csv", "CSV"),
                     ])}
-                    {file_input("train-inputs", "Training inputs", "", train_inputs, false)}
-                    {file_input("train-labels", "Training labels", "", train_labels, false)}
-                    {file_input("test-inputs", "Test inputs (optional)", "", test_inputs, false)}
-                    {file_input("test-labels", "Test labels (optional)", "", test_labels, false)}
+                    <div class="field" class:invalid=move || errors.with(|e| e.contains_key("data-source"))>
+                        <label for="data-source">"Data files"</label>
+                        <select
+                            id="data-source"
+                            prop:value=move || source.get()
+                            on:change=move |ev| pick_source(event_target_value(&ev))
+                        >
+                            <option value="">"Upload from this computer"</option>
+                            {move || {
+                                datasets
+                                    .get()
+                                    .into_iter()
+                                    .map(|d| {
+                                        let label = format!("On the server: {} ({} files)", d.name, d.files.len());
+                                        view! { <option value=d.name>{label}</option> }
+                                    })
+                                    .collect_view()
+                            }}
+                        </select>
+                        {error_for("data-source")}
+                    </div>
+                    {move || {
+                        if source.with(String::is_empty) {
+                            view! {
+                                {file_input("train-inputs", "Training inputs", "", train_inputs, false)}
+                                {file_input("train-labels", "Training labels", "", train_labels, false)}
+                                {file_input("test-inputs", "Test inputs (optional)", "", test_inputs, false)}
+                                {file_input("test-labels", "Test labels (optional)", "", test_labels, false)}
+                            }
+                                .into_any()
+                        } else {
+                            let names: Vec<String> = datasets.with(|all| {
+                                all.iter()
+                                    .find(|d| source.with(|s| &d.name == s))
+                                    .map(|d| d.files.iter().map(|f| f.name.clone()).collect())
+                                    .unwrap_or_default()
+                            });
+                            [
+                                ("train-inputs", "Training inputs"),
+                                ("train-labels", "Training labels"),
+                                ("test-inputs", "Test inputs (optional)"),
+                                ("test-labels", "Test labels (optional)"),
+                            ]
+                                .into_iter()
+                                .map(|(id, label)| dataset_file(id, label, names.clone()))
+                                .collect_view()
+                                .into_any()
+                        }
+                    }}
                     {text_input("scale", "Scale", "inputs become (x × scale − mean) / std; 1/255 for bytes")}
                     {text_input("mean", "Mean", "empty: 0")}
                     {text_input("std", "Std", "empty: 1")}
@@ -766,6 +917,41 @@ mod tests {
                 "train-labels"
             ]
         );
+    }
+
+    #[test]
+    fn server_dataset_files_are_matched_to_inputs_by_their_usual_names() {
+        let mnist: Vec<String> = [
+            "t10k-images-idx3-ubyte.gz",
+            "t10k-labels-idx1-ubyte.gz",
+            "train-images-idx3-ubyte.gz",
+            "train-labels-idx1-ubyte.gz",
+        ]
+        .map(String::from)
+        .to_vec();
+        let guesses: Vec<Option<String>> = DATA_INPUTS
+            .iter()
+            .map(|id| guess_file(&mnist, id))
+            .collect();
+        assert_eq!(
+            guesses,
+            [
+                Some(mnist[2].clone()),
+                Some(mnist[3].clone()),
+                Some(mnist[0].clone()),
+                Some(mnist[1].clone())
+            ]
+        );
+        let npy: Vec<String> = ["x_train.npy", "y_train.npy"].map(String::from).to_vec();
+        assert_eq!(
+            guess_file(&npy, "train-inputs").as_deref(),
+            Some("x_train.npy")
+        );
+        assert_eq!(
+            guess_file(&npy, "train-labels").as_deref(),
+            Some("y_train.npy")
+        );
+        assert_eq!(guess_file(&npy, "test-inputs"), None);
     }
 
     #[test]

@@ -179,6 +179,22 @@ pub struct StageView {
     pub time_s: f64,
 }
 
+/// A dataset kept on the server (`GET /api/datasets`): a folder of files a
+/// job upload can name in its `dataset` part instead of carrying them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DatasetInfo {
+    pub name: String,
+    pub files: Vec<DatasetFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DatasetFile {
+    pub name: String,
+    pub bytes: u64,
+}
+
 /// Answer to `POST /api/plan`: what the scheduler would do with the upload
 /// and the providers connected now.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -31,7 +31,7 @@ use crate::jobs::{self, JobRecord, LogRecord};
 use crate::{AppState, now_ms};
 
 /// How a job upload is laid out, for the OpenAPI description.
-const UPLOAD_DESCRIPTION: &str = "Part `job`: the job file (TOML, or JSON when it starts with `{`; the job is named after the part's file name). Every other part is a file the job file names, stored under its part name (a relative path), e.g. the ONNX model, its `.data` side file and the data files.";
+const UPLOAD_DESCRIPTION: &str = "Part `job`: the job file (TOML, or JSON when it starts with `{`; the job is named after the part's file name). Optional part `dataset`: the name of a dataset on the server (GET /api/datasets) whose files join the upload. Every other part is a file the job file names, stored under its part name (a relative path), e.g. the ONNX model, its `.data` side file and the data files.";
 
 /// Log lines `GET /api/jobs/{id}/log` returns at most (the latest).
 const LOG_LINES: usize = 1000;
@@ -390,7 +390,19 @@ async fn receive_checked(
 ) -> Result<(PathBuf, String, String, Prepared), AppError> {
     let jobs_dir = state.data_dir.join("jobs");
     let upload = jobs_dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
-    let result = receive(multipart, &upload).await;
+    let result = async {
+        let (name, text, dataset) = receive(multipart, &upload).await?;
+        if let Some(dataset) = dataset {
+            let (data_dir, dest) = (state.data_dir.clone(), upload.clone());
+            tokio::task::spawn_blocking(move || {
+                crate::datasets::link_into(&data_dir, &dataset, &dest)
+            })
+            .await
+            .map_err(|e| AppError::Internal(format!("linking a dataset crashed: {e}")))??;
+        }
+        Ok::<_, AppError>((name, text))
+    }
+    .await;
     let (name, text) = match result {
         Ok(job) => job,
         Err(error) => {
@@ -543,12 +555,17 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }
 
-/// Stores every file part under `dir`; returns the job's name and text.
-async fn receive(multipart: &mut Multipart, dir: &Path) -> Result<(String, String), AppError> {
+/// Stores every file part under `dir`; returns the job's name and text,
+/// and the server dataset the upload names, if any.
+async fn receive(
+    multipart: &mut Multipart,
+    dir: &Path,
+) -> Result<(String, String, Option<String>), AppError> {
     tokio::fs::create_dir_all(dir)
         .await
         .map_err(|e| AppError::Internal(format!("creating {}: {e}", dir.display())))?;
     let mut job = None;
+    let mut dataset = None;
     while let Some(field) = multipart
         .next_field()
         .await
@@ -571,6 +588,16 @@ async fn receive(multipart: &mut Multipart, dir: &Path) -> Result<(String, Strin
             job = Some((name, text));
             continue;
         }
+        if part == crate::datasets::DATASET_PART {
+            let name = String::from_utf8(bytes.to_vec()).map_err(|_| AppError::Field {
+                field: part.clone(),
+                message: "the dataset name is not UTF-8 text".into(),
+            })?;
+            let name = name.trim().to_string();
+            crate::datasets::check_name(&name)?;
+            dataset = Some(name);
+            continue;
+        }
         let relative = safe_relative(&part)?;
         let path = dir.join(relative);
         if let Some(parent) = path.parent() {
@@ -582,11 +609,12 @@ async fn receive(multipart: &mut Multipart, dir: &Path) -> Result<(String, Strin
             .await
             .map_err(|e| AppError::Internal(format!("writing {}: {e}", path.display())))?;
     }
-    job.ok_or_else(|| {
+    let (name, text) = job.ok_or_else(|| {
         AppError::BadRequest(format!(
             "the upload has no `{JOB_PART}` part with the job file (TOML or JSON)"
         ))
-    })
+    })?;
+    Ok((name, text, dataset))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 pub mod auth;
 pub mod client;
 pub mod coordinator;
+pub mod datasets;
 pub mod db;
 pub mod error;
 pub mod http;
@@ -140,6 +141,7 @@ pub fn app(state: AppState) -> Router {
         .route("/jobs/{id}/metrics.csv", get(job_api::metrics_as_csv))
         .route("/jobs/{id}/log", get(job_api::log))
         .route("/plan", post(job_api::plan))
+        .route("/datasets", get(datasets::list_datasets))
         .route("/events", get(job_api::events))
         .route("/jobs/{id}/cancel", post(job_api::cancel))
         .route("/jobs/{id}/weights", get(job_api::weights))

@@ -25,6 +25,7 @@ use utoipa::{Modify, OpenApi};
         crate::job_api::weights,
         crate::job_api::plan,
         crate::job_api::events,
+        crate::datasets::list_datasets,
         openapi_json,
     ),
     components(schemas(rookery_proto::api::JobEvent, rookery_proto::api::JobEventBody)),

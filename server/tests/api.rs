@@ -154,14 +154,16 @@ async fn the_openapi_description_documents_every_endpoint_and_dto_the_dashboard_
         ("get", "/api/jobs/{id}/weights"),
         ("post", "/api/plan"),
         ("get", "/api/events"),
+        ("get", "/api/datasets"),
     ];
     let paths = doc["paths"].as_object().unwrap();
-    assert_eq!(paths.len(), 12, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 13, "{:?}", paths.keys().collect::<Vec<_>>());
     for (method, path) in endpoints {
         let operation = &doc["paths"][path][method];
         assert!(operation.is_object(), "{method} {path} is not documented");
         // Job endpoints say they need the token; public ones do not.
-        let guarded = path.starts_with("/api/jobs") || path == "/api/plan" || path == "/api/events";
+        let guarded = path.starts_with("/api/jobs")
+            || ["/api/plan", "/api/events", "/api/datasets"].contains(&path);
         assert_eq!(
             operation["security"][0].get("api_token").is_some(),
             guarded,
@@ -195,6 +197,7 @@ async fn the_openapi_description_documents_every_endpoint_and_dto_the_dashboard_
         "ProviderInfo",
         "ProviderWork",
         "ApiError",
+        "DatasetInfo",
     ] {
         assert!(schemas.contains_key(dto), "no schema for {dto}");
     }

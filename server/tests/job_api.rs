@@ -148,6 +148,7 @@ async fn every_job_endpoint_needs_the_right_token() {
         ("GET", "/api/jobs/1/log"),
         ("POST", "/api/plan"),
         ("GET", "/api/events"),
+        ("GET", "/api/datasets"),
     ];
     for (method, path) in endpoints {
         for token in [None, Some("wrong"), Some("")] {
@@ -543,4 +544,70 @@ async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
         String::from_utf8(body).unwrap().trim_end(),
         rookery_server::job_api::METRICS_CSV_HEADER
     );
+}
+
+#[tokio::test]
+async fn a_job_can_use_a_dataset_kept_on_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let mnist = dir.path().join("datasets/mnist");
+    std::fs::create_dir_all(&mnist).unwrap();
+    let files = mnist_files();
+    for (name, bytes) in files.iter().filter(|(n, _)| n.ends_with(".gz")) {
+        std::fs::write(mnist.join(name), bytes).unwrap();
+    }
+    std::fs::write(mnist.join(".hidden"), b"x").unwrap();
+
+    let (status, body) = call(
+        &state,
+        authed("GET", "/api/datasets", Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let datasets: Vec<rookery_proto::api::DatasetInfo> = serde_json::from_slice(&body).unwrap();
+    assert_eq!(datasets.len(), 1);
+    assert_eq!(datasets[0].name, "mnist");
+    let names: Vec<&str> = datasets[0].files.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "t10k-images-idx3-ubyte.gz",
+            "t10k-labels-idx1-ubyte.gz",
+            "train-images-idx3-ubyte.gz",
+            "train-labels-idx1-ubyte.gz"
+        ]
+    );
+
+    // Only the model travels; the data comes from the server's folder.
+    let model = vec![files[0].clone()];
+    let with = |dataset: &str| {
+        let mut parts = model.clone();
+        parts.push(("dataset", dataset.as_bytes().to_vec()));
+        parts
+    };
+    let (status, body) = submit(&state, JOB, &with("mnist")).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+    let job_dir = dir.path().join(format!("jobs/{id}"));
+    assert!(job_dir.join("train-images-idx3-ubyte.gz").is_file());
+    assert!(!job_dir.join(".hidden").exists());
+    assert!(!job_dir.join("dataset").exists(), "the part is no file");
+
+    for (name, expected) in [
+        ("../jobs", "folder name alone"),
+        ("nope", "no dataset `nope`"),
+    ] {
+        let (status, body) = submit(&state, JOB, &with(name)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{name}");
+        let error: ApiError = serde_json::from_slice(&body).unwrap();
+        assert_eq!(error.field.as_deref(), Some("dataset"), "{error:?}");
+        assert!(error.error.contains(expected), "{error:?}");
+    }
 }

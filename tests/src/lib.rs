@@ -107,6 +107,11 @@ impl Server {
         })
     }
 
+    /// The server's data dir (SQLite, job folders, `datasets/`).
+    pub fn data_dir(&self) -> &Path {
+        self._data_dir.path()
+    }
+
     /// The Requester's API token the server created in its data dir.
     pub fn api_token(&self) -> anyhow::Result<String> {
         let path = self._data_dir.path().join("api-token");

@@ -4,7 +4,8 @@
 //! export with its side file and the MNIST files, previews the plan, submits,
 //! watches the loss chart gain points live, sees the job complete, downloads
 //! the weights and the CSV metrics through the page and checks the weights
-//! load with the model's parameter names. Screenshots of the Jobs, New job
+//! load with the model's parameter names; then plans a second job from a
+//! dataset kept on the server instead of uploads. Screenshots of the Jobs, New job
 //! and Job detail pages (the last also phone-sized) land in
 //! `target/screenshots/`.
 
@@ -366,6 +367,46 @@ async fn a_requester_creates_watches_and_collects_a_job_in_the_browser() -> anyh
         .await?;
     let shot = browser.screenshot("dashboard-jobs").await?;
     println!("Jobs screenshot: {}", shot.display());
+
+    // A dataset kept on the server stands in for the uploads: the form
+    // fills the data fields from its files and the server plans the job.
+    let kept = server.data_dir().join("datasets/mnist-10k");
+    std::fs::create_dir_all(&kept)?;
+    for entry in std::fs::read_dir(&mnist)? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), kept.join(entry.file_name()))?;
+    }
+    find(&browser, "#new-job-link", Duration::from_secs(5))
+        .await?
+        .click()
+        .await?;
+    choose_file(&browser, "model-file", &onnx.join("model.onnx")).await?;
+    choose_file(&browser, "model-data-file", &onnx.join("model.onnx.data")).await?;
+    find(
+        &browser,
+        "#data-source option[value='mnist-10k']",
+        Duration::from_secs(10),
+    )
+    .await?
+    .click()
+    .await?;
+    let picked = find(&browser, "select#train-labels", Duration::from_secs(5))
+        .await?
+        .prop("value")
+        .await?;
+    assert_eq!(picked.as_deref(), Some("train-labels-idx1-ubyte.gz"));
+    find(&browser, "#preview-plan", Duration::from_secs(5))
+        .await?
+        .click()
+        .await?;
+    let summary = find(&browser, "#plan-preview .note", Duration::from_secs(30))
+        .await?
+        .text()
+        .await?;
+    ensure!(
+        summary.contains("8,000 training and 2,000 test samples"),
+        "{summary}"
+    );
     browser.client.clone().close().await?;
     Ok(())
 }
