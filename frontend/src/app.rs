@@ -7,18 +7,27 @@ use leptos_router::components::{Route, Router, Routes};
 use leptos_router::hooks::use_location;
 use leptos_router::path;
 
+use crate::api::Auth;
 use crate::donate::{DonatePage, Donation};
+use crate::job_detail::JobDetailPage;
+use crate::jobs::JobsPage;
+use crate::new_job::NewJobPage;
 use crate::providers::ProvidersPage;
+use crate::signin::Guarded;
 
 #[component]
 pub fn App() -> impl IntoView {
     provide_context(Donation::new());
+    provide_context(Auth::from_storage());
     view! {
         <Router>
             <Header />
             <main>
                 <Routes fallback=NotFound>
-                    <Route path=path!("/") view=ProvidersPage />
+                    <Route path=path!("/") view=|| view! { <Guarded><JobsPage /></Guarded> } />
+                    <Route path=path!("/jobs") view=|| view! { <Guarded><JobsPage /></Guarded> } />
+                    <Route path=path!("/jobs/new") view=|| view! { <Guarded><NewJobPage /></Guarded> } />
+                    <Route path=path!("/jobs/:id") view=|| view! { <Guarded><JobDetailPage /></Guarded> } />
                     <Route path=path!("/providers") view=ProvidersPage />
                     <Route path=path!("/donate") view=DonatePage />
                 </Routes>
@@ -40,13 +49,20 @@ fn Header() -> impl IntoView {
         }
     };
     let donating = use_context::<Donation>().map(|d| d.running);
+    let auth = crate::api::use_auth();
     view! {
         <header class="site-header">
             <a class="brand" href="/">
                 "Rookery"
             </a>
             <nav aria-label="Main">
-                <a href="/providers" aria-current=current(&["", "/providers"])>
+                <a href="/jobs" aria-current=current(&["", "/jobs"])>
+                    "Jobs"
+                </a>
+                <a href="/jobs/new" aria-current=current(&["/jobs/new"])>
+                    "New job"
+                </a>
+                <a href="/providers" aria-current=current(&["/providers"])>
                     "Providers"
                 </a>
                 <a href="/donate" aria-current=current(&["/donate"])>
@@ -58,6 +74,17 @@ fn Header() -> impl IntoView {
                     }}
                 </a>
             </nav>
+            {move || {
+                auth.token
+                    .with(Option::is_some)
+                    .then(|| {
+                        view! {
+                            <button id="sign-out" class="link" on:click=move |_| auth.sign_out(None)>
+                                "Sign out"
+                            </button>
+                        }
+                    })
+            }}
         </header>
     }
 }
@@ -68,7 +95,7 @@ fn NotFound() -> impl IntoView {
         <section class="page">
             <h1>"Page not found"</h1>
             <p>
-                "There is nothing at this address. See the "
+                "There is nothing at this address. See the " <a href="/jobs">"jobs"</a> ", the "
                 <a href="/providers">"providers"</a> " or "
                 <a href="/donate">"donate this GPU"</a> "."
             </p>

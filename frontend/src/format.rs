@@ -39,6 +39,71 @@ pub fn relative(now_ms: f64, then_ms: u64) -> String {
     }
 }
 
+/// A length of time in its two largest units, e.g. "1 h 02 min", "3 min 05 s".
+pub fn duration(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        0..60 => format!("{s} s"),
+        60..3_600 => format!("{} min {:02} s", s / 60, s % 60),
+        3_600..86_400 => format!("{} h {:02} min", s / 3_600, (s % 3_600) / 60),
+        _ => format!("{} d {:02} h", s / 86_400, (s % 86_400) / 3_600),
+    }
+}
+
+/// How long a provider has been connected; for a gone one, how long it was.
+pub fn uptime(info: &ProviderInfo, now_ms: f64) -> String {
+    let end = info.gone_since_ms.map_or(now_ms, |gone| gone as f64);
+    duration((end - info.connected_since_ms as f64).max(0.0) as u64)
+}
+
+/// A whole number with thousands separators, e.g. "206,954".
+pub fn count(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A size in bytes in the largest unit that keeps it at or above one.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// An estimated or measured time in seconds, in ms below one second.
+pub fn seconds(s: f64) -> String {
+    if !s.is_finite() {
+        "–".into()
+    } else if s < 1.0 {
+        format!("{:.1} ms", s * 1000.0)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+/// A loss or other float metric; a dash when there is none yet.
+pub fn metric(value: Option<f64>, decimals: usize) -> String {
+    match value {
+        Some(v) if v.is_finite() => format!("{v:.decimals$}"),
+        _ => "–".into(),
+    }
+}
+
 /// The header line of the Providers page.
 pub fn connected_count(count: usize) -> String {
     match count {
@@ -158,6 +223,7 @@ mod tests {
             last_heartbeat_ms: since,
             gone_since_ms: gone,
             gone_reason: gone.map(|_| "heartbeat timeout".into()),
+            work: None,
         }
     }
 
@@ -178,6 +244,33 @@ mod tests {
         assert_eq!(relative(now, 999_880_000), "2 min ago");
         assert_eq!(relative(now, 1_000_000_000 - 7_200_000), "2 h ago");
         assert_eq!(relative(now, 0), "11 d ago");
+    }
+
+    #[test]
+    fn durations_sizes_and_counts_read_naturally() {
+        assert_eq!(duration(999), "0 s");
+        assert_eq!(duration(65_000), "1 min 05 s");
+        assert_eq!(duration(3_725_000), "1 h 02 min");
+        assert_eq!(duration(90_000_000), "1 d 01 h");
+        assert_eq!(count(0), "0");
+        assert_eq!(count(999), "999");
+        assert_eq!(count(206_954), "206,954");
+        assert_eq!(count(1_234_567), "1,234,567");
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(3 << 20), "3.0 MiB");
+        assert_eq!(seconds(0.0123), "12.3 ms");
+        assert_eq!(seconds(2.5), "2.50 s");
+        assert_eq!(metric(Some(0.123456), 4), "0.1235");
+        assert_eq!(metric(None, 4), "–");
+        assert_eq!(metric(Some(f64::NAN), 2), "–");
+    }
+
+    #[test]
+    fn uptime_stops_when_a_provider_is_gone() {
+        let connected = provider(1, ProviderStatus::Connected, 1_000, None);
+        assert_eq!(uptime(&connected, 66_000.0), "1 min 05 s");
+        let gone = provider(2, ProviderStatus::Gone, 1_000, Some(11_000));
+        assert_eq!(uptime(&gone, 1e12), "10 s");
     }
 
     #[test]

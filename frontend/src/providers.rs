@@ -3,6 +3,8 @@
 //!
 //! DOM contract (end-to-end tests rely on it): `<table id="providers">`, one
 //! `<tr class="provider" data-provider-id data-kind data-status>` per provider.
+//! Each row shows the job and stage a provider runs, its micro-batches done
+//! there, and its uptime.
 
 use std::pin::pin;
 use std::sync::Arc;
@@ -148,7 +150,9 @@ pub fn ProvidersPage() -> impl IntoView {
                             <th scope="col" class="num">"Memory"</th>
                             <th scope="col" class="num">"GFLOP/s"</th>
                             <th scope="col">"Status"</th>
-                            <th scope="col">"Connected since"</th>
+                            <th scope="col">"Job and stage"</th>
+                            <th scope="col" class="num">"Micro-batches"</th>
+                            <th scope="col">"Uptime"</th>
                             <th scope="col">"Last heartbeat"</th>
                         </tr>
                     </thead>
@@ -163,6 +167,7 @@ pub fn ProvidersPage() -> impl IntoView {
 /// One table row; `now_ms` is the browser clock for the relative times.
 fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
     let gone_detail = format::gone_detail(&p, now_ms);
+    let uptime = format::uptime(&p, now_ms);
     let status = format::status_attr(p.status);
     let kind = p.kind.as_str();
     view! {
@@ -184,7 +189,22 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
                 {status}
                 {gone_detail.map(|detail| view! { <span class="detail">{detail}</span> })}
             </td>
-            <td>{format::relative(now_ms, p.connected_since_ms)}</td>
+            <td class="work">
+                {match &p.work {
+                    Some(w) => {
+                        view! {
+                            <a href=format!("/jobs/{}", w.job_id)>{format!("job #{}", w.job_id)}</a>
+                            {format!(", cluster {} {} (stage {})", w.cluster, w.role, w.stage)}
+                        }
+                            .into_any()
+                    }
+                    None => "idle".into_any(),
+                }}
+            </td>
+            <td class="num">{p.work.as_ref().map_or_else(|| "–".into(), |w| format::count(w.micro_batches_done))}</td>
+            <td title=format!("connected {}", format::relative(now_ms, p.connected_since_ms))>
+                {uptime}
+            </td>
             <td>{format::relative(now_ms, p.last_heartbeat_ms)}</td>
         </tr>
     }

@@ -6,6 +6,7 @@ use crate::ProviderKind;
 
 /// Whether a provider is connected now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ProviderStatus {
     Connected,
@@ -15,10 +16,12 @@ pub enum ProviderStatus {
 
 /// One row of `GET /api/providers`. Times are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ProviderInfo {
     pub id: u64,
     pub name: String,
     #[serde(with = "kind_as_str")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub kind: ProviderKind,
     pub device: String,
     pub memory_bytes: u64,
@@ -32,12 +35,34 @@ pub struct ProviderInfo {
     pub gone_since_ms: Option<u64>,
     /// Why the provider is gone, in words (closed, heartbeat timeout, ...).
     pub gone_reason: Option<String>,
+    /// The stage it runs now, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work: Option<ProviderWork>,
+}
+
+/// What a connected provider is doing for a job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProviderWork {
+    pub job_id: u64,
+    pub cluster: u32,
+    pub stage: u32,
+    /// `root`, `stem`, `leaf` or `single`.
+    pub role: String,
+    /// Micro-batches this provider has carried through its stage (forward
+    /// and backward) in this job.
+    pub micro_batches_done: u64,
 }
 
 /// Body of every error response of the REST API.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ApiError {
     pub error: String,
+    /// The job-file field the error is about (dotted, e.g.
+    /// `training.optimizer.lr`), so a form can show it next to that field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
 }
 
 mod kind_as_str {
@@ -74,6 +99,7 @@ mod tests {
             last_heartbeat_ms: 4,
             gone_since_ms: Some(5),
             gone_reason: Some("closed".into()),
+            work: None,
         };
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(json["kind"], "browser");
@@ -86,6 +112,7 @@ mod tests {
 /// One job as listed by `GET /api/jobs` and `GET /api/jobs/{id}`. Times are
 /// Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobInfo {
     pub id: u64,
     pub name: String,
@@ -103,11 +130,132 @@ pub struct JobInfo {
     pub last_loss: Option<f64>,
     pub samples_per_s: Option<f64>,
     /// The planner's answer (clusters, stages, providers), once planned.
-    pub plan: Option<serde_json::Value>,
+    pub plan: Option<PlanView>,
+}
+
+/// A plan as people read it: each cluster a chain of stages from Root to
+/// Leaf. Answer of `POST /api/plan`, and `JobInfo::plan` once a job started.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanView {
+    pub clusters: Vec<ClusterView>,
+    /// Providers the plan leaves idle, by id.
+    pub standbys: Vec<u64>,
+    pub param_count: u64,
+    pub param_bytes: u64,
+    /// Estimated seconds per micro-batch of the slowest stage of all clusters.
+    pub bottleneck_s: f64,
+    /// Samples per cluster per micro-batch the estimates assume.
+    pub micro_batch: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClusterView {
+    pub stages: Vec<StageView>,
+    pub bottleneck_s: f64,
+}
+
+/// One stage of a cluster and the provider that runs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StageView {
+    /// `root`, `stem`, `leaf` or `single` (Root and Leaf at once).
+    pub role: String,
+    pub provider: u64,
+    pub provider_name: String,
+    #[serde(with = "kind_as_str")]
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub provider_kind: ProviderKind,
+    pub device: String,
+    pub provider_memory_bytes: u64,
+    /// Graph nodes the stage runs, and the first and last of them.
+    pub nodes: u64,
+    pub first_node: String,
+    pub last_node: String,
+    pub param_count: u64,
+    /// Estimated peak memory of the stage (parameters, optimizer state,
+    /// activations in flight).
+    pub memory_bytes: u64,
+    /// Estimated seconds per micro-batch: compute, transfer and their sum.
+    pub compute_s: f64,
+    pub transfer_s: f64,
+    pub time_s: f64,
+}
+
+/// A dataset kept on the server (`GET /api/datasets`): a folder of files a
+/// job upload can name in its `dataset` part instead of carrying them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DatasetInfo {
+    pub name: String,
+    pub files: Vec<DatasetFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DatasetFile {
+    pub name: String,
+    pub bytes: u64,
+}
+
+/// Answer to `POST /api/plan`: what the scheduler would do with the upload
+/// and the providers connected now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PlanPreview {
+    pub plan: PlanView,
+    /// Things the Requester should know (e.g. an inference-mode ONNX export).
+    pub warnings: Vec<String>,
+    pub train_samples: u64,
+    pub test_samples: u64,
+}
+
+/// One line of a job's event log (`GET /api/jobs/{id}/log`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LogEntry {
+    pub at_ms: u64,
+    /// `submitted`, `planned`, `provider_joined`, `provider_left`,
+    /// `stage_assigned`, `running`, `sync`, `checkpoint`, `epoch`,
+    /// `completed`, `failed` or `cancelled`.
+    pub kind: String,
+    pub message: String,
+}
+
+/// One message of the live stream `GET /api/events` (server-sent events,
+/// the SSE event name is `job`). Every change the dashboard shows arrives
+/// this way, so pages never reload to see progress.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct JobEvent {
+    pub job_id: u64,
+    #[serde(flatten)]
+    pub body: JobEventBody,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum JobEventBody {
+    /// The job's row changed (status, progress, plan): here is all of it.
+    Job {
+        job: JobInfo,
+    },
+    Step {
+        step: StepMetric,
+    },
+    Epoch {
+        epoch: EpochMetric,
+    },
+    Log {
+        entry: LogEntry,
+    },
 }
 
 /// Answer to `POST /api/jobs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobCreated {
     pub id: u64,
     /// Things the Requester should know (e.g. an inference-mode ONNX export).
@@ -116,6 +264,7 @@ pub struct JobCreated {
 
 /// Time one stage spent on a step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StageMetric {
     pub cluster: u32,
     pub stage: u32,
@@ -125,6 +274,7 @@ pub struct StageMetric {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StepMetric {
     pub step: u64,
     pub epoch: u64,
@@ -138,6 +288,7 @@ pub struct StepMetric {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EpochMetric {
     pub epoch: u64,
     pub test_loss: f64,
@@ -147,6 +298,7 @@ pub struct EpochMetric {
 
 /// `GET /api/jobs/{id}/metrics`, also written as `metrics.json` by `rookery train`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JobMetrics {
     pub steps: Vec<StepMetric>,
     pub epochs: Vec<EpochMetric>,

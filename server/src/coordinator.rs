@@ -12,17 +12,24 @@ use std::time::Duration;
 use rookery_job::JobSpec;
 use rookery_job::weights::{WeightTensor, write_safetensors};
 use rookery_model::{PlanOptions, ProviderKind, ProviderSpec};
+use rookery_proto::api::{EpochMetric, JobEvent, JobEventBody, LogEntry, ProviderWork};
 use rookery_proto::stream::{self, Payload};
 use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc, oneshot};
 
 use crate::db::Db;
-use crate::jobs::{self, JobStatus};
+use crate::jobs::{self, JobStatus, LogRecord};
 use crate::now_ms;
 use crate::run::{Effect, JobRun};
 
 /// How often queued jobs are matched against idle providers.
 const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
+/// Live events a slow subscriber may fall behind by before it is told it
+/// lagged (and reloads what it shows).
+const EVENT_BUFFER: usize = 4096;
+/// A job that syncs every step would write a log line per step; sync lines
+/// are written at most this often per job, counting the syncs in between.
+const SYNC_LOG_EVERY_MS: u64 = 2_000;
 
 /// What the coordinator hears about.
 #[derive(Debug)]
@@ -60,18 +67,51 @@ pub enum Event {
         job_id: u64,
         prepared: Box<Prepared>,
     },
+    /// Asks for the connected providers and what each is doing.
+    Snapshot {
+        reply: oneshot::Sender<Vec<LiveProvider>>,
+    },
+}
+
+/// A connected provider as the coordinator sees it.
+#[derive(Debug, Clone)]
+pub struct LiveProvider {
+    pub id: u64,
+    pub hello: Hello,
+    pub work: Option<ProviderWork>,
+    /// Measured after `Welcome`; `None` until the probe comes back.
+    pub bandwidth_mbps: Option<f64>,
+}
+
+impl LiveProvider {
+    /// What the planner knows of it, if a job may be planned onto it now:
+    /// idle, native (browser tabs run no stages until the WebGPU executor
+    /// lands, issue 5) and with its link measured.
+    pub fn candidate(&self) -> Option<ProviderSpec> {
+        let plannable =
+            self.work.is_none() && self.hello.kind == rookery_proto::ProviderKind::Native;
+        plannable.then_some(ProviderSpec {
+            id: self.id.to_string(),
+            kind: ProviderKind::Native,
+            memory_bytes: self.hello.memory_bytes,
+            gflops: self.hello.gflops,
+            bandwidth_mbps: self.bandwidth_mbps?,
+        })
+    }
 }
 
 /// A cheap handle to the coordinator task.
 #[derive(Debug, Clone)]
 pub struct Coordinator {
     tx: mpsc::UnboundedSender<Event>,
+    events: broadcast::Sender<JobEvent>,
 }
 
 impl Coordinator {
     /// Starts the coordinator on the current tokio runtime.
     pub fn spawn(db: Db, data_dir: PathBuf) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
         tokio::spawn(
             Actor {
                 db,
@@ -80,15 +120,36 @@ impl Coordinator {
                 runs: HashMap::new(),
                 waiting: HashMap::new(),
                 prepared: HashMap::new(),
+                events: events.clone(),
+                micro_batches: HashMap::new(),
+                sync_log: HashMap::new(),
             }
             .run(rx),
         );
-        Self { tx }
+        Self { tx, events }
     }
 
     /// Best effort: when the coordinator is gone the server is shutting down.
     pub fn send(&self, event: Event) {
         let _ = self.tx.send(event);
+    }
+
+    /// Every job event from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
+        self.events.subscribe()
+    }
+
+    /// Tells live subscribers about a change made outside the coordinator
+    /// (a submitted or cancelled job).
+    pub fn publish(&self, event: JobEvent) {
+        let _ = self.events.send(event);
+    }
+
+    /// The connected providers; empty if the coordinator is gone.
+    pub async fn snapshot(&self) -> Vec<LiveProvider> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Event::Snapshot { reply });
+        answer.await.unwrap_or_default()
     }
 }
 
@@ -108,6 +169,8 @@ struct Live {
     routes: VecDeque<Route>,
     /// Until its link is measured, a provider is not planned onto.
     bandwidth_mbps: Option<f64>,
+    /// The stage it runs, for the dashboard.
+    work: Option<ProviderWork>,
 }
 
 /// The destination of the bytes that follow one streamed message: the
@@ -127,6 +190,11 @@ struct Actor {
     /// Queued jobs already read and checked, so waiting for providers does
     /// not reload their data on every scheduling tick.
     prepared: HashMap<u64, Prepared>,
+    events: broadcast::Sender<JobEvent>,
+    /// Micro-batches per step of each running job.
+    micro_batches: HashMap<u64, u64>,
+    /// Per job: when the last sync line was written and syncs since.
+    sync_log: HashMap<u64, (u64, u64)>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -141,24 +209,62 @@ pub struct Prepared {
     pub test: Option<rookery_job::Dataset>,
 }
 
+/// Why a job cannot run, with the job file's field or file it is about
+/// when there is one (so a form can show it next to that field).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct PrepareError {
+    pub message: String,
+    /// A dotted job-file field (`training.batch_size`) or a data or model
+    /// file's path.
+    pub field: Option<String>,
+}
+
+impl From<rookery_job::JobError> for PrepareError {
+    fn from(error: rookery_job::JobError) -> Self {
+        let field = match &error {
+            rookery_job::JobError::Field { field, .. } => Some(field.clone()),
+            rookery_job::JobError::File { path, .. } => Some(path.clone()),
+            rookery_job::JobError::Model(_) => Some("model".into()),
+            _ => None,
+        };
+        PrepareError {
+            message: error.to_string(),
+            field,
+        }
+    }
+}
+
+impl From<String> for PrepareError {
+    fn from(message: String) -> Self {
+        PrepareError {
+            message,
+            field: None,
+        }
+    }
+}
+
 /// Reads and checks a job's model and data against each other (blocking
 /// work): the upload handler runs it before accepting a job, the scheduler
 /// before planning one.
-pub fn prepare(spec: JobSpec) -> Result<Prepared, String> {
-    let loaded = spec.load_model().map_err(|e| e.to_string())?;
+pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
+    let loaded = spec.load_model()?;
     let loss = spec.training.loss;
-    let mut train = rookery_job::load_split(&spec.data, rookery_job::Split::Train, loss)
-        .map_err(|e| e.to_string())?
+    let mut train = rookery_job::load_split(&spec.data, rookery_job::Split::Train, loss)?
         .ok_or_else(|| "the job has no training data".to_string())?;
-    let mut test = rookery_job::load_split(&spec.data, rookery_job::Split::Test, loss)
-        .map_err(|e| e.to_string())?;
-    rookery_job::validate_against_model(&loaded.graph, &spec.model.input_shape, &mut train, loss)
-        .map_err(|e| e.to_string())?;
+    let mut test = rookery_job::load_split(&spec.data, rookery_job::Split::Test, loss)?;
+    rookery_job::validate_against_model(&loaded.graph, &spec.model.input_shape, &mut train, loss)?;
     if let Some(test) = test.as_mut() {
         rookery_job::validate_against_model(&loaded.graph, &spec.model.input_shape, test, loss)
-            .map_err(|e| format!("test set: {e}"))?;
+            .map_err(|e| PrepareError {
+                message: format!("test set: {e}"),
+                ..PrepareError::from(e)
+            })?;
     }
-    let analysis = loaded.graph.analyze().map_err(|e| e.to_string())?;
+    let analysis = loaded
+        .graph
+        .analyze()
+        .map_err(|e| PrepareError::from(e.to_string()))?;
     Ok(Prepared {
         spec,
         graph: loaded.graph,
@@ -184,9 +290,27 @@ impl Actor {
         }
     }
 
+    fn snapshot(&self) -> Vec<LiveProvider> {
+        self.providers
+            .iter()
+            .map(|(id, p)| LiveProvider {
+                id: *id,
+                hello: p.hello.clone(),
+                work: p.work.clone(),
+                bandwidth_mbps: p.bandwidth_mbps,
+            })
+            .collect()
+    }
+
     async fn on_event(&mut self, event: Event) {
         match event {
             Event::Connected { id, hello, tx } => {
+                let message = format!(
+                    "provider {id} ({}, {} {}) connected",
+                    hello.display_name,
+                    hello.kind.as_str(),
+                    hello.device
+                );
                 self.providers.insert(
                     id,
                     Live {
@@ -195,20 +319,34 @@ impl Actor {
                         job: None,
                         routes: VecDeque::new(),
                         bandwidth_mbps: None,
+                        work: None,
                     },
                 );
+                let waiting: Vec<u64> = self.waiting.keys().copied().collect();
+                for job_id in waiting {
+                    self.log(job_id, "provider_joined", message.clone()).await;
+                }
             }
             Event::Disconnected { id, reason } => {
                 let Some(live) = self.providers.remove(&id) else {
                     return;
                 };
                 if let Some(job_id) = live.job {
+                    self.log(
+                        job_id,
+                        "provider_left",
+                        format!("provider {id} ({}) disconnected", live.hello.display_name),
+                    )
+                    .await;
                     let reason = format!(
                         "provider {id} ({}) left while running a stage ({reason}); the job cannot go on without it",
                         live.hello.display_name
                     );
                     self.fail(job_id, reason).await;
                 }
+            }
+            Event::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
             }
             Event::Message { id, message } => {
                 let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) else {
@@ -276,17 +414,10 @@ impl Actor {
             if self.runs.contains_key(&job.id) {
                 continue;
             }
-            // Browser tabs join and benchmark, but run no stages until the
-            // WebGPU executor lands (issue 5), so plans use native providers.
-            let idle: Vec<(u64, Hello, f64)> = self
-                .providers
-                .iter()
-                .filter(|(_, p)| {
-                    p.job.is_none() && p.hello.kind == rookery_proto::ProviderKind::Native
-                })
-                .filter_map(|(id, p)| Some((*id, p.hello.clone(), p.bandwidth_mbps?)))
-                .collect();
-            if idle.is_empty() {
+            let live = self.snapshot();
+            let specs: Vec<ProviderSpec> =
+                live.iter().filter_map(LiveProvider::candidate).collect();
+            if specs.is_empty() {
                 self.wait(job.id, "waiting for providers to connect".into())
                     .await;
                 continue;
@@ -297,33 +428,22 @@ impl Actor {
                     let dir = PathBuf::from(&job.dir);
                     let spec_json = job.spec_json.clone();
                     let read = tokio::task::spawn_blocking(move || {
-                        prepare(JobSpec::from_json(&spec_json, &dir).map_err(|e| e.to_string())?)
+                        prepare(JobSpec::from_json(&spec_json, &dir)?)
                     })
                     .await
-                    .unwrap_or_else(|error| Err(format!("preparing the job crashed: {error}")));
+                    .unwrap_or_else(|error| {
+                        Err(format!("preparing the job crashed: {error}").into())
+                    });
                     match read {
                         Ok(prepared) => prepared,
                         Err(reason) => {
-                            self.set_status(job.id, JobStatus::Failed, Some(reason))
+                            self.set_status(job.id, JobStatus::Failed, Some(reason.to_string()))
                                 .await;
                             continue;
                         }
                     }
                 }
             };
-            let specs: Vec<ProviderSpec> = idle
-                .iter()
-                .map(|(id, hello, bandwidth_mbps)| ProviderSpec {
-                    id: id.to_string(),
-                    kind: match hello.kind {
-                        rookery_proto::ProviderKind::Native => ProviderKind::Native,
-                        rookery_proto::ProviderKind::Browser => ProviderKind::Browser,
-                    },
-                    memory_bytes: hello.memory_bytes,
-                    gflops: hello.gflops,
-                    bandwidth_mbps: *bandwidth_mbps,
-                })
-                .collect();
             let options = plan_options(&prepared.spec);
             let plan = match rookery_model::clusterize(&prepared.graph, &specs, &options) {
                 Ok(plan) => plan,
@@ -334,8 +454,14 @@ impl Actor {
                     continue;
                 }
             };
-            let ids: HashMap<String, u64> =
-                idle.iter().map(|(id, ..)| (id.to_string(), *id)).collect();
+            let who = by_plan_id(live);
+            let ids: HashMap<String, u64> = who
+                .iter()
+                .map(|(key, (id, _))| (key.clone(), *id))
+                .collect();
+            let view = crate::plan_view::plan_view(&plan, &prepared.graph, &who);
+            // Each stage carries its cluster's micro-batches every step.
+            let step_micro_batches = prepared.spec.training.micro_batches.max(1) as u64;
             let Prepared {
                 spec,
                 graph,
@@ -358,10 +484,38 @@ impl Actor {
                     live.job = Some(job.id);
                 }
             }
-            let plan_json = plan.to_json().unwrap_or_default();
+            for (c, cluster) in view.clusters.iter().enumerate() {
+                for (s, stage) in cluster.stages.iter().enumerate() {
+                    if let Some(live) = self.providers.get_mut(&stage.provider) {
+                        live.work = Some(ProviderWork {
+                            job_id: job.id,
+                            cluster: c as u32,
+                            stage: s as u32,
+                            role: stage.role.clone(),
+                            micro_batches_done: 0,
+                        });
+                    }
+                }
+            }
+            self.micro_batches.insert(job.id, step_micro_batches);
+            let plan_json = serde_json::to_string(&view).unwrap_or_default();
             if let Err(error) = jobs::set_plan(&self.db, job.id, plan_json, run.total_steps()).await
             {
                 tracing::error!(job = job.id, %error, "cannot store the plan");
+            }
+            for (c, cluster) in view.clusters.iter().enumerate() {
+                for stage in &cluster.stages {
+                    let message = format!(
+                        "cluster {c}: {} stage ({} nodes, {} parameters) on provider {} ({}, {})",
+                        stage.role,
+                        stage.nodes,
+                        stage.param_count,
+                        stage.provider,
+                        stage.provider_name,
+                        stage.device
+                    );
+                    self.log(job.id, "stage_assigned", message).await;
+                }
             }
             self.waiting.remove(&job.id);
             self.set_status(
@@ -386,10 +540,9 @@ impl Actor {
             return;
         }
         self.waiting.insert(job_id, reason.clone());
-        if let Err(error) =
-            jobs::set_status(&self.db, job_id, JobStatus::Queued, Some(reason), now_ms()).await
-        {
-            tracing::error!(job = job_id, %error, "cannot record why a job waits");
+        match jobs::set_status(&self.db, job_id, JobStatus::Queued, Some(reason), now_ms()).await {
+            Ok(_) => self.publish_job(job_id).await,
+            Err(error) => tracing::error!(job = job_id, %error, "cannot record why a job waits"),
         }
     }
 
@@ -442,9 +595,21 @@ impl Actor {
                 Effect::Send(provider, message) => self.send(provider, message),
                 Effect::Running => self.set_status(job_id, JobStatus::Running, None).await,
                 Effect::Step(record) => {
+                    let per_step = self.micro_batches.get(&job_id).copied().unwrap_or(1);
+                    for stage in &record.stages {
+                        if let Some(work) = self
+                            .providers
+                            .get_mut(&stage.provider)
+                            .and_then(|live| live.work.as_mut())
+                        {
+                            work.micro_batches_done += per_step;
+                        }
+                    }
+                    let metric = crate::job_api::step_metric(record.clone());
                     if let Err(error) = jobs::record_step(&self.db, job_id, record).await {
                         tracing::error!(job = job_id, %error, "cannot record a step");
                     }
+                    self.publish(job_id, JobEventBody::Step { step: metric });
                 }
                 Effect::Epoch(record) => {
                     tracing::info!(
@@ -457,11 +622,33 @@ impl Actor {
                     if let Err(error) = jobs::record_epoch(&self.db, job_id, record).await {
                         tracing::error!(job = job_id, %error, "cannot record an epoch");
                     }
+                    let message = format!(
+                        "epoch {} evaluated on {} test samples: loss {:.4}, accuracy {:.2}%",
+                        record.epoch,
+                        record.samples,
+                        record.test_loss,
+                        record.test_accuracy * 100.0
+                    );
+                    self.publish(
+                        job_id,
+                        JobEventBody::Epoch {
+                            epoch: EpochMetric {
+                                epoch: record.epoch,
+                                test_loss: record.test_loss,
+                                test_accuracy: record.test_accuracy,
+                                samples: record.samples,
+                            },
+                        },
+                    );
+                    self.log(job_id, "epoch", message).await;
                 }
                 Effect::Checkpoint(weights) => {
                     let path = checkpoint_path(&self.data_dir, job_id);
-                    if let Err(error) = write_weights(path, weights).await {
-                        tracing::error!(job = job_id, %error, "cannot write the checkpoint");
+                    match write_weights(path, weights).await {
+                        Ok(()) => self.log_sync(job_id).await,
+                        Err(error) => {
+                            tracing::error!(job = job_id, %error, "cannot write the checkpoint")
+                        }
                     }
                 }
                 Effect::Completed(weights) => {
@@ -503,15 +690,90 @@ impl Actor {
         for live in self.providers.values_mut() {
             if live.job == Some(job_id) {
                 live.job = None;
+                live.work = None;
             }
         }
+        self.micro_batches.remove(&job_id);
+        self.sync_log.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {
-        if let Err(error) = jobs::set_status(&self.db, job_id, status, detail, now_ms()).await {
-            tracing::error!(job = job_id, %error, "cannot record a job's status");
+        match jobs::set_status(&self.db, job_id, status, detail.clone(), now_ms()).await {
+            Ok(true) => {
+                if status != JobStatus::Queued {
+                    let message = match &detail {
+                        Some(detail) => format!("{}: {detail}", status.as_str()),
+                        None => status.as_str().to_string(),
+                    };
+                    self.log(job_id, status.as_str(), message).await;
+                }
+                self.publish_job(job_id).await;
+            }
+            Ok(false) => {}
+            Err(error) => tracing::error!(job = job_id, %error, "cannot record a job's status"),
         }
     }
+
+    fn publish(&self, job_id: u64, body: JobEventBody) {
+        // No subscriber is no error: nobody has the dashboard open.
+        let _ = self.events.send(JobEvent { job_id, body });
+    }
+
+    /// Sends the job's whole row to live subscribers.
+    async fn publish_job(&self, job_id: u64) {
+        match jobs::get(&self.db, job_id).await {
+            Ok(Some(record)) => self.publish(
+                job_id,
+                JobEventBody::Job {
+                    job: crate::job_api::job_info(record),
+                },
+            ),
+            Ok(None) => {}
+            Err(error) => tracing::error!(job = job_id, %error, "cannot read a job to publish it"),
+        }
+    }
+
+    /// Writes a line to the job's log and sends it to live subscribers.
+    async fn log(&self, job_id: u64, kind: &str, message: String) {
+        let entry = LogEntry {
+            at_ms: now_ms(),
+            kind: kind.to_string(),
+            message,
+        };
+        let record = LogRecord {
+            at_ms: entry.at_ms,
+            kind: entry.kind.clone(),
+            message: entry.message.clone(),
+        };
+        if let Err(error) = jobs::append_log(&self.db, job_id, record).await {
+            tracing::error!(job = job_id, %error, "cannot write to a job's log");
+        }
+        self.publish(job_id, JobEventBody::Log { entry });
+    }
+
+    /// A sync averaged the clusters' parameters and wrote the checkpoint.
+    async fn log_sync(&mut self, job_id: u64) {
+        let now = now_ms();
+        let (last, count) = self.sync_log.entry(job_id).or_insert((0, 0));
+        *count += 1;
+        if now.saturating_sub(*last) < SYNC_LOG_EVERY_MS {
+            return;
+        }
+        let message = match *count {
+            1 => "parameters averaged across clusters; checkpoint written".to_string(),
+            n => format!("{n} syncs averaged parameters across clusters; checkpoint written"),
+        };
+        *last = now;
+        *count = 0;
+        self.log(job_id, "checkpoint", message).await;
+    }
+}
+
+/// Connected providers by the ids plans name them with.
+pub fn by_plan_id(live: Vec<LiveProvider>) -> HashMap<String, (u64, Hello)> {
+    live.into_iter()
+        .map(|p| (p.id.to_string(), (p.id, p.hello)))
+        .collect()
 }
 
 /// The planner's knobs for a job: its micro-batch, cluster count, optimizer

@@ -61,6 +61,14 @@ const MIGRATIONS: &[&str] = &[
         samples         INTEGER NOT NULL,
         PRIMARY KEY (job_id, epoch)
     );",
+    "CREATE TABLE job_log (
+        job_id          INTEGER NOT NULL REFERENCES jobs(id),
+        seq             INTEGER PRIMARY KEY AUTOINCREMENT,
+        at_ms           INTEGER NOT NULL,
+        kind            TEXT    NOT NULL,
+        message         TEXT    NOT NULL
+    );
+    CREATE INDEX job_log_by_job ON job_log (job_id, seq);",
     // Measured by the server's link probe after Welcome; NULL until then.
     "ALTER TABLE providers ADD COLUMN bandwidth_mbps REAL;",
 ];

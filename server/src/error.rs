@@ -14,6 +14,9 @@ pub enum AppError {
     NotFound(String),
     #[error("{0}")]
     BadRequest(String),
+    /// A bad request about one job-file field or uploaded file.
+    #[error("{message}")]
+    Field { field: String, message: String },
     #[error("{0}")]
     Unauthorized(&'static str),
     #[error("{0}")]
@@ -26,7 +29,12 @@ pub enum AppError {
 
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
+        let field = match &self {
+            AppError::Field { field, .. } => Some(field.clone()),
+            _ => None,
+        };
         let (status, message) = match &self {
+            AppError::Field { message, .. } => (StatusCode::BAD_REQUEST, message.clone()),
             AppError::NotFound(what) => (StatusCode::NOT_FOUND, format!("not found: {what}")),
             AppError::BadRequest(why) => (StatusCode::BAD_REQUEST, why.clone()),
             AppError::Unauthorized(why) => (StatusCode::UNAUTHORIZED, (*why).to_owned()),
@@ -46,6 +54,13 @@ impl IntoResponse for AppError {
                 )
             }
         };
-        (status, Json(ApiError { error: message })).into_response()
+        (
+            status,
+            Json(ApiError {
+                error: message,
+                field,
+            }),
+        )
+            .into_response()
     }
 }

@@ -6,19 +6,43 @@ use axum::Json;
 use axum::extract::{OriginalUri, State};
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse};
-use rookery_proto::api::{ProviderInfo, ProviderStatus};
+use rookery_proto::api::{ProviderInfo, ProviderStatus, ProviderWork};
 
 use crate::AppState;
 use crate::error::AppError;
 use crate::providers::{self, ProviderRecord};
 
+/// Every provider the server has seen, connected ones with the stage they run.
+#[utoipa::path(get, path = "/api/providers", tag = "providers",
+    responses((status = 200, description = "Every provider, connected or gone", body = Vec<ProviderInfo>)))]
 pub async fn list_providers(
     State(state): State<AppState>,
 ) -> Result<Json<Vec<ProviderInfo>>, AppError> {
     let records = providers::list(&state.db).await?;
-    Ok(Json(records.into_iter().map(provider_info).collect()))
+    let mut work: std::collections::HashMap<u64, ProviderWork> = state
+        .coordinator
+        .snapshot()
+        .await
+        .into_iter()
+        .filter_map(|live| Some((live.id, live.work?)))
+        .collect();
+    Ok(Json(
+        records
+            .into_iter()
+            .map(|record| {
+                let work = work.remove(&record.id);
+                ProviderInfo {
+                    work,
+                    ..provider_info(record)
+                }
+            })
+            .collect(),
+    ))
 }
 
+/// Liveness and the provider protocol version.
+#[utoipa::path(get, path = "/api/health", tag = "server",
+    responses((status = 200, description = "`{\"status\": \"ok\", \"protocol_version\": N}`", body = Object)))]
 pub async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({
         "status": "ok",
@@ -62,6 +86,7 @@ fn provider_info(record: ProviderRecord) -> ProviderInfo {
         last_heartbeat_ms: record.last_heartbeat_ms,
         gone_since_ms: record.gone.as_ref().map(|gone| gone.at_ms),
         gone_reason: record.gone.map(|gone| gone.reason),
+        work: None,
     }
 }
 

@@ -318,6 +318,46 @@ pub async fn epochs(db: &Db, id: u64) -> Result<Vec<EpochRecord>, DbError> {
     .await
 }
 
+/// One line of a job's event log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRecord {
+    pub at_ms: u64,
+    /// A short machine-readable word (`provider_left`, `checkpoint`, ...).
+    pub kind: String,
+    pub message: String,
+}
+
+pub async fn append_log(db: &Db, id: u64, record: LogRecord) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "INSERT INTO job_log (job_id, at_ms, kind, message) VALUES (?1, ?2, ?3, ?4)",
+            params![id as i64, record.at_ms as i64, record.kind, record.message],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+/// The last `limit` lines of a job's log, oldest first.
+pub async fn log(db: &Db, id: u64, limit: usize) -> Result<Vec<LogRecord>, DbError> {
+    db.call(move |conn| {
+        let mut statement = conn.prepare(
+            "SELECT at_ms, kind, message FROM
+                 (SELECT seq, at_ms, kind, message FROM job_log WHERE job_id = ?1 ORDER BY seq DESC LIMIT ?2)
+             ORDER BY seq",
+        )?;
+        let rows = statement.query_map(params![id as i64, limit as i64], |row| {
+            Ok(LogRecord {
+                at_ms: row.get::<_, i64>(0)? as u64,
+                kind: row.get(1)?,
+                message: row.get(2)?,
+            })
+        })?;
+        rows.collect()
+    })
+    .await
+}
+
 /// A restarted server has lost every running job's providers: such jobs go
 /// back to the queue and start again when providers are there.
 pub async fn requeue_interrupted(db: &Db) -> Result<usize, DbError> {
@@ -410,6 +450,29 @@ mod tests {
         let steps = steps(&db, id).await.unwrap();
         assert_eq!(steps[0].stages[0].provider, 3);
         assert_eq!(epochs(&db, id).await.unwrap()[0].samples, 2000);
+    }
+
+    #[tokio::test]
+    async fn the_log_keeps_each_jobs_latest_lines_in_order() {
+        let db = Db::open_in_memory().unwrap();
+        let a = insert(&db, "a".into(), "{}".into(), "a".into(), 1)
+            .await
+            .unwrap();
+        let b = insert(&db, "b".into(), "{}".into(), "b".into(), 1)
+            .await
+            .unwrap();
+        for (job, at) in [(a, 1), (b, 2), (a, 3), (a, 4)] {
+            let line = LogRecord {
+                at_ms: at,
+                kind: "sync".into(),
+                message: format!("line {at}"),
+            };
+            append_log(&db, job, line).await.unwrap();
+        }
+        let times = |lines: Vec<LogRecord>| lines.iter().map(|l| l.at_ms).collect::<Vec<_>>();
+        assert_eq!(times(log(&db, a, 10).await.unwrap()), [1, 3, 4]);
+        assert_eq!(times(log(&db, a, 2).await.unwrap()), [3, 4]);
+        assert_eq!(times(log(&db, b, 10).await.unwrap()), [2]);
     }
 
     #[tokio::test]

@@ -9,12 +9,15 @@
 pub mod auth;
 pub mod client;
 pub mod coordinator;
+pub mod datasets;
 pub mod db;
 pub mod error;
 pub mod http;
 pub mod job_api;
 pub mod jobs;
+pub mod openapi;
 pub mod plan_cli;
+pub mod plan_view;
 pub mod providers;
 pub mod run;
 pub mod ws;
@@ -135,6 +138,11 @@ pub fn app(state: AppState) -> Router {
         .route("/jobs", get(job_api::list).post(job_api::create))
         .route("/jobs/{id}", get(job_api::get))
         .route("/jobs/{id}/metrics", get(job_api::metrics))
+        .route("/jobs/{id}/metrics.csv", get(job_api::metrics_as_csv))
+        .route("/jobs/{id}/log", get(job_api::log))
+        .route("/plan", post(job_api::plan))
+        .route("/datasets", get(datasets::list_datasets))
+        .route("/events", get(job_api::events))
         .route("/jobs/{id}/cancel", post(job_api::cancel))
         .route("/jobs/{id}/weights", get(job_api::weights))
         .route_layer(middleware::from_fn_with_state(
@@ -145,6 +153,7 @@ pub fn app(state: AppState) -> Router {
     let api = Router::new()
         .route("/providers", get(http::list_providers))
         .route("/health", get(http::health))
+        .route("/openapi.json", get(openapi::openapi_json))
         .merge(jobs)
         .fallback(http::api_not_found);
     let router = Router::new()

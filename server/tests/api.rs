@@ -132,3 +132,79 @@ async fn health_reports_the_protocol_version() {
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(json["protocol_version"], PROTOCOL_VERSION);
 }
+
+#[tokio::test]
+async fn the_openapi_description_documents_every_endpoint_and_dto_the_dashboard_uses() {
+    let state = state();
+    let (status, body) = get(&state, "/api/openapi.json").await;
+    assert_eq!(status, StatusCode::OK);
+    let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let endpoints = [
+        ("get", "/api/health"),
+        ("get", "/api/providers"),
+        ("get", "/api/openapi.json"),
+        ("get", "/api/jobs"),
+        ("post", "/api/jobs"),
+        ("get", "/api/jobs/{id}"),
+        ("get", "/api/jobs/{id}/metrics"),
+        ("get", "/api/jobs/{id}/metrics.csv"),
+        ("get", "/api/jobs/{id}/log"),
+        ("post", "/api/jobs/{id}/cancel"),
+        ("get", "/api/jobs/{id}/weights"),
+        ("post", "/api/plan"),
+        ("get", "/api/events"),
+        ("get", "/api/datasets"),
+    ];
+    let paths = doc["paths"].as_object().unwrap();
+    assert_eq!(paths.len(), 13, "{:?}", paths.keys().collect::<Vec<_>>());
+    for (method, path) in endpoints {
+        let operation = &doc["paths"][path][method];
+        assert!(operation.is_object(), "{method} {path} is not documented");
+        // Job endpoints say they need the token; public ones do not.
+        let guarded = path.starts_with("/api/jobs")
+            || ["/api/plan", "/api/events", "/api/datasets"].contains(&path);
+        assert_eq!(
+            operation["security"][0].get("api_token").is_some(),
+            guarded,
+            "{method} {path}"
+        );
+        // Every documented endpoint answers (no 404 from the API fallback).
+        let request = Request::builder()
+            .method(method.to_uppercase().as_str())
+            .uri(path.replace("{id}", "1"))
+            .body(Body::empty())
+            .unwrap();
+        let response = app(state.clone()).oneshot(request).await.unwrap();
+        let answered = response.status();
+        let fallback = !guarded && answered == StatusCode::NOT_FOUND;
+        assert!(!fallback, "{method} {path} answered {answered}");
+        if guarded {
+            assert_eq!(answered, StatusCode::UNAUTHORIZED, "{method} {path}");
+        }
+    }
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for dto in [
+        "JobInfo",
+        "JobCreated",
+        "JobMetrics",
+        "StepMetric",
+        "PlanPreview",
+        "PlanView",
+        "StageView",
+        "LogEntry",
+        "JobEvent",
+        "ProviderInfo",
+        "ProviderWork",
+        "ApiError",
+        "DatasetInfo",
+    ] {
+        assert!(schemas.contains_key(dto), "no schema for {dto}");
+    }
+    // Field names are the JSON ones (serde's), e.g. the optional error field.
+    assert!(schemas["ApiError"]["properties"]["field"].is_object());
+    assert_eq!(
+        doc["components"]["securitySchemes"]["api_token"]["scheme"],
+        "bearer"
+    );
+}

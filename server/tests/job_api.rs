@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
 use http_body_util::BodyExt;
-use rookery_proto::api::{ApiError, JobCreated, JobInfo, JobMetrics};
+use rookery_proto::api::{
+    ApiError, JobCreated, JobEvent, JobEventBody, JobInfo, JobMetrics, LogEntry, PlanPreview,
+};
+use rookery_proto::{Hello, ProviderKind};
 use rookery_server::auth::Token;
 use rookery_server::db::Db;
 use rookery_server::{AppState, Limits, app};
@@ -141,6 +144,11 @@ async fn every_job_endpoint_needs_the_right_token() {
         ("GET", "/api/jobs/1/metrics"),
         ("POST", "/api/jobs/1/cancel"),
         ("GET", "/api/jobs/1/weights"),
+        ("GET", "/api/jobs/1/metrics.csv"),
+        ("GET", "/api/jobs/1/log"),
+        ("POST", "/api/plan"),
+        ("GET", "/api/events"),
+        ("GET", "/api/datasets"),
     ];
     for (method, path) in endpoints {
         for token in [None, Some("wrong"), Some("")] {
@@ -316,4 +324,296 @@ async fn bad_uploads_get_a_clear_400_and_leave_nothing_behind() {
         .into_iter()
         .collect();
     assert_eq!(left, vec![0]);
+}
+
+fn plan_request(job: &str, files: &[(&str, Vec<u8>)]) -> Request<Body> {
+    authed("POST", "/api/plan", Some(TOKEN))
+        .header(
+            header::CONTENT_TYPE,
+            format!("multipart/form-data; boundary={BOUNDARY}"),
+        )
+        .body(multipart(job, files))
+        .unwrap()
+}
+
+/// Registers a provider with the coordinator the way the socket loop does
+/// after a handshake and a link probe; the receiver keeps its queue open.
+fn connect(
+    state: &AppState,
+    id: u64,
+    memory_bytes: u64,
+) -> tokio::sync::mpsc::UnboundedReceiver<rookery_server::coordinator::Outgoing> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    state
+        .coordinator
+        .send(rookery_server::coordinator::Event::Connected {
+            id,
+            hello: Hello {
+                protocol_version: rookery_proto::PROTOCOL_VERSION,
+                kind: ProviderKind::Native,
+                device: format!("libtorch cpu {id}"),
+                memory_bytes,
+                gflops: 10.0 * id as f64,
+                display_name: format!("p{id}"),
+            },
+            tx,
+        });
+    state
+        .coordinator
+        .send(rookery_server::coordinator::Event::Measured {
+            id,
+            bandwidth_mbps: 1000.0,
+        });
+    rx
+}
+
+#[tokio::test]
+async fn the_plan_preview_splits_the_model_over_the_connected_providers_and_keeps_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let job = JOB.replace("optimizer =", "stages = 3\nclusters = 1\noptimizer =");
+
+    let (status, body) = call(&state, plan_request(&job, &mnist_files())).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(error_of(&body).contains("no idle native provider"));
+
+    let _queues: Vec<_> = (1..=3).map(|id| connect(&state, id, 4 << 30)).collect();
+    let (status, body) = call(&state, plan_request(&job, &mnist_files())).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+    let preview: PlanPreview = serde_json::from_slice(&body).unwrap();
+    let plan = &preview.plan;
+    assert_eq!(plan.clusters.len(), 1);
+    let stages = &plan.clusters[0].stages;
+    let roles: Vec<&str> = stages.iter().map(|s| s.role.as_str()).collect();
+    assert_eq!(roles, ["root", "stem", "leaf"]);
+    let mut providers: Vec<u64> = stages.iter().map(|s| s.provider).collect();
+    providers.sort();
+    assert_eq!(providers, [1, 2, 3]);
+    for stage in stages {
+        assert_eq!(stage.device, format!("libtorch cpu {}", stage.provider));
+        assert_eq!(stage.provider_name, format!("p{}", stage.provider));
+        assert!(stage.memory_bytes > 0 && stage.time_s > 0.0, "{stage:?}");
+    }
+    // The example CNN's trainable parameters (conv 160, batch norm 32, conv
+    // 4640, dense 200832, dense 1290), each in exactly one stage.
+    assert_eq!(plan.param_count, 206_954);
+    assert_eq!(
+        stages.iter().map(|s| s.param_count).sum::<u64>(),
+        plan.param_count
+    );
+    // datasets/mnist-10k: 8,000 training and 2,000 test digits.
+    assert_eq!(
+        (preview.train_samples, preview.test_samples),
+        (8_000, 2_000)
+    );
+
+    // A preview is not a submission.
+    let (_, body) = call(
+        &state,
+        authed("GET", "/api/jobs", Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert!(
+        serde_json::from_slice::<Vec<JobInfo>>(&body)
+            .unwrap()
+            .is_empty()
+    );
+    let left = std::fs::read_dir(dir.path().join("jobs")).unwrap().count();
+    assert_eq!(left, 0);
+}
+
+#[tokio::test]
+async fn validation_errors_name_the_field_or_file_they_concern() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let files = mnist_files();
+    let cases: Vec<(String, Files, &str)> = vec![
+        (
+            JOB.replace("batch_size = 64", "batch_size = 0"),
+            files.clone(),
+            "training.batch_size",
+        ),
+        (
+            JOB.replace("lr = 0.001", "lr = -1.0"),
+            files.clone(),
+            "training.optimizer.lr",
+        ),
+        (
+            JOB.to_string(),
+            files
+                .iter()
+                .map(|(n, b)| {
+                    let bytes = if *n == "train-labels-idx1-ubyte.gz" {
+                        b"not gzip".to_vec()
+                    } else {
+                        b.clone()
+                    };
+                    (*n, bytes)
+                })
+                .collect(),
+            "train-labels-idx1-ubyte.gz",
+        ),
+    ];
+    for (job, files, field) in cases {
+        for request in [plan_request(&job, &files), {
+            authed("POST", "/api/jobs", Some(TOKEN))
+                .header(
+                    header::CONTENT_TYPE,
+                    format!("multipart/form-data; boundary={BOUNDARY}"),
+                )
+                .body(multipart(&job, &files))
+                .unwrap()
+        }] {
+            let (status, body) = call(&state, request).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{field}");
+            let error: ApiError = serde_json::from_slice(&body).unwrap();
+            assert_eq!(error.field.as_deref(), Some(field), "{error:?}");
+            // Messages name files as uploaded, not where the server put them.
+            assert!(!error.error.contains(".upload-"), "{error:?}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let response = app(state.clone())
+        .oneshot(
+            authed("GET", "/api/events", Some(TOKEN))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.headers()[header::CONTENT_TYPE],
+        "text/event-stream"
+    );
+    let (status, body) = submit(&state, JOB, &mnist_files()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+
+    // Read server-sent events until the new job's own row arrives.
+    let mut body = response.into_body();
+    let mut text = String::new();
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|e: &JobEvent| matches!(&e.body, JobEventBody::Job { job } if job.id == id))
+    {
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(10), body.frame())
+            .await
+            .expect("an event within 10 s")
+            .unwrap()
+            .unwrap();
+        text.push_str(std::str::from_utf8(frame.data_ref().unwrap()).unwrap());
+        while let Some(end) = text.find("\n\n") {
+            let block: String = text.drain(..end + 2).collect();
+            if let Some(data) = block
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .filter(|_| block.starts_with("event: job"))
+            {
+                seen.push(serde_json::from_str(data).unwrap());
+            }
+        }
+    }
+    assert!(seen.iter().any(|e| matches!(
+        &e.body,
+        JobEventBody::Log { entry } if entry.kind == "submitted"
+    )));
+
+    let (status, body) = call(
+        &state,
+        authed("GET", &format!("/api/jobs/{id}/log"), Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let log: Vec<LogEntry> = serde_json::from_slice(&body).unwrap();
+    assert_eq!(log[0].kind, "submitted");
+
+    let (status, body) = call(
+        &state,
+        authed("GET", &format!("/api/jobs/{id}/metrics.csv"), Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        String::from_utf8(body).unwrap().trim_end(),
+        rookery_server::job_api::METRICS_CSV_HEADER
+    );
+}
+
+#[tokio::test]
+async fn a_job_can_use_a_dataset_kept_on_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let mnist = dir.path().join("datasets/mnist");
+    std::fs::create_dir_all(&mnist).unwrap();
+    let files = mnist_files();
+    for (name, bytes) in files.iter().filter(|(n, _)| n.ends_with(".gz")) {
+        std::fs::write(mnist.join(name), bytes).unwrap();
+    }
+    std::fs::write(mnist.join(".hidden"), b"x").unwrap();
+
+    let (status, body) = call(
+        &state,
+        authed("GET", "/api/datasets", Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let datasets: Vec<rookery_proto::api::DatasetInfo> = serde_json::from_slice(&body).unwrap();
+    assert_eq!(datasets.len(), 1);
+    assert_eq!(datasets[0].name, "mnist");
+    let names: Vec<&str> = datasets[0].files.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "t10k-images-idx3-ubyte.gz",
+            "t10k-labels-idx1-ubyte.gz",
+            "train-images-idx3-ubyte.gz",
+            "train-labels-idx1-ubyte.gz"
+        ]
+    );
+
+    // Only the model travels; the data comes from the server's folder.
+    let model = vec![files[0].clone()];
+    let with = |dataset: &str| {
+        let mut parts = model.clone();
+        parts.push(("dataset", dataset.as_bytes().to_vec()));
+        parts
+    };
+    let (status, body) = submit(&state, JOB, &with("mnist")).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+    let job_dir = dir.path().join(format!("jobs/{id}"));
+    assert!(job_dir.join("train-images-idx3-ubyte.gz").is_file());
+    assert!(!job_dir.join(".hidden").exists());
+    assert!(!job_dir.join("dataset").exists(), "the part is no file");
+
+    for (name, expected) in [
+        ("../jobs", "folder name alone"),
+        ("nope", "no dataset `nope`"),
+    ] {
+        let (status, body) = submit(&state, JOB, &with(name)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{name}");
+        let error: ApiError = serde_json::from_slice(&body).unwrap();
+        assert_eq!(error.field.as_deref(), Some("dataset"), "{error:?}");
+        assert!(error.error.contains(expected), "{error:?}");
+    }
 }

@@ -107,6 +107,19 @@ impl Server {
         })
     }
 
+    /// The server's data dir (SQLite, job folders, `datasets/`).
+    pub fn data_dir(&self) -> &Path {
+        self._data_dir.path()
+    }
+
+    /// The Requester's API token the server created in its data dir.
+    pub fn api_token(&self) -> anyhow::Result<String> {
+        let path = self._data_dir.path().join("api-token");
+        let token = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        Ok(token.trim().to_string())
+    }
+
     pub fn http_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
@@ -245,6 +258,15 @@ pub struct Browser {
 
 impl Browser {
     pub async fn start() -> anyhow::Result<Self> {
+        Self::launch(None).await
+    }
+
+    /// A browser that saves downloads into `dir` without asking.
+    pub async fn start_with_downloads(dir: &Path) -> anyhow::Result<Self> {
+        Self::launch(Some(dir)).await
+    }
+
+    async fn launch(downloads: Option<&Path>) -> anyhow::Result<Self> {
         let chromedriver =
             std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "/usr/bin/chromedriver".into());
         let chromium =
@@ -264,10 +286,14 @@ impl Browser {
         let mut args: Vec<String> = CHROMIUM_FLAGS.iter().map(|f| f.to_string()).collect();
         args.push(format!("--user-data-dir={}", profile.path().display()));
         let mut capabilities = serde_json::Map::new();
-        capabilities.insert(
-            "goog:chromeOptions".into(),
-            serde_json::json!({ "binary": chromium, "args": args }),
-        );
+        let mut options = serde_json::json!({ "binary": chromium, "args": args });
+        if let Some(dir) = downloads {
+            options["prefs"] = serde_json::json!({
+                "download.default_directory": dir.display().to_string(),
+                "download.prompt_for_download": false,
+            });
+        }
+        capabilities.insert("goog:chromeOptions".into(), options);
         let started = Instant::now();
         let client = loop {
             let attempt = fantoccini::ClientBuilder::rustls()?

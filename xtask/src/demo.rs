@@ -114,7 +114,10 @@ fn demo(addr: &str, providers: usize) -> Result<()> {
         }
         Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
     })?;
-    println!("job {id}: follow it on http://{addr}/ too");
+    println!(
+        "job {id}: follow it on http://{addr}/jobs/{id} too (sign in with the token {})",
+        token.trim()
+    );
     step("train", || run(&mut rookery(&["watch", &id])))?;
     let weights = target.join("demo-out/weights.safetensors");
     step("download the weights", || {

@@ -2,7 +2,8 @@
 //!
 //! Setup, fmt, clippy (default and all features), a build of every binary, the
 //! dashboard, the workspace tests (the e2e tests need the binaries and the
-//! dashboard built first), then the browser-side wasm tests in headless Chromium.
+//! dashboard built first), then the browser-side wasm tests in headless
+//! Chromium (the dashboard's component tests, then the web provider's).
 //! Stops at the first failure and closes with a table of steps and durations.
 //! `--skip-lint` leaves out fmt and clippy for quicker local runs.
 
@@ -76,6 +77,25 @@ fn steps(summary: &mut Summary, skip_lint: bool) -> Result<()> {
         let mut cmd = cargo(&["test", "--workspace", "--all-features"]);
         cmd.env("ROOKERY_WEB_DIR", target_dir().join("web"))
             .env("ROOKERY_BIN_DIR", target_dir().join("debug"));
+        run(&mut cmd)
+    })?;
+    summary.step("dashboard component tests", || {
+        let mut cmd = cargo(&[
+            "test",
+            "-p",
+            "rookery-frontend",
+            "--target",
+            WASM_TARGET,
+            "--test",
+            "components",
+        ]);
+        // From frontend/ so the runner picks up that crate's webdriver.json.
+        cmd.current_dir(repo_root().join("frontend"))
+            .env(
+                "CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER",
+                env.wasm_bindgen_bin.join("wasm-bindgen-test-runner"),
+            )
+            .env("WASM_BINDGEN_TEST_TIMEOUT", "180");
         run(&mut cmd)
     })?;
     summary.step("browser tests", || {

@@ -1,0 +1,273 @@
+//! Component tests in headless Chromium: pieces of the dashboard mounted
+//! into a real DOM. The loss chart draws a hundred thousand points as a few
+//! hundred segments and redraws when a point arrives; the cluster diagram
+//! shows each stage's role, provider kind, device and size; the New job
+//! form marks every missing or malformed field without sending anything;
+//! the sign-in form refuses an empty token. Run from `frontend/` with
+//! `CHROMEDRIVER=/usr/bin/chromedriver \
+//!  CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=<wasm-bindgen-test-runner> \
+//!  cargo test -p rookery-frontend --target wasm32-unknown-unknown --test components`
+//! (`cargo xtask test` does).
+#![cfg(target_arch = "wasm32")]
+// Clippy's test exemption only knows `#[test]`, not `#[wasm_bindgen_test]`.
+#![allow(clippy::unwrap_used)]
+
+use leptos::prelude::*;
+use leptos_router::components::Router;
+use rookery_frontend::api::Auth;
+use rookery_frontend::chart::{BUCKETS, LineChart};
+use rookery_frontend::job_detail::plan_diagram;
+use rookery_frontend::new_job::NewJobPage;
+use rookery_frontend::signin::SignIn;
+use rookery_proto::ProviderKind;
+use rookery_proto::api::{ClusterView, PlanView, StageView};
+use wasm_bindgen::JsCast;
+use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
+
+wasm_bindgen_test_configure!(run_in_browser);
+
+/// A fresh element in the page to mount into; tests run in one page.
+fn host() -> web_sys::HtmlElement {
+    let document = web_sys::window().unwrap().document().unwrap();
+    let host = document
+        .create_element("div")
+        .unwrap()
+        .unchecked_into::<web_sys::HtmlElement>();
+    document.body().unwrap().append_child(&host).unwrap();
+    host
+}
+
+fn query(root: &web_sys::HtmlElement, css: &str) -> Option<web_sys::Element> {
+    root.query_selector(css).unwrap()
+}
+
+fn count(root: &web_sys::HtmlElement, css: &str) -> u32 {
+    root.query_selector_all(css).unwrap().length()
+}
+
+/// Lets Leptos run its scheduled effects and renders.
+async fn settle() {
+    gloo_timers::future::TimeoutFuture::new(50).await;
+}
+
+#[wasm_bindgen_test]
+async fn a_hundred_thousand_loss_points_draw_as_a_few_hundred_and_grow_live() {
+    let root = host();
+    let points = RwSignal::new(
+        (0..100_000)
+            .map(|i| (i as f64, 2.5 / (1.0 + i as f64 / 1000.0)))
+            .collect::<Vec<_>>(),
+    );
+    let _mounted = leptos::mount::mount_to(root.clone(), move || {
+        view! { <LineChart id="loss-chart" title="Training loss per step" x_label="steps" points=points /> }
+    });
+    settle().await;
+    let svg = query(&root, "svg#loss-chart").unwrap();
+    assert_eq!(svg.get_attribute("data-points").as_deref(), Some("100000"));
+    let d = query(&root, "path.chart-line")
+        .unwrap()
+        .get_attribute("d")
+        .unwrap();
+    let segments = d.matches('L').count();
+    assert!(
+        (100..=2 * BUCKETS + 2).contains(&segments),
+        "{segments} segments"
+    );
+    // Axis labels name the range: the first loss and the last step.
+    let ticks: Vec<String> = {
+        let list = root.query_selector_all("text.chart-tick").unwrap();
+        (0..list.length())
+            .map(|i| list.item(i).unwrap().text_content().unwrap_or_default())
+            .collect()
+    };
+    assert!(ticks.contains(&"2.50".to_string()), "{ticks:?}");
+    assert!(ticks.iter().any(|t| t == "100k steps"), "{ticks:?}");
+
+    points.update(|p| p.push((100_000.0, 0.01)));
+    settle().await;
+    assert_eq!(svg.get_attribute("data-points").as_deref(), Some("100001"));
+    root.remove();
+}
+
+#[wasm_bindgen_test]
+async fn an_empty_chart_says_so() {
+    let root = host();
+    let _mounted = leptos::mount::mount_to(root.clone(), move || {
+        view! { <LineChart id="empty-chart" title="Test loss" x_label="epochs" points=Signal::derive(Vec::new) dots=true /> }
+    });
+    settle().await;
+    assert_eq!(
+        query(&root, "svg#empty-chart")
+            .unwrap()
+            .get_attribute("data-points")
+            .as_deref(),
+        Some("0")
+    );
+    assert_eq!(count(&root, "path.chart-line"), 0);
+    assert!(root.text_content().unwrap().contains("No data yet"));
+    root.remove();
+}
+
+fn stage(role: &str, provider: u64, kind: ProviderKind, params: u64) -> StageView {
+    StageView {
+        role: role.into(),
+        provider,
+        provider_name: format!("p{provider}"),
+        provider_kind: kind,
+        device: format!("device {provider}"),
+        provider_memory_bytes: 1 << 30,
+        nodes: 3,
+        first_node: "a".into(),
+        last_node: "b".into(),
+        param_count: params,
+        memory_bytes: 3 << 20,
+        compute_s: 0.002,
+        transfer_s: 0.001,
+        time_s: 0.003,
+    }
+}
+
+#[wasm_bindgen_test]
+async fn each_cluster_draws_as_a_chain_from_root_to_leaf() {
+    let root = host();
+    let plan = PlanView {
+        clusters: vec![
+            ClusterView {
+                stages: vec![
+                    stage("root", 1, ProviderKind::Native, 1000),
+                    stage("stem", 2, ProviderKind::Browser, 20_000),
+                    stage("leaf", 3, ProviderKind::Native, 330),
+                ],
+                bottleneck_s: 0.003,
+            },
+            ClusterView {
+                stages: vec![stage("single", 4, ProviderKind::Native, 21_330)],
+                bottleneck_s: 0.004,
+            },
+        ],
+        standbys: vec![],
+        param_count: 21_330,
+        param_bytes: 85_320,
+        bottleneck_s: 0.004,
+        micro_batch: 16,
+    };
+    let _mounted = leptos::mount::mount_to(root.clone(), move || plan_diagram(&plan));
+    settle().await;
+    assert_eq!(count(&root, ".cluster"), 2);
+    let nodes = root
+        .query_selector_all(".cluster[data-cluster='0'] .stage-node")
+        .unwrap();
+    let seen: Vec<(String, String)> = (0..nodes.length())
+        .map(|i| {
+            let node = nodes.item(i).unwrap().unchecked_into::<web_sys::Element>();
+            (
+                node.get_attribute("data-role").unwrap(),
+                node.get_attribute("data-kind").unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("root".to_string(), "native".to_string()),
+            ("stem".to_string(), "browser".to_string()),
+            ("leaf".to_string(), "native".to_string()),
+        ]
+    );
+    // Arrows between the stages of a chain, none after the last.
+    assert_eq!(count(&root, ".cluster[data-cluster='0'] .stage-arrow"), 2);
+    assert_eq!(count(&root, ".cluster[data-cluster='1'] .stage-arrow"), 0);
+    let stem = query(&root, ".stage-node[data-role='stem']")
+        .unwrap()
+        .text_content()
+        .unwrap();
+    assert!(stem.contains("#2 p2"), "{stem}");
+    assert!(stem.contains("device 2"), "{stem}");
+    assert!(stem.contains("20,000 params"), "{stem}");
+    assert!(stem.contains("3.0 MiB"), "{stem}");
+    root.remove();
+}
+
+fn click(root: &web_sys::HtmlElement, css: &str) {
+    query(root, css)
+        .unwrap()
+        .unchecked_into::<web_sys::HtmlElement>()
+        .click();
+}
+
+fn set_value(root: &web_sys::HtmlElement, css: &str, value: &str) {
+    let input = query(root, css)
+        .unwrap()
+        .unchecked_into::<web_sys::HtmlInputElement>();
+    input.set_value(value);
+    input
+        .dispatch_event(&web_sys::Event::new("input").unwrap())
+        .unwrap();
+}
+
+#[wasm_bindgen_test]
+async fn the_new_job_form_marks_each_missing_or_bad_field_before_sending() {
+    let root = host();
+    let _mounted = leptos::mount::mount_to(root.clone(), move || {
+        provide_context(Auth::from_storage());
+        view! {
+            <Router>
+                <NewJobPage />
+            </Router>
+        }
+    });
+    settle().await;
+    set_value(&root, "#batch-size", "0");
+    set_value(&root, "#clusters", "several");
+    click(&root, "#preview-plan");
+    settle().await;
+    let errors = root.query_selector_all(".field-error").unwrap();
+    let mut ids: Vec<String> = (0..errors.length())
+        .map(|i| {
+            errors
+                .item(i)
+                .unwrap()
+                .unchecked_into::<web_sys::Element>()
+                .id()
+        })
+        .collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        [
+            "error-batch-size",
+            "error-clusters",
+            "error-model-file",
+            "error-train-inputs",
+            "error-train-labels"
+        ]
+    );
+    // Nothing was sent, so no plan and no server error.
+    assert!(query(&root, "#plan-preview").is_none());
+    assert!(query(&root, "#form-error").is_none());
+    // Fixing a field clears its mark on the next try.
+    set_value(&root, "#batch-size", "32");
+    click(&root, "#preview-plan");
+    settle().await;
+    assert!(query(&root, "#error-batch-size").is_none());
+    assert!(query(&root, "#error-clusters").is_some());
+    root.remove();
+}
+
+#[wasm_bindgen_test]
+async fn sign_in_asks_for_a_token_before_calling_the_server() {
+    let root = host();
+    let _mounted = leptos::mount::mount_to(root.clone(), move || {
+        provide_context(Auth::from_storage());
+        view! { <SignIn /> }
+    });
+    settle().await;
+    click(&root, "#signin button[type=submit]");
+    settle().await;
+    let error = query(&root, "#signin-error")
+        .unwrap()
+        .text_content()
+        .unwrap();
+    assert!(error.contains("Paste the API token"), "{error}");
+    root.remove();
+}
