@@ -12,7 +12,7 @@ use rusqlite::Connection;
 
 /// Schema changes, applied in order; `PRAGMA user_version` records how many
 /// have run. Append only: never edit a migration that has shipped.
-const MIGRATIONS: &[&str] = &[
+pub(crate) const MIGRATIONS: &[&str] = &[
     "CREATE TABLE providers (
         id              INTEGER PRIMARY KEY AUTOINCREMENT,
         name            TEXT    NOT NULL,
@@ -61,6 +61,16 @@ const MIGRATIONS: &[&str] = &[
         samples         INTEGER NOT NULL,
         PRIMARY KEY (job_id, epoch)
     );",
+    // Requesters hold SHA-256 digests of their tokens; jobs from before
+    // this migration get their owner when the first Requester is made.
+    "CREATE TABLE requesters (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        name            TEXT    NOT NULL UNIQUE,
+        token_sha256    TEXT    NOT NULL UNIQUE,
+        created_ms      INTEGER NOT NULL
+    );
+    ALTER TABLE jobs ADD COLUMN owner INTEGER REFERENCES requesters(id);
+    CREATE INDEX jobs_by_owner ON jobs (owner, id);",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +103,8 @@ impl Db {
         // WAL keeps readers (the dashboard) from blocking the writer (heartbeats).
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // `rookery token create` writes while a server may hold the file.
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
         Self::migrated(conn)
     }
 
@@ -112,6 +124,18 @@ impl Db {
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
         })
+    }
+
+    /// Runs `work` on the calling thread; for start-up, before any request.
+    pub(crate) fn call_now<R>(
+        &self,
+        work: impl FnOnce(&mut Connection) -> rusqlite::Result<R>,
+    ) -> Result<R, DbError> {
+        let mut guard = self
+            .conn
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        work(&mut guard).map_err(DbError::from)
     }
 
     /// Runs `work` with the connection on the blocking pool.

@@ -1,13 +1,14 @@
 //! The job endpoints: submit (multipart upload of the job file and the files
 //! it names), list, inspect, metrics, cancel, and download the weights. Every
 //! check that can fail runs before the job is accepted, so a queued job has a
-//! readable model and data that match it.
+//! readable model and data that match it. Each Requester sees and touches
+//! only their own jobs; another's job answers 404, as a missing one does.
 
 use std::path::{Component, Path, PathBuf};
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Multipart, Path as UrlPath, State};
+use axum::extract::{Extension, Multipart, Path as UrlPath, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use rookery_job::JobSpec;
@@ -16,6 +17,7 @@ use rookery_proto::api::{EpochMetric, JobCreated, JobInfo, JobMetrics, StageMetr
 use crate::coordinator::{self, Event};
 use crate::error::AppError;
 use crate::jobs::{self, JobRecord};
+use crate::requesters::Requester;
 use crate::{AppState, now_ms};
 
 /// The multipart part that carries the job file (TOML or JSON); every other
@@ -44,29 +46,34 @@ fn job_info(record: JobRecord) -> JobInfo {
     }
 }
 
-pub async fn list(State(state): State<AppState>) -> Result<Json<Vec<JobInfo>>, AppError> {
-    let records = jobs::list(&state.db).await?;
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
+) -> Result<Json<Vec<JobInfo>>, AppError> {
+    let records = jobs::list_owned(&state.db, requester.id).await?;
     Ok(Json(records.into_iter().map(job_info).collect()))
 }
 
-async fn find(state: &AppState, id: u64) -> Result<JobRecord, AppError> {
-    jobs::get(&state.db, id)
+async fn find(state: &AppState, requester: &Requester, id: u64) -> Result<JobRecord, AppError> {
+    jobs::get_owned(&state.db, id, requester.id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("job {id}")))
 }
 
 pub async fn get(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<JobInfo>, AppError> {
-    Ok(Json(job_info(find(&state, id).await?)))
+    Ok(Json(job_info(find(&state, &requester, id).await?)))
 }
 
 pub async fn metrics(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<JobMetrics>, AppError> {
-    find(&state, id).await?;
+    find(&state, &requester, id).await?;
     let steps = jobs::steps(&state.db, id).await?;
     let epochs = jobs::epochs(&state.db, id).await?;
     Ok(Json(JobMetrics {
@@ -106,9 +113,10 @@ pub async fn metrics(
 
 pub async fn cancel(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<JobInfo>, AppError> {
-    let job = find(&state, id).await?;
+    let job = find(&state, &requester, id).await?;
     if job.status.is_finished() {
         return Err(AppError::Conflict(format!(
             "job {id} is already {}",
@@ -124,15 +132,16 @@ pub async fn cancel(
     )
     .await?;
     state.coordinator.send(Event::Cancel { job_id: id });
-    Ok(Json(job_info(find(&state, id).await?)))
+    Ok(Json(job_info(find(&state, &requester, id).await?)))
 }
 
 /// The trained weights of a completed job; while it runs, the latest checkpoint.
 pub async fn weights(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Response, AppError> {
-    find(&state, id).await?;
+    find(&state, &requester, id).await?;
     let candidates = [
         coordinator::weights_path(&state.data_dir, id),
         coordinator::checkpoint_path(&state.data_dir, id),
@@ -199,11 +208,12 @@ pub fn parse_job(text: &str, base: &Path) -> Result<JobSpec, rookery_job::JobErr
 
 pub async fn create(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     mut multipart: Multipart,
 ) -> Result<(StatusCode, Json<JobCreated>), AppError> {
     let jobs_dir = state.data_dir.join("jobs");
     let upload = jobs_dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
-    let result = receive(&mut multipart, &upload).await;
+    let result = receive(&mut multipart, &upload, state.limits.max_upload_bytes).await;
     let (name, text) = match result {
         Ok(job) => job,
         Err(error) => {
@@ -228,7 +238,15 @@ pub async fn create(
     };
     // Reserve the id, then move the files to the job's own folder and store
     // the spec with paths resolved there.
-    let id = jobs::insert(&state.db, name, "{}".into(), String::new(), now_ms()).await?;
+    let id = jobs::insert(
+        &state.db,
+        requester.id,
+        name,
+        "{}".into(),
+        String::new(),
+        now_ms(),
+    )
+    .await?;
     let dir = coordinator::job_dir(&state.data_dir, id);
     let stored = async {
         tokio::fs::rename(&upload, &dir)
@@ -258,7 +276,7 @@ pub async fn create(
         }
     };
     jobs::set_files(&state.db, id, spec_json, dir.display().to_string()).await?;
-    tracing::info!(job = id, "job queued");
+    tracing::info!(job = id, requester = %requester.name, "job queued");
     let warnings = prepared.warnings.clone();
     // The data is read and checked already; the scheduler starts from it.
     state.coordinator.send(Event::Prepared {
@@ -268,8 +286,27 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }
 
+/// An unreadable upload is the client's fault; one over the size limit says so.
+fn upload_error(
+    error: &axum::extract::multipart::MultipartError,
+    what: &str,
+    limit: usize,
+) -> AppError {
+    if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        AppError::PayloadTooLarge(format!(
+            "the upload is larger than this server accepts ({limit} bytes; `rookery serve --max-upload-bytes` sets it)"
+        ))
+    } else {
+        AppError::BadRequest(format!("{what}: {error}"))
+    }
+}
+
 /// Stores every file part under `dir`; returns the job's name and text.
-async fn receive(multipart: &mut Multipart, dir: &Path) -> Result<(String, String), AppError> {
+async fn receive(
+    multipart: &mut Multipart,
+    dir: &Path,
+    limit: usize,
+) -> Result<(String, String), AppError> {
     tokio::fs::create_dir_all(dir)
         .await
         .map_err(|e| AppError::Internal(format!("creating {}: {e}", dir.display())))?;
@@ -277,14 +314,14 @@ async fn receive(multipart: &mut Multipart, dir: &Path) -> Result<(String, Strin
     while let Some(field) = multipart
         .next_field()
         .await
-        .map_err(|e| AppError::BadRequest(format!("unreadable upload: {e}")))?
+        .map_err(|e| upload_error(&e, "unreadable upload", limit))?
     {
         let part = field.name().unwrap_or_default().to_string();
         let file_name = field.file_name().map(str::to_string);
         let bytes = field
             .bytes()
             .await
-            .map_err(|e| AppError::BadRequest(format!("part `{part}`: {e}")))?;
+            .map_err(|e| upload_error(&e, &format!("part `{part}`"), limit))?;
         if part == JOB_PART {
             let text = String::from_utf8(bytes.to_vec())
                 .map_err(|_| AppError::BadRequest("the job file is not UTF-8 text".into()))?;

@@ -6,6 +6,7 @@
 //! `rookery` binary in `main.rs` parses the command line. Nothing here links
 //! libtorch or a GPU API: the server only coordinates and relays.
 
+pub mod admission;
 pub mod auth;
 pub mod client;
 pub mod coordinator;
@@ -16,6 +17,7 @@ pub mod job_api;
 pub mod jobs;
 pub mod plan_cli;
 pub mod providers;
+pub mod requesters;
 pub mod run;
 pub mod ws;
 
@@ -45,6 +47,8 @@ pub struct Limits {
     pub heartbeat_timeout: Duration,
     /// Largest job upload (model, data and job file together).
     pub max_upload_bytes: usize,
+    /// Provider WebSockets one IP address may hold open at once.
+    pub max_connections_per_ip: usize,
 }
 
 impl Default for Limits {
@@ -54,6 +58,7 @@ impl Default for Limits {
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(4),
             max_upload_bytes: 512 << 20,
+            max_connections_per_ip: 64,
         }
     }
 }
@@ -67,14 +72,19 @@ pub struct AppState {
     pub web_dir: Option<PathBuf>,
     /// Uploaded job files, checkpoints and weights live under `jobs/` here.
     pub data_dir: PathBuf,
-    /// The Requester's API token; job endpoints require it.
+    /// The first Requester's API token (the data dir's `api-token`); job
+    /// endpoints take any Requester's token, checked against the database.
     pub api_token: auth::Token,
+    /// When set, providers must present this join token to connect.
+    pub provider_token: Option<auth::ProviderToken>,
+    pub connections: admission::ConnectionCounter,
     pub coordinator: Coordinator,
 }
 
 impl AppState {
-    /// A state over `db`, with job files under `data_dir`. Starts the
-    /// coordinator, so it must run inside a tokio runtime.
+    /// A state over `db`, with job files under `data_dir`, where `api_token`
+    /// is the first Requester's. Starts the coordinator, so it must run
+    /// inside a tokio runtime.
     pub fn new(
         db: Db,
         limits: Limits,
@@ -82,6 +92,12 @@ impl AppState {
         data_dir: PathBuf,
         api_token: auth::Token,
     ) -> Self {
+        // `open` has done this already (and failed loudly if it could not);
+        // here it registers the token of states built directly.
+        if let Err(error) = db.call_now(|conn| requesters::ensure_first(conn, &api_token, now_ms()))
+        {
+            tracing::error!(%error, "cannot register the first Requester's token");
+        }
         let coordinator = Coordinator::spawn(db.clone(), data_dir.clone());
         Self {
             db,
@@ -89,8 +105,16 @@ impl AppState {
             web_dir,
             data_dir,
             api_token,
+            provider_token: None,
+            connections: admission::ConnectionCounter::default(),
             coordinator,
         }
+    }
+
+    /// Requires providers to present `token` when they connect.
+    pub fn with_provider_token(mut self, token: &str) -> Self {
+        self.provider_token = Some(auth::ProviderToken::new(token));
+        self
     }
 
     /// Opens the data directory for a starting server: whoever the previous
@@ -108,6 +132,7 @@ impl AppState {
             path: auth::token_path(data_dir).display().to_string(),
             source,
         })?;
+        db.call_now(|conn| requesters::ensure_first(conn, &token, now_ms()))?;
         Ok(Self::new(
             db,
             limits,
@@ -176,7 +201,9 @@ pub async fn serve(
             tracing::warn!(%error, "cannot set TCP_NODELAY");
         }
     });
-    axum::serve(listener, app(state))
+    // Connection info lets the provider socket count connections per IP.
+    let service = app(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    axum::serve(listener, service)
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -1,6 +1,8 @@
-//! The job endpoints through `tower::ServiceExt::oneshot`: the token guards
-//! every one, uploads are checked before they are accepted, and a bad upload
-//! leaves nothing behind. Uses the real MNIST files and the example CNN.
+//! The job endpoints through `tower::ServiceExt::oneshot`: a Requester's token
+//! guards every one and reaches only that Requester's jobs, uploads are
+//! checked before they are accepted (over-large ones get a 413, malformed
+//! ones a 400 naming the problem), and a bad upload leaves nothing behind.
+//! Uses the real MNIST files, the example CNN and the PyTorch ONNX fixture.
 
 #![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
 
@@ -12,7 +14,7 @@ use http_body_util::BodyExt;
 use rookery_proto::api::{ApiError, JobCreated, JobInfo, JobMetrics};
 use rookery_server::auth::Token;
 use rookery_server::db::Db;
-use rookery_server::{AppState, Limits, app};
+use rookery_server::{AppState, Limits, app, requesters};
 use tower::ServiceExt;
 
 const TOKEN: &str = "secret-token";
@@ -116,7 +118,16 @@ optimizer = { name = "adam", lr = 0.001 }
 "#;
 
 async fn submit(state: &AppState, job: &str, files: &[(&str, Vec<u8>)]) -> (StatusCode, Vec<u8>) {
-    let request = authed("POST", "/api/jobs", Some(TOKEN))
+    submit_as(state, TOKEN, job, files).await
+}
+
+async fn submit_as(
+    state: &AppState,
+    token: &str,
+    job: &str,
+    files: &[(&str, Vec<u8>)],
+) -> (StatusCode, Vec<u8>) {
+    let request = authed("POST", "/api/jobs", Some(token))
         .header(
             header::CONTENT_TYPE,
             format!("multipart/form-data; boundary={BOUNDARY}"),
@@ -142,8 +153,10 @@ async fn every_job_endpoint_needs_the_right_token() {
         ("POST", "/api/jobs/1/cancel"),
         ("GET", "/api/jobs/1/weights"),
     ];
+    // A token that differs from a real one by its last character.
+    let near = format!("{}x", &TOKEN[..TOKEN.len() - 1]);
     for (method, path) in endpoints {
-        for token in [None, Some("wrong"), Some("")] {
+        for token in [None, Some("wrong"), Some(""), Some(near.as_str())] {
             let (status, body) = call(
                 &state,
                 authed(method, path, token).body(Body::empty()).unwrap(),
@@ -316,4 +329,112 @@ async fn bad_uploads_get_a_clear_400_and_leave_nothing_behind() {
         .into_iter()
         .collect();
     assert_eq!(left, vec![0]);
+}
+
+/// Submits the MNIST job as `token`; returns its id.
+async fn submit_mnist(state: &AppState, token: &str) -> u64 {
+    let (status, body) = submit_as(state, token, JOB, &mnist_files()).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    serde_json::from_slice::<JobCreated>(&body).unwrap().id
+}
+
+async fn listed(state: &AppState, token: &str) -> Vec<u64> {
+    let (status, body) = call(
+        state,
+        authed("GET", "/api/jobs", Some(token))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    serde_json::from_slice::<Vec<JobInfo>>(&body)
+        .unwrap()
+        .into_iter()
+        .map(|job| job.id)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_requester_cannot_see_or_touch_another_requesters_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let (_, bob) = requesters::create(&state.db, "bob", 0).await.unwrap();
+    let bob = bob.secret().to_string();
+    let mine = submit_mnist(&state, TOKEN).await;
+    let bobs = submit_mnist(&state, &bob).await;
+    assert_eq!(listed(&state, TOKEN).await, vec![mine]);
+    assert_eq!(listed(&state, &bob).await, vec![bobs]);
+
+    // Another Requester's job answers exactly as a job that does not exist.
+    let missing = bobs + 100;
+    for (method, path) in [
+        ("GET", ""),
+        ("GET", "/metrics"),
+        ("POST", "/cancel"),
+        ("GET", "/weights"),
+    ] {
+        for (token, id, owner) in [(bob.as_str(), mine, TOKEN), (TOKEN, bobs, bob.as_str())] {
+            let request = |job: u64, token: &str| {
+                authed(method, &format!("/api/jobs/{job}{path}"), Some(token))
+                    .body(Body::empty())
+                    .unwrap()
+            };
+            let (status, body) = call(&state, request(id, token)).await;
+            let (absent_status, absent_body) = call(&state, request(missing, token)).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path} of job {id}");
+            assert_eq!(absent_status, StatusCode::NOT_FOUND);
+            assert_eq!(
+                error_of(&body).replace(&id.to_string(), "N"),
+                error_of(&absent_body).replace(&missing.to_string(), "N"),
+                "{method} {path}"
+            );
+            // The owner still reaches it.
+            let (status, _) = call(&state, request(id, owner)).await;
+            let expected = if path == "/weights" {
+                StatusCode::NOT_FOUND // none yet, for the owner too
+            } else {
+                StatusCode::OK
+            };
+            assert_eq!(status, expected, "{method} {path} by the owner");
+        }
+    }
+    // Each job was cancelled once, by its owner.
+    for (token, id) in [(TOKEN, mine), (bob.as_str(), bobs)] {
+        let (_, body) = call(
+            &state,
+            authed("GET", &format!("/api/jobs/{id}"), Some(token))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        let job: JobInfo = serde_json::from_slice(&body).unwrap();
+        assert_eq!(job.status, "cancelled");
+        assert_eq!(job.detail.as_deref(), Some("cancelled by the Requester"));
+    }
+}
+
+#[tokio::test]
+async fn an_upload_over_the_limit_is_refused_with_413() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits {
+            max_upload_bytes: 64 << 10,
+            ..Limits::default()
+        },
+        None,
+        dir.path().to_path_buf(),
+        Token::new(TOKEN),
+    );
+    let (status, body) = submit(&state, JOB, &mnist_files()).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let error = error_of(&body);
+    assert!(error.contains("65536 bytes"), "{error}");
+    assert!(error.contains("--max-upload-bytes"), "{error}");
+    assert!(listed(&state, TOKEN).await.is_empty());
 }
