@@ -197,13 +197,19 @@ fn safe_relative(name: &str) -> Result<PathBuf, AppError> {
     }
 }
 
-/// Parses a job file's text: JSON when it looks like JSON, TOML otherwise.
-pub fn parse_job(text: &str, base: &Path) -> Result<JobSpec, rookery_job::JobError> {
-    if text.trim_start().starts_with('{') {
-        JobSpec::from_json(text, base)
-    } else {
-        JobSpec::from_toml(text, base)
-    }
+/// Parses an uploaded job file's text (JSON or TOML) whose files are in
+/// `base`. Errors name files relative to the upload: the server's own
+/// folders are no business of the client's.
+pub fn parse_job(text: &str, base: &Path) -> Result<JobSpec, String> {
+    JobSpec::from_upload(text, base).map_err(|e| relative_to(&e.to_string(), base))
+}
+
+/// `message` with the upload folder's path taken out of the names it shows.
+fn relative_to(message: &str, base: &Path) -> String {
+    let base = base.display().to_string();
+    message
+        .replace(&format!("{base}/"), "")
+        .replace(&base, "the upload")
 }
 
 pub async fn create(
@@ -223,8 +229,8 @@ pub async fn create(
     };
     let base = upload.clone();
     let checked = tokio::task::spawn_blocking(move || {
-        let spec = parse_job(&text, &base).map_err(|e| e.to_string())?;
-        let prepared = coordinator::prepare(spec)?;
+        let spec = parse_job(&text, &base)?;
+        let prepared = coordinator::prepare(spec).map_err(|e| relative_to(&e, &base))?;
         Ok::<_, String>((text, prepared))
     })
     .await
@@ -252,7 +258,7 @@ pub async fn create(
         tokio::fs::rename(&upload, &dir)
             .await
             .map_err(|e| format!("moving the upload: {e}"))?;
-        let spec = parse_job(&text, &dir).map_err(|e| e.to_string())?;
+        let spec = parse_job(&text, &dir)?;
         let json = spec.to_json().map_err(|e| e.to_string())?;
         Ok::<_, String>((spec, json))
     }
