@@ -22,6 +22,8 @@ pub enum AppError {
     PayloadTooLarge(String),
     #[error("{0}")]
     TooManyConnections(String),
+    #[error("{0}")]
+    Timeout(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]
@@ -37,6 +39,7 @@ impl IntoResponse for AppError {
             AppError::Conflict(why) => (StatusCode::CONFLICT, why.clone()),
             AppError::PayloadTooLarge(why) => (StatusCode::PAYLOAD_TOO_LARGE, why.clone()),
             AppError::TooManyConnections(why) => (StatusCode::TOO_MANY_REQUESTS, why.clone()),
+            AppError::Timeout(why) => (StatusCode::REQUEST_TIMEOUT, why.clone()),
             AppError::Internal(error) => {
                 tracing::error!(%error, "request failed");
                 (

@@ -292,12 +292,22 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }
 
-/// An unreadable upload is the client's fault; one over the size limit says so.
+/// An unreadable upload is the client's fault; one over the size limit or
+/// stalled past the slow-client timeout says so.
 fn upload_error(
     error: &axum::extract::multipart::MultipartError,
     what: &str,
     limit: usize,
 ) -> AppError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = cause {
+        if current.is::<tower_http::timeout::TimeoutError>() {
+            return AppError::Timeout(
+                "the upload stalled for longer than this server waits; send it again".into(),
+            );
+        }
+        cause = current.source();
+    }
     if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
         AppError::PayloadTooLarge(format!(
             "the upload is larger than this server accepts ({limit} bytes; `rookery serve --max-upload-bytes` sets it)"

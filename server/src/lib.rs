@@ -26,12 +26,17 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::extract::DefaultBodyLimit;
+use axum::http::Request;
 use axum::middleware;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
+use hyper::body::Incoming;
 use tokio::net::TcpListener;
+use tower::ServiceExt;
 use tower_http::services::{ServeDir, ServeFile};
+use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::TraceLayer;
 
 use crate::coordinator::Coordinator;
@@ -49,6 +54,9 @@ pub struct Limits {
     pub max_upload_bytes: usize,
     /// Provider WebSockets one IP address may hold open at once.
     pub max_connections_per_ip: usize,
+    /// A client that takes longer than this to send a request's headers, or
+    /// pauses this long in the middle of a request body, is dropped.
+    pub slow_client_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -59,6 +67,7 @@ impl Default for Limits {
             heartbeat_timeout: Duration::from_secs(4),
             max_upload_bytes: 512 << 20,
             max_connections_per_ip: 64,
+            slow_client_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -185,27 +194,86 @@ pub fn app(state: AppState) -> Router {
             .fallback_service(ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html")))),
         None => router.fallback(http::dashboard_missing),
     };
-    router.layer(TraceLayer::new_for_http()).with_state(state)
+    let body_timeout = state.limits.slow_client_timeout;
+    router
+        .layer(RequestBodyTimeoutLayer::new(body_timeout))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
 }
 
-/// Serves [`app`] on `listener` until `shutdown` completes.
+/// Serves [`app`] on `listener` until `shutdown` completes, then lets
+/// requests in flight finish.
+///
+/// Its own accept loop rather than `axum::serve`, which has no way to bound
+/// how long a client may take to send its request headers (slowloris).
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Training sends many small frames (losses, step reports) between large
-    // ones; Nagle's algorithm would hold each behind a delayed ACK (40 ms).
-    let listener = listener.tap_io(|tcp| {
+    let header_timeout = state.limits.slow_client_timeout;
+    let router = app(state);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Every connection task holds a receiver; `closed()` resolves when all are gone.
+    let (open_tx, open_rx) = tokio::sync::watch::channel(());
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (tcp, remote) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors, usually: wait instead of spinning.
+                    tracing::warn!(%error, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Training sends many small frames (losses, step reports) between large
+        // ones; Nagle's algorithm would hold each behind a delayed ACK (40 ms).
         if let Err(error) = tcp.set_nodelay(true) {
             tracing::warn!(%error, "cannot set TCP_NODELAY");
         }
-    });
-    // Connection info lets the provider socket count connections per IP.
-    let service = app(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
-    axum::serve(listener, service)
-        .with_graceful_shutdown(shutdown)
-        .await
+        let router = router.clone();
+        // Connection info lets the provider socket count connections per IP.
+        let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(remote));
+            router.clone().oneshot(request.map(Body::new))
+        });
+        let mut stop = stop_rx.clone();
+        let open = open_rx.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let connection = builder
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                .with_upgrades();
+            let mut connection = std::pin::pin!(connection);
+            let finished = tokio::select! {
+                result = connection.as_mut() => Some(result),
+                _ = stop.changed() => None,
+            };
+            let result = match finished {
+                Some(result) => result,
+                None => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(error) = result {
+                tracing::debug!(%remote, %error, "connection ended with an error");
+            }
+            drop(open);
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    drop(open_rx);
+    open_tx.closed().await;
+    Ok(())
 }
 
 /// Wall-clock Unix milliseconds, the unit of every stored time.

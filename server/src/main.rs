@@ -164,6 +164,10 @@ struct ServeArgs {
     /// Provider WebSockets one IP address may hold open at once.
     #[arg(long, default_value_t = Limits::default().max_connections_per_ip)]
     max_connections_per_ip: usize,
+    /// Milliseconds a client may take to send a request's headers, or pause
+    /// in the middle of an upload, before it is dropped.
+    #[arg(long, default_value_t = 30_000)]
+    slow_client_timeout_ms: u64,
     /// Providers must present this join token to connect (kept in memory as
     /// its digest only).
     #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
@@ -392,6 +396,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         heartbeat_timeout,
         max_upload_bytes: args.max_upload_bytes,
         max_connections_per_ip: args.max_connections_per_ip.max(1),
+        slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
     };
     let web_dir = rookery_server::http::is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {

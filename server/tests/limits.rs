@@ -198,3 +198,64 @@ async fn providers_need_the_join_token_when_the_server_requires_one() {
         assert!(join(&mut client).await > 0, "{query} {bearer:?}");
     }
 }
+
+/// Writes `head` on a raw socket, then goes silent; returns what the server
+/// said before it closed, and how long that took.
+async fn stall_after(addr: SocketAddr, head: &[u8]) -> (String, Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let started = tokio::time::Instant::now();
+    tcp.write_all(head).await.unwrap();
+    let mut said = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        // A reset counts as closed too.
+        while let Ok(n @ 1..) = tcp.read(&mut buf).await {
+            said.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection was still open after 10 s");
+    (
+        String::from_utf8_lossy(&said).into_owned(),
+        started.elapsed(),
+    )
+}
+
+#[tokio::test]
+async fn clients_that_stall_in_headers_or_uploads_are_dropped() {
+    let timeout = Duration::from_millis(400);
+    let (addr, _) = start(
+        Limits {
+            slow_client_timeout: timeout,
+            ..Limits::default()
+        },
+        None,
+    )
+    .await;
+    let upload = "POST /api/jobs HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer test-token\r\n\
+                  Content-Type: multipart/form-data; boundary=B\r\nContent-Length: 100000\r\n\r\n\
+                  --B\r\nContent-Disposition: form-data; name=\"x.npy\"; filename=\"x.npy\"\r\n\r\n\
+                  first bytes of a file that never ends";
+    let cases: [(&str, &str, &[&str]); 2] = [
+        ("headers", "GET /api/health HTTP/1.1\r\nHost: t\r\n", &[]),
+        ("upload", upload, &["HTTP/1.1 408", "the upload stalled"]),
+    ];
+    for (what, head, answer) in cases {
+        let (said, waited) = stall_after(addr, head.as_bytes()).await;
+        assert!(
+            waited >= timeout && waited < timeout * 5,
+            "{what}: dropped after {waited:?}"
+        );
+        for expected in answer {
+            assert!(said.contains(expected), "{what}: {said}");
+        }
+    }
+    // A client that sends its request promptly is answered on the same server.
+    let (said, _) = stall_after(
+        addr,
+        b"GET /api/health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(said.starts_with("HTTP/1.1 200"), "{said}");
+}
