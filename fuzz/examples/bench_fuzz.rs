@@ -1,4 +1,4 @@
-//! `cargo xtask bench fuzz [--inputs N] [--seed S]`: N structured random
+//! `cargo xtask bench fuzz [--inputs N] [--seed S] [--target NAME-PART]`: N structured random
 //! inputs (default 1,000,000) through each parser of untrusted bytes, in a
 //! release build with overflow checks; prints inputs/s, how many parsed, and
 //! the panic count, which must be zero. Panicking inputs are written to
@@ -23,6 +23,7 @@ fn main() -> ExitCode {
 fn run() -> anyhow::Result<bool> {
     let mut inputs = 1_000_000u64;
     let mut seed = 0x5eed_u64;
+    let mut only: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = |name: &str| -> anyhow::Result<u64> {
@@ -36,7 +37,12 @@ fn run() -> anyhow::Result<bool> {
         match arg.as_str() {
             "--inputs" => inputs = value("--inputs")?,
             "--seed" => seed = value("--seed")?,
-            other => bail!("unknown argument {other}; usage: bench_fuzz [--inputs N] [--seed S]"),
+            "--target" => {
+                only = Some(args.next().context("--target needs a value")?);
+            }
+            other => bail!(
+                "unknown argument {other}; usage: bench_fuzz [--inputs N] [--seed S] [--target NAME-PART]"
+            ),
         }
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -59,7 +65,11 @@ fn run() -> anyhow::Result<bool> {
         "target", "inputs", "inputs/s", "parsed", "panics"
     );
     let mut total_panics = 0;
-    for target in &targets.list {
+    let chosen = targets.list.iter().filter(|t| {
+        only.as_ref()
+            .is_none_or(|part| t.name.contains(part.as_str()))
+    });
+    for target in chosen {
         let report = fuzz(target, inputs, seed, threads);
         let rate = report.inputs as f64 / report.elapsed.as_secs_f64().max(1e-9);
         println!(

@@ -1,6 +1,6 @@
 //! Structured fuzzing of every parser that reads bytes from strangers: the
 //! provider protocol decoder (both directions), the ONNX importer, layer
-//! specs and job files (TOML and JSON). Valid seeds are mutated
+//! specs, job files (TOML and JSON) and dataset files. Valid seeds are mutated
 //! ([`mutate`]) and run through each target ([`targets`]) under
 //! `catch_unwind`; the one acceptable outcome for any input is a value or a
 //! typed error, never a panic.

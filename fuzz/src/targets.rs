@@ -2,12 +2,13 @@
 //! work the server (or a provider) does with what parses: the protocol
 //! decoder both ways (plus the tensor checks and, for `Assign`, the graph),
 //! the ONNX importer (plus shape analysis), layer specs and job files in
-//! TOML and JSON (as the upload endpoint reads them).
+//! TOML and JSON (as the upload endpoint reads them), and dataset files in
+//! every format.
 
 use std::io;
 use std::path::{Path, PathBuf};
 
-use rookery_job::JobSpec;
+use rookery_job::{DataFormat, DataRef, JobSpec};
 use rookery_model::{Graph, ModelSpec};
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
@@ -43,7 +44,14 @@ fn read(path: &str) -> io::Result<Vec<u8>> {
 }
 
 pub fn all() -> io::Result<Targets> {
-    let upload = tempfile::tempdir()?;
+    // Dataset inputs go through files: a memory-backed folder, where there is
+    // one, keeps that from being a disk benchmark.
+    let shm = Path::new("/dev/shm");
+    let upload = if shm.is_dir() {
+        tempfile::tempdir_in(shm).or_else(|_| tempfile::tempdir())?
+    } else {
+        tempfile::tempdir()?
+    };
     let list = vec![
         protocol_to_server(),
         protocol_to_provider()?,
@@ -51,6 +59,7 @@ pub fn all() -> io::Result<Targets> {
         layer_spec()?,
         job_file("job file (TOML)", JOB_TOML, upload.path())?,
         job_file("job file (JSON)", JOB_JSON, upload.path())?,
+        datasets(upload.path())?,
     ];
     Ok(Targets {
         list,
@@ -478,3 +487,81 @@ const JOB_JSON: &[&str] = &[
  "data": {"format": "npy", "train_inputs": "x.npy", "train_labels": "y.npy"},
  "training": {"batch_size": 16, "stages": 2}}"#,
 ];
+
+/// A tiny npz (a zip of `.npy` members, stored uncompressed so mutations
+/// reach the arrays) holding `members`.
+fn npz(members: &[(&str, &[u8])]) -> io::Result<Vec<u8>> {
+    let mut zip = zip::ZipWriter::new(io::Cursor::new(Vec::new()));
+    let options =
+        zip::write::FileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for (name, bytes) in members {
+        zip.start_file(*name, options).map_err(io::Error::other)?;
+        io::Write::write_all(&mut zip, bytes)?;
+    }
+    Ok(zip.finish().map_err(io::Error::other)?.into_inner())
+}
+
+/// A safetensors file of one f32 array.
+fn safetensors(name: &str, shape: &[usize], values: &[f32]) -> Vec<u8> {
+    let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let header = format!(
+        r#"{{"{name}":{{"dtype":"F32","shape":{shape:?},"data_offsets":[0,{}]}}}}"#,
+        data.len()
+    );
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&data);
+    out
+}
+
+/// Dataset files as the server reads uploaded ones: each input is written to
+/// a file (one per thread) and read back in its seed's format.
+fn datasets(dir: &Path) -> io::Result<Target> {
+    let x = read("tests/fixtures/pytorch-mlp/x.npy")?;
+    let y = read("tests/fixtures/pytorch-mlp/y.npy")?;
+    let idx3: Vec<u8> = [0u8, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 2]
+        .into_iter()
+        .chain(1..=8)
+        .collect();
+    let seeds: Vec<(DataFormat, Vec<u8>)> = vec![
+        (DataFormat::Npy, x),
+        (DataFormat::Npy, y.clone()),
+        (DataFormat::Idx, idx3),
+        (
+            DataFormat::Idx,
+            read("datasets/mnist-10k/t10k-labels-idx1-ubyte.gz")?,
+        ),
+        (
+            DataFormat::Csv,
+            b"a, b, label\n1, 2.5, 0\n-3, 4e2, 1\n\n\"5\", 6, 2\n".to_vec(),
+        ),
+        (DataFormat::Npz, npz(&[("y.npy", &y)])?),
+        (
+            DataFormat::Safetensors,
+            safetensors("x", &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+        ),
+    ];
+    let formats: Vec<DataFormat> = seeds.iter().map(|(f, _)| *f).collect();
+    let dir = dir.to_path_buf();
+    Ok(Target {
+        name: "dataset files",
+        seeds: seeds.into_iter().map(|(_, bytes)| bytes).collect(),
+        text: false,
+        check: Box::new(move |seed, bytes| {
+            let path = dir.join(format!("{:?}.data", std::thread::current().id()));
+            if std::fs::write(&path, bytes).is_err() {
+                return false;
+            }
+            let format = formats[seed % formats.len()];
+            match rookery_job::data::read_array(format, &DataRef::file(&path)) {
+                Ok(array) => {
+                    // What loading a split does with an array.
+                    let _ = array.to_f32();
+                    let _ = array.to_classes();
+                    true
+                }
+                Err(_) => false,
+            }
+        }),
+    })
+}

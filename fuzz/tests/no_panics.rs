@@ -111,6 +111,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(1500))]
 
     #[test]
+    fn mutated_dataset_files_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+        no_panic("dataset files", seed, &ops)?;
+    }
+
+    #[test]
     fn mutated_onnx_models_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
         no_panic("ONNX import", seed, &ops)?;
     }
