@@ -1,7 +1,8 @@
-//! Who may open a provider WebSocket: the join token (when the server
-//! requires one) and a cap on simultaneous provider connections per IP
-//! address, both checked before the upgrade so a refused peer costs one
-//! HTTP response.
+//! Who may connect: a cap on simultaneous HTTP connections per IP address
+//! (checked as the server accepts), and for a provider WebSocket the join
+//! token (when the server requires one) and a cap on provider connections
+//! per IP, both checked before the upgrade so a refused peer costs one HTTP
+//! response.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -54,6 +55,26 @@ impl Drop for Slot {
             }
         }
     }
+}
+
+/// Answers a connection over the per-IP cap with a 429 and closes it,
+/// without reading its request (the peer may be a flood).
+pub async fn refuse_connection(mut tcp: tokio::net::TcpStream, ip: IpAddr, max: usize) {
+    use tokio::io::AsyncWriteExt;
+    tracing::info!(%ip, max, "too many HTTP connections from one address");
+    let body = format!(
+        r#"{{"error":"too many connections from {ip} (at most {max}); close some and retry"}}"#
+    );
+    let response = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let write = async {
+        tcp.write_all(response.as_bytes()).await?;
+        tcp.shutdown().await
+    };
+    // A peer that does not read gets nothing more than a second of our time.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write).await;
 }
 
 /// Checks a provider's upgrade request. `ip` is `None` when the server runs

@@ -57,6 +57,9 @@ pub struct Limits {
     /// A client that takes longer than this to send a request's headers, or
     /// pauses this long in the middle of a request body, is dropped.
     pub slow_client_timeout: Duration,
+    /// HTTP connections one IP address may hold open at once (provider
+    /// WebSockets count against `max_connections_per_ip` once upgraded).
+    pub max_http_connections_per_ip: usize,
 }
 
 impl Default for Limits {
@@ -68,6 +71,7 @@ impl Default for Limits {
             max_upload_bytes: 512 << 20,
             max_connections_per_ip: 64,
             slow_client_timeout: Duration::from_secs(30),
+            max_http_connections_per_ip: 256,
         }
     }
 }
@@ -212,6 +216,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let header_timeout = state.limits.slow_client_timeout;
+    let max_per_ip = state.limits.max_http_connections_per_ip;
+    let connections = admission::ConnectionCounter::default();
     let router = app(state);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     // Every connection task holds a receiver; `closed()` resolves when all are gone.
@@ -235,6 +241,10 @@ pub async fn serve(
         if let Err(error) = tcp.set_nodelay(true) {
             tracing::warn!(%error, "cannot set TCP_NODELAY");
         }
+        let Some(slot) = connections.take(remote.ip(), max_per_ip) else {
+            tokio::spawn(admission::refuse_connection(tcp, remote.ip(), max_per_ip));
+            continue;
+        };
         let router = router.clone();
         // Connection info lets the provider socket count connections per IP.
         let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
@@ -266,7 +276,7 @@ pub async fn serve(
             if let Err(error) = result {
                 tracing::debug!(%remote, %error, "connection ended with an error");
             }
-            drop(open);
+            drop((slot, open));
         });
     }
     drop(listener);

@@ -164,6 +164,9 @@ struct ServeArgs {
     /// Provider WebSockets one IP address may hold open at once.
     #[arg(long, default_value_t = Limits::default().max_connections_per_ip)]
     max_connections_per_ip: usize,
+    /// HTTP connections one IP address may hold open at once.
+    #[arg(long, default_value_t = Limits::default().max_http_connections_per_ip)]
+    max_http_connections_per_ip: usize,
     /// Milliseconds a client may take to send a request's headers, or pause
     /// in the middle of an upload, before it is dropped.
     #[arg(long, default_value_t = 30_000)]
@@ -397,6 +400,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_upload_bytes: args.max_upload_bytes,
         max_connections_per_ip: args.max_connections_per_ip.max(1),
         slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
+        max_http_connections_per_ip: args.max_http_connections_per_ip.max(1),
     };
     let web_dir = rookery_server::http::is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {

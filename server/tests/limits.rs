@@ -1,6 +1,7 @@
-//! Bounds on provider connections, with real WebSocket clients on a loopback
-//! port: the join token, the per-IP connection cap, and the deadline for a
-//! peer that connects but never says Hello.
+//! Bounds on connections, with real clients on a loopback port: the join
+//! token, the per-IP caps on provider WebSockets and on HTTP connections,
+//! the deadline for a peer that connects but never says Hello, and the
+//! timeouts for clients that stall in their headers or uploads.
 
 #![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
 
@@ -258,4 +259,47 @@ async fn clients_that_stall_in_headers_or_uploads_are_dropped() {
     )
     .await;
     assert!(said.starts_with("HTTP/1.1 200"), "{said}");
+}
+
+#[tokio::test]
+async fn http_connections_beyond_the_per_ip_cap_get_429_until_one_closes() {
+    use tokio::io::AsyncWriteExt;
+    let (addr, _) = start(
+        Limits {
+            max_http_connections_per_ip: 2,
+            ..Limits::default()
+        },
+        None,
+    )
+    .await;
+    // Two idle connections hold both slots.
+    let first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut second = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let health = b"GET /api/health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";
+    let (said, _) = stall_after(addr, health).await;
+    assert!(said.starts_with("HTTP/1.1 429"), "{said}");
+    assert!(
+        said.contains("too many connections from 127.0.0.1 (at most 2)"),
+        "{said}"
+    );
+    // The held connections still work, and closing one frees its slot.
+    second.write_all(health).await.unwrap();
+    let mut answer = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut second, &mut answer)
+        .await
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    drop(first);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (said, _) = stall_after(addr, health).await;
+        if said.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still refused: {said}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
