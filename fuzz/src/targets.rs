@@ -1,6 +1,7 @@
 //! The parsers that take bytes from strangers, each with valid seeds and the
 //! work the server (or a provider) does with what parses: the protocol
 //! decoder both ways (plus the tensor checks and, for `Assign`, the graph),
+//! streamed messages reassembled from their payload frames as a provider does,
 //! the ONNX importer (plus shape analysis), layer specs and job files in
 //! TOML and JSON (as the upload endpoint reads them), and dataset files in
 //! every format.
@@ -10,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use rookery_job::{DataFormat, DataRef, JobSpec};
 use rookery_model::{Graph, ModelSpec};
+use rookery_proto::Bytes;
+use rookery_proto::stream::{Assembler, Incoming, encode_streamed, read_frame};
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
@@ -55,6 +58,7 @@ pub fn all() -> io::Result<Targets> {
     let list = vec![
         protocol_to_server(),
         protocol_to_provider()?,
+        protocol_stream(),
         onnx()?,
         layer_spec()?,
         job_file("job file (TOML)", JOB_TOML, upload.path())?,
@@ -152,8 +156,10 @@ fn protocol_to_server() -> Target {
         text: false,
         check: Box::new(|_, bytes| {
             let _ = rookery_proto::peek_hello_version(bytes);
-            match rookery_proto::decode::<ToServer>(bytes, DEFAULT_MAX_FRAME_BYTES) {
-                Ok(message) => {
+            let frame = Bytes::copy_from_slice(bytes);
+            match read_frame::<ToServer>(&frame, DEFAULT_MAX_FRAME_BYTES) {
+                Ok(Incoming::Payload(_)) => true,
+                Ok(Incoming::Message(message)) => {
                     match &message {
                         ToServer::Activations(a) => use_tensors(&a.outputs),
                         ToServer::Gradients(g) => use_tensors(&g.grads),
@@ -236,8 +242,10 @@ fn protocol_to_provider() -> io::Result<Target> {
         seeds: messages.iter().map(encode).collect(),
         text: false,
         check: Box::new(|_, bytes| {
-            match rookery_proto::decode::<ToProvider>(bytes, DEFAULT_MAX_FRAME_BYTES) {
-                Ok(message) => {
+            let frame = Bytes::copy_from_slice(bytes);
+            match read_frame::<ToProvider>(&frame, DEFAULT_MAX_FRAME_BYTES) {
+                Ok(Incoming::Payload(_)) => true,
+                Ok(Incoming::Message(message)) => {
                     match &message {
                         ToProvider::Assign(a) => {
                             use_tensors(&a.params);
@@ -564,4 +572,91 @@ fn datasets(dir: &Path) -> io::Result<Target> {
             }
         }),
     })
+}
+
+/// Frames of one input for the stream target: each is a little-endian u32
+/// length, then that many bytes (a short last frame takes what is left).
+fn split_frames(mut bytes: &[u8]) -> Vec<&[u8]> {
+    let mut frames = Vec::new();
+    while bytes.len() >= 4 {
+        let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+        let rest = &bytes[4..];
+        let (frame, after) = rest.split_at(len.min(rest.len()));
+        frames.push(frame);
+        bytes = after;
+    }
+    frames
+}
+
+fn join_frames(frames: &[Bytes]) -> Vec<u8> {
+    frames
+        .iter()
+        .flat_map(|f| {
+            (f.len() as u32)
+                .to_le_bytes()
+                .into_iter()
+                .chain(f.iter().copied())
+        })
+        .collect()
+}
+
+/// Sequences of frames, a streamed message and its payloads, into a
+/// provider's [`Assembler`].
+fn protocol_stream() -> Target {
+    let big = |name: &str, n: usize| tensor(name, &[n], WireDType::F32);
+    let messages = [
+        ToProvider::Forward(Forward {
+            job_id: 1,
+            phase: Phase::Train { step: 2 },
+            micro: 0,
+            step_samples: 4,
+            inputs: vec![
+                big("x", 16 * 1024 + 5),
+                tensor("small", &[3], WireDType::F16),
+            ],
+            labels: Some(WireTensor::from_i64("labels", &[4], &[0, 1, 2, 3])),
+        }),
+        ToProvider::Backward(Backward {
+            job_id: 1,
+            step: 2,
+            micro: 1,
+            grads: vec![big("g", 17 * 1024), big("h", 16 * 1024)],
+        }),
+    ];
+    let seeds = messages
+        .iter()
+        .map(|m| {
+            encode_streamed(m)
+                .map(|frames| join_frames(&frames))
+                .unwrap_or_default()
+        })
+        .collect();
+    Target {
+        name: "protocol stream",
+        seeds,
+        text: false,
+        check: Box::new(|_, bytes| {
+            let mut assembler = Assembler::<ToProvider>::default();
+            let mut complete = false;
+            for frame in split_frames(bytes) {
+                let frame = Bytes::copy_from_slice(frame);
+                let Ok(incoming) = read_frame::<ToProvider>(&frame, DEFAULT_MAX_FRAME_BYTES) else {
+                    return false;
+                };
+                match assembler.push(incoming) {
+                    Ok(Some(ToProvider::Forward(f))) => {
+                        use_tensors(&f.inputs);
+                        complete = true;
+                    }
+                    Ok(Some(ToProvider::Backward(b))) => {
+                        use_tensors(&b.grads);
+                        complete = true;
+                    }
+                    Ok(_) => {}
+                    Err(_) => return false,
+                }
+            }
+            complete
+        }),
+    }
 }

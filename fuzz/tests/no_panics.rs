@@ -95,6 +95,11 @@ proptest! {
     }
 
     #[test]
+    fn mutated_frame_sequences_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+        no_panic("protocol stream", seed, &ops)?;
+    }
+
+    #[test]
     fn mutated_job_files_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(true), 1..5)) {
         no_panic("job file (TOML)", seed, &ops)?;
         no_panic("job file (JSON)", seed, &ops)?;

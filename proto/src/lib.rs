@@ -11,9 +11,11 @@
 //! axum, tch or wgpu.
 
 pub mod api;
+pub mod stream;
 pub mod tensor;
 pub mod train;
 
+pub use bytes::Bytes;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 pub use tensor::{TensorError, WireDType, WireTensor};
@@ -197,7 +199,11 @@ pub struct EncodeError(String);
 /// Encodes one frame. Messages built from valid Rust values always encode;
 /// the error exists because postcard's API is fallible.
 pub fn encode<T: Serialize>(message: &T) -> Result<Vec<u8>, EncodeError> {
-    postcard::to_allocvec(message).map_err(|e| EncodeError(e.to_string()))
+    // Sized first (a walk that copies nothing), so a frame of megabytes of
+    // tensors is written once into its final buffer instead of regrown.
+    let len =
+        postcard::experimental::serialized_size(message).map_err(|e| EncodeError(e.to_string()))?;
+    postcard::to_extend(message, Vec::with_capacity(len)).map_err(|e| EncodeError(e.to_string()))
 }
 
 /// Decodes one frame, refusing frames over `limit` bytes before looking at
@@ -218,6 +224,12 @@ pub fn decode<T: DeserializeOwned>(frame: &[u8], limit: usize) -> Result<T, Deco
         return Err(DecodeError::TrailingBytes(rest.len()));
     }
     Ok(message)
+}
+
+/// [`decode`] for a received frame: tensors decoded from it are views into
+/// `frame` rather than copies, so relaying them costs no copy.
+pub fn decode_frame<T: DeserializeOwned>(frame: &Bytes, limit: usize) -> Result<T, DecodeError> {
+    tensor::sharing(frame, || decode(frame, limit))
 }
 
 /// Reads only the protocol version of a `Hello` frame, whatever the rest of
@@ -392,6 +404,37 @@ mod tests {
             let frame = encode(&message).unwrap();
             assert_eq!(decode::<ToProvider>(&frame, 1 << 16), Ok(message));
         }
+    }
+
+    #[test]
+    fn decoded_tensors_share_the_frame_and_plain_decoding_copies() {
+        let message = ToServer::Activations(Activations {
+            job_id: 1,
+            phase: Phase::Train { step: 0 },
+            micro: 0,
+            outputs: vec![WireTensor::from_f32(
+                "h",
+                &[2, 3],
+                &[1.0; 6],
+                WireDType::F32,
+            )],
+            compute_ms: 1.0,
+        });
+        let frame = Bytes::from(encode(&message).unwrap());
+        let within = |data: &[u8]| {
+            let range = frame.as_ptr_range();
+            range.contains(&data.as_ptr())
+        };
+        let shared: ToServer = decode_frame(&frame, 1 << 16).unwrap();
+        let copied: ToServer = decode(&frame, 1 << 16).unwrap();
+        assert_eq!(shared, message);
+        assert_eq!(copied, message);
+        let (ToServer::Activations(shared), ToServer::Activations(copied)) = (shared, copied)
+        else {
+            unreachable!()
+        };
+        assert!(within(&shared.outputs[0].data));
+        assert!(!within(&copied.outputs[0].data));
     }
 
     #[test]

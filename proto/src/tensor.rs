@@ -2,6 +2,7 @@
 //! bytes. Activations and gradients may travel as f16 or bf16 to halve the
 //! bytes; data, labels and parameters travel as f32 (or i64 for integers).
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 /// Element type of a [`WireTensor`].
@@ -26,6 +27,17 @@ impl WireDType {
         !matches!(self, WireDType::I64)
     }
 
+    /// Index of the first infinite or NaN element of little-endian `data`
+    /// of this type (never for i64).
+    pub fn first_non_finite(self, data: &[u8]) -> Option<usize> {
+        match self {
+            WireDType::F32 => first_non_finite::<4>(data, 0x7f80_0000),
+            WireDType::F16 => first_non_finite::<2>(data, 0x7c00),
+            WireDType::Bf16 => first_non_finite::<2>(data, 0x7f80),
+            WireDType::I64 => None,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             WireDType::F32 => "f32",
@@ -42,9 +54,11 @@ pub struct WireTensor {
     pub name: String,
     pub dtype: WireDType,
     pub shape: Vec<u32>,
-    /// Row-major, little-endian elements.
-    #[serde(with = "serde_bytes")]
-    pub data: Vec<u8>,
+    /// Row-major, little-endian elements. Decoded by [`crate::decode_frame`],
+    /// this is a view into the received frame, so relaying a tensor never
+    /// copies its bytes out of the frame.
+    #[serde(with = "frame_bytes")]
+    pub data: Bytes,
 }
 
 impl std::fmt::Debug for WireTensor {
@@ -116,7 +130,7 @@ impl WireTensor {
             name: name.into(),
             dtype,
             shape: shape.iter().map(|&d| d as u32).collect(),
-            data,
+            data: data.into(),
         }
     }
 
@@ -133,13 +147,16 @@ impl WireTensor {
         self.shape.iter().map(|&d| d as usize).collect()
     }
 
+    /// Bytes its shape and dtype need, or `None` when that overflows.
+    pub fn expected_len(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d as usize))
+    }
+
     /// Checks that the bytes hold exactly the declared shape.
     pub fn check_size(&self) -> Result<(), TensorError> {
-        let want = self
-            .shape
-            .iter()
-            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d as usize));
-        if want == Some(self.data.len()) {
+        if self.expected_len() == Some(self.data.len()) {
             Ok(())
         } else {
             Err(TensorError::Size {
@@ -155,19 +172,7 @@ impl WireTensor {
     pub fn check(&self) -> Result<(), TensorError> {
         self.check_size()?;
         // Straight off the bytes: relays check every tensor, so no copy.
-        let d = &self.data;
-        let bad = match self.dtype {
-            WireDType::F32 => d
-                .chunks_exact(4)
-                .position(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
-            WireDType::F16 => d
-                .chunks_exact(2)
-                .position(|c| !half::f16::from_le_bytes([c[0], c[1]]).is_finite()),
-            WireDType::Bf16 => d
-                .chunks_exact(2)
-                .position(|c| !half::bf16::from_le_bytes([c[0], c[1]]).is_finite()),
-            WireDType::I64 => None,
-        };
+        let bad = self.dtype.first_non_finite(&self.data);
         match bad {
             Some(index) => Err(TensorError::NotFinite {
                 name: self.name.clone(),
@@ -220,6 +225,109 @@ impl WireTensor {
     }
 }
 
+/// Index of the first element whose exponent bits (`exponent_mask`) are all
+/// set, that is an infinity or a NaN, among little-endian elements of `N`
+/// bytes. Blocks are first tested with a branch-free fold, which the compiler
+/// vectorises; only a block that fails is searched element by element.
+fn first_non_finite<const N: usize>(data: &[u8], exponent_mask: u32) -> Option<usize> {
+    const BLOCK: usize = 1024;
+    let is_bad = |element: &[u8]| {
+        let mut le = [0u8; 4];
+        le[..N].copy_from_slice(element);
+        u32::from_le_bytes(le) & exponent_mask == exponent_mask
+    };
+    data.chunks(BLOCK * N)
+        .enumerate()
+        .find_map(|(block_index, block)| {
+            let any_bad = block
+                .chunks_exact(N)
+                .fold(false, |acc, element| acc | is_bad(element));
+            any_bad
+                .then(|| block.chunks_exact(N).position(is_bad))
+                .flatten()
+                .map(|i| block_index * BLOCK + i)
+        })
+}
+
+/// Serde for tensor bytes: a byte string on the wire; decoded as a view into
+/// the frame that [`crate::decode_frame`] is decoding, or as a copy otherwise.
+mod frame_bytes {
+    use std::cell::RefCell;
+
+    use bytes::Bytes;
+    use serde::{Deserializer, Serializer, de};
+
+    thread_local! {
+        /// The frame being decoded on this thread, if it can be shared.
+        static FRAME: RefCell<Option<Bytes>> = const { RefCell::new(None) };
+    }
+
+    /// Runs `decode` with `frame` as the frame that decoded tensors may share.
+    pub(crate) fn sharing<R>(frame: &Bytes, decode: impl FnOnce() -> R) -> R {
+        struct Reset(Option<Bytes>);
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                FRAME.with(|f| *f.borrow_mut() = self.0.take());
+            }
+        }
+        let _reset = Reset(FRAME.with(|f| f.borrow_mut().replace(frame.clone())));
+        decode()
+    }
+
+    fn share(slice: &[u8]) -> Bytes {
+        FRAME.with(|f| match &*f.borrow() {
+            Some(frame) if contains(frame, slice) => frame.slice_ref(slice),
+            _ => Bytes::copy_from_slice(slice),
+        })
+    }
+
+    fn contains(frame: &[u8], slice: &[u8]) -> bool {
+        let outer = frame.as_ptr_range();
+        let inner = slice.as_ptr_range();
+        outer.start <= inner.start && inner.end <= outer.end
+    }
+
+    pub fn serialize<S: Serializer>(data: &Bytes, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(data)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Bytes, D::Error> {
+        deserializer.deserialize_bytes(Visitor)
+    }
+
+    struct Visitor;
+
+    impl<'de> de::Visitor<'de> for Visitor {
+        type Value = Bytes;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("tensor bytes")
+        }
+
+        fn visit_borrowed_bytes<E: de::Error>(self, v: &'de [u8]) -> Result<Bytes, E> {
+            Ok(share(v))
+        }
+
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
+            Ok(Bytes::copy_from_slice(v))
+        }
+
+        fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
+            Ok(v.into())
+        }
+
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
+            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+            while let Some(b) = seq.next_element()? {
+                v.push(b);
+            }
+            Ok(v.into())
+        }
+    }
+}
+
+pub(crate) use frame_bytes::sharing;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,7 +363,7 @@ mod tests {
     fn wrong_sizes_and_non_finite_values_are_refused() {
         let mut t = WireTensor::from_f32("x", &[2, 2], &[1.0, 2.0, 3.0, 4.0], WireDType::F32);
         assert!(t.check().is_ok());
-        t.data.pop();
+        t.data.truncate(t.data.len() - 1);
         assert!(matches!(t.check(), Err(TensorError::Size { .. })));
         let t = WireTensor::from_f32("x", &[2], &[1.0, f32::NAN], WireDType::F16);
         assert_eq!(
@@ -265,12 +373,26 @@ mod tests {
                 index: 1
             })
         );
+        // Found past the first vectorised block, at its exact index.
+        let mut values = vec![0.5f32; 3000];
+        values[2500] = f32::INFINITY;
+        for dtype in [WireDType::F32, WireDType::F16, WireDType::Bf16] {
+            let t = WireTensor::from_f32("big", &[3000], &values, dtype);
+            assert_eq!(
+                t.check(),
+                Err(TensorError::NotFinite {
+                    name: "big".into(),
+                    index: 2500
+                }),
+                "{dtype:?}"
+            );
+        }
         // A shape whose byte count overflows is a size error, not a panic.
         let t = WireTensor {
             name: "h".into(),
             dtype: WireDType::F32,
             shape: vec![u32::MAX, u32::MAX, u32::MAX],
-            data: vec![],
+            data: Bytes::new(),
         };
         assert!(t.check().is_err());
     }

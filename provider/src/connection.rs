@@ -13,6 +13,7 @@ use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use rookery_proto::stream::{self, Assembler};
 use rookery_proto::{DEFAULT_MAX_FRAME_BYTES, ErrorCode, Hello, ToProvider, ToServer};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -53,8 +54,9 @@ where
     if let Err(end) = send(sink, &ToServer::Hello(hello.clone())).await {
         return end;
     }
+    let mut assembler = Assembler::default();
     let (id, interval, timeout) =
-        match tokio::time::timeout(WELCOME_TIMEOUT, next_message(stream)).await {
+        match tokio::time::timeout(WELCOME_TIMEOUT, next_message(stream, &mut assembler)).await {
             Err(_) => return SessionEnd::Lost("the server did not answer Hello".into()),
             Ok(Err(end)) => return end,
             Ok(Ok(ToProvider::Welcome {
@@ -92,7 +94,7 @@ where
                 }
                 seq += 1;
             }
-            message = next_message(stream) => match message {
+            message = next_message(stream, &mut assembler) => match message {
                 Ok(message) => {
                     last_heard = Instant::now();
                     match message {
@@ -191,14 +193,24 @@ where
     Si: Sink<Message> + Unpin,
     Si::Error: Display,
 {
-    let frame = rookery_proto::encode(message)
+    let frames = stream::encode_streamed(message)
         .map_err(|error| SessionEnd::Fatal(format!("cannot encode {message:?}: {error}")))?;
-    sink.send(Message::Binary(frame.into()))
-        .await
-        .map_err(|error| SessionEnd::Lost(format!("cannot send: {error}")))
+    // Each frame is flushed on its own so the server relays the first
+    // payload while the next is still being written.
+    for frame in frames {
+        sink.send(Message::Binary(frame))
+            .await
+            .map_err(|error| SessionEnd::Lost(format!("cannot send: {error}")))?;
+    }
+    Ok(())
 }
 
-async fn next_message<St, E>(stream: &mut St) -> Result<ToProvider, SessionEnd>
+/// The next whole message; payload frames are put into their messages by
+/// `assembler`, which keeps partial ones across calls (so this is cancel-safe).
+async fn next_message<St, E>(
+    stream: &mut St,
+    assembler: &mut Assembler<ToProvider>,
+) -> Result<ToProvider, SessionEnd>
 where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
@@ -206,9 +218,19 @@ where
     loop {
         match stream.next().await {
             Some(Ok(Message::Binary(bytes))) => {
-                return rookery_proto::decode(&bytes, DEFAULT_MAX_FRAME_BYTES).map_err(|error| {
-                    SessionEnd::Lost(format!("unreadable frame from the server: {error}"))
-                });
+                let incoming =
+                    stream::read_frame(&bytes, DEFAULT_MAX_FRAME_BYTES).map_err(|error| {
+                        SessionEnd::Lost(format!("unreadable frame from the server: {error}"))
+                    })?;
+                match assembler.push(incoming) {
+                    Ok(Some(message)) => return Ok(message),
+                    Ok(None) => continue,
+                    Err(error) => {
+                        return Err(SessionEnd::Lost(format!(
+                            "the server's frames do not fit together: {error}"
+                        )));
+                    }
+                }
             }
             Some(Ok(Message::Close(frame))) => {
                 let reason = frame

@@ -391,7 +391,7 @@ fn set_params_with_an_unknown_name_or_a_wrong_shape_fails_and_a_valid_one_replac
     };
     let mut params = before.clone();
     for p in &mut params {
-        p.data.fill(0);
+        p.data = vec![0; p.data.len()].into();
     }
     params.push(WireTensor::from_f32(
         "2.weight",

@@ -5,14 +5,15 @@
 //! (frames, metrics, checkpoints, weights). One task means no locks around
 //! job state, and the order of events is the order they happened.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rookery_job::JobSpec;
 use rookery_job::weights::{WeightTensor, write_safetensors};
 use rookery_model::{PlanOptions, ProviderKind, ProviderSpec};
-use rookery_proto::{Hello, ToProvider, ToServer};
+use rookery_proto::stream::{self, Payload};
+use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
 use tokio::sync::mpsc;
 
 use crate::db::Db;
@@ -31,14 +32,22 @@ pub enum Event {
     Connected {
         id: u64,
         hello: Hello,
-        tx: mpsc::UnboundedSender<ToProvider>,
+        tx: mpsc::UnboundedSender<Outgoing>,
     },
     Disconnected {
         id: u64,
+        /// Why the connection ended, for the job it leaves.
+        reason: String,
     },
     Message {
         id: u64,
         message: ToServer,
+    },
+    /// Tensor bytes that follow a streamed message, already checked against
+    /// what that message announced (the socket loop does that).
+    Payload {
+        id: u64,
+        payload: Payload,
     },
     Cancel {
         job_id: u64,
@@ -80,10 +89,27 @@ impl Coordinator {
     }
 }
 
+/// A frame for a provider's socket loop to send.
+#[derive(Debug)]
+pub enum Outgoing {
+    Message(ToProvider),
+    /// A payload frame passed on exactly as it arrived.
+    Payload(Bytes),
+}
+
 struct Live {
     hello: Hello,
-    tx: mpsc::UnboundedSender<ToProvider>,
+    tx: mpsc::UnboundedSender<Outgoing>,
     job: Option<u64>,
+    /// Where the payload frames this provider still owes go, in order.
+    routes: VecDeque<Route>,
+}
+
+/// The destination of the bytes that follow one streamed message: the
+/// provider its relayed message went to, or nowhere when the job dropped it.
+struct Route {
+    to: Option<u64>,
+    left: usize,
 }
 
 struct Actor {
@@ -162,16 +188,17 @@ impl Actor {
                         hello,
                         tx,
                         job: None,
+                        routes: VecDeque::new(),
                     },
                 );
             }
-            Event::Disconnected { id } => {
+            Event::Disconnected { id, reason } => {
                 let Some(live) = self.providers.remove(&id) else {
                     return;
                 };
                 if let Some(job_id) = live.job {
                     let reason = format!(
-                        "provider {id} ({}) left while running a stage; the job cannot go on without it",
+                        "provider {id} ({}) left while running a stage ({reason}); the job cannot go on without it",
                         live.hello.display_name
                     );
                     self.fail(job_id, reason).await;
@@ -185,12 +212,24 @@ impl Actor {
                     );
                     return;
                 };
+                let owed: usize = stream::following(&message).iter().sum();
                 let effects = match self.runs.get_mut(&job_id) {
                     Some(run) => run.on_message(id, message),
-                    None => return,
+                    None => Vec::new(),
                 };
+                if owed > 0 {
+                    // The relayed message is the one whose tensors still follow.
+                    let to = effects.iter().find_map(|effect| match effect {
+                        Effect::Send(to, m) if !stream::following(m).is_empty() => Some(*to),
+                        _ => None,
+                    });
+                    if let Some(live) = self.providers.get_mut(&id) {
+                        live.routes.push_back(Route { to, left: owed });
+                    }
+                }
                 self.apply(job_id, effects).await;
             }
+            Event::Payload { id, payload } => self.relay_payload(id, payload),
             Event::Prepared { job_id, prepared } => {
                 if !self.runs.contains_key(&job_id) {
                     self.prepared.insert(job_id, *prepared);
@@ -352,11 +391,37 @@ impl Actor {
     }
 
     fn send(&self, provider: u64, message: ToProvider) {
+        self.send_frame(provider, Outgoing::Message(message));
+    }
+
+    fn send_frame(&self, provider: u64, frame: Outgoing) {
         match self.providers.get(&provider) {
             Some(live) => {
-                let _ = live.tx.send(message);
+                let _ = live.tx.send(frame);
             }
             None => tracing::warn!(provider, "no connection to send a frame to"),
+        }
+    }
+
+    /// Passes a payload frame on along its message's route.
+    fn relay_payload(&mut self, id: u64, payload: Payload) {
+        let Some(live) = self.providers.get_mut(&id) else {
+            return;
+        };
+        let Some(route) = live.routes.front_mut() else {
+            tracing::warn!(
+                provider = id,
+                "dropped a payload frame that no message announced"
+            );
+            return;
+        };
+        let to = route.to;
+        route.left = route.left.saturating_sub(payload.data().len());
+        if route.left == 0 {
+            live.routes.pop_front();
+        }
+        if let Some(to) = to {
+            self.send_frame(to, Outgoing::Payload(payload.frame()));
         }
     }
 

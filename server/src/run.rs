@@ -447,7 +447,7 @@ impl JobRun {
             wire_dtype(self.spec.training.wire_dtype),
         )?;
         run.stages[s].compute_ms += a.compute_ms.max(0.0);
-        self.bytes_relayed += a.outputs.iter().map(|t| t.data.len() as u64).sum::<u64>();
+        self.bytes_relayed += a.outputs.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let labels = if s + 1 == last {
             run.labels.remove(&(a.phase, a.micro))
         } else {
@@ -497,7 +497,7 @@ impl JobRun {
             wire_dtype(self.spec.training.wire_dtype),
         )?;
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
-        self.bytes_relayed += g.grads.iter().map(|t| t.data.len() as u64).sum::<u64>();
+        self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let prev = run.stages[s - 1].provider;
         Ok(vec![Effect::Send(
             prev,
@@ -869,7 +869,10 @@ fn check_tensors(
                 want.as_str()
             ));
         }
-        t.check().map_err(|e| e.to_string())?;
+        // Bytes that follow the message are checked as they arrive.
+        if !t.follows() {
+            t.check().map_err(|e| e.to_string())?;
+        }
     }
     Ok(())
 }

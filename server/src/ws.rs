@@ -4,8 +4,8 @@
 //! The loop is generic over `Sink`/`Stream` so tests drive it with in-memory
 //! channels as well as real sockets.
 
+use std::collections::VecDeque;
 use std::fmt::Display;
-
 use std::net::SocketAddr;
 
 use axum::extract::ws::{CloseFrame, Message, WebSocketUpgrade};
@@ -13,11 +13,12 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{Extensions, HeaderMap, Uri};
 use axum::response::{IntoResponse, Response};
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use rookery_proto::stream::{Incoming, Lane, Payload, Streamed};
 use rookery_proto::{
-    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer,
+    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer, WireDType,
 };
 
-use crate::coordinator::Event;
+use crate::coordinator::{Event, Outgoing};
 use crate::{AppState, admission, now_ms, providers};
 
 /// WebSocket close codes (RFC 6455, section 7.4.1).
@@ -162,7 +163,7 @@ where
             ),
         ));
     }
-    match rookery_proto::decode::<ToServer>(&frame, state.limits.max_frame_bytes) {
+    match rookery_proto::decode_frame::<ToServer>(&frame, state.limits.max_frame_bytes) {
         Ok(ToServer::Hello(hello)) => validate_hello(hello),
         Ok(other) => Err(Ending::rejected(
             ErrorCode::UnexpectedMessage,
@@ -223,14 +224,19 @@ where
     let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel();
     state.coordinator.send(Event::Connected { id, hello, tx });
     let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+    let mut owed = Owed::default();
     let ending = loop {
         // Frames the coordinator wants sent go out between incoming frames;
         // the heartbeat deadline only moves when the provider speaks.
         let frame = tokio::select! {
             biased;
             frame = next_frame(stream, state, deadline) => frame,
-            Some(message) = outbox.recv() => {
-                if let Err(ending) = send(sink, &message).await {
+            Some(outgoing) = outbox.recv() => {
+                let sent = match outgoing {
+                    Outgoing::Message(message) => send(sink, &message).await,
+                    Outgoing::Payload(frame) => send_frame(sink, frame).await,
+                };
+                if let Err(ending) = sent {
                     break ending;
                 }
                 continue;
@@ -241,7 +247,21 @@ where
             Err(ending) => break ending,
         };
         deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-        match rookery_proto::decode::<ToServer>(&frame, state.limits.max_frame_bytes) {
+        let message = match rookery_proto::stream::read_frame(&frame, state.limits.max_frame_bytes)
+        {
+            Ok(Incoming::Message(message)) => Ok(message),
+            Ok(Incoming::Payload(payload)) => {
+                match owed.take(&payload) {
+                    Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
+                    Err(problem) => {
+                        break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+                    }
+                }
+                continue;
+            }
+            Err(error) => Err(error),
+        };
+        match message {
             Ok(ToServer::Heartbeat { seq }) => {
                 if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
                     tracing::error!(id, %error, "cannot record a heartbeat");
@@ -260,11 +280,19 @@ where
             Ok(ToServer::Error(ErrorMessage { code, message })) => {
                 break Ending::Left(format!("provider gave up ({code:?}): {message}"));
             }
-            Ok(message) => state.coordinator.send(Event::Message { id, message }),
+            Ok(message) => {
+                if let Err(problem) = owed.announce(&message) {
+                    break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+                }
+                state.coordinator.send(Event::Message { id, message });
+            }
             Err(error) => break Ending::bad_frame(error),
         }
     };
-    state.coordinator.send(Event::Disconnected { id });
+    state.coordinator.send(Event::Disconnected {
+        id,
+        reason: ending.reason(),
+    });
     ending
 }
 
@@ -330,9 +358,72 @@ async fn send<Si: Sink<Message> + Unpin>(
 ) -> Result<(), Ending> {
     let frame = rookery_proto::encode(message)
         .map_err(|error| Ending::Left(format!("cannot encode a reply: {error}")))?;
-    sink.send(Message::Binary(frame.into()))
+    send_frame(sink, frame.into()).await
+}
+
+async fn send_frame<Si: Sink<Message> + Unpin>(
+    sink: &mut Si,
+    frame: axum::body::Bytes,
+) -> Result<(), Ending> {
+    sink.send(Message::Binary(frame))
         .await
         .map_err(|_| Ending::Left("connection lost while sending".into()))
+}
+
+/// The tensor bytes a provider announced and has not sent yet, tensor by
+/// tensor in order. Each payload frame is checked here, in the provider's own
+/// task, before it is relayed: it must belong to the lane and fit the tensor
+/// it continues, and hold whole, finite elements of the tensor's type.
+#[derive(Debug, Default)]
+struct Owed(VecDeque<(Lane, WireDType, usize)>);
+
+impl Owed {
+    /// Bound on announced-but-unsent tensors: a provider owes at most a few.
+    const MAX_PENDING: usize = 1024;
+
+    fn announce(&mut self, message: &ToServer) -> Result<(), String> {
+        let Some(lane) = message.lane() else {
+            return Ok(());
+        };
+        for tensor in message.streamed_tensors().iter().filter(|t| t.follows()) {
+            if self.0.len() >= Self::MAX_PENDING {
+                return Err("too many announced tensors outstanding".into());
+            }
+            let len = tensor.expected_len().unwrap_or(0);
+            self.0.push_back((lane, tensor.dtype, len));
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, payload: &Payload) -> Result<(), String> {
+        let Some((lane, dtype, left)) = self.0.front_mut() else {
+            return Err("a payload frame that no message announced".into());
+        };
+        let data = payload.data();
+        if payload.lane != *lane {
+            return Err(format!(
+                "a {:?} payload while {:?} bytes are owed",
+                payload.lane, lane
+            ));
+        }
+        if data.is_empty() || data.len() > *left || !data.len().is_multiple_of(dtype.size()) {
+            return Err(format!(
+                "a payload of {} bytes does not fit the {left} bytes of {} owed",
+                data.len(),
+                dtype.as_str()
+            ));
+        }
+        if let Some(index) = dtype.first_non_finite(data) {
+            return Err(format!(
+                "a payload with a non-finite value at element {index}"
+            ));
+        }
+        *left -= data.len();
+        if *left == 0 {
+            self.0.pop_front();
+        }
+        Ok(())
+    }
 }
 
 /// Tells a rejected peer why, then closes. Best effort: the peer may be gone.
@@ -576,6 +667,82 @@ mod tests {
                 .reason
                 .starts_with("dropped: frame is not a valid message")
         );
+    }
+
+    /// An `Activations` whose one tensor of 8 f32 follows in payload frames.
+    fn announced() -> Result<Message, std::convert::Infallible> {
+        let mut tensor =
+            rookery_proto::WireTensor::from_f32("h", &[2, 4], &[0.0; 8], WireDType::F32);
+        tensor.data = Default::default();
+        binary(&ToServer::Activations(rookery_proto::Activations {
+            job_id: 1,
+            phase: rookery_proto::Phase::Train { step: 0 },
+            micro: 0,
+            outputs: vec![tensor],
+            compute_ms: 0.0,
+        }))
+    }
+
+    fn payload(lane: Lane, values: &[f32]) -> Result<Message, std::convert::Infallible> {
+        let mut frame = vec![rookery_proto::stream::PAYLOAD_TAG, lane as u8];
+        frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        Ok(Message::Binary(frame.into()))
+    }
+
+    #[tokio::test]
+    async fn payload_frames_must_fit_what_their_message_announced() {
+        let mut torn = payload(Lane::Forward, &[1.0; 2]).unwrap();
+        if let Message::Binary(bytes) = &mut torn {
+            *bytes = bytes.slice(..bytes.len() - 2);
+        }
+        let cases: Vec<(Vec<_>, Option<&str>)> = vec![
+            (
+                vec![
+                    announced(),
+                    payload(Lane::Forward, &[1.0; 4]),
+                    payload(Lane::Forward, &[2.0; 4]),
+                ],
+                None,
+            ),
+            (
+                vec![payload(Lane::Forward, &[1.0; 8])],
+                Some("no message announced"),
+            ),
+            (
+                vec![announced(), payload(Lane::Backward, &[1.0; 8])],
+                Some("Backward payload while Forward"),
+            ),
+            (
+                vec![announced(), payload(Lane::Forward, &[1.0; 9])],
+                Some("does not fit"),
+            ),
+            (vec![announced(), Ok(torn)], Some("does not fit")),
+            (
+                vec![
+                    announced(),
+                    payload(Lane::Forward, &[1.0, 1.0, f32::NAN, 1.0]),
+                ],
+                Some("non-finite value at element 2"),
+            ),
+        ];
+        for (frames, problem) in cases {
+            let state = state();
+            let mut all = vec![binary(&ToServer::Hello(hello()))];
+            all.extend(frames);
+            all.push(binary(&ToServer::Heartbeat { seq: 1 }));
+            let replies = run(&state, all).await;
+            let last = decode_reply(replies[1].clone());
+            match problem {
+                None => assert_eq!(last, ToProvider::Heartbeat { seq: 1 }),
+                Some(problem) => {
+                    let ToProvider::Error(error) = last else {
+                        panic!("expected an error for {problem}, got {last:?}");
+                    };
+                    assert_eq!(error.code, ErrorCode::BadFrame);
+                    assert!(error.message.contains(problem), "{}", error.message);
+                }
+            }
+        }
     }
 
     #[tokio::test]
