@@ -13,6 +13,16 @@ pub fn gib(bytes: u64) -> String {
 
 /// Measured throughput with one decimal. Non-finite values come from a broken
 /// benchmark; show a dash rather than "NaN".
+/// A measured link in the unit that keeps it short; the probe runs right
+/// after a provider joins.
+pub fn bandwidth(mbps: Option<f64>) -> String {
+    match mbps {
+        Some(m) if m.is_finite() && m >= 1000.0 => format!("{:.1} Gbit/s", m / 1000.0),
+        Some(m) if m.is_finite() => format!("{m:.0} Mbit/s"),
+        _ => "measuring".into(),
+    }
+}
+
 pub fn gflops(value: f64) -> String {
     if value.is_finite() {
         format!("{value:.1}")
@@ -225,6 +235,13 @@ mod tests {
             gone_reason: gone.map(|_| "heartbeat timeout".into()),
             work: None,
         }
+    }
+
+    #[test]
+    fn links_read_in_mbit_or_gbit() {
+        assert_eq!(bandwidth(Some(94.4)), "94 Mbit/s");
+        assert_eq!(bandwidth(Some(12_345.0)), "12.3 Gbit/s");
+        assert_eq!(bandwidth(None), "measuring");
     }
 
     #[test]

@@ -149,6 +149,7 @@ pub fn ProvidersPage() -> impl IntoView {
                             <th scope="col">"Device"</th>
                             <th scope="col" class="num">"Memory"</th>
                             <th scope="col" class="num">"GFLOP/s"</th>
+                            <th scope="col" class="num">"Link"</th>
                             <th scope="col">"Status"</th>
                             <th scope="col">"Job and stage"</th>
                             <th scope="col" class="num">"Micro-batches"</th>
@@ -184,6 +185,7 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
             <td class="device">{p.device}</td>
             <td class="num">{format::gib(p.memory_bytes)}</td>
             <td class="num">{format::gflops(p.gflops)}</td>
+            <td class="num link">{format::bandwidth(p.bandwidth_mbps)}</td>
             <td class="status">
                 <span class=format!("dot dot-{status}") aria-hidden="true"></span>
                 {status}

@@ -134,8 +134,13 @@ impl WireTensor {
         }
     }
 
+    /// Elements the shape declares; `usize::MAX` when that overflows (a peer
+    /// can declare any shape; [`check_size`](Self::check_size) refuses it).
     pub fn numel(&self) -> usize {
-        self.shape.iter().map(|&d| d as usize).product()
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize))
+            .unwrap_or(usize::MAX)
     }
 
     pub fn shape_usize(&self) -> Vec<usize> {

@@ -17,7 +17,7 @@ use rookery_proto::stream::{self, Assembler};
 use rookery_proto::{DEFAULT_MAX_FRAME_BYTES, ErrorCode, Hello, ToProvider, ToServer};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
 use crate::trainer::{Trainer, is_training_message, job_of};
 
@@ -299,12 +299,32 @@ pub fn provider_url(server: &str) -> String {
     }
 }
 
+/// The WebSocket upgrade request, carrying the join token as a `Bearer`
+/// header (not in the URL, which ends up in logs).
+fn upgrade_request(
+    url: &str,
+    token: Option<&str>,
+) -> Result<tungstenite::handshake::client::Request, String> {
+    let mut request = url
+        .into_client_request()
+        .map_err(|error| format!("bad server URL {url}: {error}"))?;
+    if let Some(token) = token {
+        let value = tungstenite::http::HeaderValue::from_str(&format!("Bearer {token}"))
+            .map_err(|_| "the join token must be printable ASCII".to_string())?;
+        request
+            .headers_mut()
+            .insert(tungstenite::http::header::AUTHORIZATION, value);
+    }
+    Ok(request)
+}
+
 /// Connects, runs sessions and reconnects with backoff until shutdown, each
 /// session with a fresh trainer from `make_trainer` (the server forgets a lost
 /// provider's stages, so none survive a reconnect).
 /// Returns an error only for refusals that retrying cannot fix.
 pub async fn run(
     url: &str,
+    token: Option<&str>,
     hello: &Hello,
     mut shutdown: watch::Receiver<bool>,
     make_trainer: impl Fn() -> Box<dyn Trainer>,
@@ -315,8 +335,9 @@ pub async fn run(
             return Ok(());
         }
         // No Nagle: small frames (losses, step reports) must not wait for ACKs.
+        let request = upgrade_request(url, token)?;
         let connected = tokio::select! {
-            connected = tokio_tungstenite::connect_async_with_config(url, None, true) => connected,
+            connected = tokio_tungstenite::connect_async_with_config(request, None, true) => connected,
             _ = shutdown.changed() => return Ok(()),
         };
         match connected {
@@ -336,6 +357,14 @@ pub async fn run(
                         tracing::warn!(%reason, "lost the server");
                     }
                 }
+            }
+            Err(tungstenite::Error::Http(response))
+                if response.status() == tungstenite::http::StatusCode::UNAUTHORIZED =>
+            {
+                return Err(
+                    "it requires a join token and this provider's is missing or wrong (pass --token)"
+                        .into(),
+                );
             }
             Err(error) => tracing::warn!(%error, url, "cannot reach the server"),
         }

@@ -22,6 +22,9 @@ struct Cli {
     /// A name shown on the dashboard (default: host name and process id).
     #[arg(long)]
     name: Option<String>,
+    /// The server's join token, if it requires one (`rookery serve --provider-token`).
+    #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
 }
 
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
@@ -80,7 +83,7 @@ async fn run() -> anyhow::Result<()> {
     let make_trainer = trainer_factory(cli.device)?;
     let url = connection::provider_url(&cli.server);
     tracing::info!(%url, "connecting");
-    connection::run(&url, &hello, stop_rx, make_trainer)
+    connection::run(&url, cli.token.as_deref(), &hello, stop_rx, make_trainer)
         .await
         .map_err(|reason| anyhow::anyhow!("the server refused this provider: {reason}"))?;
     println!("rookery-provider stopped");

@@ -12,7 +12,7 @@ use rusqlite::Connection;
 
 /// Schema changes, applied in order; `PRAGMA user_version` records how many
 /// have run. Append only: never edit a migration that has shipped.
-const MIGRATIONS: &[&str] = &[
+pub(crate) const MIGRATIONS: &[&str] = &[
     "CREATE TABLE providers (
         id              INTEGER PRIMARY KEY AUTOINCREMENT,
         name            TEXT    NOT NULL,
@@ -71,6 +71,16 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX job_log_by_job ON job_log (job_id, seq);",
     // Measured by the server's link probe after Welcome; NULL until then.
     "ALTER TABLE providers ADD COLUMN bandwidth_mbps REAL;",
+    // Requesters hold SHA-256 digests of their tokens; jobs from before
+    // this migration get their owner when the first Requester is made.
+    "CREATE TABLE requesters (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        name            TEXT    NOT NULL UNIQUE,
+        token_sha256    TEXT    NOT NULL UNIQUE,
+        created_ms      INTEGER NOT NULL
+    );
+    ALTER TABLE jobs ADD COLUMN owner INTEGER REFERENCES requesters(id);
+    CREATE INDEX jobs_by_owner ON jobs (owner, id);",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +113,8 @@ impl Db {
         // WAL keeps readers (the dashboard) from blocking the writer (heartbeats).
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // `rookery token create` writes while a server may hold the file.
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
         Self::migrated(conn)
     }
 
@@ -122,6 +134,18 @@ impl Db {
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
         })
+    }
+
+    /// Runs `work` on the calling thread; for start-up, before any request.
+    pub(crate) fn call_now<R>(
+        &self,
+        work: impl FnOnce(&mut Connection) -> rusqlite::Result<R>,
+    ) -> Result<R, DbError> {
+        let mut guard = self
+            .conn
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        work(&mut guard).map_err(DbError::from)
     }
 
     /// Runs `work` with the connection on the blocking pool.

@@ -21,6 +21,12 @@ pub enum AppError {
     Unauthorized(&'static str),
     #[error("{0}")]
     Conflict(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("{0}")]
+    TooManyConnections(String),
+    #[error("{0}")]
+    Timeout(String),
     #[error("internal error: {0}")]
     Internal(String),
     #[error(transparent)]
@@ -39,6 +45,9 @@ impl IntoResponse for AppError {
             AppError::BadRequest(why) => (StatusCode::BAD_REQUEST, why.clone()),
             AppError::Unauthorized(why) => (StatusCode::UNAUTHORIZED, (*why).to_owned()),
             AppError::Conflict(why) => (StatusCode::CONFLICT, why.clone()),
+            AppError::PayloadTooLarge(why) => (StatusCode::PAYLOAD_TOO_LARGE, why.clone()),
+            AppError::TooManyConnections(why) => (StatusCode::TOO_MANY_REQUESTS, why.clone()),
+            AppError::Timeout(why) => (StatusCode::REQUEST_TIMEOUT, why.clone()),
             AppError::Internal(error) => {
                 tracing::error!(%error, "request failed");
                 (

@@ -3,6 +3,8 @@
 //! (JSON and CSV), the event log and the live event stream, cancel, and
 //! download the weights. Every check that can fail runs before the job is
 //! accepted, so a queued job has a readable model and data that match it.
+//! Each Requester sees and touches only their own jobs; another's job
+//! answers 404, as a missing one does.
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -10,7 +12,7 @@ use std::path::{Component, Path, PathBuf};
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Multipart, Path as UrlPath, Query, State};
+use axum::extract::{Extension, Multipart, Path as UrlPath, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -26,6 +28,7 @@ use tokio::sync::broadcast::error::RecvError;
 use crate::coordinator::{self, Event, PrepareError, Prepared};
 use crate::error::AppError;
 use crate::jobs::{self, JobRecord, LogRecord};
+use crate::requesters::Requester;
 use crate::{AppState, now_ms};
 
 /// How a job upload is laid out, for the OpenAPI description.
@@ -65,13 +68,16 @@ pub fn job_info(record: JobRecord) -> JobInfo {
 #[utoipa::path(get, path = "/api/jobs", tag = "jobs", security(("api_token" = [])),
     responses((status = 200, description = "Every job", body = Vec<JobInfo>),
         (status = 401, description = "No or wrong API token", body = ApiError)))]
-pub async fn list(State(state): State<AppState>) -> Result<Json<Vec<JobInfo>>, AppError> {
-    let records = jobs::list(&state.db).await?;
+pub async fn list(
+    State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
+) -> Result<Json<Vec<JobInfo>>, AppError> {
+    let records = jobs::list_owned(&state.db, requester.id).await?;
     Ok(Json(records.into_iter().map(job_info).collect()))
 }
 
-async fn find(state: &AppState, id: u64) -> Result<JobRecord, AppError> {
-    jobs::get(&state.db, id)
+async fn find(state: &AppState, requester: &Requester, id: u64) -> Result<JobRecord, AppError> {
+    jobs::get_owned(&state.db, id, requester.id)
         .await?
         .ok_or_else(|| AppError::NotFound(format!("job {id}")))
 }
@@ -83,9 +89,10 @@ async fn find(state: &AppState, id: u64) -> Result<JobRecord, AppError> {
         (status = 404, description = "No such job", body = ApiError)))]
 pub async fn get(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<JobInfo>, AppError> {
-    Ok(Json(job_info(find(&state, id).await?)))
+    Ok(Json(job_info(find(&state, &requester, id).await?)))
 }
 
 /// Per-step and per-epoch metrics so far.
@@ -95,9 +102,10 @@ pub async fn get(
         (status = 404, description = "No such job", body = ApiError)))]
 pub async fn metrics(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<JobMetrics>, AppError> {
-    find(&state, id).await?;
+    find(&state, &requester, id).await?;
     let steps = jobs::steps(&state.db, id).await?;
     let epochs = jobs::epochs(&state.db, id).await?;
     Ok(Json(JobMetrics {
@@ -171,9 +179,10 @@ pub fn metrics_csv(steps: &[jobs::StepRecord], epochs: &[jobs::EpochRecord]) -> 
         (status = 404, description = "No such job", body = ApiError)))]
 pub async fn metrics_as_csv(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Response, AppError> {
-    find(&state, id).await?;
+    find(&state, &requester, id).await?;
     let steps = jobs::steps(&state.db, id).await?;
     let epochs = jobs::epochs(&state.db, id).await?;
     Ok((
@@ -197,9 +206,10 @@ pub async fn metrics_as_csv(
         (status = 404, description = "No such job", body = ApiError)))]
 pub async fn log(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<Vec<LogEntry>>, AppError> {
-    find(&state, id).await?;
+    find(&state, &requester, id).await?;
     let lines = jobs::log(&state.db, id, LOG_LINES).await?;
     Ok(Json(
         lines
@@ -227,22 +237,49 @@ pub struct EventFilter {
     responses((status = 200, description = "Server-sent events: `event: job` with a JobEvent as JSON data, or `event: lagged` with the number of events missed", body = JobEvent, content_type = "text/event-stream")))]
 pub async fn events(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     Query(filter): Query<EventFilter>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    let rx = state.coordinator.subscribe();
-    let stream = futures_util::stream::unfold(rx, move |mut rx| async move {
-        loop {
-            match rx.recv().await {
-                Ok(event) if filter.job.is_some_and(|job| job != event.job_id) => continue,
-                Ok(event) => {
-                    let data = serde_json::to_string(&event).unwrap_or_default();
-                    return Some((Ok(SseEvent::default().event("job").data(data)), rx));
+    /// The subscription, and whether each job seen so far is the caller's
+    /// (looked up once per job, so another Requester's jobs stay unseen).
+    struct Subscription {
+        rx: tokio::sync::broadcast::Receiver<JobEvent>,
+        owned: std::collections::HashMap<u64, bool>,
+    }
+    let db = state.db.clone();
+    let start = Subscription {
+        rx: state.coordinator.subscribe(),
+        owned: Default::default(),
+    };
+    let stream = futures_util::stream::unfold(start, move |mut sub| {
+        let db = db.clone();
+        async move {
+            loop {
+                match sub.rx.recv().await {
+                    Ok(event) if filter.job.is_some_and(|job| job != event.job_id) => continue,
+                    Ok(event) => {
+                        let owned = match sub.owned.get(&event.job_id) {
+                            Some(&owned) => owned,
+                            None => {
+                                let owned = jobs::get_owned(&db, event.job_id, requester.id)
+                                    .await
+                                    .is_ok_and(|job| job.is_some());
+                                sub.owned.insert(event.job_id, owned);
+                                owned
+                            }
+                        };
+                        if !owned {
+                            continue;
+                        }
+                        let data = serde_json::to_string(&event).unwrap_or_default();
+                        return Some((Ok(SseEvent::default().event("job").data(data)), sub));
+                    }
+                    Err(RecvError::Lagged(missed)) => {
+                        let event = SseEvent::default().event("lagged").data(missed.to_string());
+                        return Some((Ok(event), sub));
+                    }
+                    Err(RecvError::Closed) => return None,
                 }
-                Err(RecvError::Lagged(missed)) => {
-                    let event = SseEvent::default().event("lagged").data(missed.to_string());
-                    return Some((Ok(event), rx));
-                }
-                Err(RecvError::Closed) => return None,
             }
         }
     });
@@ -257,9 +294,10 @@ pub async fn events(
         (status = 409, description = "The job had already finished", body = ApiError)))]
 pub async fn cancel(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Json<JobInfo>, AppError> {
-    let job = find(&state, id).await?;
+    let job = find(&state, &requester, id).await?;
     if job.status.is_finished() {
         return Err(AppError::Conflict(format!(
             "job {id} is already {}",
@@ -276,7 +314,7 @@ pub async fn cancel(
     .await?;
     state.coordinator.send(Event::Cancel { job_id: id });
     log_line(&state, id, "cancelled", "cancelled by the Requester".into()).await?;
-    let job = job_info(find(&state, id).await?);
+    let job = job_info(find(&state, &requester, id).await?);
     state.coordinator.publish(JobEvent {
         job_id: id,
         body: JobEventBody::Job { job: job.clone() },
@@ -313,9 +351,10 @@ async fn log_line(state: &AppState, id: u64, kind: &str, message: String) -> Res
         (status = 404, description = "No such job, or no weights yet", body = ApiError)))]
 pub async fn weights(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
 ) -> Result<Response, AppError> {
-    find(&state, id).await?;
+    find(&state, &requester, id).await?;
     let candidates = [
         coordinator::weights_path(&state.data_dir, id),
         coordinator::checkpoint_path(&state.data_dir, id),
@@ -371,13 +410,19 @@ fn safe_relative(name: &str) -> Result<PathBuf, AppError> {
     }
 }
 
-/// Parses a job file's text: JSON when it looks like JSON, TOML otherwise.
+/// Parses an uploaded job file's text (JSON or TOML) whose files are in
+/// `base`. Errors name files relative to the upload: the server's own
+/// folders are no business of the client's.
 pub fn parse_job(text: &str, base: &Path) -> Result<JobSpec, rookery_job::JobError> {
-    if text.trim_start().starts_with('{') {
-        JobSpec::from_json(text, base)
-    } else {
-        JobSpec::from_toml(text, base)
-    }
+    JobSpec::from_upload(text, base)
+}
+
+/// `message` with the upload folder's path taken out of the names it shows.
+fn relative_to(message: &str, base: &Path) -> String {
+    let base = base.display().to_string();
+    message
+        .replace(&format!("{base}/"), "")
+        .replace(&base, "the upload")
 }
 
 /// Receives an upload into a fresh folder and checks it in full. On error
@@ -389,7 +434,8 @@ async fn receive_checked(
     let jobs_dir = state.data_dir.join("jobs");
     let upload = jobs_dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
     let result = async {
-        let (name, text, dataset) = receive(multipart, &upload).await?;
+        let (name, text, dataset) =
+            receive(multipart, &upload, state.limits.max_upload_bytes).await?;
         if let Some(dataset) = dataset {
             let (data_dir, dest) = (state.data_dir.clone(), upload.clone());
             tokio::task::spawn_blocking(move || {
@@ -432,11 +478,10 @@ async fn receive_checked(
 /// A failed check as the Requester should read it: paths relative to the
 /// upload (as the parts were named), and the field or file it concerns.
 fn upload_error(error: PrepareError, upload: &Path) -> AppError {
-    let prefix = format!("{}/", upload.display());
-    let message = error.message.replace(&prefix, "");
+    let message = relative_to(&error.message, upload);
     match error.field {
         Some(field) => AppError::Field {
-            field: field.replace(&prefix, ""),
+            field: relative_to(&field, upload),
             message,
         },
         None => AppError::BadRequest(message),
@@ -491,12 +536,21 @@ pub async fn plan(
         (status = 400, description = "The upload is invalid; `field` names the job-file field or file", body = ApiError)))]
 pub async fn create(
     State(state): State<AppState>,
+    Extension(requester): Extension<Requester>,
     mut multipart: Multipart,
 ) -> Result<(StatusCode, Json<JobCreated>), AppError> {
     let (upload, name, text, mut prepared) = receive_checked(&state, &mut multipart).await?;
     // Reserve the id, then move the files to the job's own folder and store
     // the spec with paths resolved there.
-    let id = jobs::insert(&state.db, name, "{}".into(), String::new(), now_ms()).await?;
+    let id = jobs::insert(
+        &state.db,
+        requester.id,
+        name,
+        "{}".into(),
+        String::new(),
+        now_ms(),
+    )
+    .await?;
     let dir = coordinator::job_dir(&state.data_dir, id);
     let stored = async {
         tokio::fs::rename(&upload, &dir)
@@ -526,7 +580,7 @@ pub async fn create(
         }
     };
     jobs::set_files(&state.db, id, spec_json, dir.display().to_string()).await?;
-    tracing::info!(job = id, "job queued");
+    tracing::info!(job = id, requester = %requester.name, "job queued");
     log_line(&state, id, "submitted", "accepted and queued".into()).await?;
     if let Some(record) = jobs::get(&state.db, id).await? {
         state.coordinator.publish(JobEvent {
@@ -545,11 +599,37 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }
 
+/// An unreadable upload is the client's fault; one over the size limit or
+/// stalled past the slow-client timeout says so.
+fn multipart_error(
+    error: &axum::extract::multipart::MultipartError,
+    what: &str,
+    limit: usize,
+) -> AppError {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = cause {
+        if current.is::<tower_http::timeout::TimeoutError>() {
+            return AppError::Timeout(
+                "the upload stalled for longer than this server waits; send it again".into(),
+            );
+        }
+        cause = current.source();
+    }
+    if error.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        AppError::PayloadTooLarge(format!(
+            "the upload is larger than this server accepts ({limit} bytes; `rookery serve --max-upload-bytes` sets it)"
+        ))
+    } else {
+        AppError::BadRequest(format!("{what}: {error}"))
+    }
+}
+
 /// Stores every file part under `dir`; returns the job's name and text,
 /// and the server dataset the upload names, if any.
 async fn receive(
     multipart: &mut Multipart,
     dir: &Path,
+    limit: usize,
 ) -> Result<(String, String, Option<String>), AppError> {
     tokio::fs::create_dir_all(dir)
         .await
@@ -559,14 +639,14 @@ async fn receive(
     while let Some(field) = multipart
         .next_field()
         .await
-        .map_err(|e| AppError::BadRequest(format!("unreadable upload: {e}")))?
+        .map_err(|e| multipart_error(&e, "unreadable upload", limit))?
     {
         let part = field.name().unwrap_or_default().to_string();
         let file_name = field.file_name().map(str::to_string);
         let bytes = field
             .bytes()
             .await
-            .map_err(|e| AppError::BadRequest(format!("part `{part}`: {e}")))?;
+            .map_err(|e| multipart_error(&e, &format!("part `{part}`"), limit))?;
         if part == JOB_PART {
             let text = String::from_utf8(bytes.to_vec())
                 .map_err(|_| AppError::BadRequest("the job file is not UTF-8 text".into()))?;

@@ -74,6 +74,8 @@ pub struct JobRecord {
     pub last_loss: Option<f64>,
     pub samples_per_s: Option<f64>,
     pub plan_json: Option<String>,
+    /// The Requester who submitted it.
+    pub owner: Option<u64>,
 }
 
 /// Time one stage spent on a step.
@@ -108,7 +110,7 @@ pub struct EpochRecord {
     pub samples: u64,
 }
 
-const JOB_COLUMNS: &str = "id, name, status, detail, spec_json, dir, created_ms, started_ms, finished_ms, step, total_steps, epoch, last_loss, samples_per_s, plan_json";
+const JOB_COLUMNS: &str = "id, name, status, detail, spec_json, dir, created_ms, started_ms, finished_ms, step, total_steps, epoch, last_loss, samples_per_s, plan_json, owner";
 
 fn opt_u64(v: Option<i64>) -> Option<u64> {
     v.map(|v| v as u64)
@@ -133,12 +135,14 @@ fn row_to_job(row: &rusqlite::Row<'_>) -> rusqlite::Result<JobRecord> {
         last_loss: row.get(12)?,
         samples_per_s: row.get(13)?,
         plan_json: row.get(14)?,
+        owner: opt_u64(row.get(15)?),
     })
 }
 
-/// Reserves an id for a job whose files are still being written.
+/// Reserves an id for `owner`'s job whose files are still being written.
 pub async fn insert(
     db: &Db,
+    owner: u64,
     name: String,
     spec_json: String,
     dir: String,
@@ -146,8 +150,8 @@ pub async fn insert(
 ) -> Result<u64, DbError> {
     db.call(move |conn| {
         conn.execute(
-            "INSERT INTO jobs (name, status, spec_json, dir, created_ms) VALUES (?1, 'queued', ?2, ?3, ?4)",
-            params![name, spec_json, dir, now_ms as i64],
+            "INSERT INTO jobs (name, status, spec_json, dir, created_ms, owner) VALUES (?1, 'queued', ?2, ?3, ?4, ?5)",
+            params![name, spec_json, dir, now_ms as i64, owner as i64],
         )?;
         Ok(conn.last_insert_rowid() as u64)
     })
@@ -174,6 +178,31 @@ pub async fn get(db: &Db, id: u64) -> Result<Option<JobRecord>, DbError> {
             row_to_job,
         )
         .optional()
+    })
+    .await
+}
+
+/// `owner`'s job `id`; another Requester's job is as absent as a missing one.
+pub async fn get_owned(db: &Db, id: u64, owner: u64) -> Result<Option<JobRecord>, DbError> {
+    db.call(move |conn| {
+        conn.query_row(
+            &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?1 AND owner = ?2"),
+            [id as i64, owner as i64],
+            row_to_job,
+        )
+        .optional()
+    })
+    .await
+}
+
+/// `owner`'s jobs, newest first.
+pub async fn list_owned(db: &Db, owner: u64) -> Result<Vec<JobRecord>, DbError> {
+    db.call(move |conn| {
+        let mut statement = conn.prepare(&format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ?1 ORDER BY id DESC"
+        ))?;
+        let rows = statement.query_map([owner as i64], row_to_job)?;
+        rows.collect()
     })
     .await
 }
@@ -387,10 +416,18 @@ pub async fn queued(db: &Db) -> Result<Vec<JobRecord>, DbError> {
 mod tests {
     use super::*;
 
+    /// A database whose Requester 1 may own jobs.
+    async fn db_with_requester() -> Db {
+        let db = Db::open_in_memory().unwrap();
+        let (requester, _) = crate::requesters::create(&db, "r", 0).await.unwrap();
+        assert_eq!(requester.id, 1);
+        db
+    }
+
     #[tokio::test]
     async fn a_job_runs_records_metrics_and_finishes_once() {
-        let db = Db::open_in_memory().unwrap();
-        let id = insert(&db, "mnist".into(), "{}".into(), "/tmp/j".into(), 10)
+        let db = db_with_requester().await;
+        let id = insert(&db, 1, "mnist".into(), "{}".into(), "/tmp/j".into(), 10)
             .await
             .unwrap();
         assert_eq!(queued(&db).await.unwrap().len(), 1);
@@ -454,11 +491,11 @@ mod tests {
 
     #[tokio::test]
     async fn the_log_keeps_each_jobs_latest_lines_in_order() {
-        let db = Db::open_in_memory().unwrap();
-        let a = insert(&db, "a".into(), "{}".into(), "a".into(), 1)
+        let db = db_with_requester().await;
+        let a = insert(&db, 1, "a".into(), "{}".into(), "a".into(), 1)
             .await
             .unwrap();
-        let b = insert(&db, "b".into(), "{}".into(), "b".into(), 1)
+        let b = insert(&db, 1, "b".into(), "{}".into(), "b".into(), 1)
             .await
             .unwrap();
         for (job, at) in [(a, 1), (b, 2), (a, 3), (a, 4)] {
@@ -477,11 +514,11 @@ mod tests {
 
     #[tokio::test]
     async fn interrupted_jobs_go_back_to_the_queue() {
-        let db = Db::open_in_memory().unwrap();
-        let a = insert(&db, "a".into(), "{}".into(), "a".into(), 1)
+        let db = db_with_requester().await;
+        let a = insert(&db, 1, "a".into(), "{}".into(), "a".into(), 1)
             .await
             .unwrap();
-        let b = insert(&db, "b".into(), "{}".into(), "b".into(), 1)
+        let b = insert(&db, 1, "b".into(), "{}".into(), "b".into(), 1)
             .await
             .unwrap();
         set_status(&db, a, JobStatus::Running, None, 2)

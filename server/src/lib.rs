@@ -6,6 +6,7 @@
 //! `rookery` binary in `main.rs` parses the command line. Nothing here links
 //! libtorch or a GPU API: the server only coordinates and relays.
 
+pub mod admission;
 pub mod auth;
 pub mod client;
 pub mod coordinator;
@@ -19,6 +20,7 @@ pub mod openapi;
 pub mod plan_cli;
 pub mod plan_view;
 pub mod providers;
+pub mod requesters;
 pub mod run;
 pub mod ws;
 
@@ -27,12 +29,17 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
 use axum::extract::DefaultBodyLimit;
+use axum::http::Request;
 use axum::middleware;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
+use hyper::body::Incoming;
 use tokio::net::TcpListener;
+use tower::ServiceExt;
 use tower_http::services::{ServeDir, ServeFile};
+use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::TraceLayer;
 
 use crate::coordinator::Coordinator;
@@ -48,6 +55,14 @@ pub struct Limits {
     pub heartbeat_timeout: Duration,
     /// Largest job upload (model, data and job file together).
     pub max_upload_bytes: usize,
+    /// Provider WebSockets one IP address may hold open at once.
+    pub max_connections_per_ip: usize,
+    /// A client that takes longer than this to send a request's headers, or
+    /// pauses this long in the middle of a request body, is dropped.
+    pub slow_client_timeout: Duration,
+    /// HTTP connections one IP address may hold open at once (provider
+    /// WebSockets count against `max_connections_per_ip` once upgraded).
+    pub max_http_connections_per_ip: usize,
 }
 
 impl Default for Limits {
@@ -57,6 +72,9 @@ impl Default for Limits {
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(4),
             max_upload_bytes: 512 << 20,
+            max_connections_per_ip: 64,
+            slow_client_timeout: Duration::from_secs(30),
+            max_http_connections_per_ip: 256,
         }
     }
 }
@@ -70,14 +88,19 @@ pub struct AppState {
     pub web_dir: Option<PathBuf>,
     /// Uploaded job files, checkpoints and weights live under `jobs/` here.
     pub data_dir: PathBuf,
-    /// The Requester's API token; job endpoints require it.
+    /// The first Requester's API token (the data dir's `api-token`); job
+    /// endpoints take any Requester's token, checked against the database.
     pub api_token: auth::Token,
+    /// When set, providers must present this join token to connect.
+    pub provider_token: Option<auth::ProviderToken>,
+    pub connections: admission::ConnectionCounter,
     pub coordinator: Coordinator,
 }
 
 impl AppState {
-    /// A state over `db`, with job files under `data_dir`. Starts the
-    /// coordinator, so it must run inside a tokio runtime.
+    /// A state over `db`, with job files under `data_dir`, where `api_token`
+    /// is the first Requester's. Starts the coordinator, so it must run
+    /// inside a tokio runtime.
     pub fn new(
         db: Db,
         limits: Limits,
@@ -85,6 +108,12 @@ impl AppState {
         data_dir: PathBuf,
         api_token: auth::Token,
     ) -> Self {
+        // `open` has done this already (and failed loudly if it could not);
+        // here it registers the token of states built directly.
+        if let Err(error) = db.call_now(|conn| requesters::ensure_first(conn, &api_token, now_ms()))
+        {
+            tracing::error!(%error, "cannot register the first Requester's token");
+        }
         let coordinator = Coordinator::spawn(db.clone(), data_dir.clone());
         Self {
             db,
@@ -92,8 +121,16 @@ impl AppState {
             web_dir,
             data_dir,
             api_token,
+            provider_token: None,
+            connections: admission::ConnectionCounter::default(),
             coordinator,
         }
+    }
+
+    /// Requires providers to present `token` when they connect.
+    pub fn with_provider_token(mut self, token: &str) -> Self {
+        self.provider_token = Some(auth::ProviderToken::new(token));
+        self
     }
 
     /// Opens the data directory for a starting server: whoever the previous
@@ -111,6 +148,7 @@ impl AppState {
             path: auth::token_path(data_dir).display().to_string(),
             source,
         })?;
+        db.call_now(|conn| requesters::ensure_first(conn, &token, now_ms()))?;
         Ok(Self::new(
             db,
             limits,
@@ -169,25 +207,92 @@ pub fn app(state: AppState) -> Router {
             .fallback_service(ServeDir::new(dir).fallback(ServeFile::new(dir.join("index.html")))),
         None => router.fallback(http::dashboard_missing),
     };
-    router.layer(TraceLayer::new_for_http()).with_state(state)
+    let body_timeout = state.limits.slow_client_timeout;
+    router
+        .layer(RequestBodyTimeoutLayer::new(body_timeout))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
 }
 
-/// Serves [`app`] on `listener` until `shutdown` completes.
+/// Serves [`app`] on `listener` until `shutdown` completes, then lets
+/// requests in flight finish.
+///
+/// Its own accept loop rather than `axum::serve`, which has no way to bound
+/// how long a client may take to send its request headers (slowloris).
 pub async fn serve(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    // Training sends many small frames (losses, step reports) between large
-    // ones; Nagle's algorithm would hold each behind a delayed ACK (40 ms).
-    let listener = listener.tap_io(|tcp| {
+    let header_timeout = state.limits.slow_client_timeout;
+    let max_per_ip = state.limits.max_http_connections_per_ip;
+    let connections = admission::ConnectionCounter::default();
+    let router = app(state);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Every connection task holds a receiver; `closed()` resolves when all are gone.
+    let (open_tx, open_rx) = tokio::sync::watch::channel(());
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (tcp, remote) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors, usually: wait instead of spinning.
+                    tracing::warn!(%error, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Training sends many small frames (losses, step reports) between large
+        // ones; Nagle's algorithm would hold each behind a delayed ACK (40 ms).
         if let Err(error) = tcp.set_nodelay(true) {
             tracing::warn!(%error, "cannot set TCP_NODELAY");
         }
-    });
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+        let Some(slot) = connections.take(remote.ip(), max_per_ip) else {
+            tokio::spawn(admission::refuse_connection(tcp, remote.ip(), max_per_ip));
+            continue;
+        };
+        let router = router.clone();
+        // Connection info lets the provider socket count connections per IP.
+        let service = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(remote));
+            router.clone().oneshot(request.map(Body::new))
+        });
+        let mut stop = stop_rx.clone();
+        let open = open_rx.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let connection = builder
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                .with_upgrades();
+            let mut connection = std::pin::pin!(connection);
+            let finished = tokio::select! {
+                result = connection.as_mut() => Some(result),
+                _ = stop.changed() => None,
+            };
+            let result = match finished {
+                Some(result) => result,
+                None => {
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(error) = result {
+                tracing::debug!(%remote, %error, "connection ended with an error");
+            }
+            drop((slot, open));
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    drop(open_rx);
+    open_tx.closed().await;
+    Ok(())
 }
 
 /// Wall-clock Unix milliseconds, the unit of every stored time.

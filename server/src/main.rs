@@ -60,6 +60,27 @@ enum Command {
     /// Train a job here: an embedded server and N local providers; writes
     /// DIR/weights.safetensors and DIR/metrics.json.
     Train(TrainArgs),
+    /// Manage Requesters' API tokens in a server's data directory.
+    Token {
+        #[command(subcommand)]
+        action: TokenCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum TokenCommand {
+    /// Make a Requester with a fresh API token; prints the token once.
+    Create {
+        /// Letters, digits, `.`, `_` or `-`.
+        name: String,
+        #[arg(long, default_value = "rookery-data")]
+        data_dir: PathBuf,
+    },
+    /// List the Requesters (names only; tokens are not stored).
+    List {
+        #[arg(long, default_value = "rookery-data")]
+        data_dir: PathBuf,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -137,6 +158,23 @@ struct ServeArgs {
     /// Largest WebSocket frame accepted from a provider, in bytes.
     #[arg(long, default_value_t = rookery_proto::DEFAULT_MAX_FRAME_BYTES)]
     max_frame_bytes: usize,
+    /// Largest job upload (job file, model and data together), in bytes.
+    #[arg(long, default_value_t = Limits::default().max_upload_bytes)]
+    max_upload_bytes: usize,
+    /// Provider WebSockets one IP address may hold open at once.
+    #[arg(long, default_value_t = Limits::default().max_connections_per_ip)]
+    max_connections_per_ip: usize,
+    /// HTTP connections one IP address may hold open at once.
+    #[arg(long, default_value_t = Limits::default().max_http_connections_per_ip)]
+    max_http_connections_per_ip: usize,
+    /// Milliseconds a client may take to send a request's headers, or pause
+    /// in the middle of an upload, before it is dropped.
+    #[arg(long, default_value_t = 30_000)]
+    slow_client_timeout_ms: u64,
+    /// Providers must present this join token to connect (kept in memory as
+    /// its digest only).
+    #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
+    provider_token: Option<String>,
 }
 
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
@@ -222,6 +260,32 @@ async fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Train(args) => train(args).await,
+        Command::Token { action } => token(action).await,
+    }
+}
+
+async fn token(action: TokenCommand) -> anyhow::Result<()> {
+    match action {
+        TokenCommand::Create { name, data_dir } => {
+            let db = rookery_server::db::Db::open_in_dir(&data_dir)
+                .with_context(|| format!("opening the data directory {}", data_dir.display()))?;
+            let (requester, token) =
+                rookery_server::requesters::create(&db, &name, rookery_server::now_ms()).await?;
+            eprintln!(
+                "Requester `{}` created. Their API token follows; it is shown only this once.",
+                requester.name
+            );
+            println!("{}", token.secret());
+            Ok(())
+        }
+        TokenCommand::List { data_dir } => {
+            let db = rookery_server::db::Db::open_in_dir(&data_dir)
+                .with_context(|| format!("opening the data directory {}", data_dir.display()))?;
+            for requester in rookery_server::requesters::list(&db).await? {
+                println!("{}", requester.name);
+            }
+            Ok(())
+        }
     }
 }
 
@@ -333,7 +397,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_frame_bytes: args.max_frame_bytes,
         heartbeat_interval: heartbeat_timeout / 4,
         heartbeat_timeout,
-        ..Limits::default()
+        max_upload_bytes: args.max_upload_bytes,
+        max_connections_per_ip: args.max_connections_per_ip.max(1),
+        slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
+        max_http_connections_per_ip: args.max_http_connections_per_ip.max(1),
     };
     let web_dir = rookery_server::http::is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {
@@ -342,9 +409,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             "no built dashboard there; run `cargo xtask web` to build it"
         );
     }
-    let state = AppState::open(&args.data_dir, limits, web_dir)
+    let mut state = AppState::open(&args.data_dir, limits, web_dir)
         .await
         .with_context(|| format!("opening the data directory {}", args.data_dir.display()))?;
+    match args.provider_token.as_deref().map(str::trim) {
+        Some("") => anyhow::bail!("--provider-token is empty"),
+        Some(token) => {
+            state = state.with_provider_token(token);
+            println!("Providers must present the join token (--provider-token).");
+        }
+        None => {}
+    }
     let listener = tokio::net::TcpListener::bind(args.addr)
         .await
         .with_context(|| format!("binding {}", args.addr))?;

@@ -6,10 +6,12 @@
 
 use std::collections::VecDeque;
 use std::fmt::Display;
+use std::net::SocketAddr;
 
-use axum::extract::State;
 use axum::extract::ws::{CloseFrame, Message, WebSocketUpgrade};
-use axum::response::Response;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{Extensions, HeaderMap, Uri};
+use axum::response::{IntoResponse, Response};
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use rookery_proto::stream::{Incoming, Lane, Payload, Streamed};
 use rookery_proto::{
@@ -17,7 +19,7 @@ use rookery_proto::{
 };
 
 use crate::coordinator::{Event, Outgoing};
-use crate::{AppState, now_ms, providers};
+use crate::{AppState, admission, now_ms, providers};
 
 /// WebSocket close codes (RFC 6455, section 7.4.1).
 mod close_code {
@@ -33,7 +35,23 @@ mod close_code {
 /// Longest close reason a control frame can carry (125 bytes less the code).
 const MAX_CLOSE_REASON: usize = 123;
 
-pub async fn provider_socket(ws: WebSocketUpgrade, State(state): State<AppState>) -> Response {
+pub async fn provider_socket(
+    ws: WebSocketUpgrade,
+    State(state): State<AppState>,
+    extensions: Extensions,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    let ip = extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip());
+    let slot = match admission::admit(&state, ip, &headers, uri.query()) {
+        Ok(slot) => slot,
+        Err(refusal) => {
+            tracing::info!(?ip, reason = %refusal, "provider connection refused");
+            return refusal.into_response();
+        }
+    };
     // Let frames of up to twice our limit through the transport so that this
     // module, not tungstenite, rejects an oversized frame and says why.
     let transport_limit = state.limits.max_frame_bytes.saturating_mul(2);
@@ -41,7 +59,10 @@ pub async fn provider_socket(ws: WebSocketUpgrade, State(state): State<AppState>
         .max_frame_size(transport_limit)
         .on_upgrade(move |socket| {
             let (sink, stream) = socket.split();
-            serve_provider(sink, stream, state)
+            async move {
+                serve_provider(sink, stream, state).await;
+                drop(slot);
+            }
         })
 }
 

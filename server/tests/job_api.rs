@@ -1,6 +1,8 @@
-//! The job endpoints through `tower::ServiceExt::oneshot`: the token guards
-//! every one, uploads are checked before they are accepted, and a bad upload
-//! leaves nothing behind. Uses the real MNIST files and the example CNN.
+//! The job endpoints through `tower::ServiceExt::oneshot`: a Requester's token
+//! guards every one and reaches only that Requester's jobs, uploads are
+//! checked before they are accepted (over-large ones get a 413, malformed
+//! ones a 400 naming the problem), and a bad upload leaves nothing behind.
+//! Uses the real MNIST files, the example CNN and the PyTorch ONNX fixture.
 
 #![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
 
@@ -15,7 +17,7 @@ use rookery_proto::api::{
 use rookery_proto::{Hello, ProviderKind};
 use rookery_server::auth::Token;
 use rookery_server::db::Db;
-use rookery_server::{AppState, Limits, app};
+use rookery_server::{AppState, Limits, app, requesters};
 use tower::ServiceExt;
 
 const TOKEN: &str = "secret-token";
@@ -59,7 +61,7 @@ fn authed(method: &str, path: &str, token: Option<&str>) -> axum::http::request:
 }
 
 /// A multipart body: the job part, then files as (part name, bytes).
-fn multipart(job: &str, files: &[(&str, Vec<u8>)]) -> Body {
+fn multipart(job: &[u8], files: &[(&str, Vec<u8>)]) -> Body {
     let mut body = Vec::new();
     let mut part = |name: &str, bytes: &[u8]| {
         body.extend_from_slice(
@@ -71,7 +73,7 @@ fn multipart(job: &str, files: &[(&str, Vec<u8>)]) -> Body {
         body.extend_from_slice(bytes);
         body.extend_from_slice(b"\r\n");
     };
-    part("job", job.as_bytes());
+    part("job", job);
     for (name, bytes) in files {
         part(name, bytes);
     }
@@ -119,7 +121,25 @@ optimizer = { name = "adam", lr = 0.001 }
 "#;
 
 async fn submit(state: &AppState, job: &str, files: &[(&str, Vec<u8>)]) -> (StatusCode, Vec<u8>) {
-    let request = authed("POST", "/api/jobs", Some(TOKEN))
+    submit_as(state, TOKEN, job, files).await
+}
+
+async fn submit_as(
+    state: &AppState,
+    token: &str,
+    job: &str,
+    files: &[(&str, Vec<u8>)],
+) -> (StatusCode, Vec<u8>) {
+    submit_bytes(state, token, job.as_bytes(), files).await
+}
+
+async fn submit_bytes(
+    state: &AppState,
+    token: &str,
+    job: &[u8],
+    files: &[(&str, Vec<u8>)],
+) -> (StatusCode, Vec<u8>) {
+    let request = authed("POST", "/api/jobs", Some(token))
         .header(
             header::CONTENT_TYPE,
             format!("multipart/form-data; boundary={BOUNDARY}"),
@@ -150,8 +170,10 @@ async fn every_job_endpoint_needs_the_right_token() {
         ("GET", "/api/events"),
         ("GET", "/api/datasets"),
     ];
+    // A token that differs from a real one by its last character.
+    let near = format!("{}x", &TOKEN[..TOKEN.len() - 1]);
     for (method, path) in endpoints {
-        for token in [None, Some("wrong"), Some("")] {
+        for token in [None, Some("wrong"), Some(""), Some(near.as_str())] {
             let (status, body) = call(
                 &state,
                 authed(method, path, token).body(Body::empty()).unwrap(),
@@ -332,7 +354,7 @@ fn plan_request(job: &str, files: &[(&str, Vec<u8>)]) -> Request<Body> {
             header::CONTENT_TYPE,
             format!("multipart/form-data; boundary={BOUNDARY}"),
         )
-        .body(multipart(job, files))
+        .body(multipart(job.as_bytes(), files))
         .unwrap()
 }
 
@@ -463,7 +485,7 @@ async fn validation_errors_name_the_field_or_file_they_concern() {
                     header::CONTENT_TYPE,
                     format!("multipart/form-data; boundary={BOUNDARY}"),
                 )
-                .body(multipart(&job, &files))
+                .body(multipart(job.as_bytes(), &files))
                 .unwrap()
         }] {
             let (status, body) = call(&state, request).await;
@@ -476,28 +498,8 @@ async fn validation_errors_name_the_field_or_file_they_concern() {
     }
 }
 
-#[tokio::test]
-async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
-    let dir = tempfile::tempdir().unwrap();
-    let state = state(dir.path());
-    let response = app(state.clone())
-        .oneshot(
-            authed("GET", "/api/events", Some(TOKEN))
-                .body(Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    assert_eq!(
-        response.headers()[header::CONTENT_TYPE],
-        "text/event-stream"
-    );
-    let (status, body) = submit(&state, JOB, &mnist_files()).await;
-    assert_eq!(status, StatusCode::CREATED);
-    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
-
-    // Read server-sent events until the new job's own row arrives.
+/// Reads server-sent events until job `id`'s own row arrives.
+async fn events_until_job_row(response: axum::response::Response, id: u64) -> Vec<JobEvent> {
     let mut body = response.into_body();
     let mut text = String::new();
     let mut seen = Vec::new();
@@ -522,6 +524,31 @@ async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
             }
         }
     }
+    seen
+}
+
+#[tokio::test]
+async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let response = app(state.clone())
+        .oneshot(
+            authed("GET", "/api/events", Some(TOKEN))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.headers()[header::CONTENT_TYPE],
+        "text/event-stream"
+    );
+    let (status, body) = submit(&state, JOB, &mnist_files()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+
+    let seen = events_until_job_row(response, id).await;
     assert!(seen.iter().any(|e| matches!(
         &e.body,
         JobEventBody::Log { entry } if entry.kind == "submitted"
@@ -616,4 +643,368 @@ async fn a_job_can_use_a_dataset_kept_on_the_server() {
         assert_eq!(error.field.as_deref(), Some("dataset"), "{error:?}");
         assert!(error.error.contains(expected), "{error:?}");
     }
+}
+
+/// Submits the MNIST job as `token`; returns its id.
+async fn submit_mnist(state: &AppState, token: &str) -> u64 {
+    let (status, body) = submit_as(state, token, JOB, &mnist_files()).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    serde_json::from_slice::<JobCreated>(&body).unwrap().id
+}
+
+async fn listed(state: &AppState, token: &str) -> Vec<u64> {
+    let (status, body) = call(
+        state,
+        authed("GET", "/api/jobs", Some(token))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    serde_json::from_slice::<Vec<JobInfo>>(&body)
+        .unwrap()
+        .into_iter()
+        .map(|job| job.id)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_requester_cannot_see_or_touch_another_requesters_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let (_, bob) = requesters::create(&state.db, "bob", 0).await.unwrap();
+    let bob = bob.secret().to_string();
+    let mine = submit_mnist(&state, TOKEN).await;
+    let bobs = submit_mnist(&state, &bob).await;
+    assert_eq!(listed(&state, TOKEN).await, vec![mine]);
+    assert_eq!(listed(&state, &bob).await, vec![bobs]);
+
+    // Another Requester's job answers exactly as a job that does not exist.
+    let missing = bobs + 100;
+    for (method, path) in [
+        ("GET", ""),
+        ("GET", "/metrics"),
+        ("GET", "/metrics.csv"),
+        ("GET", "/log"),
+        ("POST", "/cancel"),
+        ("GET", "/weights"),
+    ] {
+        for (token, id, owner) in [(bob.as_str(), mine, TOKEN), (TOKEN, bobs, bob.as_str())] {
+            let request = |job: u64, token: &str| {
+                authed(method, &format!("/api/jobs/{job}{path}"), Some(token))
+                    .body(Body::empty())
+                    .unwrap()
+            };
+            let (status, body) = call(&state, request(id, token)).await;
+            let (absent_status, absent_body) = call(&state, request(missing, token)).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path} of job {id}");
+            assert_eq!(absent_status, StatusCode::NOT_FOUND);
+            assert_eq!(
+                error_of(&body).replace(&id.to_string(), "N"),
+                error_of(&absent_body).replace(&missing.to_string(), "N"),
+                "{method} {path}"
+            );
+            // The owner still reaches it.
+            let (status, _) = call(&state, request(id, owner)).await;
+            let expected = if path == "/weights" {
+                StatusCode::NOT_FOUND // none yet, for the owner too
+            } else {
+                StatusCode::OK
+            };
+            assert_eq!(status, expected, "{method} {path} by the owner");
+        }
+    }
+    // Each job was cancelled once, by its owner.
+    for (token, id) in [(TOKEN, mine), (bob.as_str(), bobs)] {
+        let (_, body) = call(
+            &state,
+            authed("GET", &format!("/api/jobs/{id}"), Some(token))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        let job: JobInfo = serde_json::from_slice(&body).unwrap();
+        assert_eq!(job.status, "cancelled");
+        assert_eq!(job.detail.as_deref(), Some("cancelled by the Requester"));
+    }
+}
+
+#[tokio::test]
+async fn the_event_stream_carries_only_the_callers_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let (_, bob) = requesters::create(&state.db, "bob", 0).await.unwrap();
+    let bob = bob.secret().to_string();
+    let response = app(state.clone())
+        .oneshot(
+            authed("GET", "/api/events", Some(TOKEN))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    // Bob's job goes first, so its events come before the caller's own.
+    let bobs = submit_mnist(&state, &bob).await;
+    let mine = submit_mnist(&state, TOKEN).await;
+    let seen = events_until_job_row(response, mine).await;
+    assert!(seen.iter().all(|e| e.job_id == mine), "{seen:?}");
+    assert_ne!(bobs, mine);
+}
+
+#[tokio::test]
+async fn an_upload_over_the_limit_is_refused_with_413() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits {
+            max_upload_bytes: 64 << 10,
+            ..Limits::default()
+        },
+        None,
+        dir.path().to_path_buf(),
+        Token::new(TOKEN),
+    );
+    let (status, body) = submit(&state, JOB, &mnist_files()).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    let error = error_of(&body);
+    assert!(error.contains("65536 bytes"), "{error}");
+    assert!(error.contains("--max-upload-bytes"), "{error}");
+    assert!(listed(&state, TOKEN).await.is_empty());
+}
+
+/// The PyTorch MLP fixture: an ONNX export with external data and npy data.
+const ONNX_JOB: &str = r#"
+[model]
+onnx = "model.onnx"
+input_shape = [12]
+[data]
+format = "npy"
+train_inputs = "x.npy"
+train_labels = "y.npy"
+[training]
+batch_size = 16
+"#;
+
+fn onnx_files() -> Files {
+    ["model.onnx", "model.onnx.data", "x.npy", "y.npy"]
+        .into_iter()
+        .map(|name| {
+            (
+                name,
+                std::fs::read(repo(&format!("tests/fixtures/pytorch-mlp/{name}"))).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// `files` with `name`'s bytes replaced by `bytes` (or the part removed).
+fn with(files: &Files, name: &'static str, bytes: Option<Vec<u8>>) -> Files {
+    let mut out: Files = files.iter().filter(|(n, _)| *n != name).cloned().collect();
+    if let Some(bytes) = bytes {
+        out.push((name, bytes));
+    }
+    out
+}
+
+fn original(files: &Files, name: &str) -> Vec<u8> {
+    files.iter().find(|(n, _)| *n == name).unwrap().1.clone()
+}
+
+/// Deterministic noise.
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn malformed_models_datasets_and_job_files_get_a_400_naming_the_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let onnx = onnx_files();
+    let mnist = mnist_files();
+    let model = original(&onnx, "model.onnx");
+    let x = original(&onnx, "x.npy");
+    let images = original(&mnist, "train-images-idx3-ubyte.gz");
+    let mut flipped_header = x.clone();
+    flipped_header[8] ^= 0xff;
+    let cases: Vec<(&str, Vec<u8>, Files, &str)> = vec![
+        // ONNX models.
+        (
+            "onnx: random bytes",
+            ONNX_JOB.into(),
+            with(&onnx, "model.onnx", Some(noise(4096, 1))),
+            "model.onnx",
+        ),
+        (
+            "onnx: empty",
+            ONNX_JOB.into(),
+            with(&onnx, "model.onnx", Some(Vec::new())),
+            "model.onnx",
+        ),
+        (
+            "onnx: truncated",
+            ONNX_JOB.into(),
+            with(&onnx, "model.onnx", Some(model[..model.len() / 2].to_vec())),
+            "model.onnx",
+        ),
+        (
+            "onnx: text",
+            ONNX_JOB.into(),
+            with(
+                &onnx,
+                "model.onnx",
+                Some(b"def forward(x): return x".to_vec()),
+            ),
+            "model.onnx",
+        ),
+        (
+            "onnx: external data missing",
+            ONNX_JOB.into(),
+            with(&onnx, "model.onnx.data", None),
+            "model.onnx.data",
+        ),
+        (
+            "onnx: external data short",
+            ONNX_JOB.into(),
+            with(&onnx, "model.onnx.data", Some(vec![0; 100])),
+            "model.onnx.data",
+        ),
+        // Datasets.
+        (
+            "npy: random bytes",
+            ONNX_JOB.into(),
+            with(&onnx, "x.npy", Some(noise(2048, 2))),
+            "x.npy",
+        ),
+        (
+            "npy: truncated data",
+            ONNX_JOB.into(),
+            with(&onnx, "x.npy", Some(x[..x.len() - 7].to_vec())),
+            "x.npy",
+        ),
+        (
+            "npy: damaged header",
+            ONNX_JOB.into(),
+            with(&onnx, "x.npy", Some(flipped_header)),
+            "x.npy",
+        ),
+        (
+            "npy: labels missing",
+            ONNX_JOB.into(),
+            with(&onnx, "y.npy", None),
+            "y.npy",
+        ),
+        (
+            "idx: not gzip",
+            JOB.into(),
+            with(&mnist, "train-images-idx3-ubyte.gz", Some(noise(1000, 3))),
+            "train-images-idx3-ubyte.gz",
+        ),
+        (
+            "idx: truncated gzip",
+            JOB.into(),
+            with(
+                &mnist,
+                "train-images-idx3-ubyte.gz",
+                Some(images[..images.len() / 3].to_vec()),
+            ),
+            "train-images-idx3-ubyte.gz",
+        ),
+        (
+            "idx: labels for images",
+            JOB.into(),
+            with(&mnist, "train-labels-idx1-ubyte.gz", Some(images.clone())),
+            "train-labels-idx1-ubyte.gz",
+        ),
+        // Job files.
+        (
+            "job: not UTF-8",
+            vec![0xff, 0xfe, 0x00, 0x80],
+            onnx.clone(),
+            "not UTF-8",
+        ),
+        ("job: empty", Vec::new(), onnx.clone(), "model"),
+        (
+            "job: broken JSON",
+            b"{\"model\": ".to_vec(),
+            onnx.clone(),
+            "JSON",
+        ),
+        (
+            "job: JSON of the wrong type",
+            br#"{"model": {"onnx": 5}}"#.to_vec(),
+            onnx.clone(),
+            "model.onnx",
+        ),
+        (
+            "job: unknown field",
+            ONNX_JOB.replace("batch_size", "batch_sise").into(),
+            onnx.clone(),
+            "batch_sise",
+        ),
+        (
+            "job: zero batch",
+            ONNX_JOB.replace("= 16", "= 0").into(),
+            onnx.clone(),
+            "training.batch_size",
+        ),
+        (
+            "job: both model kinds",
+            ONNX_JOB
+                .replace("[model]", "[model]\nspec = \"cnn.toml\"")
+                .into(),
+            onnx.clone(),
+            "model",
+        ),
+        (
+            "job: absolute path",
+            ONNX_JOB.replace("\"x.npy\"", "\"/etc/passwd\"").into(),
+            onnx.clone(),
+            "data.train_inputs",
+        ),
+        (
+            "job: escaping path",
+            ONNX_JOB.replace("\"x.npy\"", "\"../../x.npy\"").into(),
+            onnx.clone(),
+            "data.train_inputs",
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (what, job, files, expected) in cases {
+        let (status, body) = submit_bytes(&state, TOKEN, &job, &files).await;
+        let error = serde_json::from_slice::<ApiError>(&body)
+            .map(|e| e.error)
+            .unwrap_or_else(|_| String::from_utf8_lossy(&body).into_owned());
+        if status != StatusCode::BAD_REQUEST || !error.contains(expected) {
+            failures.push(format!(
+                "{what}: {status} `{error}` (expected 400 naming `{expected}`)"
+            ));
+        }
+        // Internal paths stay in the server's log.
+        if error.contains(dir.path().to_str().unwrap()) || error.contains(".upload-") {
+            failures.push(format!("{what}: the error shows a server path: {error}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(listed(&state, TOKEN).await.is_empty());
+    // The fixture itself is accepted, so each case failed for its own flaw.
+    let (status, body) = submit(&state, ONNX_JOB, &onnx).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
 }

@@ -75,6 +75,11 @@ pub struct Server {
 
 impl Server {
     pub fn start(heartbeat_timeout_ms: u64) -> anyhow::Result<Self> {
+        Self::start_with(heartbeat_timeout_ms, &[])
+    }
+
+    /// [`Server::start`] with more `rookery serve` arguments.
+    pub fn start_with(heartbeat_timeout_ms: u64, extra: &[&str]) -> anyhow::Result<Self> {
         let data_dir = tempfile::tempdir()?;
         let web_dir = dir_from_env("ROOKERY_WEB_DIR", "target/web");
         let mut child = Command::new(binary("rookery")?)
@@ -83,6 +88,7 @@ impl Server {
             .arg("--web-dir")
             .arg(&web_dir)
             .args(["--heartbeat-timeout-ms", &heartbeat_timeout_ms.to_string()])
+            .args(extra)
             .stdout(Stdio::piped())
             .spawn()
             .context("starting rookery serve")?;
@@ -107,7 +113,8 @@ impl Server {
         })
     }
 
-    /// The server's data dir (SQLite, job folders, `datasets/`).
+    /// The server's data dir (database, job folders, `datasets/`, the first
+    /// Requester's `api-token`).
     pub fn data_dir(&self) -> &Path {
         self._data_dir.path()
     }
@@ -153,7 +160,17 @@ impl Server {
 
 /// A `rookery-provider` process (libtorch build) connected to `server`.
 pub fn start_native_provider(server: &Server, name: &str) -> anyhow::Result<Process> {
-    let child = Command::new(binary("rookery-provider")?)
+    Ok(Process(
+        provider_command(server, name, &[])?
+            .spawn()
+            .context("starting rookery-provider")?,
+    ))
+}
+
+/// The command line of a `rookery-provider` for `server`, with `extra` arguments.
+pub fn provider_command(server: &Server, name: &str, extra: &[&str]) -> anyhow::Result<Command> {
+    let mut command = Command::new(binary("rookery-provider")?);
+    command
         .args([
             "--server",
             &format!("ws://{}", server.addr),
@@ -162,10 +179,22 @@ pub fn start_native_provider(server: &Server, name: &str) -> anyhow::Result<Proc
             "--name",
             name,
         ])
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting rookery-provider")?;
-    Ok(Process(child))
+        .args(extra)
+        .stdout(Stdio::null());
+    Ok(command)
+}
+
+/// Runs `rookery ARGS` to the end: (success, stdout, stderr).
+pub fn rookery(args: &[&str]) -> anyhow::Result<(bool, String, String)> {
+    let output = Command::new(binary("rookery")?)
+        .args(args)
+        .output()
+        .context("running rookery")?;
+    Ok((
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    ))
 }
 
 /// Runs `rookery train JOB --local-providers N --out OUT` to the end and

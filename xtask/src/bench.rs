@@ -16,6 +16,9 @@ struct Bench {
     features: &'static [&'static str],
     /// Whether it starts `rookery` and `rookery-provider` processes.
     needs_binaries: bool,
+    /// Release build with overflow checks and debug assertions, as cargo-fuzz
+    /// builds: an overflow on a hostile input must show up as a panic.
+    checked: bool,
 }
 
 const BENCHES: &[Bench] = &[
@@ -25,6 +28,7 @@ const BENCHES: &[Bench] = &[
         example: "bench_plan",
         features: &[],
         needs_binaries: false,
+        checked: false,
     },
     Bench {
         name: "pipeline",
@@ -32,6 +36,7 @@ const BENCHES: &[Bench] = &[
         example: "bench_pipeline",
         features: &["rookery-e2e/torch"],
         needs_binaries: true,
+        checked: false,
     },
     Bench {
         name: "relay",
@@ -39,13 +44,25 @@ const BENCHES: &[Bench] = &[
         example: "bench_relay",
         features: &[],
         needs_binaries: false,
+        checked: false,
+    },
+    Bench {
+        name: "fuzz",
+        package: "rookery-fuzz",
+        example: "bench_fuzz",
+        features: &[],
+        needs_binaries: false,
+        checked: true,
     },
 ];
 
 pub fn main(args: &[String]) -> Result<()> {
     let names: Vec<&str> = BENCHES.iter().map(|b| b.name).collect();
-    let [name] = args else {
-        bail!("usage: cargo xtask bench <{}>", names.join(" | "));
+    let [name, rest @ ..] = args else {
+        bail!(
+            "usage: cargo xtask bench <{}> [ARGS for the benchmark]",
+            names.join(" | ")
+        );
     };
     let Some(bench) = BENCHES.iter().find(|b| b.name == name) else {
         bail!("no benchmark `{name}`; available: {}", names.join(", "));
@@ -78,6 +95,14 @@ pub fn main(args: &[String]) -> Result<()> {
     ]);
     for feature in bench.features {
         cargo.args(["--features", feature]);
+    }
+    if bench.checked {
+        cargo
+            .env("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "true")
+            .env("CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS", "true");
+    }
+    if !rest.is_empty() {
+        cargo.arg("--").args(rest);
     }
     cargo.env("ROOKERY_BIN_DIR", target_dir().join("release"));
     run(&mut cargo)

@@ -209,17 +209,37 @@ pub struct JobSpec {
 impl JobSpec {
     /// Parses and validates a TOML job file; relative paths resolve against `base_dir`.
     pub fn from_toml(text: &str, base_dir: &Path) -> Result<Self, JobError> {
+        Self::from_toml_with(text, base_dir, Paths::Any)
+    }
+
+    /// Parses and validates the JSON form; relative paths resolve against `base_dir`.
+    pub fn from_json(text: &str, base_dir: &Path) -> Result<Self, JobError> {
+        Self::from_json_with(text, base_dir, Paths::Any)
+    }
+
+    /// Parses a job file someone uploaded along with its files into
+    /// `upload_dir`: JSON when it looks like JSON, TOML otherwise, and every
+    /// path it names must be a relative path inside `upload_dir` (no absolute
+    /// paths, no `..`), so an upload can never make the server read its own files.
+    pub fn from_upload(text: &str, upload_dir: &Path) -> Result<Self, JobError> {
+        if text.trim_start().starts_with('{') {
+            Self::from_json_with(text, upload_dir, Paths::Inside)
+        } else {
+            Self::from_toml_with(text, upload_dir, Paths::Inside)
+        }
+    }
+
+    fn from_toml_with(text: &str, base_dir: &Path, paths: Paths) -> Result<Self, JobError> {
         let de = toml::de::Deserializer::parse(text).map_err(|e| JobError::Syntax {
             format: "TOML",
             reason: toml_reason(&e, text),
         })?;
         let file: JobFile = serde_path_to_error::deserialize(de)
             .map_err(|e| path_error(e, |e| toml_reason(e, text)))?;
-        Self::from_file_form(file, base_dir)
+        Self::from_file_form(file, base_dir, paths)
     }
 
-    /// Parses and validates the JSON form; relative paths resolve against `base_dir`.
-    pub fn from_json(text: &str, base_dir: &Path) -> Result<Self, JobError> {
+    fn from_json_with(text: &str, base_dir: &Path, paths: Paths) -> Result<Self, JobError> {
         let mut de = serde_json::Deserializer::from_str(text);
         let file: JobFile = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             if e.inner().is_syntax() || e.inner().is_eof() {
@@ -235,7 +255,7 @@ impl JobSpec {
             format: "JSON",
             reason: e.to_string(),
         })?;
-        Self::from_file_form(file, base_dir)
+        Self::from_file_form(file, base_dir, paths)
     }
 
     /// Reads a `.toml` or `.json` job file; paths resolve against its folder
@@ -394,10 +414,10 @@ impl JobSpec {
         Ok(())
     }
 
-    fn from_file_form(f: JobFile, base: &Path) -> Result<Self, JobError> {
+    fn from_file_form(f: JobFile, base: &Path, paths: Paths) -> Result<Self, JobError> {
         let source = match (f.model.onnx, f.model.spec) {
-            (Some(p), None) => ModelSource::Onnx(resolve("model.onnx", &p, base)?),
-            (None, Some(p)) => ModelSource::Spec(resolve("model.spec", &p, base)?),
+            (Some(p), None) => ModelSource::Onnx(resolve("model.onnx", &p, base, paths)?),
+            (None, Some(p)) => ModelSource::Spec(resolve("model.spec", &p, base, paths)?),
             (Some(_), Some(_)) => {
                 return Err(JobError::field(
                     "model",
@@ -414,7 +434,7 @@ impl JobSpec {
         };
         let d = f.data;
         let fmt = d.format;
-        let data_ref = |field: &str, s: &str| parse_ref(field, s, base, fmt);
+        let data_ref = |field: &str, s: &str| parse_ref(field, s, base, fmt, paths);
         let data = DataSpec {
             format: fmt,
             train_inputs: data_ref("data.train_inputs", &d.train_inputs)?,
@@ -463,16 +483,42 @@ impl JobSpec {
     }
 }
 
-fn resolve(field: &str, s: &str, base: &Path) -> Result<PathBuf, JobError> {
+/// Which paths a job file may name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Paths {
+    /// Any path (a job file on the Requester's own machine).
+    Any,
+    /// Only relative paths inside the base directory (an upload).
+    Inside,
+}
+
+fn resolve(field: &str, s: &str, base: &Path, paths: Paths) -> Result<PathBuf, JobError> {
     if s.is_empty() {
         return Err(JobError::field(field, "is empty: expected a file path"));
+    }
+    let path = Path::new(s);
+    if paths == Paths::Inside
+        && !path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(JobError::field(
+            field,
+            format!("`{s}` must name an uploaded file: a relative path without `..`"),
+        ));
     }
     Ok(base.join(s))
 }
 
 /// `file:array` for formats with members, unless the whole string names a file.
-fn parse_ref(field: &str, s: &str, base: &Path, format: DataFormat) -> Result<DataRef, JobError> {
-    let whole = resolve(field, s, base)?;
+fn parse_ref(
+    field: &str,
+    s: &str,
+    base: &Path,
+    format: DataFormat,
+    paths: Paths,
+) -> Result<DataRef, JobError> {
+    let whole = resolve(field, s, base, paths)?;
     if format.has_members()
         && !whole.is_file()
         && let Some((file, member)) = s.rsplit_once(':')
@@ -480,7 +526,7 @@ fn parse_ref(field: &str, s: &str, base: &Path, format: DataFormat) -> Result<Da
         && !member.is_empty()
         && !member.contains(['/', '\\'])
     {
-        return Ok(DataRef::member(resolve(field, file, base)?, member));
+        return Ok(DataRef::member(resolve(field, file, base, paths)?, member));
     }
     Ok(DataRef::file(whole))
 }

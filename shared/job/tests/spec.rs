@@ -793,3 +793,48 @@ fn load_model_uses_input_shape_and_micro_batch_size() {
     let e = job.load_model().unwrap_err().to_string();
     assert!(e.contains("model.toml"), "{e}");
 }
+
+#[test]
+fn an_uploaded_job_file_names_only_files_inside_the_upload() {
+    let dir = base();
+    // Either form is read, and plain relative names resolve inside the upload.
+    let toml = JobSpec::from_upload(EXAMPLE, dir.path()).unwrap();
+    assert_eq!(
+        toml,
+        JobSpec::from_upload(EXAMPLE_JSON, dir.path()).unwrap()
+    );
+    assert_eq!(
+        toml.model.source,
+        ModelSource::Onnx(dir.path().join("cnn.onnx"))
+    );
+    let outside = dir.path().join("cnn.onnx").display().to_string();
+    let cases = [
+        ("\"cnn.onnx\"", format!("\"{outside}\""), "model.onnx"),
+        ("\"cnn.onnx\"", "\"../cnn.onnx\"".into(), "model.onnx"),
+        ("\"cnn.onnx\"", "\"./cnn.onnx\"".into(), "model.onnx"),
+        (
+            "\"train-images-idx3-ubyte.gz\"",
+            "\"/etc/passwd\"".into(),
+            "data.train_inputs",
+        ),
+        (
+            "\"t10k-labels-idx1-ubyte.gz\"",
+            "\"a/../../t10k-labels-idx1-ubyte.gz\"".into(),
+            "data.test_labels",
+        ),
+    ];
+    for (replace, with, field) in cases {
+        let text = example_with(replace, &with);
+        // The same file is fine on the Requester's own machine...
+        if with.contains("cnn.onnx") && !with.contains("..") {
+            JobSpec::from_toml(&text, dir.path()).unwrap();
+        }
+        // ...but not in an upload, and the check comes before any file is touched.
+        let error = JobSpec::from_upload(&text, dir.path()).unwrap_err();
+        assert!(
+            matches!(&error, JobError::Field { field: f, .. } if f == field),
+            "{with}: {error}"
+        );
+        assert!(error.to_string().contains("uploaded file"), "{error}");
+    }
+}

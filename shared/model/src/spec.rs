@@ -344,7 +344,10 @@ impl Builder {
                 }
                 let pad = resolve_padding(padding, k, d, stride.get())
                     .map_err(|r| field("padding", r))?;
-                let fan_in = channels / groups * k[0] * k[1];
+                let fan_in = (channels / groups)
+                    .checked_mul(k[0])
+                    .and_then(|n| n.checked_mul(k[1]))
+                    .ok_or_else(|| field("kernel_size", format!("{k:?} is too large")))?;
                 let mut ins = vec![self.param(
                     m,
                     "weight",

@@ -1,0 +1,92 @@
+//! `rookery token create` as a person runs it, against the data dir a server
+//! then opens: the printed token works, only its digest is on disk, and names
+//! are unique.
+
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode, header};
+use rookery_server::{AppState, Limits, app};
+use tower::ServiceExt;
+
+fn rookery_token(args: &[&str], data_dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rookery"))
+        .arg("token")
+        .args(args)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+async fn list_jobs(state: &AppState, token: &str) -> StatusCode {
+    app(state.clone())
+        .oneshot(
+            Request::get("/api/jobs")
+                .header(header::AUTHORIZATION, format!("Bearer {token}"))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap()
+        .status()
+}
+
+#[tokio::test]
+async fn a_created_token_works_once_stored_only_as_a_digest() {
+    let dir = tempfile::tempdir().unwrap();
+    let created = rookery_token(&["create", "alice"], dir.path());
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let token = text(&created.stdout).trim().to_string();
+    assert_eq!(token.len(), 64, "{token}");
+    assert!(text(&created.stderr).contains("shown only this once"));
+
+    let again = rookery_token(&["create", "alice"], dir.path());
+    assert!(!again.status.success());
+    assert!(
+        text(&again.stderr).contains("a Requester named `alice` exists already"),
+        "{}",
+        text(&again.stderr)
+    );
+    let bad = rookery_token(&["create", "a b"], dir.path());
+    assert!(!bad.status.success());
+    assert!(text(&bad.stderr).contains("letters, digits"));
+
+    let state = AppState::open(dir.path(), Limits::default(), None)
+        .await
+        .unwrap();
+    assert_eq!(list_jobs(&state, &token).await, StatusCode::OK);
+    assert_eq!(
+        list_jobs(&state, state.api_token.secret()).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        list_jobs(&state, &token[..63]).await,
+        StatusCode::UNAUTHORIZED
+    );
+    let listed = rookery_token(&["list"], dir.path());
+    assert_eq!(text(&listed.stdout), "alice\ndefault\n");
+
+    // Neither token appears in any database file, WAL included.
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() == "api-token" {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        for secret in [token.as_str(), state.api_token.secret()] {
+            assert!(
+                !bytes.windows(secret.len()).any(|w| w == secret.as_bytes()),
+                "{} holds a token",
+                path.display()
+            );
+        }
+    }
+}
