@@ -236,6 +236,20 @@ pub enum Live {
 /// Reads `GET /api/events` (optionally one job's) until `alive` turns false,
 /// reconnecting after a pause when the connection drops. Each open and every
 /// missed stretch is reported, so pages reload instead of showing gaps.
+/// Sets `now_ms` to the browser's clock every second while `alive`, so
+/// elapsed times tick without server traffic.
+pub fn tick_clock(alive: std::sync::Arc<std::sync::atomic::AtomicBool>, now_ms: RwSignal<f64>) {
+    use std::sync::atomic::Ordering;
+    wasm_bindgen_futures::spawn_local(async move {
+        while alive.load(Ordering::Relaxed) {
+            gloo_timers::future::TimeoutFuture::new(1_000).await;
+            if alive.load(Ordering::Relaxed) {
+                now_ms.set(js_sys::Date::now());
+            }
+        }
+    });
+}
+
 pub async fn follow_events(
     token: String,
     job: Option<u64>,

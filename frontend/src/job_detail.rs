@@ -183,17 +183,7 @@ pub fn JobDetailPage() -> impl IntoView {
             .await;
         }
     });
-    wasm_bindgen_futures::spawn_local({
-        let alive = alive.clone();
-        async move {
-            while alive.load(Ordering::Relaxed) {
-                gloo_timers::future::TimeoutFuture::new(1_000).await;
-                if alive.load(Ordering::Relaxed) {
-                    now_ms.set(js_sys::Date::now());
-                }
-            }
-        }
-    });
+    api::tick_clock(alive.clone(), now_ms);
 
     let loss_points = Signal::derive(move || {
         metrics.with(|m| m.steps.iter().map(|s| (s.step as f64, s.loss)).collect())

@@ -133,18 +133,7 @@ pub fn JobsPage() -> impl IntoView {
             .await;
         }
     });
-    // Elapsed times tick without server traffic.
-    wasm_bindgen_futures::spawn_local({
-        let alive = alive.clone();
-        async move {
-            while alive.load(Ordering::Relaxed) {
-                gloo_timers::future::TimeoutFuture::new(1_000).await;
-                if alive.load(Ordering::Relaxed) {
-                    now_ms.set(js_sys::Date::now());
-                }
-            }
-        }
-    });
+    api::tick_clock(alive.clone(), now_ms);
 
     let cancel = move |id: u64| {
         let token = auth.token.get_untracked().unwrap_or_default();
