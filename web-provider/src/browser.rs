@@ -20,7 +20,11 @@ const NO_ADAPTER: &str = "This browser offers WebGPU but found no GPU it may use
 
 pub(crate) fn default_server_url() -> Option<String> {
     let location = web_sys::window()?.location();
-    session::provider_url(&location.protocol().ok()?, &location.host().ok()?)
+    session::provider_url(
+        &location.protocol().ok()?,
+        &location.host().ok()?,
+        &location.search().ok()?,
+    )
 }
 
 /// Whether `navigator.gpu` exists: wgpu would only fail later, and less

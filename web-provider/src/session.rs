@@ -29,7 +29,12 @@ const MIN_HEARTBEAT_MS: u32 = 100;
 
 /// `ws(s)://host/ws/provider` for a page served as `protocol` (`http:` or
 /// `https:`, as `window.location.protocol` spells it) from `host`.
-pub(crate) fn provider_url(protocol: &str, host: &str) -> Option<String> {
+///
+/// A server started with `--provider-token` admits only providers that
+/// present its join token; its operator shares the Donate link with
+/// `?token=...`, which the tab passes on (still percent-encoded) to the
+/// socket's address, where the server reads it.
+pub(crate) fn provider_url(protocol: &str, host: &str, page_query: &str) -> Option<String> {
     if host.is_empty() {
         // `file:` pages and the like have no server to talk to.
         return None;
@@ -39,7 +44,15 @@ pub(crate) fn provider_url(protocol: &str, host: &str) -> Option<String> {
         "http:" => "ws",
         _ => return None,
     };
-    Some(format!("{scheme}://{host}{PROVIDER_WS_PATH}"))
+    let token = page_query
+        .trim_start_matches('?')
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("token="))
+        .filter(|token| !token.is_empty());
+    Some(match token {
+        Some(token) => format!("{scheme}://{host}{PROVIDER_WS_PATH}?token={token}"),
+        None => format!("{scheme}://{host}{PROVIDER_WS_PATH}"),
+    })
 }
 
 /// The first frame of every connection.
@@ -216,15 +229,34 @@ mod tests {
     #[test]
     fn provider_url_follows_the_page_scheme() {
         assert_eq!(
-            provider_url("http:", "localhost:8080").as_deref(),
+            provider_url("http:", "localhost:8080", "").as_deref(),
             Some("ws://localhost:8080/ws/provider")
         );
         assert_eq!(
-            provider_url("https:", "rookery.example").as_deref(),
+            provider_url("https:", "rookery.example", "").as_deref(),
             Some("wss://rookery.example/ws/provider")
         );
-        assert_eq!(provider_url("file:", ""), None);
-        assert_eq!(provider_url("ftp:", "example.org"), None);
+        assert_eq!(provider_url("file:", "", ""), None);
+        assert_eq!(provider_url("ftp:", "example.org", ""), None);
+    }
+
+    #[test]
+    fn a_join_token_on_the_page_goes_to_the_socket_still_encoded() {
+        for (query, url) in [
+            ("?token=abc", "ws://h:1/ws/provider?token=abc"),
+            (
+                "?lang=en&token=join%20me",
+                "ws://h:1/ws/provider?token=join%20me",
+            ),
+            ("?token=", "ws://h:1/ws/provider"),
+            ("?tokens=abc", "ws://h:1/ws/provider"),
+        ] {
+            assert_eq!(
+                provider_url("http:", "h:1", query).as_deref(),
+                Some(url),
+                "{query}"
+            );
+        }
     }
 
     #[test]
