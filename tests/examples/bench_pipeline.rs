@@ -42,6 +42,29 @@ fn main() -> anyhow::Result<()> {
         "ratio pipeline / reference: {:.3} (target >= 0.8)",
         pipeline / reference
     );
+    // Where a pipeline step goes: the slowest stage bounds the ratio.
+    println!(
+        "per step: reference {:.1} ms; pipeline {:.1} ms, of which each stage computes (and idles), median:",
+        BATCH as f64 / reference * 1e3,
+        median(timed.iter().map(|s| s.elapsed_ms).collect())
+    );
+    let stages = timed.first().map_or(0, |s| s.stages.len());
+    for k in 0..stages {
+        let of = |f: fn(&rookery_proto::api::StageMetric) -> f64| {
+            median(
+                timed
+                    .iter()
+                    .filter_map(|s| s.stages.get(k))
+                    .map(f)
+                    .collect(),
+            )
+        };
+        println!(
+            "  stage {k}: {:>6.1} ms ({:.1} ms idle)",
+            of(|t| t.compute_ms),
+            of(|t| t.idle_ms)
+        );
+    }
 
     println!("bytes on the wire per step (activations and gradients relayed):");
     for dtype in ["f32", "f16", "bf16"] {
@@ -56,6 +79,11 @@ fn main() -> anyhow::Result<()> {
         println!("  {dtype:>4}: {per_step:>10} bytes/step");
     }
     Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The demo's model on the first `STEPS * BATCH` MNIST digits, as npy files
