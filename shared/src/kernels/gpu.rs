@@ -8,11 +8,13 @@
 //! any executor, `pollster` included.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use futures_channel::oneshot;
-use wgpu::util::DeviceExt;
 
 use super::matmul::check_shape;
+use super::spec::{Binding, KernelSpec};
 use super::{KernelError, MatmulKernel, matmul_flops, sample_matrix};
 
 /// Everything that can go wrong running a kernel on a GPU.
@@ -32,7 +34,7 @@ pub enum GpuError {
         bytes: u64,
         limit: u64,
     },
-    #[error("the matmul needs {needed} workgroups along one axis but this GPU allows {limit}")]
+    #[error("a kernel needs {needed} workgroups along one axis but this GPU allows {limit}")]
     TooManyWorkgroups { needed: u64, limit: u32 },
     #[error("a benchmark needs n >= 1 and iterations >= 1, got n = {n}, iterations = {iterations}")]
     InvalidBenchmark { n: u32, iterations: u32 },
@@ -51,8 +53,8 @@ pub enum GpuError {
     ClockTooCoarse { seconds: f64 },
 }
 
-/// A GPU device with the matmul pipeline compiled, ready to run it any number
-/// of times.
+/// A GPU device and the pipelines compiled on it so far, one per generated
+/// kernel source, ready to run any number of times.
 #[derive(Debug)]
 pub struct GpuContext {
     adapter_info: wgpu::AdapterInfo,
@@ -60,8 +62,37 @@ pub struct GpuContext {
     device: wgpu::Device,
     queue: wgpu::Queue,
     kernel: MatmulKernel,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<CachedPipeline>>>,
+}
+
+/// Pipelines are cached by what determines them: the source, the entry
+/// point, and the binding kinds.
+type PipelineKey = (String, &'static str, Vec<Binding>);
+
+#[derive(Debug)]
+struct CachedPipeline {
     layout: wgpu::BindGroupLayout,
     pipeline: wgpu::ComputePipeline,
+}
+
+/// A buffer that lives on the GPU: upload once, bind to any number of
+/// dispatches, read back when needed. Elements are 32-bit words (f32, u32 or
+/// i32, as the kernel declares them).
+#[derive(Debug)]
+pub struct GpuBuffer {
+    buffer: wgpu::Buffer,
+    words: usize,
+}
+
+impl GpuBuffer {
+    /// Its length in 32-bit words.
+    pub fn len(&self) -> usize {
+        self.words
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.words == 0
+    }
 }
 
 /// The layout of the `Dims` uniform of the generated WGSL.
@@ -74,21 +105,14 @@ struct Dims {
     pad: u32,
 }
 
-/// The buffers and bind group of one matmul shape, with A and B uploaded.
-struct MatmulBuffers {
-    c: wgpu::Buffer,
-    c_bytes: u64,
-    bind_group: wgpu::BindGroup,
-    workgroups: (u32, u32),
-}
-
 impl GpuContext {
     /// Opens the best GPU adapter with the default [`MatmulKernel`].
     pub async fn new() -> Result<Self, GpuError> {
         Self::with_kernel(MatmulKernel::default()).await
     }
 
-    /// Opens the best GPU adapter and compiles `kernel` for it.
+    /// Opens the best GPU adapter and compiles `kernel` for it, as the kernel
+    /// [`Self::matmul`] runs.
     pub async fn with_kernel(kernel: MatmulKernel) -> Result<Self, GpuError> {
         // `from_env` lets WGPU_BACKEND / WGPU_ADAPTER_NAME pick an adapter on
         // machines with several; in a browser there is no environment.
@@ -122,58 +146,17 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::RequestDevice(e.to_string()))?;
-
-        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("matmul"),
-            entries: &[
-                buffer_entry(MatmulKernel::BINDING_DIMS, wgpu::BufferBindingType::Uniform),
-                buffer_entry(
-                    MatmulKernel::BINDING_A,
-                    wgpu::BufferBindingType::Storage { read_only: true },
-                ),
-                buffer_entry(
-                    MatmulKernel::BINDING_B,
-                    wgpu::BufferBindingType::Storage { read_only: true },
-                ),
-                buffer_entry(
-                    MatmulKernel::BINDING_C,
-                    wgpu::BufferBindingType::Storage { read_only: false },
-                ),
-            ],
-        });
-        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("matmul"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("matmul"),
-            source: wgpu::ShaderSource::Wgsl(Cow::Owned(kernel.wgsl())),
-        });
-        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("matmul"),
-            layout: Some(&pipeline_layout),
-            module: &module,
-            entry_point: Some(MatmulKernel::ENTRY_POINT),
-            compilation_options: Default::default(),
-            cache: None,
-        });
-        // The guard is consumed before the await, so the future stays Send
-        // natively.
-        if let Some(error) = scope.pop().await {
-            return Err(GpuError::Wgpu(error.to_string()));
-        }
-
-        Ok(Self {
+        let context = Self {
             adapter_info,
             adapter_limits,
             device,
             queue,
             kernel,
-            layout,
-            pipeline,
-        })
+            pipelines: Mutex::new(HashMap::new()),
+        };
+        // Compiles the matmul now, so a broken kernel fails here, not later.
+        context.pipeline(&context.matmul_spec(1, 1)).await?;
+        Ok(context)
     }
 
     /// The adapter in words for people: name, backend, whether it is a
@@ -213,7 +196,7 @@ impl GpuContext {
         &self.adapter_info
     }
 
-    /// The kernel this context runs.
+    /// The kernel [`Self::matmul`] runs.
     pub fn kernel(&self) -> MatmulKernel {
         self.kernel
     }
@@ -227,6 +210,329 @@ impl GpuContext {
     /// each of A, B and C.
     pub fn max_storage_buffer_binding_size(&self) -> u64 {
         self.adapter_limits.max_storage_buffer_binding_size
+    }
+
+    /// Pipelines compiled so far (one per distinct generated kernel).
+    pub fn cached_pipelines(&self) -> usize {
+        self.pipelines.lock().map_or(0, |p| p.len())
+    }
+
+    /// A zeroed buffer of `words` 32-bit words. Zero-sized bindings are not
+    /// allowed, so an empty buffer still takes one word (and reports 0).
+    pub fn create_buffer(&self, words: usize) -> Result<GpuBuffer, GpuError> {
+        let bytes = self.buffer_bytes(words)?;
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("rookery buffer"),
+            size: bytes,
+            usage: BUFFER_USAGES,
+            mapped_at_creation: false,
+        });
+        Ok(GpuBuffer { buffer, words })
+    }
+
+    /// A buffer holding `data`.
+    pub fn upload_f32(&self, data: &[f32]) -> Result<GpuBuffer, GpuError> {
+        self.upload_words(bytemuck::cast_slice(data), data.len())
+    }
+
+    /// A buffer holding `data` (indices, seeds, uniforms).
+    pub fn upload_u32(&self, data: &[u32]) -> Result<GpuBuffer, GpuError> {
+        self.upload_words(bytemuck::cast_slice(data), data.len())
+    }
+
+    /// Overwrites the start of `buffer` with `data` (queued: it happens before
+    /// any dispatch submitted later), e.g. the next micro-batch's input.
+    pub fn write_f32(&self, buffer: &GpuBuffer, data: &[f32]) -> Result<(), GpuError> {
+        self.write_words(buffer, bytemuck::cast_slice(data), data.len())
+    }
+
+    pub fn write_u32(&self, buffer: &GpuBuffer, data: &[u32]) -> Result<(), GpuError> {
+        self.write_words(buffer, bytemuck::cast_slice(data), data.len())
+    }
+
+    fn write_words(&self, buffer: &GpuBuffer, bytes: &[u8], words: usize) -> Result<(), GpuError> {
+        if words > buffer.words.max(1) {
+            return Err(GpuError::Kernel(KernelError::ShapeMismatch {
+                operand: "written data",
+                expected: buffer.words,
+                actual: words,
+            }));
+        }
+        if !bytes.is_empty() {
+            self.queue.write_buffer(&buffer.buffer, 0, bytes);
+        }
+        Ok(())
+    }
+
+    fn upload_words(&self, bytes: &[u8], words: usize) -> Result<GpuBuffer, GpuError> {
+        let buffer = self.create_buffer(words)?;
+        self.write_words(&buffer, bytes, words)?;
+        Ok(buffer)
+    }
+
+    /// Bytes of a buffer of `words` words: at least one word, rounded up to
+    /// 16 bytes (what uniforms need), and within the binding limit.
+    fn buffer_bytes(&self, words: usize) -> Result<u64, GpuError> {
+        let limit = self
+            .max_storage_buffer_binding_size()
+            .min(self.max_buffer_size());
+        let bytes = (words.max(1) as u64)
+            .checked_mul(4)
+            .map(|b| b.div_ceil(16) * 16)
+            .unwrap_or(u64::MAX);
+        if bytes > limit {
+            return Err(GpuError::BufferTooLarge {
+                what: "a buffer",
+                bytes,
+                limit,
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// The pipeline of `spec`, compiled on first use.
+    async fn pipeline(&self, spec: &KernelSpec) -> Result<Arc<CachedPipeline>, GpuError> {
+        let key: PipelineKey = (spec.wgsl.clone(), spec.entry, spec.bindings.clone());
+        if let Some(found) = self
+            .pipelines
+            .lock()
+            .ok()
+            .and_then(|p| p.get(&key).cloned())
+        {
+            return Ok(found);
+        }
+        let scope = ErrorScopes::push(&self.device);
+        let entries: Vec<_> = spec
+            .bindings
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let ty = match b {
+                    Binding::Uniform => wgpu::BufferBindingType::Uniform,
+                    Binding::Read => wgpu::BufferBindingType::Storage { read_only: true },
+                    Binding::ReadWrite => wgpu::BufferBindingType::Storage { read_only: false },
+                };
+                buffer_entry(i as u32, ty)
+            })
+            .collect();
+        let layout = self
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(&spec.label),
+                entries: &entries,
+            });
+        let pipeline_layout = self
+            .device
+            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(&spec.label),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(&spec.label),
+                source: wgpu::ShaderSource::Wgsl(Cow::Owned(spec.wgsl.clone())),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(&spec.label),
+                layout: Some(&pipeline_layout),
+                module: &module,
+                entry_point: Some(spec.entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        scope.check().await?;
+        let cached = Arc::new(CachedPipeline { layout, pipeline });
+        if let Ok(mut pipelines) = self.pipelines.lock() {
+            pipelines.insert(key, cached.clone());
+        }
+        Ok(cached)
+    }
+
+    /// Runs `spec` once with `buffers` bound in order (binding `i` is
+    /// `buffers[i]`). The work is queued; results stay on the GPU until read.
+    pub async fn dispatch(
+        &self,
+        spec: &KernelSpec,
+        buffers: &[&GpuBuffer],
+    ) -> Result<(), GpuError> {
+        self.dispatch_all(&[(spec, buffers)]).await
+    }
+
+    /// Runs kernels one after another in a single submission, each seeing
+    /// the writes of those before it: a chain of ops with one round trip.
+    pub async fn dispatch_all(
+        &self,
+        steps: &[(&KernelSpec, &[&GpuBuffer])],
+    ) -> Result<(), GpuError> {
+        let mut compiled = Vec::with_capacity(steps.len());
+        for (spec, buffers) in steps {
+            if buffers.len() != spec.bindings.len() {
+                return Err(GpuError::Kernel(KernelError::ShapeMismatch {
+                    operand: "bindings",
+                    expected: spec.bindings.len(),
+                    actual: buffers.len(),
+                }));
+            }
+            let max_groups = self.adapter_limits.max_compute_workgroups_per_dimension;
+            let needed = spec.workgroups.iter().copied().max().unwrap_or(0);
+            if needed > max_groups {
+                return Err(GpuError::TooManyWorkgroups {
+                    needed: u64::from(needed),
+                    limit: max_groups,
+                });
+            }
+            compiled.push(self.pipeline(spec).await?);
+        }
+        let scope = ErrorScopes::push(&self.device);
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
+            for ((spec, buffers), cached) in steps.iter().zip(&compiled) {
+                let entries: Vec<_> = buffers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| wgpu::BindGroupEntry {
+                        binding: i as u32,
+                        resource: b.buffer.as_entire_binding(),
+                    })
+                    .collect();
+                let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some(&spec.label),
+                    layout: &cached.layout,
+                    entries: &entries,
+                });
+                pass.set_pipeline(&cached.pipeline);
+                pass.set_bind_group(0, &bind_group, &[]);
+                let [x, y, z] = spec.workgroups;
+                pass.dispatch_workgroups(x, y, z);
+            }
+        }
+        self.queue.submit([encoder.finish()]);
+        scope.check().await
+    }
+
+    /// Reads `buffer` back as f32.
+    pub async fn read_f32(&self, buffer: &GpuBuffer) -> Result<Vec<f32>, GpuError> {
+        Ok(self
+            .read_words(&buffer.buffer, buffer.words)
+            .await?
+            .into_iter()
+            .map(f32::from_bits)
+            .collect())
+    }
+
+    /// Reads `buffer` back as u32.
+    pub async fn read_u32(&self, buffer: &GpuBuffer) -> Result<Vec<u32>, GpuError> {
+        self.read_words(&buffer.buffer, buffer.words).await
+    }
+
+    async fn read_words(&self, source: &wgpu::Buffer, words: usize) -> Result<Vec<u32>, GpuError> {
+        if words == 0 {
+            return Ok(Vec::new());
+        }
+        let bytes = words as u64 * 4;
+        let scope = ErrorScopes::push(&self.device);
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes.div_ceil(16) * 16,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("readback"),
+            });
+        encoder.copy_buffer_to_buffer(source, 0, &staging, 0, bytes.div_ceil(16) * 16);
+        self.queue.submit([encoder.finish()]);
+        let (sender, receiver) = oneshot::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |result| {
+            // The receiver is gone only if the caller dropped the future.
+            let _ = sender.send(result);
+        });
+        scope.check().await?;
+        self.wait(receiver)
+            .await?
+            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| GpuError::Readback(e.to_string()))?;
+            // Decoded bytewise: the mapped range carries no u32 alignment
+            // guarantee on every backend.
+            view.chunks_exact(4)
+                .take(words)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<u32>>()
+        };
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// The matmul as a generic kernel for an `m x n` result.
+    fn matmul_spec(&self, m: u32, n: u32) -> KernelSpec {
+        let (x, y) = self.kernel.workgroups(m, n);
+        KernelSpec {
+            label: "matmul".into(),
+            wgsl: self.kernel.wgsl(),
+            entry: MatmulKernel::ENTRY_POINT,
+            bindings: vec![
+                Binding::Uniform,
+                Binding::Read,
+                Binding::Read,
+                Binding::ReadWrite,
+            ],
+            workgroups: [x, y, 1],
+        }
+    }
+
+    /// Uploads a matmul's operands: the spec and the buffers to bind.
+    fn matmul_buffers(
+        &self,
+        a: &[f32],
+        b: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(KernelSpec, [GpuBuffer; 4]), GpuError> {
+        let too_large = || KernelError::TooLarge { m, k, n };
+        let dim = |value: usize| u32::try_from(value).map_err(|_| too_large());
+        let (m32, k32, n32) = (dim(m)?, dim(k)?, dim(n)?);
+        let limit = self
+            .max_storage_buffer_binding_size()
+            .min(self.max_buffer_size());
+        let bytes = |what: &'static str, elements: usize| -> Result<u64, GpuError> {
+            let bytes = (elements as u64).checked_mul(4).ok_or_else(too_large)?;
+            if bytes > limit {
+                return Err(GpuError::BufferTooLarge { what, bytes, limit });
+            }
+            Ok(bytes)
+        };
+        bytes("A", a.len())?;
+        bytes("B", b.len())?;
+        bytes("C", m * n)?;
+        let dims = Dims {
+            m: m32,
+            k: k32,
+            n: n32,
+            pad: 0,
+        };
+        let buffers = [
+            self.upload_u32(bytemuck::cast_slice(bytemuck::bytes_of(&dims)))?,
+            self.upload_f32(a)?,
+            self.upload_f32(b)?,
+            self.create_buffer(m * n)?,
+        ];
+        Ok((self.matmul_spec(m32, n32), buffers))
     }
 
     /// `A * B` on the GPU: `a` is `m x k`, `b` is `k x n`, both row-major; the
@@ -247,43 +553,10 @@ impl GpuContext {
             // An empty sum; also, zero-sized bindings are not allowed.
             return Ok(vec![0.0; c_len]);
         }
-        let scope = ErrorScopes::push(&self.device);
-        let buffers = self.upload(a, b, m, k, n)?;
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("matmul readback"),
-            size: buffers.c_bytes,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut encoder = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("matmul"),
-            });
-        self.encode_dispatch(&mut encoder, &buffers, 1);
-        encoder.copy_buffer_to_buffer(&buffers.c, 0, &staging, 0, buffers.c_bytes);
-        self.queue.submit([encoder.finish()]);
-        let (sender, receiver) = oneshot::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |result| {
-            // The receiver is gone only if the caller dropped the future.
-            let _ = sender.send(result);
-        });
-        scope.check().await?;
-        self.wait(receiver)
-            .await?
-            .map_err(|e| GpuError::Readback(e.to_string()))?;
-        let c = {
-            let view = staging
-                .get_mapped_range(..)
-                .map_err(|e| GpuError::Readback(e.to_string()))?;
-            // Decoded bytewise: the mapped range carries no f32 alignment
-            // guarantee on every backend.
-            view.chunks_exact(4)
-                .map(|bytes| f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
-                .collect::<Vec<f32>>()
-        };
-        staging.unmap();
-        Ok(c)
+        let (spec, buffers) = self.matmul_buffers(a, b, m, k, n)?;
+        let [dims, a, b, c] = &buffers;
+        self.dispatch(&spec, &[dims, a, b, c]).await?;
+        self.read_f32(c).await
     }
 
     /// Measured GFLOP/s of `iterations` back-to-back `n x n x n` matmuls on
@@ -297,141 +570,37 @@ impl GpuContext {
         let size = n as usize;
         let a = sample_matrix(size * size, 1);
         let b = sample_matrix(size * size, 2);
-        let scope = ErrorScopes::push(&self.device);
-        let buffers = self.upload(&a, &b, size, size, size)?;
-        let mut warm_up = self.device.create_command_encoder(&Default::default());
-        self.encode_dispatch(&mut warm_up, &buffers, 1);
-        self.queue.submit([warm_up.finish()]);
-        scope.check().await?;
-        self.wait_for_queue().await?;
+        let (spec, buffers) = self.matmul_buffers(&a, &b, size, size, size)?;
+        let [dims, a, b, c] = &buffers;
+        let bound: [&GpuBuffer; 4] = [dims, a, b, c];
+        let seconds = self.time_dispatches(&spec, &bound, iterations).await?;
+        Ok(matmul_flops(size, size, size) * f64::from(iterations) / seconds / 1e9)
+    }
 
-        let mut timed = self.device.create_command_encoder(&Default::default());
-        self.encode_dispatch(&mut timed, &buffers, iterations);
-        let command_buffer = timed.finish();
+    /// Seconds `iterations` back-to-back dispatches of `spec` take, submission
+    /// to completion, after one untimed warm-up dispatch.
+    pub async fn time_dispatches(
+        &self,
+        spec: &KernelSpec,
+        buffers: &[&GpuBuffer],
+        iterations: u32,
+    ) -> Result<f64, GpuError> {
+        self.dispatch(spec, buffers).await?;
+        self.wait_for_queue().await?;
+        let steps: Vec<(&KernelSpec, &[&GpuBuffer])> =
+            (0..iterations).map(|_| (spec, buffers)).collect();
         let clock = Clock::start();
-        self.queue.submit([command_buffer]);
+        self.dispatch_all(&steps).await?;
         self.wait_for_queue().await?;
         let seconds = clock.elapsed_seconds();
         if !seconds.is_finite() || seconds <= 0.0 {
             return Err(GpuError::ClockTooCoarse { seconds });
         }
-        Ok(matmul_flops(size, size, size) * f64::from(iterations) / seconds / 1e9)
-    }
-
-    /// Checks the shape against the device limits, uploads A and B, and
-    /// binds them with a fresh C.
-    fn upload(
-        &self,
-        a: &[f32],
-        b: &[f32],
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<MatmulBuffers, GpuError> {
-        let too_large = || KernelError::TooLarge { m, k, n };
-        let dim = |value: usize| u32::try_from(value).map_err(|_| too_large());
-        let (m32, k32, n32) = (dim(m)?, dim(k)?, dim(n)?);
-        let limit = self
-            .max_storage_buffer_binding_size()
-            .min(self.max_buffer_size());
-        let bytes = |what: &'static str, elements: usize| -> Result<u64, GpuError> {
-            let bytes = (elements as u64).checked_mul(4).ok_or_else(too_large)?;
-            if bytes > limit {
-                return Err(GpuError::BufferTooLarge { what, bytes, limit });
-            }
-            Ok(bytes)
-        };
-        bytes("A", a.len())?;
-        bytes("B", b.len())?;
-        let c_bytes = bytes("C", m * n)?;
-        let workgroups = self.kernel.workgroups(m32, n32);
-        let max_groups = self.adapter_limits.max_compute_workgroups_per_dimension;
-        let needed = workgroups.0.max(workgroups.1);
-        if needed > max_groups {
-            return Err(GpuError::TooManyWorkgroups {
-                needed: u64::from(needed),
-                limit: max_groups,
-            });
-        }
-
-        let dims = self
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("matmul dims"),
-                contents: bytemuck::bytes_of(&Dims {
-                    m: m32,
-                    k: k32,
-                    n: n32,
-                    pad: 0,
-                }),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-        let storage = |label, data: &[f32]| {
-            self.device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(label),
-                    contents: bytemuck::cast_slice(data),
-                    usage: wgpu::BufferUsages::STORAGE,
-                })
-        };
-        let a_buffer = storage("matmul A", a);
-        let b_buffer = storage("matmul B", b);
-        let c = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("matmul C"),
-            size: c_bytes,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("matmul"),
-            layout: &self.layout,
-            entries: &[
-                wgpu::BindGroupEntry {
-                    binding: MatmulKernel::BINDING_DIMS,
-                    resource: dims.as_entire_binding(),
-                },
-                wgpu::BindGroupEntry {
-                    binding: MatmulKernel::BINDING_A,
-                    resource: a_buffer.as_entire_binding(),
-                },
-                wgpu::BindGroupEntry {
-                    binding: MatmulKernel::BINDING_B,
-                    resource: b_buffer.as_entire_binding(),
-                },
-                wgpu::BindGroupEntry {
-                    binding: MatmulKernel::BINDING_C,
-                    resource: c.as_entire_binding(),
-                },
-            ],
-        });
-        Ok(MatmulBuffers {
-            c,
-            c_bytes,
-            bind_group,
-            workgroups,
-        })
-    }
-
-    /// Records `times` dispatches of the matmul in one compute pass.
-    fn encode_dispatch(
-        &self,
-        encoder: &mut wgpu::CommandEncoder,
-        buffers: &MatmulBuffers,
-        times: u32,
-    ) {
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some("matmul"),
-            timestamp_writes: None,
-        });
-        pass.set_pipeline(&self.pipeline);
-        pass.set_bind_group(0, &buffers.bind_group, &[]);
-        for _ in 0..times {
-            pass.dispatch_workgroups(buffers.workgroups.0, buffers.workgroups.1, 1);
-        }
+        Ok(seconds)
     }
 
     /// Resolves once everything submitted so far has finished on the GPU.
-    async fn wait_for_queue(&self) -> Result<(), GpuError> {
+    pub async fn wait_for_queue(&self) -> Result<(), GpuError> {
         let (sender, receiver) = oneshot::channel();
         self.queue.on_submitted_work_done(move || {
             let _ = sender.send(());
@@ -450,6 +619,13 @@ impl GpuContext {
         receiver.await.map_err(|_| GpuError::DeviceLost)
     }
 }
+
+/// Every buffer can be bound as storage or uniform and copied both ways, so
+/// one type serves inputs, outputs, state and uniforms.
+const BUFFER_USAGES: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::UNIFORM)
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
 
 fn buffer_entry(binding: u32, ty: wgpu::BufferBindingType) -> wgpu::BindGroupLayoutEntry {
     wgpu::BindGroupLayoutEntry {

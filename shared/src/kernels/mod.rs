@@ -2,8 +2,20 @@
 //! reference that serves as the oracle in tests and as the fallback where no
 //! GPU is available. The wgpu runtime that executes them (`GpuContext`) lives
 //! behind the `gpu` feature, so CPU-only users do not compile wgpu.
+//!
+//! One file per family: [`spec`] (what a generated kernel is, shared
+//! helpers), [`elementwise`] (activations, broadcast binary ops, dropout),
+//! `matmul` (the tiled matmul), and [`checks`] (the GPU-vs-reference cases
+//! every harness runs).
 
+// Shape code walks several per-dimension arrays (shape, strides, output
+// strides) by the same index; iterator zips of four would read worse.
+#![allow(clippy::needless_range_loop)]
+
+pub mod checks;
+pub mod elementwise;
 mod matmul;
+pub mod spec;
 
 #[cfg(feature = "gpu")]
 mod gpu;
@@ -12,9 +24,10 @@ pub use matmul::{
     MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, matmul_flops,
     matmul_reference, sample_matrix, try_matmul_reference,
 };
+pub use spec::{Binding, KernelSpec, Tol};
 
 #[cfg(feature = "gpu")]
-pub use gpu::{GpuContext, GpuError};
+pub use gpu::{GpuBuffer, GpuContext, GpuError};
 
 /// Everything that can be wrong with a kernel's parameters, its operands, or
 /// its result, independently of the device that runs it.

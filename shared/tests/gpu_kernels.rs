@@ -1,0 +1,91 @@
+//! Every generated kernel run through wgpu on a real adapter (lavapipe
+//! natively) against its CPU reference: the fixed spread of
+//! [`checks::standard_checks`] (the same cases the browser harness runs) and
+//! property tests over random shapes, odd sizes included. Fails, not skips,
+//! without an adapter. Run with `cargo test -p rookery-shared --features gpu`.
+#![cfg(feature = "gpu")]
+
+use std::sync::OnceLock;
+
+use proptest::prelude::*;
+use rookery_shared::kernels::GpuContext;
+use rookery_shared::kernels::checks::{self, Check};
+use rookery_shared::kernels::elementwise::{BINARY_OPS, UNARIES};
+
+fn gpu() -> &'static GpuContext {
+    static GPU: OnceLock<GpuContext> = OnceLock::new();
+    GPU.get_or_init(|| match pollster::block_on(GpuContext::new()) {
+        Ok(context) => context,
+        Err(error) => panic!(
+            "no usable GPU adapter ({error}); install a Vulkan driver such as \
+             mesa-vulkan-drivers (lavapipe) to run these tests"
+        ),
+    })
+}
+
+fn run(check: &Check) -> Result<(), String> {
+    pollster::block_on(checks::run(gpu(), check)).map_err(|e| e.to_string())
+}
+
+#[test]
+fn every_standard_check_matches_its_reference_on_the_gpu() {
+    let failures: Vec<String> = checks::standard_checks()
+        .iter()
+        .filter_map(|c| run(c).err())
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn a_wrong_kernel_fails_its_check() {
+    // The harness itself must be able to fail: swap relu's forward for
+    // identity and the check must catch it.
+    let mut check = checks::unary(UNARIES[0], 100, 3);
+    check.steps[0].0 = rookery_shared::kernels::elementwise::Unary::Identity.forward(100);
+    assert!(run(&check).is_err());
+}
+
+#[test]
+fn pipelines_are_cached_per_generated_source() {
+    let check = checks::unary(UNARIES[1], 77, 1);
+    run(&check).unwrap();
+    let before = gpu().cached_pipelines();
+    run(&checks::unary(UNARIES[1], 77, 2)).unwrap();
+    assert_eq!(gpu().cached_pipelines(), before);
+}
+
+fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
+    prop::collection::vec(1..=max_dim, 1..=max_rank)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(12))]
+
+    #[test]
+    fn activations_match_reference_on_random_lengths(
+        op in 0..UNARIES.len(), len in 1usize..3000, seed in any::<u64>()
+    ) {
+        prop_assert_eq!(run(&checks::unary(UNARIES[op], len, seed)), Ok(()));
+    }
+
+    #[test]
+    fn broadcast_binary_ops_match_reference_on_random_shapes(
+        op in 0..BINARY_OPS.len(), a in shape(4, 6), mask in prop::collection::vec(any::<bool>(), 4),
+        drop_lead in 0usize..3, seed in any::<u64>()
+    ) {
+        // b: a with some dimensions set to 1 and some leading ones removed,
+        // so it broadcasts against a.
+        let mut b: Vec<usize> = a.iter().zip(&mask).map(|(&d, &m)| if m { 1 } else { d }).collect();
+        let drop = drop_lead.min(b.len() - 1);
+        b.drain(..drop);
+        let check = checks::binary(BINARY_OPS[op], &a, &b, seed).expect("broadcastable");
+        prop_assert_eq!(run(&check), Ok(()));
+        let swapped = checks::binary(BINARY_OPS[op], &b, &a, seed).expect("broadcastable");
+        prop_assert_eq!(run(&swapped), Ok(()));
+    }
+
+    #[test]
+    fn dropout_matches_reference(p in 0.0f32..1.0, len in 1usize..5000, seed in any::<u64>()) {
+        prop_assert_eq!(run(&checks::dropout(p, len, seed)), Ok(()));
+    }
+}
