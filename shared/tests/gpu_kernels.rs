@@ -89,3 +89,46 @@ proptest! {
         prop_assert_eq!(run(&checks::dropout(p, len, seed)), Ok(()));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    #[test]
+    fn matmul_matches_reference_on_random_batched_shapes(
+        m in 1usize..40, k in 1usize..40, n in 1usize..40,
+        batch_a in prop::collection::vec(1usize..4, 0..3), b_lead in any::<bool>(),
+        tile in 1u32..=16, seed in any::<u64>()
+    ) {
+        let mut a = batch_a.clone();
+        a.extend([m, k]);
+        // b: a's batch with the first dimension broadcast (or none), so
+        // both operands' reductions are exercised.
+        let mut b: Vec<usize> = if b_lead { batch_a.iter().skip(1).copied().collect() } else { batch_a.iter().map(|_| 1).collect() };
+        b.extend([k, n]);
+        let check = checks::matmul(&a, &b, tile, seed).expect("valid shapes");
+        prop_assert_eq!(run(&check), Ok(()));
+    }
+
+    #[test]
+    fn linear_matches_reference_on_random_shapes(
+        rows in 1usize..50, inputs in 1usize..70, outputs in 1usize..30, bias in any::<bool>(), seed in any::<u64>()
+    ) {
+        prop_assert_eq!(run(&checks::linear(rows, inputs, outputs, bias, seed)), Ok(()));
+    }
+
+    #[test]
+    fn losses_match_reference_on_random_shapes(
+        n in 1usize..60, classes in 1usize..20, inner in 1usize..4, seed in any::<u64>()
+    ) {
+        prop_assert_eq!(run(&checks::cross_entropy(n, classes, inner, seed)), Ok(()));
+        prop_assert_eq!(run(&checks::mse(n * classes, seed)), Ok(()));
+    }
+
+    #[test]
+    fn optimizers_match_reference_on_random_lengths(
+        case in 0usize..12, len in 1usize..3000, seed in any::<u64>()
+    ) {
+        let o = rookery_shared::kernels::optim::optimizer_cases()[case];
+        prop_assert_eq!(run(&checks::optimizer(o, len, seed)), Ok(()));
+    }
+}

@@ -10,6 +10,9 @@
 //! even sizes.
 
 use super::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Dropout, Operand, UNARIES, Unary};
+use super::gemm::{Linear, MatMul, gemm_tol};
+use super::loss::{CrossEntropy, Mse};
+use super::optim::{Optimizer, optimizer_cases};
 use super::sample_matrix;
 use super::spec::{KernelSpec, Tol, numel};
 
@@ -146,6 +149,12 @@ pub mod tol {
     pub const ARITH: Tol = Tol::new(1e-6, 1e-6);
     /// Broadcast backward sums up to a few hundred terms in f32.
     pub const BROADCAST_SUM: Tol = Tol::new(1e-5, 1e-5);
+    /// Losses: `exp`/`log` per element plus a sum over rows in f32.
+    pub const LOSS: Tol = Tol::new(2e-6, 2e-5);
+    /// Optimizers: the same f32 operations in the same order as the
+    /// reference, except that WGSL's division and `sqrt` may be off by
+    /// 2.5 ulp (Vulkan's precision rules), over three steps.
+    pub const OPTIM: Tol = Tol::new(1e-7, 2e-5);
 }
 
 fn shape_name(shape: &[usize]) -> String {
@@ -286,6 +295,272 @@ pub fn dropout(p: f32, len: usize, seed: u64) -> Check {
     }
 }
 
+/// Matmul forward and both backwards, with the reductions over broadcast
+/// batch dimensions where there are any; `tile` is the GEMM tile side.
+pub fn matmul(a_shape: &[usize], b_shape: &[usize], tile: u32, seed: u64) -> Option<Check> {
+    let mut mm = MatMul::new(a_shape, b_shape)?;
+    mm.tile = tile;
+    let a = sample_matrix(numel(a_shape), seed);
+    let b = sample_matrix(numel(b_shape), seed ^ 1);
+    let out = mm.out_shape();
+    let dc = sample_matrix(numel(&out), seed ^ 2);
+    let (c, da, db) = mm.reference(&a, &b, &dc);
+    let (m, k, n) = (
+        a_shape[a_shape.len() - 2],
+        a_shape[a_shape.len() - 1],
+        b_shape[b_shape.len() - 1],
+    );
+    let (ua, ub) = mm.unreduced_lens();
+    let z_a = ua / (m * k).max(1) / (a.len() / (m * k).max(1)).max(1);
+    let z_b = ub / (k * n).max(1) / (b.len() / (k * n).max(1)).max(1);
+    // Buffers: 0 a, 1 b, 2 dc, 3 c, 4 da, 5 db, 6 da unreduced, 7 db unreduced.
+    let mut steps = vec![(mm.forward(), vec![0, 1, 3])];
+    match mm.reduce_a() {
+        Some(reduce) => {
+            steps.push((mm.backward_a(), vec![2, 1, 6]));
+            steps.push((reduce, vec![6, 4]));
+        }
+        None => steps.push((mm.backward_a(), vec![2, 1, 4])),
+    }
+    match mm.reduce_b() {
+        Some(reduce) => {
+            steps.push((mm.backward_b(), vec![0, 2, 7]));
+            steps.push((reduce, vec![7, 5]));
+        }
+        None => steps.push((mm.backward_b(), vec![0, 2, 5])),
+    }
+    Some(Check {
+        name: format!(
+            "matmul({},{}) tile {tile}",
+            shape_name(a_shape),
+            shape_name(b_shape)
+        ),
+        expect: vec![
+            Expect {
+                what: "c",
+                buffer: 3,
+                want: c,
+                tol: gemm_tol(k),
+            },
+            Expect {
+                what: "da",
+                buffer: 4,
+                want: da,
+                tol: gemm_tol(n * z_a),
+            },
+            Expect {
+                what: "db",
+                buffer: 5,
+                want: db,
+                tol: gemm_tol(m * z_b),
+            },
+        ],
+        buffers: vec![
+            Init::F32(a.clone()),
+            Init::F32(b.clone()),
+            Init::F32(dc),
+            Init::Zeros(numel(&out)),
+            Init::Zeros(a.len()),
+            Init::Zeros(b.len()),
+            Init::Zeros(ua),
+            Init::Zeros(ub),
+        ],
+        steps,
+    })
+}
+
+/// Linear forward (bias fused) and backward for x, weight and bias.
+pub fn linear(rows: usize, inputs: usize, outputs: usize, bias: bool, seed: u64) -> Check {
+    let l = Linear::new(rows, inputs, outputs, bias);
+    let x = sample_matrix(rows * inputs, seed);
+    let w = sample_matrix(outputs * inputs, seed ^ 1);
+    let b = sample_matrix(outputs, seed ^ 2);
+    let dy = sample_matrix(rows * outputs, seed ^ 3);
+    let (y, dx, dw, db) = l.reference(&x, &w, bias.then_some(&b[..]), &dy);
+    // Buffers: 0 x, 1 w, 2 b, 3 dy, 4 y, 5 dx, 6 dw, 7 db.
+    let fwd = if bias {
+        vec![0, 1, 2, 4]
+    } else {
+        vec![0, 1, 4]
+    };
+    let mut expect = vec![
+        Expect {
+            what: "y",
+            buffer: 4,
+            want: y,
+            tol: gemm_tol(inputs),
+        },
+        Expect {
+            what: "dx",
+            buffer: 5,
+            want: dx,
+            tol: gemm_tol(outputs),
+        },
+        Expect {
+            what: "dw",
+            buffer: 6,
+            want: dw,
+            tol: gemm_tol(rows),
+        },
+    ];
+    let mut steps = vec![
+        (l.forward(), fwd),
+        (l.backward_x(), vec![3, 1, 5]),
+        (l.backward_w(), vec![3, 0, 6]),
+    ];
+    if bias {
+        steps.push((l.backward_bias(), vec![3, 7]));
+        expect.push(Expect {
+            what: "db",
+            buffer: 7,
+            want: db,
+            tol: tol::BROADCAST_SUM,
+        });
+    }
+    Check {
+        name: format!("linear({rows}x{inputs}->{outputs}, bias {bias})"),
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(w),
+            Init::F32(b),
+            Init::F32(dy),
+            Init::Zeros(rows * outputs),
+            Init::Zeros(rows * inputs),
+            Init::Zeros(outputs * inputs),
+            Init::Zeros(outputs),
+        ],
+        steps,
+        expect,
+    }
+}
+
+/// Cross-entropy forward and backward on logits `[n, classes, inner]` in
+/// `[-3, 3)`; tolerance: `exp`/`log` in f32 summed over rows.
+pub fn cross_entropy(n: usize, classes: usize, inner: usize, seed: u64) -> Check {
+    let ce = CrossEntropy { n, classes, inner };
+    let x: Vec<f32> = sample_matrix(n * classes * inner, seed)
+        .iter()
+        .map(|v| v * 3.0)
+        .collect();
+    let labels: Vec<u32> = sample_matrix(n * inner, seed ^ 1)
+        .iter()
+        .map(|v| (((v + 1.0) / 2.0 * classes as f32) as u32).min(classes as u32 - 1))
+        .collect();
+    let dloss = 0.75;
+    let (loss, dx) = ce.reference(&x, &labels, dloss);
+    Check {
+        name: format!("cross_entropy({n}x{classes}x{inner})"),
+        expect: vec![
+            Expect {
+                what: "loss",
+                buffer: 3,
+                want: vec![loss],
+                tol: tol::LOSS,
+            },
+            Expect {
+                what: "dx",
+                buffer: 4,
+                want: dx,
+                tol: tol::LOSS,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::U32(labels),
+            Init::F32(vec![dloss]),
+            Init::Zeros(1),
+            Init::Zeros(n * classes * inner),
+        ],
+        steps: vec![
+            (ce.forward(), vec![0, 1, 3]),
+            (ce.backward(), vec![0, 1, 2, 4]),
+        ],
+    }
+}
+
+/// MSE forward and backward over `len` elements.
+pub fn mse(len: usize, seed: u64) -> Check {
+    let m = Mse { len };
+    let x = sample_matrix(len, seed);
+    let t = sample_matrix(len, seed ^ 1);
+    let (loss, dx) = m.reference(&x, &t, 1.5);
+    Check {
+        name: format!("mse[{len}]"),
+        expect: vec![
+            Expect {
+                what: "loss",
+                buffer: 3,
+                want: vec![loss],
+                tol: tol::LOSS,
+            },
+            Expect {
+                what: "dx",
+                buffer: 4,
+                want: dx,
+                tol: tol::ARITH,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(t),
+            Init::F32(vec![1.5]),
+            Init::Zeros(1),
+            Init::Zeros(len),
+        ],
+        steps: vec![
+            (m.forward(), vec![0, 1, 3]),
+            (m.backward(), vec![0, 1, 2, 4]),
+        ],
+    }
+}
+
+/// Three steps of an optimizer over `len` parameters, each with its own
+/// gradient and uniform, against the reference's parameters and state.
+pub fn optimizer(o: Optimizer, len: usize, seed: u64) -> Check {
+    const STEPS: u64 = 3;
+    let mut param = sample_matrix(len, seed);
+    let states = o.state_names();
+    let mut state = vec![vec![0.0f32; len]; states.len()];
+    let grads: Vec<Vec<f32>> = (0..STEPS)
+        .map(|s| sample_matrix(len, seed ^ (10 + s)))
+        .collect();
+    // Buffers: 0 param, 1.. state, then per step a uniform and a gradient.
+    let mut buffers = vec![Init::F32(param.clone())];
+    buffers.extend(states.iter().map(|_| Init::Zeros(len)));
+    let spec = o.step(len);
+    let mut steps = Vec::new();
+    for (s, g) in grads.iter().enumerate() {
+        let step = s as u64 + 1;
+        o.reference_step(step, &mut param, g, &mut state);
+        let u = buffers.len();
+        buffers.push(Init::U32(o.uniform(step)));
+        buffers.push(Init::F32(g.clone()));
+        let mut bound = vec![u, 0, u + 1];
+        bound.extend(1..=states.len());
+        steps.push((spec.clone(), bound));
+    }
+    let mut expect = vec![Expect {
+        what: "param",
+        buffer: 0,
+        want: param,
+        tol: tol::OPTIM,
+    }];
+    for (i, (name, want)) in states.iter().zip(state).enumerate() {
+        expect.push(Expect {
+            what: name,
+            buffer: 1 + i,
+            want,
+            tol: tol::OPTIM,
+        });
+    }
+    Check {
+        name: format!("{}[{len}] {o:?}", spec.label),
+        buffers,
+        steps,
+        expect,
+    }
+}
+
 /// Broadcast shape pairs every harness runs: equal shapes, scalars, leading
 /// and inner broadcasts on both sides, odd sizes.
 pub const BROADCAST_CASES: [(&[usize], &[usize]); 6] = [
@@ -312,6 +587,35 @@ pub fn standard_checks() -> Vec<Check> {
     }
     for (p, len) in [(0.0, 10), (0.5, 1001), (0.1, 77), (1.0, 5)] {
         checks.push(dropout(p, len, len as u64));
+    }
+    let matmuls: [(&[usize], &[usize]); 6] = [
+        (&[1, 1], &[1, 1]),
+        (&[17, 31], &[31, 5]),
+        (&[64, 64], &[64, 64]),
+        (&[3, 7, 9], &[9, 4]),
+        (&[2, 1, 5, 3], &[4, 3, 6]),
+        (&[33, 1], &[1, 47]),
+    ];
+    for (i, (a, b)) in matmuls.iter().enumerate() {
+        for tile in [16, 5] {
+            checks.extend(matmul(a, b, tile, i as u64));
+        }
+    }
+    for (i, (rows, inputs, outputs)) in [(1, 1, 1), (32, 784, 10), (7, 13, 29)]
+        .into_iter()
+        .enumerate()
+    {
+        checks.push(linear(rows, inputs, outputs, true, i as u64));
+        checks.push(linear(rows, inputs, outputs, false, i as u64));
+    }
+    for (n, c, inner) in [(1, 1, 1), (32, 10, 1), (5, 3, 7), (300, 17, 1)] {
+        checks.push(cross_entropy(n, c, inner, n as u64));
+    }
+    for len in [1, 255, 1000] {
+        checks.push(mse(len, len as u64));
+    }
+    for (i, o) in optimizer_cases().into_iter().enumerate() {
+        checks.push(optimizer(o, 1 + 97 * i, i as u64));
     }
     checks
 }

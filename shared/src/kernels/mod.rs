@@ -5,7 +5,9 @@
 //!
 //! One file per family: [`spec`] (what a generated kernel is, shared
 //! helpers), [`elementwise`] (activations, broadcast binary ops, dropout),
-//! `matmul` (the tiled matmul), and [`checks`] (the GPU-vs-reference cases
+//! [`gemm`] (the tiled GEMM template: MatMul, Linear), [`loss`]
+//! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), `matmul`
+//! (the original uniform-shaped tiled matmul), and [`checks`] (the GPU-vs-reference cases
 //! every harness runs).
 
 // Shape code walks several per-dimension arrays (shape, strides, output
@@ -14,7 +16,10 @@
 
 pub mod checks;
 pub mod elementwise;
+pub mod gemm;
+pub mod loss;
 mod matmul;
+pub mod optim;
 pub mod spec;
 
 #[cfg(feature = "gpu")]
