@@ -10,6 +10,7 @@
 pub mod error;
 pub mod graph;
 pub mod init;
+pub mod layout;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod load;
 pub mod onnx;
@@ -22,6 +23,7 @@ pub mod synthetic;
 pub use error::{GraphError, OnnxError, PlanError, SpecError};
 pub use graph::{Analysis, DType, Graph, Input, Loss, Node, NodeInfo, Param, ParamKind};
 pub use init::Init;
+pub use layout::{LayoutError, Source, StageLayout};
 pub use onnx::Imported;
 pub use ops::Op;
 pub use optim::OptimizerConfig;

@@ -1,0 +1,216 @@
+//! Our own stage executor (`rookery-stage`: WGSL kernels through wgpu, and
+//! their CPU references) against the libtorch executor, stage for stage:
+//! the same graph slice, parameters, micro-batches and output gradients must
+//! give the same outputs, input gradients and, after several optimizer
+//! steps, the same parameters. The GPU runs on whatever adapter wgpu finds
+//! (lavapipe, Mesa's software Vulkan, on CI); a machine without one fails
+//! here rather than skipping.
+#![cfg(feature = "torch")]
+#![allow(clippy::unwrap_used)]
+
+mod exec_common;
+
+use std::collections::BTreeMap;
+
+use exec_common::*;
+use rookery_model::{Graph, OptimizerConfig, from_toml};
+use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
+use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor, optimizer_for};
+use tch::{Device as TorchDevice, Tensor};
+
+const MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 16
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 12
+activation = "tanh"
+[[layers]]
+type = "Dense"
+units = 8
+activation = "sigmoid"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// Uneven micro-batches, as `torch.chunk` makes of 18 samples in 4.
+const MICRO_BATCHES: [usize; 4] = [5, 5, 5, 3];
+const STEPS: u64 = 6;
+
+/// Relative error allowed against libtorch: f32 sums in another order, over
+/// a few steps of the optimizer.
+const TOLERANCE: f64 = 1e-4;
+
+fn host(x: &Tensor) -> HostTensor {
+    HostTensor {
+        shape: dims(x),
+        data: vals(x).into_iter().map(|v| v as f32).collect(),
+    }
+}
+
+fn tensor(h: &HostTensor) -> Tensor {
+    let shape: Vec<i64> = h.shape.iter().map(|&d| d as i64).collect();
+    t(&h.data, &shape)
+}
+
+fn compare(got: &HostTensor, want: &Tensor, what: &str) {
+    assert_eq!(got.shape, dims(want), "{what}: shapes differ");
+    let got: Vec<f64> = got.data.iter().map(|&v| f64::from(v)).collect();
+    assert_close(&got, &vals(want), TOLERANCE, what);
+}
+
+/// Runs stage `range` of `graph` on `device` next to libtorch for
+/// [`STEPS`] steps with `config`, comparing everything each step.
+fn same_as_torch<D: Device>(
+    device: D,
+    graph: &Graph,
+    range: std::ops::Range<usize>,
+    config: OptimizerConfig,
+) {
+    let what = format!("{} nodes {range:?}", device.describe());
+    let values: BTreeMap<String, Vec<f32>> = graph.initial_values(7);
+    let outputs = stage_boundary(graph, range.end).unwrap();
+    let params = tensors_from_values(graph, &values).unwrap();
+    let mut torch = StageExecutor::new(
+        graph,
+        range.clone(),
+        outputs.clone(),
+        params,
+        TorchDevice::Cpu,
+    )
+    .unwrap();
+    let mut torch_opt = Optimizer::new(config).unwrap();
+    let mut ours = rookery_stage::StageExecutor::new(
+        device,
+        graph,
+        range.clone(),
+        &outputs,
+        &values,
+        optimizer_for(&config),
+    )
+    .unwrap();
+    assert_eq!(ours.input_names(), torch.input_names(), "{what}");
+    assert_eq!(ours.grad_input_names(), torch.grad_input_names(), "{what}");
+    let analysis = graph.analyze().unwrap();
+    let mut seed = 100;
+    for step in 0..STEPS {
+        let mut pending = Vec::new();
+        for &b in &MICRO_BATCHES {
+            let inputs: Vec<(String, Tensor)> = torch
+                .input_names()
+                .into_iter()
+                .map(|name| {
+                    let mut shape = analysis.tensors[&name].shape.clone();
+                    shape[0] = b;
+                    seed += 1;
+                    let n: usize = shape.iter().product();
+                    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+                    (name, t(&pseudo(n, seed), &dims))
+                })
+                .collect();
+            let forward = torch.forward(&inputs, true).unwrap();
+            let host_inputs: Vec<_> = inputs.iter().map(|(n, x)| (n.clone(), host(x))).collect();
+            let (micro_batch, got) = pollster::block_on(ours.forward(&host_inputs)).unwrap();
+            for ((name, g), (_, w)) in got.iter().zip(&forward.outputs) {
+                compare(g, w, &format!("{what}: step {step} output {name}"));
+            }
+            pending.push((forward, micro_batch));
+        }
+        // Backward in reverse order, as a pipeline drains.
+        for (forward, micro_batch) in pending.into_iter().rev() {
+            let grads: Vec<(String, Tensor)> = forward
+                .outputs
+                .iter()
+                .map(|(name, y)| {
+                    seed += 1;
+                    (name.clone(), t(&pseudo(y.numel(), seed), &y.size()))
+                })
+                .collect();
+            let want = torch.backward(forward.micro_batch, &grads).unwrap();
+            let host_grads: Vec<_> = grads.iter().map(|(n, g)| (n.clone(), host(g))).collect();
+            let got = pollster::block_on(ours.backward(micro_batch, &host_grads)).unwrap();
+            assert_eq!(got.len(), want.len(), "{what}");
+            for ((name, g), (_, w)) in got.iter().zip(&want) {
+                compare(g, w, &format!("{what}: step {step} gradient of {name}"));
+            }
+        }
+        torch.step(&mut torch_opt).unwrap();
+        pollster::block_on(ours.step()).unwrap();
+        let want = torch.parameters().unwrap();
+        let got = pollster::block_on(ours.parameters()).unwrap();
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            compare(
+                g,
+                w,
+                &format!("{what}: after step {step}, parameter {name}"),
+            );
+        }
+    }
+    // Parameters loaded from elsewhere (a sync) replace the values exactly.
+    let loaded: Vec<(String, HostTensor)> = torch
+        .parameters()
+        .unwrap()
+        .iter()
+        .map(|(n, x)| (n.clone(), host(&(x * 0.5))))
+        .collect();
+    ours.set_parameters(&loaded).unwrap();
+    let got = pollster::block_on(ours.parameters()).unwrap();
+    for ((name, g), (_, w)) in got.iter().zip(&loaded) {
+        compare(g, &tensor(w), &format!("{what}: loaded {name}"));
+    }
+}
+
+fn gpu() -> GpuDevice {
+    pollster::block_on(GpuDevice::open()).unwrap_or_else(|e| {
+        panic!("no usable GPU adapter ({e}); install mesa-vulkan-drivers (lavapipe)")
+    })
+}
+
+fn adam() -> OptimizerConfig {
+    OptimizerConfig::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        amsgrad: false,
+    }
+}
+
+fn sgd_momentum() -> OptimizerConfig {
+    OptimizerConfig::Sgd {
+        lr: 0.05,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: true,
+        weight_decay: 0.001,
+    }
+}
+
+#[test]
+fn mlp_stages_on_the_gpu_match_libtorch_step_for_step() {
+    let graph = from_toml(MLP).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    // A Root (data in, no input gradient), a Stem, a Leaf and the whole model.
+    for (range, config) in [
+        (0..3, adam()),
+        (2..5, sgd_momentum()),
+        (4..n, adam()),
+        (0..n, sgd_momentum()),
+    ] {
+        same_as_torch(gpu(), &graph, range, config);
+    }
+}
+
+#[test]
+fn mlp_stages_on_the_cpu_references_match_libtorch_step_for_step() {
+    let graph = from_toml(MLP).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [(2..5, adam()), (0..n, sgd_momentum())] {
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}

@@ -1,0 +1,605 @@
+//! [`StageExecutor`]: one pipeline stage on one [`Device`], the same calls
+//! and the same rules as the libtorch executor in `rookery-provider`
+//! (forward keeps what backward needs; backward takes the gradients of the
+//! stage's outputs and returns those of its inputs; parameter gradients
+//! accumulate over a step's micro-batches until [`StageExecutor::step`]).
+//!
+//! Buffers are allocated once per batch size and reused: each micro-batch in
+//! flight holds one set of activation buffers, returned to a pool by its
+//! backward; gradients and scratch space are one set per batch size, since
+//! backward passes run one at a time. In steady state nothing is allocated,
+//! and each boundary tensor is read back once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+
+use rookery_model::{DType, Graph, ParamKind, Source, StageLayout};
+use rookery_shared::kernels::optim::Optimizer;
+use rookery_shared::kernels::spec::numel;
+
+use crate::device::Device;
+use crate::kernel::Kernel;
+use crate::program::{Buf, Program, lower};
+use crate::{HostTensor, StageError};
+
+/// Handle of one micro-batch between its forward and its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MicroBatch(u64);
+
+impl MicroBatch {
+    pub fn id(self) -> u64 {
+        self.0
+    }
+}
+
+struct ParamState<B> {
+    value: B,
+    /// The gradient accumulated since the last step; meaningful only while
+    /// `has_grad` (PyTorch's `.grad is not None`).
+    grad: B,
+    has_grad: bool,
+    /// Optimizer state buffers, in the optimizer's order; made on first step.
+    state: Vec<B>,
+    uniform: Option<B>,
+    /// Updates applied so far (torch's per-parameter `step`).
+    steps: u64,
+    len: usize,
+}
+
+struct Activations<B> {
+    inputs: Vec<B>,
+    locals: Vec<B>,
+}
+
+struct Scratch<B> {
+    input_grads: Vec<B>,
+    local_grads: Vec<B>,
+    param_grads: Vec<B>,
+    temps: Vec<B>,
+}
+
+/// One pipeline stage on one device. See the module docs.
+pub struct StageExecutor<D: Device> {
+    device: D,
+    graph: Graph,
+    layout: StageLayout,
+    local_dtypes: Vec<DType>,
+    params: Vec<ParamState<D::Buffer>>,
+    optimizer: Optimizer,
+    programs: HashMap<usize, Program<D::Prepared>>,
+    free: HashMap<usize, Vec<Activations<D::Buffer>>>,
+    scratch: HashMap<usize, Scratch<D::Buffer>>,
+    in_flight: BTreeMap<MicroBatch, (usize, Activations<D::Buffer>)>,
+    next_micro_batch: u64,
+    /// Prepared optimizer kernels by parameter length.
+    optimizer_kernels: HashMap<usize, D::Prepared>,
+}
+
+impl<D: Device> StageExecutor<D> {
+    /// A stage running nodes `range` of `graph`'s topological order and
+    /// sending `outputs`, with its parameters taken by name from `params`
+    /// (names it does not use are ignored), stepped by `optimizer`.
+    pub fn new(
+        device: D,
+        graph: &Graph,
+        range: Range<usize>,
+        outputs: &[String],
+        params: &BTreeMap<String, Vec<f32>>,
+        optimizer: Optimizer,
+    ) -> Result<Self, StageError> {
+        let analysis = graph
+            .analyze()
+            .map_err(|e| StageError::Graph(e.to_string()))?;
+        let layout = StageLayout::new(graph, &analysis, range.clone(), outputs)?;
+        let local_dtypes = analysis.nodes[range]
+            .iter()
+            .map(|n| n.output.dtype)
+            .collect();
+        for input in &layout.inputs {
+            if input.dtype != DType::F32 {
+                return Err(StageError::Input {
+                    name: input.name.clone(),
+                    reason: "integer inputs are not supported by this backend yet".into(),
+                });
+            }
+        }
+        let mut states = Vec::with_capacity(layout.params.len());
+        for p in &layout.params {
+            let err = |reason: String| StageError::Param {
+                name: p.name.clone(),
+                reason,
+            };
+            let values = params
+                .get(&p.name)
+                .ok_or_else(|| err("missing from the values given to the stage".into()))?;
+            let len = numel(&p.shape);
+            if values.len() != len {
+                return Err(err(format!(
+                    "{} values for shape {:?}",
+                    values.len(),
+                    p.shape
+                )));
+            }
+            if p.dtype != DType::F32 {
+                return Err(err(
+                    "integer parameters are not supported by this backend yet".into(),
+                ));
+            }
+            let value = device.alloc(len)?;
+            device.write_f32(&value, values)?;
+            let grad = device.alloc(if p.kind == ParamKind::Trainable {
+                len
+            } else {
+                0
+            })?;
+            states.push(ParamState {
+                value,
+                grad,
+                has_grad: false,
+                state: Vec::new(),
+                uniform: None,
+                steps: 0,
+                len,
+            });
+        }
+        Ok(Self {
+            device,
+            graph: graph.clone(),
+            layout,
+            local_dtypes,
+            params: states,
+            optimizer,
+            programs: HashMap::new(),
+            free: HashMap::new(),
+            scratch: HashMap::new(),
+            in_flight: BTreeMap::new(),
+            next_micro_batch: 0,
+            optimizer_kernels: HashMap::new(),
+        })
+    }
+
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// Names this stage expects in [`forward`](Self::forward), in order.
+    pub fn input_names(&self) -> Vec<String> {
+        self.layout.inputs.iter().map(|i| i.name.clone()).collect()
+    }
+
+    /// Inputs whose gradient [`backward`](Self::backward) returns.
+    pub fn grad_input_names(&self) -> Vec<String> {
+        self.layout
+            .inputs
+            .iter()
+            .filter(|i| i.requires_grad)
+            .map(|i| i.name.clone())
+            .collect()
+    }
+
+    pub fn output_names(&self) -> Vec<String> {
+        self.layout.outputs.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Micro-batches forwarded but not yet backpropagated.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Runs one micro-batch forward and keeps what backward needs.
+    pub async fn forward(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+    ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
+        let batch = self.batch_of(inputs)?;
+        self.ensure_program(batch)?;
+        let acts = self.take_activations(batch)?;
+        let program = &self.programs[&batch];
+        for (i, shape) in program.input_shapes.iter().enumerate() {
+            let (name, tensor) = inputs
+                .iter()
+                .find(|(n, _)| *n == self.layout.inputs[i].name)
+                .ok_or_else(|| StageError::Input {
+                    name: self.layout.inputs[i].name.clone(),
+                    reason: "missing".into(),
+                })?;
+            if tensor.shape != *shape {
+                return Err(StageError::Input {
+                    name: name.clone(),
+                    reason: format!("shape {:?} where {:?} is expected", tensor.shape, shape),
+                });
+            }
+            self.device.write_f32(&acts.inputs[i], &tensor.data)?;
+        }
+        let calls = self.bind(&program.forward, batch, Some(&acts))?;
+        self.device.run(&calls).await?;
+        drop(calls);
+        let mut outputs = Vec::with_capacity(self.layout.outputs.len());
+        for (name, src) in &self.layout.outputs {
+            let (buffer, shape) = match *src {
+                Source::Input(i) => (&acts.inputs[i], &program.input_shapes[i]),
+                Source::Local(j) => (&acts.locals[j], &program.local_shapes[j]),
+                Source::Param(_) => unreachable!("the layout never sends parameters"),
+            };
+            let data = self.device.read_f32(buffer).await?;
+            outputs.push((
+                name.clone(),
+                HostTensor {
+                    shape: shape.clone(),
+                    data,
+                },
+            ));
+        }
+        let id = MicroBatch(self.next_micro_batch);
+        self.next_micro_batch += 1;
+        self.in_flight.insert(id, (batch, acts));
+        Ok((id, outputs))
+    }
+
+    /// Backpropagates one micro-batch from the gradients of the stage's
+    /// outputs (an output left out counts as zero) and returns the gradients
+    /// of [`grad_input_names`](Self::grad_input_names). Parameter gradients
+    /// accumulate until [`step`](Self::step).
+    pub async fn backward(
+        &mut self,
+        micro_batch: MicroBatch,
+        output_grads: &[(String, HostTensor)],
+    ) -> Result<Vec<(String, HostTensor)>, StageError> {
+        let (batch, acts) = self
+            .in_flight
+            .remove(&micro_batch)
+            .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
+        let result = self.backward_with(batch, &acts, output_grads).await;
+        self.free.entry(batch).or_default().push(acts);
+        result
+    }
+
+    async fn backward_with(
+        &mut self,
+        batch: usize,
+        acts: &Activations<D::Buffer>,
+        output_grads: &[(String, HostTensor)],
+    ) -> Result<Vec<(String, HostTensor)>, StageError> {
+        self.ensure_scratch(batch)?;
+        let program = &self.programs[&batch];
+        let scratch = &self.scratch[&batch];
+        for (name, g) in output_grads {
+            let err = |reason: String| StageError::Grad {
+                name: name.clone(),
+                reason,
+            };
+            let Some((_, src)) = self.layout.outputs.iter().find(|(o, _)| o == name) else {
+                return Err(err("not an output of this stage".into()));
+            };
+            let (buffer, shape) = match *src {
+                Source::Input(i) if self.layout.inputs[i].requires_grad => {
+                    (&scratch.input_grads[i], &program.input_shapes[i])
+                }
+                Source::Local(j) if self.local_dtypes[j] == DType::F32 => {
+                    (&scratch.local_grads[j], &program.local_shapes[j])
+                }
+                _ => continue,
+            };
+            if g.shape != *shape {
+                return Err(err(format!(
+                    "shape {:?} differs from the output's {:?}",
+                    g.shape, shape
+                )));
+            }
+            self.device.write_f32(buffer, &g.data)?;
+        }
+        // Outputs without a gradient count as zero.
+        for (name, src) in &self.layout.outputs {
+            if output_grads.iter().any(|(n, _)| n == name) {
+                continue;
+            }
+            let buffer = match *src {
+                Source::Input(i) if self.layout.inputs[i].requires_grad => &scratch.input_grads[i],
+                Source::Local(j) if self.local_dtypes[j] == DType::F32 => &scratch.local_grads[j],
+                _ => continue,
+            };
+            let len = match *src {
+                Source::Input(i) => numel(&program.input_shapes[i]),
+                Source::Local(j) => numel(&program.local_shapes[j]),
+                Source::Param(_) => 0,
+            };
+            self.device.write_f32(buffer, &vec![0.0; len])?;
+        }
+        let mut calls = self.bind(&program.backward, batch, Some(acts))?;
+        // This micro-batch's parameter gradients join the step's.
+        let mut accumulate = Vec::new();
+        for &p in &program.params_with_grad {
+            let state = &self.params[p];
+            let kernel = if state.has_grad {
+                Kernel::AddInto { len: state.len }
+            } else {
+                Kernel::Copy { len: state.len }
+            };
+            accumulate.push((kernel, p));
+        }
+        let prepared: Vec<D::Prepared> = accumulate
+            .iter()
+            .map(|(k, _)| self.device.prepare(k))
+            .collect();
+        for ((kernel, p), prep) in accumulate.iter().zip(&prepared) {
+            calls.push((
+                kernel,
+                prep,
+                vec![&scratch.param_grads[*p], &self.params[*p].grad],
+            ));
+        }
+        self.device.run(&calls).await?;
+        drop(calls);
+        let mut grads = Vec::new();
+        for (i, input) in self.layout.inputs.iter().enumerate() {
+            if !input.requires_grad {
+                continue;
+            }
+            let data = self.device.read_f32(&scratch.input_grads[i]).await?;
+            grads.push((
+                input.name.clone(),
+                HostTensor {
+                    shape: program.input_shapes[i].clone(),
+                    data,
+                },
+            ));
+        }
+        let with_grad = program.params_with_grad.clone();
+        for p in with_grad {
+            self.params[p].has_grad = true;
+        }
+        Ok(grads)
+    }
+
+    /// Drops a micro-batch's saved state without backpropagating it.
+    pub fn discard(&mut self, micro_batch: MicroBatch) -> Result<(), StageError> {
+        let (batch, acts) = self
+            .in_flight
+            .remove(&micro_batch)
+            .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
+        self.free.entry(batch).or_default().push(acts);
+        Ok(())
+    }
+
+    /// Applies the optimizer to every trainable parameter that received a
+    /// gradient since the last step (as PyTorch skips those whose `.grad` is
+    /// None), then clears the gradients.
+    pub async fn step(&mut self) -> Result<(), StageError> {
+        self.idle("stepping")?;
+        let state_count = self.optimizer.state_names().len();
+        let mut kernels = Vec::new();
+        for (p, state) in self.params.iter_mut().enumerate() {
+            if !state.has_grad {
+                continue;
+            }
+            if state.state.len() != state_count {
+                state.state = (0..state_count)
+                    .map(|_| self.device.alloc(state.len))
+                    .collect::<Result<_, _>>()?;
+            }
+            let uniform = match &state.uniform {
+                Some(u) => u,
+                None => state.uniform.insert(self.device.alloc(8)?),
+            };
+            state.steps += 1;
+            self.device
+                .write_u32(uniform, &self.optimizer.uniform(state.steps))?;
+            if !self.optimizer_kernels.contains_key(&state.len) {
+                let kernel = Kernel::OptimizerStep {
+                    optimizer: self.optimizer,
+                    len: state.len,
+                    step: 1,
+                };
+                self.optimizer_kernels
+                    .insert(state.len, self.device.prepare(&kernel));
+            }
+            kernels.push((
+                p,
+                Kernel::OptimizerStep {
+                    optimizer: self.optimizer,
+                    len: state.len,
+                    step: state.steps,
+                },
+            ));
+            state.has_grad = false;
+        }
+        let calls: Vec<_> = kernels
+            .iter()
+            .map(|(p, kernel)| {
+                let s = &self.params[*p];
+                let mut buffers = vec![
+                    s.uniform.as_ref().expect("allocated above"),
+                    &s.value,
+                    &s.grad,
+                ];
+                buffers.extend(s.state.iter());
+                (kernel, &self.optimizer_kernels[&s.len], buffers)
+            })
+            .collect();
+        self.device.run(&calls).await
+    }
+
+    /// Drops accumulated gradients (PyTorch's `zero_grad(set_to_none=True)`).
+    pub fn zero_grad(&mut self) -> Result<(), StageError> {
+        self.idle("clearing gradients")?;
+        for p in &mut self.params {
+            p.has_grad = false;
+        }
+        Ok(())
+    }
+
+    /// Copies of every parameter and buffer, by name.
+    pub async fn parameters(&self) -> Result<Vec<(String, HostTensor)>, StageError> {
+        let mut out = Vec::with_capacity(self.params.len());
+        for (p, state) in self.layout.params.iter().zip(&self.params) {
+            let data = self.device.read_f32(&state.value).await?;
+            out.push((
+                p.name.clone(),
+                HostTensor {
+                    shape: p.shape.clone(),
+                    data,
+                },
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Loads values into some or all parameters, keeping gradients and
+    /// optimizer state.
+    pub fn set_parameters(&mut self, values: &[(String, HostTensor)]) -> Result<(), StageError> {
+        self.idle("loading parameters")?;
+        for (name, v) in values {
+            let err = |reason: String| StageError::Param {
+                name: name.clone(),
+                reason,
+            };
+            let Some(at) = self.layout.params.iter().position(|p| p.name == *name) else {
+                return Err(err("not a parameter of this stage".into()));
+            };
+            if v.shape != self.layout.params[at].shape {
+                return Err(err(format!(
+                    "shape {:?} differs from the parameter's {:?}",
+                    v.shape, self.layout.params[at].shape
+                )));
+            }
+            self.device.write_f32(&self.params[at].value, &v.data)?;
+        }
+        Ok(())
+    }
+
+    fn idle(&self, action: &str) -> Result<(), StageError> {
+        if self.in_flight.is_empty() {
+            Ok(())
+        } else {
+            Err(StageError::InFlight {
+                in_flight: self.in_flight.len(),
+                action: action.into(),
+            })
+        }
+    }
+
+    fn batch_of(&self, inputs: &[(String, HostTensor)]) -> Result<usize, StageError> {
+        for (name, t) in inputs {
+            if !self.layout.inputs.iter().any(|i| i.name == *name) {
+                return Err(StageError::Input {
+                    name: name.clone(),
+                    reason: format!(
+                        "not an input of this stage (expects {:?})",
+                        self.input_names()
+                    ),
+                });
+            }
+            if t.data.len() != numel(&t.shape) {
+                return Err(StageError::Input {
+                    name: name.clone(),
+                    reason: format!("{} values for shape {:?}", t.data.len(), t.shape),
+                });
+            }
+        }
+        let batch = inputs
+            .first()
+            .and_then(|(_, t)| t.shape.first().copied())
+            .ok_or_else(|| StageError::Input {
+                name: self.input_names().join(", "),
+                reason: "missing".into(),
+            })?;
+        if batch == 0 {
+            return Err(StageError::Input {
+                name: inputs[0].0.clone(),
+                reason: "an empty batch".into(),
+            });
+        }
+        Ok(batch)
+    }
+
+    fn ensure_program(&mut self, batch: usize) -> Result<(), StageError> {
+        if !self.programs.contains_key(&batch) {
+            let device = &self.device;
+            let program = lower(&self.graph, &self.layout, batch, &self.local_dtypes, |k| {
+                device.prepare(k)
+            })?;
+            self.programs.insert(batch, program);
+        }
+        Ok(())
+    }
+
+    fn take_activations(&mut self, batch: usize) -> Result<Activations<D::Buffer>, StageError> {
+        if let Some(acts) = self.free.get_mut(&batch).and_then(Vec::pop) {
+            return Ok(acts);
+        }
+        let program = &self.programs[&batch];
+        let alloc = |shapes: &[Vec<usize>]| {
+            shapes
+                .iter()
+                .map(|s| self.device.alloc(numel(s)))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(Activations {
+            inputs: alloc(&program.input_shapes)?,
+            locals: alloc(&program.local_shapes)?,
+        })
+    }
+
+    fn ensure_scratch(&mut self, batch: usize) -> Result<(), StageError> {
+        if self.scratch.contains_key(&batch) {
+            return Ok(());
+        }
+        let program = &self.programs[&batch];
+        let alloc = |lens: &mut dyn Iterator<Item = usize>| {
+            lens.map(|n| self.device.alloc(n))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let scratch = Scratch {
+            input_grads: alloc(&mut program.input_shapes.iter().map(|s| numel(s)))?,
+            local_grads: alloc(&mut program.local_shapes.iter().map(|s| numel(s)))?,
+            param_grads: alloc(&mut self.layout.params.iter().map(|p| {
+                if p.kind == ParamKind::Trainable {
+                    numel(&p.shape)
+                } else {
+                    0
+                }
+            }))?,
+            temps: alloc(&mut program.temp_lens.iter().copied())?,
+        };
+        self.scratch.insert(batch, scratch);
+        Ok(())
+    }
+
+    /// The real buffers of `calls`.
+    fn bind<'a>(
+        &'a self,
+        calls: &'a [crate::program::Call<D::Prepared>],
+        batch: usize,
+        acts: Option<&'a Activations<D::Buffer>>,
+    ) -> Result<Vec<(&'a Kernel, &'a D::Prepared, Vec<&'a D::Buffer>)>, StageError> {
+        let scratch = self.scratch.get(&batch);
+        let missing = || StageError::Internal("a buffer was bound before it was made".into());
+        calls
+            .iter()
+            .map(|call| {
+                let buffers = call
+                    .args
+                    .iter()
+                    .map(|b| -> Result<&D::Buffer, StageError> {
+                        Ok(match *b {
+                            Buf::Value(Source::Param(p)) => &self.params[p].value,
+                            Buf::Value(Source::Input(i)) => &acts.ok_or_else(missing)?.inputs[i],
+                            Buf::Value(Source::Local(j)) => &acts.ok_or_else(missing)?.locals[j],
+                            Buf::Grad(Source::Param(p)) => {
+                                &scratch.ok_or_else(missing)?.param_grads[p]
+                            }
+                            Buf::Grad(Source::Input(i)) => {
+                                &scratch.ok_or_else(missing)?.input_grads[i]
+                            }
+                            Buf::Grad(Source::Local(j)) => {
+                                &scratch.ok_or_else(missing)?.local_grads[j]
+                            }
+                            Buf::Temp(t) => &scratch.ok_or_else(missing)?.temps[t],
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok((&call.kernel, &call.prepared, buffers))
+            })
+            .collect()
+    }
+}

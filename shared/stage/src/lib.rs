@@ -1,0 +1,121 @@
+//! Rookery's own stage executor: one pipeline stage of a model graph run
+//! forward and backward, with gradient accumulation and optimizer steps, on
+//! the kernels of `rookery_shared::kernels`. The same executor runs on a GPU
+//! through wgpu ([`GpuDevice`], feature `gpu`: WebGPU in a browser tab,
+//! Vulkan/Metal/DX12 natively) and on the kernels' CPU references
+//! ([`CpuDevice`]: browsers without WebGPU, and tests).
+//!
+//! Pieces: [`kernel`](crate::kernel) (a kernel call as data, lowered to WGSL
+//! or to its CPU reference), `program` (a stage at one batch size lowered to
+//! the kernel calls of its forward and backward passes), [`device`] (where
+//! kernels run) and [`executor`] (micro-batches, buffers, optimizer). It
+//! knows nothing of the network or of libtorch, and compiles to wasm32.
+
+pub mod device;
+pub mod executor;
+mod kernel;
+mod program;
+
+#[cfg(feature = "gpu")]
+pub use device::GpuDevice;
+pub use device::{CpuBuffer, CpuDevice, Device};
+pub use executor::{MicroBatch, StageExecutor};
+pub use kernel::Kernel;
+pub use rookery_shared::kernels::optim::Optimizer;
+
+/// A tensor in host memory: row-major f32 values and their shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Everything that can go wrong building or running a stage. Messages name
+/// the node, tensor or parameter involved.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StageError {
+    #[error("invalid graph: {0}")]
+    Graph(String),
+    #[error(transparent)]
+    Layout(#[from] rookery_model::LayoutError),
+    #[error("node `{node}`: op {op} cannot run on this backend: {reason}")]
+    Unsupported {
+        node: String,
+        op: String,
+        reason: String,
+    },
+    #[error("parameter `{name}`: {reason}")]
+    Param { name: String, reason: String },
+    #[error("stage input `{name}`: {reason}")]
+    Input { name: String, reason: String },
+    #[error("gradient for `{name}`: {reason}")]
+    Grad { name: String, reason: String },
+    #[error("micro-batch {0} is not in flight on this stage (already backpropagated or never run)")]
+    UnknownMicroBatch(u64),
+    #[error("{in_flight} micro-batch(es) still await backward; {action} would corrupt them")]
+    InFlight { in_flight: usize, action: String },
+    #[error("device: {0}")]
+    Device(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// The kernels' optimizer for a job's optimizer settings (the same
+/// hyper-parameters; AdamW is Adam with decoupled weight decay).
+pub fn optimizer_for(config: &rookery_model::OptimizerConfig) -> Optimizer {
+    use rookery_model::OptimizerConfig as C;
+    match *config {
+        C::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        } => Optimizer::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+        },
+        C::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        }
+        | C::AdamW {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+        } => Optimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+            decoupled: matches!(config, C::AdamW { .. }),
+        },
+        C::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        } => Optimizer::RmsProp {
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        },
+    }
+}

@@ -1,0 +1,450 @@
+//! Lowering: a [`StageLayout`] at one batch size becomes a [`Program`], the
+//! fixed list of kernel calls of a forward and of a backward pass, with
+//! every buffer named symbolically ([`Buf`]) so one program serves every
+//! micro-batch of that size.
+//!
+//! Backward is reverse-mode differentiation written out at lowering time:
+//! nodes in reverse order, each adding its inputs' gradients. The first
+//! contribution to a gradient is written straight into it; later ones go
+//! through a scratch buffer and an add, so no gradient buffer needs zeroing
+//! and the order of additions is fixed (the same every run).
+
+use std::collections::{BTreeMap, HashSet};
+
+use rookery_model::{DType, Graph, Op, ParamKind, Source, StageLayout};
+use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
+use rookery_shared::kernels::gemm::{Linear, MatMul};
+use rookery_shared::kernels::spec::numel;
+
+use crate::StageError;
+use crate::kernel::Kernel;
+
+/// A buffer as a program names it; the executor binds the real one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Buf {
+    /// A tensor's value: a stage input or node output of the micro-batch, or
+    /// a parameter.
+    Value(Source),
+    /// The gradient of a tensor in the current backward pass (for a
+    /// parameter: this micro-batch's share, added to its accumulated
+    /// gradient afterwards).
+    Grad(Source),
+    /// Scratch space of the pass.
+    Temp(usize),
+}
+
+/// One kernel call with its buffers in binding order.
+#[derive(Debug)]
+pub(crate) struct Call<P> {
+    pub kernel: Kernel,
+    pub prepared: P,
+    pub args: Vec<Buf>,
+}
+
+/// Everything a micro-batch of one size runs.
+#[derive(Debug)]
+pub(crate) struct Program<P> {
+    pub input_shapes: Vec<Vec<usize>>,
+    pub local_shapes: Vec<Vec<usize>>,
+    /// Elements of each scratch buffer.
+    pub temp_lens: Vec<usize>,
+    pub forward: Vec<Call<P>>,
+    pub backward: Vec<Call<P>>,
+    /// Parameters whose gradient the backward writes.
+    pub params_with_grad: Vec<usize>,
+}
+
+/// Shapes of every tensor of the stage when dimension 0 of the graph's
+/// inputs is `batch`.
+fn shapes_at(graph: &Graph, batch: usize) -> Result<BTreeMap<String, Vec<usize>>, StageError> {
+    let mut g = graph.clone();
+    for input in &mut g.inputs {
+        if let Some(d) = input.shape.first_mut() {
+            *d = batch;
+        }
+    }
+    let analysis = g.analyze().map_err(|e| StageError::Graph(e.to_string()))?;
+    Ok(analysis
+        .tensors
+        .into_iter()
+        .map(|(name, info)| (name, info.shape))
+        .collect())
+}
+
+/// Builds the program of `layout` for micro-batches of `batch` samples,
+/// preparing each kernel with `prepare`.
+pub(crate) fn lower<P>(
+    graph: &Graph,
+    layout: &StageLayout,
+    batch: usize,
+    local_dtypes: &[DType],
+    prepare: impl Fn(&Kernel) -> P,
+) -> Result<Program<P>, StageError> {
+    let shapes = shapes_at(graph, batch)?;
+    let shape_of = |name: &str| -> Result<Vec<usize>, StageError> {
+        shapes
+            .get(name)
+            .cloned()
+            .ok_or_else(|| StageError::Graph(format!("no shape for `{name}`")))
+    };
+    let input_shapes = layout
+        .inputs
+        .iter()
+        .map(|i| shape_of(&i.name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let local_shapes = layout
+        .nodes
+        .iter()
+        .map(|n| shape_of(&n.name))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut l = Lowering {
+        layout,
+        input_shapes: &input_shapes,
+        local_shapes: &local_shapes,
+        local_dtypes,
+        temp_lens: Vec::new(),
+        free_temps: Vec::new(),
+        written: HashSet::new(),
+        calls: Vec::new(),
+    };
+    for (k, node) in layout.nodes.iter().enumerate() {
+        l.forward_node(k, &node.op, &node.inputs)?;
+    }
+    let forward = std::mem::take(&mut l.calls);
+    for (_, src) in &layout.outputs {
+        if l.needs_grad(*src) {
+            l.written.insert(*src);
+        }
+    }
+    for (k, node) in layout.nodes.iter().enumerate().rev() {
+        if l.written.contains(&Source::Local(k)) {
+            l.backward_node(k, &node.op, &node.inputs)?;
+        }
+    }
+    // Inputs no path reaches get a zero gradient, written before the rest.
+    let mut backward: Vec<(Kernel, Vec<Buf>)> = Vec::new();
+    for (i, input) in layout.inputs.iter().enumerate() {
+        let src = Source::Input(i);
+        if input.requires_grad && !l.written.contains(&src) {
+            backward.push((
+                Kernel::Fill {
+                    len: numel(&input_shapes[i]),
+                    value: 0.0,
+                },
+                vec![Buf::Grad(src)],
+            ));
+        }
+    }
+    backward.append(&mut l.calls);
+    let params_with_grad = (0..layout.params.len())
+        .filter(|&p| l.written.contains(&Source::Param(p)))
+        .collect();
+    let finish = |calls: Vec<(Kernel, Vec<Buf>)>| -> Vec<Call<P>> {
+        calls
+            .into_iter()
+            .map(|(kernel, args)| Call {
+                prepared: prepare(&kernel),
+                kernel,
+                args,
+            })
+            .collect()
+    };
+    Ok(Program {
+        temp_lens: l.temp_lens,
+        forward: finish(forward),
+        backward: finish(backward),
+        params_with_grad,
+        input_shapes,
+        local_shapes,
+    })
+}
+
+struct Lowering<'a> {
+    layout: &'a StageLayout,
+    input_shapes: &'a [Vec<usize>],
+    local_shapes: &'a [Vec<usize>],
+    local_dtypes: &'a [DType],
+    temp_lens: Vec<usize>,
+    /// Scratch buffers free for reuse, as (index, elements).
+    free_temps: Vec<(usize, usize)>,
+    /// Tensors whose gradient has a first contribution already.
+    written: HashSet<Source>,
+    calls: Vec<(Kernel, Vec<Buf>)>,
+}
+
+impl Lowering<'_> {
+    fn shape(&self, src: Source) -> &[usize] {
+        match src {
+            Source::Input(i) => &self.input_shapes[i],
+            Source::Param(p) => &self.layout.params[p].shape,
+            Source::Local(j) => &self.local_shapes[j],
+        }
+    }
+
+    fn needs_grad(&self, src: Source) -> bool {
+        match src {
+            Source::Input(i) => self.layout.inputs[i].requires_grad,
+            Source::Param(p) => self.layout.params[p].kind == ParamKind::Trainable,
+            Source::Local(j) => self.local_dtypes[j] == DType::F32,
+        }
+    }
+
+    fn temp(&mut self, len: usize) -> usize {
+        if let Some(at) = self.free_temps.iter().position(|&(_, l)| l == len) {
+            return self.free_temps.swap_remove(at).0;
+        }
+        self.temp_lens.push(len);
+        self.temp_lens.len() - 1
+    }
+
+    /// Adds `make(dest)`'s calls, which write one contribution to the
+    /// gradient of `src` into `dest`, routing it as the module docs say.
+    fn contribute(
+        &mut self,
+        src: Source,
+        make: impl FnOnce(&mut Self, Buf) -> Vec<(Kernel, Vec<Buf>)>,
+    ) {
+        if !self.needs_grad(src) {
+            return;
+        }
+        if self.written.insert(src) {
+            let calls = make(self, Buf::Grad(src));
+            self.calls.extend(calls);
+        } else {
+            let len = numel(self.shape(src));
+            let t = self.temp(len);
+            let calls = make(self, Buf::Temp(t));
+            self.calls.extend(calls);
+            self.calls
+                .push((Kernel::AddInto { len }, vec![Buf::Temp(t), Buf::Grad(src)]));
+            self.free_temps.push((t, len));
+        }
+    }
+
+    fn unsupported(&self, k: usize, op: &Op, why: &str) -> StageError {
+        StageError::Unsupported {
+            node: self.layout.nodes[k].name.clone(),
+            op: op.name().to_string(),
+            reason: why.to_string(),
+        }
+    }
+
+    fn forward_node(&mut self, k: usize, op: &Op, ins: &[Source]) -> Result<(), StageError> {
+        let out = Buf::Value(Source::Local(k));
+        let y_len = numel(&self.local_shapes[k]);
+        let call = match op {
+            Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Identity => (
+                Kernel::Unary {
+                    op: unary(op),
+                    len: y_len,
+                },
+                vec![Buf::Value(ins[0]), out],
+            ),
+            Op::Flatten { .. } | Op::Reshape { .. } => {
+                (Kernel::Copy { len: y_len }, vec![Buf::Value(ins[0]), out])
+            }
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
+                let shapes = self.broadcast(k, op, ins)?;
+                (
+                    Kernel::Binary {
+                        op: binary(op),
+                        shapes,
+                    },
+                    vec![Buf::Value(ins[0]), Buf::Value(ins[1]), out],
+                )
+            }
+            Op::Linear => {
+                let linear = self.linear(k, op, ins)?;
+                let mut args = vec![Buf::Value(ins[0]), Buf::Value(ins[1])];
+                if linear.bias {
+                    args.push(Buf::Value(ins[2]));
+                }
+                args.push(out);
+                (Kernel::Linear(linear), args)
+            }
+            Op::MatMul => {
+                let mm = self.matmul(k, op, ins)?;
+                (
+                    Kernel::MatMul(mm),
+                    vec![Buf::Value(ins[0]), Buf::Value(ins[1]), out],
+                )
+            }
+            other => {
+                return Err(self.unsupported(k, other, "no kernel lowering yet"));
+            }
+        };
+        self.calls.push(call);
+        Ok(())
+    }
+
+    fn backward_node(&mut self, k: usize, op: &Op, ins: &[Source]) -> Result<(), StageError> {
+        let dy = Buf::Grad(Source::Local(k));
+        match op {
+            Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Identity => {
+                let (op, len) = (unary(op), numel(&self.local_shapes[k]));
+                self.contribute(ins[0], |_, dest| {
+                    vec![(
+                        Kernel::UnaryBackward { op, len },
+                        vec![Buf::Value(ins[0]), dy, dest],
+                    )]
+                });
+            }
+            Op::Flatten { .. } | Op::Reshape { .. } => {
+                let len = numel(&self.local_shapes[k]);
+                self.contribute(ins[0], |_, dest| {
+                    vec![(Kernel::Copy { len }, vec![dy, dest])]
+                });
+            }
+            Op::Add | Op::Sub | Op::Mul | Op::Div => {
+                let shapes = self.broadcast(k, op, ins)?;
+                let bop = binary(op);
+                for (which, wrt) in [(0, Operand::A), (1, Operand::B)] {
+                    let shapes = shapes.clone();
+                    self.contribute(ins[which], |_, dest| {
+                        vec![(
+                            Kernel::BinaryBackward {
+                                op: bop,
+                                shapes,
+                                wrt,
+                            },
+                            vec![Buf::Value(ins[0]), Buf::Value(ins[1]), dy, dest],
+                        )]
+                    });
+                }
+            }
+            Op::Linear => {
+                let linear = self.linear(k, op, ins)?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(
+                        Kernel::LinearBackwardX(linear),
+                        vec![dy, Buf::Value(ins[1]), dest],
+                    )]
+                });
+                self.contribute(ins[1], |_, dest| {
+                    vec![(
+                        Kernel::LinearBackwardW(linear),
+                        vec![dy, Buf::Value(ins[0]), dest],
+                    )]
+                });
+                if linear.bias {
+                    self.contribute(ins[2], |_, dest| {
+                        vec![(
+                            Kernel::SumToShape {
+                                from: vec![linear.rows, linear.outputs],
+                                to: vec![linear.outputs],
+                            },
+                            vec![dy, dest],
+                        )]
+                    });
+                }
+            }
+            Op::MatMul => {
+                let mm = self.matmul(k, op, ins)?;
+                let (len_a, len_b) = mm.unreduced_lens();
+                let full = |m: &MatMul, which: &[usize]| {
+                    let mut s = m.out_shape();
+                    let r = s.len();
+                    s[r - 2] = which[which.len() - 2];
+                    s[r - 1] = which[which.len() - 1];
+                    s
+                };
+                let (full_a, full_b) = (full(&mm, &mm.a), full(&mm, &mm.b));
+                let a_reduced = len_a == numel(&mm.a);
+                let b_reduced = len_b == numel(&mm.b);
+                let (m1, m2) = (mm.clone(), mm.clone());
+                self.contribute(ins[0], |l, dest| {
+                    if a_reduced {
+                        return vec![(
+                            Kernel::MatMulBackwardA(m1),
+                            vec![dy, Buf::Value(ins[1]), dest],
+                        )];
+                    }
+                    let t = Buf::Temp(l.temp(len_a));
+                    vec![
+                        (
+                            Kernel::MatMulBackwardA(m1.clone()),
+                            vec![dy, Buf::Value(ins[1]), t],
+                        ),
+                        (
+                            Kernel::SumToShape {
+                                from: full_a,
+                                to: m1.a.clone(),
+                            },
+                            vec![t, dest],
+                        ),
+                    ]
+                });
+                self.contribute(ins[1], |l, dest| {
+                    if b_reduced {
+                        return vec![(
+                            Kernel::MatMulBackwardB(m2),
+                            vec![Buf::Value(ins[0]), dy, dest],
+                        )];
+                    }
+                    let t = Buf::Temp(l.temp(len_b));
+                    vec![
+                        (
+                            Kernel::MatMulBackwardB(m2.clone()),
+                            vec![Buf::Value(ins[0]), dy, t],
+                        ),
+                        (
+                            Kernel::SumToShape {
+                                from: full_b,
+                                to: m2.b.clone(),
+                            },
+                            vec![t, dest],
+                        ),
+                    ]
+                });
+            }
+            other => return Err(self.unsupported(k, other, "no kernel lowering yet")),
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Broadcast, StageError> {
+        Broadcast::new(self.shape(ins[0]), self.shape(ins[1]))
+            .ok_or_else(|| self.unsupported(k, op, "operand shapes do not broadcast"))
+    }
+
+    fn linear(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Linear, StageError> {
+        let x = self.shape(ins[0]);
+        let w = self.shape(ins[1]);
+        let (Some(&inputs), [outputs, w_in]) = (x.last(), w) else {
+            return Err(self.unsupported(k, op, "expects x [.., in] and weight [out, in]"));
+        };
+        if inputs != *w_in || inputs == 0 {
+            return Err(self.unsupported(k, op, "input width differs from the weight's"));
+        }
+        Ok(Linear::new(
+            numel(x) / inputs,
+            inputs,
+            *outputs,
+            ins.len() > 2,
+        ))
+    }
+
+    fn matmul(&self, k: usize, op: &Op, ins: &[Source]) -> Result<MatMul, StageError> {
+        MatMul::new(self.shape(ins[0]), self.shape(ins[1]))
+            .ok_or_else(|| self.unsupported(k, op, "operand shapes do not multiply"))
+    }
+}
+
+fn unary(op: &Op) -> Unary {
+    match op {
+        Op::Relu => Unary::Relu,
+        Op::Gelu => Unary::Gelu,
+        Op::Sigmoid => Unary::Sigmoid,
+        Op::Tanh => Unary::Tanh,
+        _ => Unary::Identity,
+    }
+}
+
+fn binary(op: &Op) -> BinaryOp {
+    match op {
+        Op::Sub => BinaryOp::Sub,
+        Op::Mul => BinaryOp::Mul,
+        Op::Div => BinaryOp::Div,
+        _ => BinaryOp::Add,
+    }
+}
