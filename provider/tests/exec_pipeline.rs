@@ -351,6 +351,7 @@ fn planner_boundary_sets_drive_the_executors() {
             memory_bytes: 1 << 30,
             gflops: 1e-6,
             bandwidth_mbps: 1e6,
+            max_buffer_bytes: None,
         })
         .collect();
     let opts = PlanOptions {

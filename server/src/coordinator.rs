@@ -96,6 +96,7 @@ impl LiveProvider {
             memory_bytes: self.hello.memory_bytes,
             gflops: self.hello.gflops,
             bandwidth_mbps: self.bandwidth_mbps?,
+            max_buffer_bytes: None,
         })
     }
 }

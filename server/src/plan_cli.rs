@@ -39,6 +39,10 @@ struct ProviderEntry {
     memory_gb: f64,
     gflops: f64,
     bandwidth_mbps: f64,
+    /// A browser's largest bindable buffer, in MiB (WebGPU's
+    /// `maxStorageBufferBindingSize`, 128 MiB on most adapters).
+    #[serde(default)]
+    max_buffer_mb: Option<f64>,
 }
 
 /// Ids may be written as numbers or strings.
@@ -135,12 +139,22 @@ pub fn load_providers(path: &Path) -> Result<Vec<ProviderSpec>, PlanCliError> {
                     )));
                 }
             }
+            if let Some(mb) = entry.max_buffer_mb
+                && (!mb.is_finite() || mb <= 0.0)
+            {
+                return Err(at(format!(
+                    "max_buffer_mb must be a positive number, got {mb}"
+                )));
+            }
             Ok(ProviderSpec {
                 id,
                 kind,
                 memory_bytes: (entry.memory_gb * f64::from(1u32 << 30)) as u64,
                 gflops: entry.gflops,
                 bandwidth_mbps: entry.bandwidth_mbps,
+                max_buffer_bytes: entry
+                    .max_buffer_mb
+                    .map(|mb| (mb * f64::from(1u32 << 20)) as u64),
             })
         })
         .collect()

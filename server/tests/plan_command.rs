@@ -81,8 +81,39 @@ fn impossible_plans_and_bad_files_fail_with_one_clear_line() {
         r#"[{"id":"watch","kind":"browser","memory_gb":0.0001,"gflops":1,"bandwidth_mbps":1}]"#,
     )
     .unwrap();
+    // Plenty of memory, but it binds 1 KiB at most: the CNN's first conv weight is larger.
+    let narrow = dir.path().join("narrow.json");
+    std::fs::write(
+        &narrow,
+        r#"[{"id":"tab","kind":"browser","memory_gb":4,"gflops":10,"bandwidth_mbps":100,"max_buffer_mb":0.001}]"#,
+    )
+    .unwrap();
+    let negative = dir.path().join("negative.json");
+    std::fs::write(
+        &negative,
+        r#"[{"id":"tab","kind":"browser","memory_gb":4,"gflops":10,"bandwidth_mbps":100,"max_buffer_mb":-1}]"#,
+    )
+    .unwrap();
     let model = examples().join("mnist-cnn.toml");
-    let cases: [(Vec<&str>, &str); 4] = [
+    let cases: [(Vec<&str>, &str); 6] = [
+        (
+            vec![
+                "--model",
+                model.to_str().unwrap(),
+                "--providers",
+                narrow.to_str().unwrap(),
+            ],
+            "the largest buffer any provider can bind is 1048 bytes (`tab`)",
+        ),
+        (
+            vec![
+                "--model",
+                model.to_str().unwrap(),
+                "--providers",
+                negative.to_str().unwrap(),
+            ],
+            "max_buffer_mb must be a positive number",
+        ),
         (
             vec![
                 "--model",

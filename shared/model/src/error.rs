@@ -90,6 +90,19 @@ pub enum PlanError {
         missing: u64,
     },
     #[error(
+        "buffer limit failed: node `{node}` ({op}) has a tensor of {needed} bytes at micro-batch \
+         {micro_batch}, but the largest buffer any provider can bind is {limit} bytes (`{provider}`); \
+         use smaller micro-batches or add a provider without that limit"
+    )]
+    BufferTooLarge {
+        node: String,
+        op: String,
+        micro_batch: usize,
+        needed: u64,
+        provider: String,
+        limit: u64,
+    },
+    #[error(
         "memory constraint failed for cluster {cluster}: the model needs {needed} bytes in total \
          (parameters, gradients, optimizer state, activations) at micro-batch {micro_batch}, its \
          {providers} providers offer {available} bytes; missing {missing} bytes: one more provider \

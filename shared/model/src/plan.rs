@@ -58,6 +58,12 @@ pub struct ProviderSpec {
     pub gflops: f64,
     /// Link bandwidth to the server, Mbit/s.
     pub bandwidth_mbps: f64,
+    /// Largest single buffer the provider's device can bind (a WebGPU
+    /// adapter's `maxStorageBufferBindingSize`, capped by `maxBufferSize`):
+    /// every parameter and every activation of a stage placed on it must fit.
+    /// `None` for libtorch providers, whose tensors are bounded by memory only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_buffer_bytes: Option<u64>,
 }
 
 /// How many data-parallel clusters to form.
@@ -204,6 +210,9 @@ struct Costs {
     mb: f64,
     state_factor: u64,
     act_factor: u64,
+    /// Each node's largest single tensor at the micro-batch size, for
+    /// providers with a buffer limit.
+    largest: RangeMax,
 }
 
 impl Costs {
@@ -281,7 +290,29 @@ impl Costs {
             mb: o.micro_batch as f64,
             state_factor: 2 + u64::from(o.optimizer_copies),
             act_factor: o.micro_batch as u64 * u64::from(o.in_flight_micro_batches),
+            largest: RangeMax::new(
+                (0..n)
+                    .map(|i| largest_tensor_bytes(a, g, i, o.micro_batch))
+                    .collect(),
+            ),
         }
+    }
+
+    /// Whether nodes `[i, j)` fit `p`: memory, and each tensor within `p`'s
+    /// buffer limit.
+    fn fits(&self, i: usize, j: usize, p: &ProviderSpec) -> bool {
+        self.mem(i, j) <= p.memory_bytes && self.within_buffer_limit(i, j, p)
+    }
+
+    /// The part of [`Self::fits`] that can only fail more often as the stage
+    /// grows: a DP loop that finds it false may stop.
+    fn fits_monotone(&self, i: usize, j: usize, p: &ProviderSpec) -> bool {
+        self.mem_monotone(i, j) <= p.memory_bytes && self.within_buffer_limit(i, j, p)
+    }
+
+    fn within_buffer_limit(&self, i: usize, j: usize, p: &ProviderSpec) -> bool {
+        p.max_buffer_bytes
+            .is_none_or(|limit| self.largest.max(i, j) <= limit)
     }
 
     /// Memory that only grows as the stage grows (prunes the DP's inner loop).
@@ -393,6 +424,64 @@ fn crossing_tensors(a: &Analysis, g: &Graph) -> Vec<Crossing> {
     out
 }
 
+/// Bytes of the largest tensor node `pos` (in topological order) reads or
+/// writes at the micro-batch size: its parameters, its inputs and its output.
+/// Activations are scaled from the example batch the analysis used.
+fn largest_tensor_bytes(a: &Analysis, g: &Graph, pos: usize, micro_batch: usize) -> u64 {
+    let info = &a.nodes[pos];
+    let params: BTreeSet<&str> = info.params.iter().map(String::as_str).collect();
+    let scaled = |name: &str| {
+        a.tensors.get(name).map_or(0, |t| {
+            if params.contains(name) || t.shape.first() != Some(&a.batch) {
+                t.bytes()
+            } else {
+                (t.bytes() / a.batch.max(1) as u64).saturating_mul(micro_batch as u64)
+            }
+        })
+    };
+    g.nodes[info.index]
+        .inputs
+        .iter()
+        .map(|t| scaled(t))
+        .chain(std::iter::once(scaled(&info.name)))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Range maximum in O(1) after O(n log n) set-up (a sparse table): the DPs
+/// ask for the largest tensor of a stage in their innermost loops.
+struct RangeMax {
+    /// `levels[k][i]`: the maximum of `values[i..i + 2^k]`.
+    levels: Vec<Vec<u64>>,
+}
+
+impl RangeMax {
+    fn new(values: Vec<u64>) -> Self {
+        let n = values.len();
+        let mut levels = vec![values];
+        let mut half = 1;
+        while half * 2 <= n {
+            let prev = levels.last().expect("level 0 exists");
+            let next = (0..=n - half * 2)
+                .map(|i| prev[i].max(prev[i + half]))
+                .collect();
+            levels.push(next);
+            half *= 2;
+        }
+        Self { levels }
+    }
+
+    /// The maximum of `[i, j)`; 0 for an empty range.
+    fn max(&self, i: usize, j: usize) -> u64 {
+        if j <= i {
+            return 0;
+        }
+        let k = (usize::BITS - 1 - (j - i).leading_zeros()) as usize;
+        let level = &self.levels[k];
+        level[i].max(level[j - (1 << k)])
+    }
+}
+
 const INF: f64 = f64::INFINITY;
 
 /// A cluster's stages as `(first node, end node, provider index)`.
@@ -477,7 +566,7 @@ fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64, w
             let mut best = prev[j];
             let floor = c.transfer_floor_s(j, p);
             for i in starts.below(j) {
-                if c.mem_monotone(i, j) > p.memory_bytes {
+                if !c.fits_monotone(i, j, p) {
                     break;
                 }
                 // Starting earlier only adds compute, and no start sends less
@@ -486,7 +575,7 @@ fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64, w
                 if comp + floor >= best {
                     break;
                 }
-                if prev[i] >= best || c.mem(i, j) > p.memory_bytes {
+                if prev[i] >= best || !c.fits(i, j, p) {
                     continue;
                 }
                 let v = prev[i].max(comp + c.transfer_s(i, j, p));
@@ -537,7 +626,7 @@ fn min_sum_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], cap: f64) -> Opt
             }
             let floor = c.transfer_floor_s(j, p);
             for i in starts.below(j) {
-                if c.mem_monotone(i, j) > p.memory_bytes {
+                if !c.fits_monotone(i, j, p) {
                     break;
                 }
                 let comp = c.compute_s(i, j, p);
@@ -545,7 +634,7 @@ fn min_sum_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], cap: f64) -> Opt
                     break;
                 }
                 let before = g[at(k - 1, i)];
-                if before == INF || c.mem(i, j) > p.memory_bytes {
+                if before == INF || !c.fits(i, j, p) {
                     continue;
                 }
                 let t = comp + c.transfer_s(i, j, p);
@@ -860,7 +949,7 @@ fn exact_chain(c: &Costs, provs: &[ProviderSpec], ord: &[usize]) -> Option<(f64,
         let p = &provs[ord[k - 1]];
         for j in k..=n {
             for i in (k - 1)..j {
-                if best[k - 1][i] == INF || c.mem(i, j) > p.memory_bytes {
+                if best[k - 1][i] == INF || !c.fits(i, j, p) {
                     continue;
                 }
                 let t = best[k - 1][i].max(c.compute_s(i, j, p) + c.transfer_s(i, j, p));
@@ -991,6 +1080,29 @@ fn diagnose(
             };
         }
     }
+    // Browsers bind each tensor as one buffer: a node whose largest tensor no
+    // provider of the group can bind fits nowhere, however much memory is free.
+    let roomiest = group
+        .iter()
+        .map(|&i| &provs[i])
+        .max_by_key(|p| p.max_buffer_bytes.unwrap_or(u64::MAX));
+    if let Some(roomiest) = roomiest
+        && let Some(limit) = roomiest.max_buffer_bytes
+    {
+        for i in 0..c.n {
+            let needed = c.largest.max(i, i + 1);
+            if needed > limit {
+                return PlanError::BufferTooLarge {
+                    node: a.nodes[i].name.clone(),
+                    op: a.nodes[i].op.clone(),
+                    micro_batch,
+                    needed,
+                    provider: roomiest.id.clone(),
+                    limit,
+                };
+            }
+        }
+    }
     let needed = c.mem(0, c.n);
     let available: u64 = group.iter().map(|&i| provs[i].memory_bytes).sum();
     // Smallest memory of one extra provider (as fast as the group's fastest) that
@@ -1008,6 +1120,7 @@ fn diagnose(
         memory_bytes: 0,
         gflops: fastest.0,
         bandwidth_mbps: fastest.1,
+        max_buffer_bytes: None,
     });
     let members: Vec<usize> = (0..extended.len()).collect();
     let last = extended.len() - 1;

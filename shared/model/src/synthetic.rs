@@ -97,6 +97,8 @@ pub fn synthetic_providers(count: usize, seed: u64) -> Vec<ProviderSpec> {
                 memory_bytes: (mem * GIB) as u64,
                 gflops,
                 bandwidth_mbps: bw,
+                // WebGPU's default maxStorageBufferBindingSize.
+                max_buffer_bytes: browser.then_some(128 << 20),
             }
         })
         .collect()

@@ -22,6 +22,7 @@ fn provider(id: &str, kind: ProviderKind, mem_mib: u64, gflops: f64, mbps: f64) 
         memory_bytes: mem_mib * MIB,
         gflops,
         bandwidth_mbps: mbps,
+        max_buffer_bytes: None,
     }
 }
 
@@ -42,6 +43,10 @@ struct Model {
     act: Vec<u64>,
     /// Per-sample bytes and dtype-is-float of tensors live at each cut.
     cuts: Vec<Vec<(String, u64, bool)>>,
+    /// Per node, each tensor it touches as (bytes at the example batch,
+    /// whether it is a batch of activations that scales with the micro-batch).
+    touched: Vec<Vec<(u64, bool)>>,
+    batch: u64,
 }
 
 impl Model {
@@ -66,8 +71,23 @@ impl Model {
                 }
             }
         }
+        let params: BTreeSet<&str> = g.params.iter().map(|p| p.name.as_str()).collect();
+        let touched = a
+            .nodes
+            .iter()
+            .map(|nd| {
+                g.nodes[nd.index]
+                    .inputs
+                    .iter()
+                    .chain(std::iter::once(&nd.name))
+                    .map(|t| (a.tensors[t].bytes(), !params.contains(t.as_str())))
+                    .collect()
+            })
+            .collect();
         Model {
             n,
+            touched,
+            batch: a.batch as u64,
             flops: a
                 .nodes
                 .iter()
@@ -103,6 +123,23 @@ impl Model {
             + af * (self.act[i..j].iter().sum::<u64>() + hold);
         if mem > p.memory_bytes {
             return None;
+        }
+        if let Some(limit) = p.max_buffer_bytes {
+            let largest = self.touched[i..j]
+                .iter()
+                .flatten()
+                .map(|&(bytes, batched)| {
+                    if batched {
+                        bytes / self.batch * mb
+                    } else {
+                        bytes
+                    }
+                })
+                .max()
+                .unwrap_or(0);
+            if largest > limit {
+                return None;
+            }
         }
         let compute = self.flops[i..j].iter().sum::<f64>() * mb as f64 / (p.gflops * 1e9);
         let transfer =
@@ -149,6 +186,7 @@ impl Model {
 /// Checks every structural invariant of a plan.
 fn check_plan(g: &Graph, provs: &[ProviderSpec], plan: &rookery_model::Plan) {
     let a = g.analyze().unwrap();
+    let model = Model::new(g);
     let params: BTreeSet<&str> = g.params.iter().map(|p| p.name.as_str()).collect();
     let mut seen_providers = BTreeSet::new();
     for cl in &plan.clusters {
@@ -173,6 +211,19 @@ fn check_plan(g: &Graph, provs: &[ProviderSpec], plan: &rookery_model::Plan) {
                 "provider used twice"
             );
             assert!(s.memory_bytes <= p.memory_bytes, "memory limit");
+            if let Some(limit) = p.max_buffer_bytes {
+                let mb = s.inputs.first().map_or(1, |t| t.shape[0]) as u64;
+                let largest = model.touched[s.first..s.end]
+                    .iter()
+                    .flatten()
+                    .map(|&(b, batched)| if batched { b / model.batch * mb } else { b })
+                    .max()
+                    .unwrap();
+                assert!(
+                    largest <= limit,
+                    "stage {si} binds {largest} bytes, limit {limit}"
+                );
+            }
             worst = worst.max(s.time_s);
             // Boundary consistency: every input is produced here, is a parameter, or crosses in.
             let mut available: BTreeSet<&str> = s.inputs.iter().map(|t| t.name.as_str()).collect();
@@ -212,19 +263,29 @@ fn check_plan(g: &Graph, provs: &[ProviderSpec], plan: &rookery_model::Plan) {
 
 fn arb_providers(max: usize) -> impl Strategy<Value = Vec<ProviderSpec>> {
     prop::collection::vec(
-        (4u64..40, 1.0f64..200.0, 1.0f64..1000.0, any::<bool>()),
+        (
+            4u64..40,
+            1.0f64..200.0,
+            1.0f64..1000.0,
+            any::<bool>(),
+            512u64..2048,
+        ),
         1..=max,
     )
     .prop_map(|v| {
         v.into_iter()
             .enumerate()
-            .map(|(i, (mem, gf, bw, browser))| {
+            .map(|(i, (mem, gf, bw, browser, limit_kib))| {
                 let kind = if browser {
                     ProviderKind::Browser
                 } else {
                     ProviderKind::Native
                 };
-                provider(&format!("p{i}"), kind, mem, gf, bw)
+                // Browsers' limits straddle the synthetic chain's 1 MiB weights.
+                ProviderSpec {
+                    max_buffer_bytes: browser.then_some(limit_kib << 10),
+                    ..provider(&format!("p{i}"), kind, mem, gf, bw)
+                }
             })
             .collect()
     })
@@ -260,6 +321,7 @@ proptest! {
             Err(PlanError::NoFit { missing, .. }) => prop_assert!(missing > 0),
             Err(PlanError::NodeTooLarge { missing, .. }) => prop_assert!(missing > 0),
             Err(PlanError::TooManyClusters { .. }) => prop_assert!(provs.len() < 2),
+            Err(PlanError::BufferTooLarge { needed, limit, .. }) => prop_assert!(needed > limit),
             Err(e) => prop_assert!(false, "unexpected error {e}"),
         }
     }
@@ -376,6 +438,7 @@ fn no_fit_names_missing_memory() {
             memory_bytes: mem,
             gflops: 50.0,
             bandwidth_mbps: 100.0,
+            max_buffer_bytes: None,
         });
         clusterize(&g, &p, &o)
     };
@@ -393,6 +456,36 @@ fn node_too_large_is_named() {
         "{err}"
     );
     assert!(err.to_string().contains("node `n0` (Linear)"), "{err}");
+}
+
+#[test]
+fn a_browser_gets_no_tensor_larger_than_it_can_bind() {
+    // Linear nodes hold a 1 MiB weight; the tab can bind 512 KiB, so it may
+    // only run the ReLUs between them, whatever its memory and speed.
+    let g = synthetic_chain(4);
+    let tab = ProviderSpec {
+        max_buffer_bytes: Some(512 << 10),
+        ..provider("tab", ProviderKind::Browser, 1 << 10, 1000.0, 10000.0)
+    };
+    let provs = vec![
+        provider("native", ProviderKind::Native, 1 << 10, 10.0, 10000.0),
+        tab.clone(),
+    ];
+    let plan = clusterize(&g, &provs, &opts(4, ClusterCount::Fixed(1))).unwrap();
+    check_plan(&g, &provs, &plan);
+    for stage in &plan.clusters[0].stages {
+        if stage.provider == "tab" {
+            assert!(stage.params.is_empty(), "{}", render(&plan));
+        }
+    }
+    // Alone, it cannot take the model at all, and the error says why.
+    let err = clusterize(&g, &[tab], &opts(4, ClusterCount::Fixed(1))).unwrap_err();
+    assert!(
+        matches!(&err, PlanError::BufferTooLarge { node, needed, limit, .. }
+            if node == "n0" && *needed == 1 << 20 && *limit == 512 << 10),
+        "{err}"
+    );
+    assert!(err.to_string().contains("largest buffer"), "{err}");
 }
 
 #[test]

@@ -2,18 +2,15 @@
 //! and double quotes are ignored; quoted commas are not supported). A first
 //! row that is not all numbers is a header and skipped; blank lines are skipped.
 
-use std::io::Read;
 use std::path::Path;
 
-use super::raw::{ElemType, RawArray, open_maybe_gz};
+use super::raw::{ElemType, MAX_DECODED_BYTES, RawArray, open_maybe_gz, read_to_end_capped};
 use crate::error::JobError;
 
 pub(crate) fn read(path: &Path) -> Result<RawArray, JobError> {
     let source = path.display().to_string();
     let (mut r, _) = open_maybe_gz(path)?;
-    let mut bytes = Vec::new();
-    r.read_to_end(&mut bytes)
-        .map_err(|e| JobError::file(&source, format!("cannot read (corrupt?): {e}")))?;
+    let bytes = read_to_end_capped(&mut *r, MAX_DECODED_BYTES, &source)?;
     let text = std::str::from_utf8(&bytes)
         .map_err(|e| JobError::file(&source, format!("not UTF-8 text: {e}")))?;
     let mut cols: Option<usize> = None;

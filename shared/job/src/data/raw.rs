@@ -205,6 +205,12 @@ pub(crate) fn numel(shape: &[usize]) -> Option<u64> {
         .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
 }
 
+/// Most bytes one data array may decode to from a compressed stream or a
+/// zip entry. The server holds every job's data in memory, and a gzip
+/// member can expand about a thousandfold, so an upload well within the
+/// upload limit could otherwise claim (and fill) all of the server's memory.
+pub const MAX_DECODED_BYTES: u64 = 4 << 30;
+
 /// How many bytes are known to follow what has been read so far.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Avail {
@@ -254,6 +260,39 @@ pub(crate) fn open_maybe_gz(path: &Path) -> Result<(Box<dyn Read>, Avail), JobEr
     } else {
         Ok((Box::new(reader), Avail::Real(len)))
     }
+}
+
+fn too_large(source: &str, bytes: u64) -> JobError {
+    JobError::file(
+        source,
+        format!(
+            "decompresses to {bytes} bytes, more than the {} GiB one data array may hold; \
+             split the data or send it uncompressed",
+            MAX_DECODED_BYTES >> 30
+        ),
+    )
+}
+
+/// Reads the rest of `r` whole, refusing to decode more than `cap` bytes.
+pub(crate) fn read_to_end_capped(
+    r: &mut dyn Read,
+    cap: u64,
+    source: &str,
+) -> Result<Vec<u8>, JobError> {
+    let mut bytes = Vec::new();
+    r.take(cap.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| read_error(source, &e))?;
+    if bytes.len() as u64 > cap {
+        return Err(JobError::file(
+            source,
+            format!(
+                "decompresses to more than {cap} bytes, the most one data array may hold; \
+                 split the data or send it uncompressed"
+            ),
+        ));
+    }
+    Ok(bytes)
 }
 
 fn read_error(source: &str, e: &std::io::Error) -> JobError {
@@ -314,6 +353,9 @@ pub(crate) fn read_payload(
     {
         return Err(mismatch(have, true));
     }
+    if !matches!(avail, Avail::Real(_)) && claimed > MAX_DECODED_BYTES {
+        return Err(too_large(source, claimed));
+    }
     let capacity = match avail {
         Avail::Real(_) => claimed,
         Avail::Claimed(_) | Avail::Unknown => claimed.min(1 << 24),
@@ -328,4 +370,18 @@ pub(crate) fn read_payload(
         return Err(mismatch(buf.len() as u64, buf.len() as u64 <= claimed));
     }
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capped_reads_stop_one_byte_past_the_cap() {
+        let mut stream = std::io::repeat(0);
+        let err = read_to_end_capped(&mut stream, 1000, "bomb.csv").unwrap_err();
+        assert!(err.to_string().contains("more than 1000 bytes"), "{err}");
+        let exact = read_to_end_capped(&mut &[7u8; 1000][..], 1000, "ok.csv").unwrap();
+        assert_eq!(exact.len(), 1000);
+    }
 }
