@@ -770,7 +770,7 @@ impl Actor {
         }
         let detail = (!waiting.is_empty())
             .then(|| format!("waiting for a provider for {}", waiting.join("; ")));
-        if self.short.get(&job_id) != Some(&detail) {
+        if self.short.get(&job_id).cloned().flatten() != detail {
             if let Some(detail) = &detail {
                 self.log(job_id, "waiting", detail.clone()).await;
             }
