@@ -57,6 +57,20 @@ impl Process {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+
+    /// SIGTERM, and waits for the process to end: a provider then closes
+    /// its socket with a close frame, as a browser does for a closed tab.
+    pub fn terminate(&mut self) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .context("running kill -TERM")?;
+        if !status.success() {
+            bail!("kill -TERM {} failed: {status}", self.0.id());
+        }
+        self.0.wait().context("waiting for the process to end")?;
+        Ok(())
+    }
 }
 
 impl Drop for Process {

@@ -1,6 +1,7 @@
 //! Training survives what happens to real processes: providers SIGKILLed in
-//! the middle of a job (their stages go to a standby, or to the next provider
-//! to join, and their clusters replay from the last checkpoint) and the
+//! the middle of a job, or closing their socket politely as a closed browser
+//! tab does (their stages go to a standby, or to the next provider to join,
+//! and their clusters replay from the last checkpoint) and the
 //! server itself SIGKILLed and restarted on the same data dir (running jobs
 //! resume from their checkpoints when the providers reconnect, queued jobs
 //! stay queued, finished ones keep their weights and metrics).
@@ -166,6 +167,33 @@ async fn runs(server: &Server, cluster: u32, stage: u32) -> String {
         .name
 }
 
+/// Waits until the job's log holds `count` stage reassignments.
+async fn wait_for_reassignments(server: &Server, id: u64, count: usize) {
+    let started = Instant::now();
+    loop {
+        let log = log(server, id).await;
+        if kinds(&log)
+            .iter()
+            .filter(|k| **k == "stage_reassigned")
+            .count()
+            >= count
+        {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{log:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits for ten more recorded steps.
+async fn more_steps(server: &Server, id: u64) {
+    let before = client(server).job(id).await.unwrap().step;
+    wait_for_job(server, id, "more steps", Duration::from_secs(120), |j| {
+        j.step >= before + 10
+    })
+    .await;
+}
+
 /// Every step recorded exactly once, in order, and every epoch evaluated.
 fn assert_continuous(metrics: &JobMetrics, total_steps: u64, epochs: u64) {
     let steps: Vec<u64> = metrics.steps.iter().map(|s| s.step).collect();
@@ -187,41 +215,36 @@ async fn providers_killed_mid_step_cost_a_replay_and_the_job_ends_as_an_undistur
     assert_eq!(total_steps, 2 * 8192 / 64);
 
     let server = Server::start(HEARTBEAT_TIMEOUT_MS).unwrap();
-    let mut providers: BTreeMap<String, Process> = (0..5)
+    let mut providers: BTreeMap<String, Process> = (0..6)
         .map(|i| {
             let name = format!("p{i}");
             let process = start_native_provider(&server, &name).unwrap();
             (name, process)
         })
         .collect();
-    wait_for_measured(&server, 5).await;
+    wait_for_measured(&server, 6).await;
     let id = client(&server).submit(&job_file).await.unwrap().id;
 
-    // Four providers run the stages; the fifth stands by. Cluster 1's Leaf
-    // dies mid-job.
+    // Four providers run the stages; two stand by. Cluster 1's Leaf dies
+    // mid-job.
     wait_for_job(&server, id, "step 20", Duration::from_secs(120), |j| {
         j.step >= 20
     })
     .await;
     let victim = runs(&server, 1, 1).await;
     providers.get_mut(&victim).unwrap().kill();
-    let started = Instant::now();
-    loop {
-        let log = log(&server, id).await;
-        if kinds(&log).contains(&"stage_reassigned") {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "{log:#?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_reassignments(&server, id, 1).await;
+
+    // Cluster 1's Root closes its socket politely, as a closed browser tab
+    // does: the same path onto the other standby.
+    more_steps(&server, id).await;
+    let victim = runs(&server, 1, 0).await;
+    providers.get_mut(&victim).unwrap().terminate().unwrap();
+    wait_for_reassignments(&server, id, 2).await;
 
     // Then cluster 0's Root dies with no standby left: the job says what it
     // waits for, and goes on once a new provider joins.
-    let before = client(&server).job(id).await.unwrap().step;
-    wait_for_job(&server, id, "more steps", Duration::from_secs(120), |j| {
-        j.step >= before + 10
-    })
-    .await;
+    more_steps(&server, id).await;
     let victim = runs(&server, 0, 0).await;
     providers.get_mut(&victim).unwrap().kill();
     let waiting = wait_for_job(
@@ -264,12 +287,12 @@ async fn providers_killed_mid_step_cost_a_replay_and_the_job_ends_as_an_undistur
     let kinds = kinds(&log);
     assert_eq!(
         kinds.iter().filter(|k| **k == "stage_lost").count(),
-        2,
+        3,
         "{log:#?}"
     );
     assert_eq!(
         kinds.iter().filter(|k| **k == "stage_reassigned").count(),
-        2,
+        3,
         "{log:#?}"
     );
 }
