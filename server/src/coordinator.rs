@@ -124,6 +124,7 @@ impl Coordinator {
                 events: events.clone(),
                 micro_batches: HashMap::new(),
                 sync_log: HashMap::new(),
+                short: HashMap::new(),
             }
             .run(rx),
         );
@@ -196,6 +197,8 @@ struct Actor {
     micro_batches: HashMap<u64, u64>,
     /// Per job: when the last sync line was written and syncs since.
     sync_log: HashMap<u64, (u64, u64)>,
+    /// Per running job: the stages it last said it waits for a provider for.
+    short: HashMap<u64, Option<String>>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -336,14 +339,13 @@ impl Actor {
                     self.log(
                         job_id,
                         "provider_left",
-                        format!("provider {id} ({}) disconnected", live.hello.display_name),
+                        format!(
+                            "provider {id} ({}) disconnected: {reason}",
+                            live.hello.display_name
+                        ),
                     )
                     .await;
-                    let reason = format!(
-                        "provider {id} ({}) left while running a stage ({reason}); the job cannot go on without it",
-                        live.hello.display_name
-                    );
-                    self.fail(job_id, reason).await;
+                    self.stage_lost(job_id, id, &reason).await;
                 }
             }
             Event::Snapshot { reply } => {
@@ -372,7 +374,11 @@ impl Actor {
                         live.routes.push_back(Route { to, left: owed });
                     }
                 }
+                let synced = effects.iter().any(|e| matches!(e, Effect::ResumePoint(_)));
                 self.apply(job_id, effects).await;
+                if synced {
+                    self.replace_stragglers(job_id).await;
+                }
             }
             Event::Payload { id, payload } => self.relay_payload(id, payload),
             Event::Measured { id, bandwidth_mbps } => {
@@ -404,6 +410,15 @@ impl Actor {
 
     /// Starts the oldest queued job that fits on the idle providers.
     async fn schedule(&mut self) {
+        let short: Vec<u64> = self
+            .runs
+            .iter()
+            .filter(|(_, run)| !run.vacancies().is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        for job_id in short {
+            self.fill_vacancies(job_id).await;
+        }
         let queued = match jobs::queued(&self.db).await {
             Ok(queued) => queued,
             Err(error) => {
@@ -445,7 +460,28 @@ impl Actor {
                     }
                 }
             };
-            let options = plan_options(&prepared.spec);
+            let dir = job_dir(&self.data_dir, job.id);
+            let resume = tokio::task::spawn_blocking(move || crate::resume::read(&dir))
+                .await
+                .unwrap_or_else(|error| Err(format!("reading the resume point crashed: {error}")));
+            let resume = match resume {
+                Ok(resume) => resume,
+                Err(reason) => {
+                    self.set_status(
+                        job.id,
+                        JobStatus::Failed,
+                        Some(format!("cannot resume from the checkpoint: {reason}")),
+                    )
+                    .await;
+                    continue;
+                }
+            };
+            let mut options = plan_options(&prepared.spec);
+            if let Some(resume) = &resume {
+                // The data's sharding depends on the cluster count, so a resumed
+                // job keeps it; the stages may be cut differently.
+                options.clusters = rookery_model::ClusterCount::Fixed(resume.optimizer.len());
+            }
             let plan = match rookery_model::clusterize(&prepared.graph, &specs, &options) {
                 Ok(plan) => plan,
                 Err(error) => {
@@ -471,7 +507,10 @@ impl Actor {
                 test,
                 ..
             } = prepared;
-            let started = JobRun::start(job.id, spec, &graph, &analysis, &plan, &ids, train, test);
+            let resumed_at = resume.as_ref().map(|r| r.step);
+            let started = JobRun::start(
+                job.id, spec, &graph, &analysis, &plan, &ids, train, test, resume,
+            );
             let (run, effects) = match started {
                 Ok(started) => started,
                 Err(reason) => {
@@ -519,12 +558,14 @@ impl Actor {
                 }
             }
             self.waiting.remove(&job.id);
-            self.set_status(
-                job.id,
-                JobStatus::Planning,
-                Some("handing stages to providers".into()),
-            )
-            .await;
+            let detail = match resumed_at {
+                Some(step) => format!(
+                    "handing stages to providers; resuming from the checkpoint at step {step}"
+                ),
+                None => "handing stages to providers".into(),
+            };
+            self.set_status(job.id, JobStatus::Planning, Some(detail))
+                .await;
             tracing::info!(
                 job = job.id,
                 clusters = plan.clusters.len(),
@@ -652,6 +693,18 @@ impl Actor {
                         }
                     }
                 }
+                Effect::ResumePoint(point) => {
+                    let dir = job_dir(&self.data_dir, job_id);
+                    let written =
+                        tokio::task::spawn_blocking(move || crate::resume::write(&dir, &point))
+                            .await
+                            .map_err(std::io::Error::other)
+                            .and_then(|r| r);
+                    if let Err(error) = written {
+                        tracing::error!(job = job_id, %error, "cannot write the resume point");
+                    }
+                }
+                Effect::Log { kind, message } => self.log(job_id, kind, message).await,
                 Effect::Completed(weights) => {
                     let path = weights_path(&self.data_dir, job_id);
                     match write_weights(path, weights).await {
@@ -676,6 +729,133 @@ impl Actor {
         }
     }
 
+    /// A provider of a running job is gone: its cluster rolls back to the
+    /// last checkpoint and its stage goes to a standby, or waits for one.
+    /// The one entry point for every way a provider leaves a job.
+    async fn stage_lost(&mut self, job_id: u64, provider: u64, reason: &str) {
+        let Some(run) = self.runs.get_mut(&job_id) else {
+            return;
+        };
+        let Some(effects) = run.stage_lost(provider, reason) else {
+            return;
+        };
+        if let Some(live) = self.providers.get_mut(&provider) {
+            live.job = None;
+            live.work = None;
+        }
+        self.apply(job_id, effects).await;
+        self.fill_vacancies(job_id).await;
+    }
+
+    /// Gives each stage of `job_id` that has no provider the fastest idle
+    /// provider with the memory for it; says what the job waits for otherwise.
+    async fn fill_vacancies(&mut self, job_id: u64) {
+        let Some(vacancies) = self.runs.get(&job_id).map(JobRun::vacancies) else {
+            return;
+        };
+        let mut waiting = Vec::new();
+        for vacancy in vacancies {
+            let Some(id) = self.standby(vacancy.memory_bytes) else {
+                waiting.push(format!(
+                    "cluster {}, stage {}",
+                    vacancy.cluster, vacancy.stage
+                ));
+                continue;
+            };
+            self.take(job_id, id, vacancy.cluster, vacancy.stage);
+            let effects = match self.runs.get_mut(&job_id) {
+                Some(run) => run.fill(vacancy.cluster, vacancy.stage, id),
+                None => return,
+            };
+            self.apply(job_id, effects).await;
+        }
+        let detail = (!waiting.is_empty())
+            .then(|| format!("waiting for a provider for {}", waiting.join("; ")));
+        if self.short.get(&job_id).cloned().flatten() != detail {
+            if let Some(detail) = &detail {
+                self.log(job_id, "waiting", detail.clone()).await;
+            }
+            self.short.insert(job_id, detail.clone());
+            self.set_status(job_id, JobStatus::Running, detail).await;
+        }
+    }
+
+    /// The idle provider with the most GFLOP/s and at least `memory_bytes`.
+    fn standby(&self, memory_bytes: u64) -> Option<u64> {
+        self.snapshot()
+            .iter()
+            .filter_map(|p| p.candidate().map(|spec| (p.id, spec)))
+            .filter(|(_, spec)| spec.memory_bytes >= memory_bytes)
+            .max_by(|a, b| a.1.gflops.total_cmp(&b.1.gflops))
+            .map(|(id, _)| id)
+    }
+
+    /// Marks `provider` as running stage `stage` of cluster `cluster`.
+    fn take(&mut self, job_id: u64, provider: u64, cluster: usize, stage: usize) {
+        let stages = self
+            .runs
+            .get(&job_id)
+            .map_or(1, |run| run.stage_count(cluster));
+        let role = match (stage, stages) {
+            (_, 1) => "single",
+            (0, _) => "root",
+            (s, n) if s + 1 == n => "leaf",
+            _ => "stem",
+        };
+        if let Some(live) = self.providers.get_mut(&provider) {
+            live.job = Some(job_id);
+            live.work = Some(ProviderWork {
+                job_id,
+                cluster: cluster as u32,
+                stage: stage as u32,
+                role: role.into(),
+                micro_batches_done: 0,
+            });
+        }
+    }
+
+    /// At a sync, moves stages whose providers straggle onto faster idle
+    /// providers (the checkpoint just taken is the cluster's state, so
+    /// nothing is replayed but the step just begun).
+    async fn replace_stragglers(&mut self, job_id: u64) {
+        let Some(stragglers) = self.runs.get(&job_id).map(JobRun::stragglers) else {
+            return;
+        };
+        for straggler in stragglers {
+            let slow_gflops = self
+                .providers
+                .get(&straggler.provider)
+                .map_or(0.0, |p| p.hello.gflops);
+            let Some(id) = self.standby(straggler.memory_bytes) else {
+                continue;
+            };
+            // Its own claim is all a standby has to show; one that claims less
+            // than the straggler is not expected to do better.
+            let faster = self
+                .providers
+                .get(&id)
+                .is_some_and(|p| p.hello.gflops >= slow_gflops);
+            if !faster {
+                continue;
+            }
+            let why = format!(
+                "{:.1} times slower than the job's typical stage for {} steps",
+                straggler.slowness,
+                crate::run::STRAGGLER_STEPS
+            );
+            if let Some(live) = self.providers.get_mut(&straggler.provider) {
+                live.job = None;
+                live.work = None;
+            }
+            self.take(job_id, id, straggler.cluster, straggler.stage);
+            let effects = match self.runs.get_mut(&job_id) {
+                Some(run) => run.replace(straggler.cluster, straggler.stage, id, &why),
+                None => return,
+            };
+            self.apply(job_id, effects).await;
+        }
+    }
+
     async fn fail(&mut self, job_id: u64, reason: String) {
         tracing::warn!(job = job_id, %reason, "job failed");
         if let Some(mut run) = self.runs.remove(&job_id) {
@@ -696,6 +876,7 @@ impl Actor {
         }
         self.micro_batches.remove(&job_id);
         self.sync_log.remove(&job_id);
+        self.short.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {
