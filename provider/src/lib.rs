@@ -8,6 +8,7 @@ pub mod connection;
 /// Runs model stages with libtorch: forward, backward, losses, optimizers.
 #[cfg(feature = "torch")]
 pub mod exec;
+pub mod own;
 pub mod trainer;
 /// Runs the stage the server assigns: training messages in, replies out.
 #[cfg(feature = "torch")]

@@ -35,55 +35,18 @@ impl Trainer for NoTorch {
     }
 }
 
-/// The job a training message belongs to (`None` for session messages).
-pub fn job_of(message: &ToProvider) -> Option<u64> {
-    match message {
-        ToProvider::Assign(a) => Some(a.job_id),
-        ToProvider::Forward(f) => Some(f.job_id),
-        ToProvider::Backward(b) => Some(b.job_id),
-        ToProvider::UploadParams { job_id, .. } | ToProvider::Release { job_id } => Some(*job_id),
-        ToProvider::SetParams(p) => Some(p.job_id),
-        ToProvider::Welcome { .. }
-        | ToProvider::Heartbeat { .. }
-        | ToProvider::Error(_)
-        | ToProvider::Probe { .. } => None,
-    }
-}
+pub use rookery_stage::worker::job_of;
 
 /// Whether the session passes `message` to the [`Trainer`].
 pub fn is_training_message(message: &ToProvider) -> bool {
     job_of(message).is_some()
 }
 
-/// The seed of training step `step` of a job seeded `job_seed`: every stage
-/// seeds its dropout masks with it (the masks then depend only on this seed
-/// and each sample's position in the step's batch), and so must any
-/// single-process reference run that is to reproduce a distributed one.
-///
-/// It is SplitMix64's output function applied to
-/// `job_seed ^ (step * 0x9E37_79B9_7F4A_7C15)` (wrapping): consecutive steps
-/// get unrelated seeds, and jobs with nearby seeds do not share steps' masks.
-pub fn step_seed(job_seed: u64, step: u64) -> u64 {
-    let mut z = job_seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+pub use rookery_stage::step_seed;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn step_seeds_are_fixed_values_and_differ_between_steps_and_jobs() {
-        // Pinned: a reference trainer elsewhere must reproduce these exactly.
-        assert_eq!(step_seed(0, 0), 0);
-        assert_eq!(step_seed(0, 1), 0xE220_A839_7B1D_CDAF);
-        let seeds: std::collections::BTreeSet<u64> = (0..4)
-            .flat_map(|job| (0..100).map(move |step| step_seed(job, step)))
-            .collect();
-        assert_eq!(seeds.len(), 400);
-    }
 
     #[test]
     fn without_libtorch_an_assignment_fails_with_the_reason() {

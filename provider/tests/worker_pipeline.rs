@@ -20,7 +20,10 @@ use rookery_proto::{Forward, Phase, ToProvider, ToServer, WireDType, WireTensor}
 use rookery_provider::exec::loss::loss_value;
 use rookery_provider::exec::reference::train_step;
 use rookery_provider::exec::{Optimizer, OptimizerConfig, StageExecutor};
+use rookery_provider::own::OwnTrainer;
+use rookery_provider::trainer::Trainer;
 use rookery_provider::worker::{StageWorker, step_seed, tensor_to_wire};
+use rookery_stage::{CpuDevice, GpuDevice};
 use tch::{Device, Kind, Tensor};
 use worker_common::*;
 
@@ -83,14 +86,26 @@ fn train_both(
     g: &Graph,
     cuts: &[Range<usize>],
     job: JobConfig,
+    data: (Tensor, Tensor),
+    steps: u64,
+) -> Losses {
+    train_both_with(g, cuts, job, data, steps, &torch_worker)
+}
+
+/// [`train_both`] with stage `k` run by `make(k)`.
+fn train_both_with(
+    g: &Graph,
+    cuts: &[Range<usize>],
+    job: JobConfig,
     (x, y): (Tensor, Tensor),
     steps: u64,
+    make: MakeWorker<'_>,
 ) -> Losses {
     let init = init_params(g, 17);
     let mut whole: BTreeMap<String, Tensor> =
         init.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
     let mut ref_opt = Optimizer::new(job.optimizer).unwrap();
-    let mut chain = Chain::new(g, cuts, 0, &init, job);
+    let mut chain = Chain::with_workers(g, cuts, 0, &init, job, make);
     let b = x.size()[0] as f64;
     let mut losses = Losses {
         reference: Vec::new(),
@@ -124,6 +139,12 @@ fn train_both(
 }
 
 fn assert_same(losses: &Losses, what: &str) {
+    assert_same_within(losses, what, 1e-5, 1e-4);
+}
+
+/// Losses within `tolerance` (relative) of the reference every step, and
+/// parameters within `param_tolerance` at the end.
+fn assert_same_within(losses: &Losses, what: &str, tolerance: f64, param_tolerance: f64) {
     let worst = losses
         .reference
         .iter()
@@ -137,13 +158,13 @@ fn assert_same(losses: &Losses, what: &str) {
         losses.workers
     );
     assert!(
-        worst < 1e-5,
+        worst < tolerance,
         "{what}: {worst:e}\nreference {:?}\nworkers   {:?}",
         losses.reference,
         losses.workers
     );
     assert!(
-        losses.max_param_diff < 1e-4,
+        losses.max_param_diff < param_tolerance,
         "{what}: parameters drifted by {}",
         losses.max_param_diff
     );
@@ -633,4 +654,61 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
         }
         assert!(relative(got, want) < 1e-6, "step {step}: {got} vs {want}");
     }
+}
+
+/// The MLP of the tests above without the ops our own kernels do not run
+/// yet (Dropout, LayerNorm).
+const MLP_OWN_OPS: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 16
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 12
+activation = "tanh"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+fn wgpu_worker() -> Box<dyn Trainer> {
+    let device = pollster::block_on(GpuDevice::open()).unwrap_or_else(|e| {
+        panic!("no usable GPU adapter ({e}); install mesa-vulkan-drivers (lavapipe)")
+    });
+    Box::new(OwnTrainer::new(device))
+}
+
+#[test]
+fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
+    let g = from_toml(MLP_OWN_OPS).unwrap();
+    for (optimizer, name) in [(sgd(), "SGD"), (OptimizerConfig::adam(0.01), "Adam")] {
+        let job = JobConfig::new(optimizer, Loss::CrossEntropy);
+        let make = |k: usize| {
+            if k == 1 {
+                wgpu_worker()
+            } else {
+                torch_worker(k)
+            }
+        };
+        let losses = train_both_with(&g, &[0..2, 2..4, 4..5], job, mlp_batch(16, 5), 20, &make);
+        // Our kernels sum in another order than libtorch's: 1e-4, as the issue asks.
+        assert_same_within(&losses, &format!("MLP, wgpu Stem, {name}"), 1e-4, 1e-3);
+    }
+}
+
+#[test]
+fn mlp_entirely_on_our_kernels_gpu_root_and_cpu_leaf_trains_like_one_process() {
+    let g = from_toml(MLP_OWN_OPS).unwrap();
+    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
+    let make = |k: usize| -> Box<dyn Trainer> {
+        if k == 0 {
+            wgpu_worker()
+        } else {
+            Box::new(OwnTrainer::new(CpuDevice))
+        }
+    };
+    let losses = train_both_with(&g, &[0..3, 3..5], job, mlp_batch(16, 5), 20, &make);
+    assert_same_within(&losses, "MLP, wgpu Root, CPU-reference Leaf", 1e-4, 1e-3);
 }

@@ -14,6 +14,7 @@ use rookery_proto::{
     WireDType, WireTensor,
 };
 use rookery_provider::exec::stage_boundary;
+use rookery_provider::trainer::Trainer;
 use rookery_provider::worker::{StageWorker, tensor_to_wire, wire_loss, wire_optimizer};
 use tch::{Device, Kind, Tensor};
 
@@ -102,15 +103,23 @@ pub struct StepReport {
     pub leaf_losses: usize,
 }
 
+/// Makes the worker of stage `k` of a chain.
+pub type MakeWorker<'a> = &'a dyn Fn(usize) -> Box<dyn Trainer>;
+
+/// libtorch on the CPU for every stage.
+pub fn torch_worker(_stage: usize) -> Box<dyn Trainer> {
+    Box::new(StageWorker::new(Device::Cpu))
+}
+
 /// One cluster: a chain of workers, one per stage.
 pub struct Chain {
-    pub workers: Vec<StageWorker>,
+    pub workers: Vec<Box<dyn Trainer>>,
     pub job: JobConfig,
     pub input: String,
 }
 
 impl Chain {
-    /// Assigns every stage and checks each answers Ready.
+    /// Assigns every stage (libtorch workers) and checks each answers Ready.
     pub fn new(
         g: &Graph,
         cuts: &[Range<usize>],
@@ -118,9 +127,21 @@ impl Chain {
         params: &BTreeMap<String, Tensor>,
         job: JobConfig,
     ) -> Self {
+        Self::with_workers(g, cuts, cluster, params, job, &torch_worker)
+    }
+
+    /// [`Chain::new`] with stage `k` run by `make(k)`.
+    pub fn with_workers(
+        g: &Graph,
+        cuts: &[Range<usize>],
+        cluster: u32,
+        params: &BTreeMap<String, Tensor>,
+        job: JobConfig,
+        make: MakeWorker<'_>,
+    ) -> Self {
         let workers = (0..cuts.len())
             .map(|k| {
-                let mut w = StageWorker::new(Device::Cpu);
+                let mut w = make(k);
                 let replies = w.handle(ToProvider::Assign(Box::new(assignment(
                     g, cuts, k, cluster, params, &job,
                 ))));
@@ -292,7 +313,7 @@ impl Chain {
             .iter()
             .enumerate()
             .map(|(k, (state, params))| {
-                let mut w = StageWorker::new(Device::Cpu);
+                let mut w = torch_worker(k);
                 let a = Assignment {
                     params: params.clone(),
                     optimizer_state: state.clone(),

@@ -22,6 +22,17 @@ use crate::kernel::Kernel;
 use crate::program::{Buf, Program, lower};
 use crate::{HostTensor, StageError};
 
+/// One parameter's optimizer state, as [`StageExecutor::optimizer_state`]
+/// gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamOptimizerState {
+    pub name: String,
+    /// Updates applied (torch's per-parameter `step`).
+    pub steps: u64,
+    /// State slots by torch's names.
+    pub slots: Vec<(String, HostTensor)>,
+}
+
 /// Handle of one micro-batch between its forward and its backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MicroBatch(u64);
@@ -175,6 +186,11 @@ impl<D: Device> StageExecutor<D> {
             .filter(|i| i.requires_grad)
             .map(|i| i.name.clone())
             .collect()
+    }
+
+    /// Every parameter and buffer of the stage, by name.
+    pub fn param_names(&self) -> Vec<String> {
+        self.layout.params.iter().map(|p| p.name.clone()).collect()
     }
 
     pub fn output_names(&self) -> Vec<String> {
@@ -351,6 +367,17 @@ impl<D: Device> StageExecutor<D> {
         Ok(grads)
     }
 
+    /// A forward pass that keeps nothing, for validation. (The ops lowered
+    /// so far behave the same in training and evaluation.)
+    pub async fn evaluate(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+    ) -> Result<Vec<(String, HostTensor)>, StageError> {
+        let (micro_batch, outputs) = self.forward(inputs).await?;
+        self.discard(micro_batch)?;
+        Ok(outputs)
+    }
+
     /// Drops a micro-batch's saved state without backpropagating it.
     pub fn discard(&mut self, micro_batch: MicroBatch) -> Result<(), StageError> {
         let (batch, acts) = self
@@ -463,6 +490,87 @@ impl<D: Device> StageExecutor<D> {
                 )));
             }
             self.device.write_f32(&self.params[at].value, &v.data)?;
+        }
+        Ok(())
+    }
+
+    /// Each updated parameter's optimizer state: its name, the updates it
+    /// has had, and its state slots by torch's names (`exp_avg`, ...).
+    pub async fn optimizer_state(&self) -> Result<Vec<ParamOptimizerState>, StageError> {
+        let names = self.optimizer.state_names();
+        let mut out = Vec::new();
+        for (p, state) in self.layout.params.iter().zip(&self.params) {
+            if state.steps == 0 {
+                continue;
+            }
+            let mut slots = Vec::with_capacity(names.len());
+            for (name, buffer) in names.iter().zip(&state.state) {
+                let data = self.device.read_f32(buffer).await?;
+                slots.push((
+                    (*name).to_string(),
+                    HostTensor {
+                        shape: p.shape.clone(),
+                        data,
+                    },
+                ));
+            }
+            out.push(ParamOptimizerState {
+                name: p.name.clone(),
+                steps: state.steps,
+                slots,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Restores what [`Self::optimizer_state`] gave (possibly on another
+    /// provider), so the next step continues exactly where it left off.
+    pub fn restore_optimizer_state(
+        &mut self,
+        states: &[ParamOptimizerState],
+    ) -> Result<(), StageError> {
+        self.idle("restoring optimizer state")?;
+        let names = self.optimizer.state_names();
+        for s in states {
+            let err = |reason: String| StageError::Param {
+                name: s.name.clone(),
+                reason,
+            };
+            let Some(at) = self.layout.params.iter().position(|p| p.name == s.name) else {
+                return Err(err(
+                    "optimizer state for a parameter this stage does not have".into(),
+                ));
+            };
+            let shape = self.layout.params[at].shape.clone();
+            let mut buffers = Vec::with_capacity(names.len());
+            for name in &names {
+                let (_, t) = s
+                    .slots
+                    .iter()
+                    .find(|(slot, _)| slot == name)
+                    .ok_or_else(|| err(format!("optimizer state lacks `{name}`")))?;
+                if t.shape != shape || t.data.len() != numel(&shape) {
+                    return Err(err(format!(
+                        "optimizer state `{name}` has shape {:?}, the parameter {shape:?}",
+                        t.shape
+                    )));
+                }
+                let buffer = self.device.alloc(t.data.len())?;
+                self.device.write_f32(&buffer, &t.data)?;
+                buffers.push(buffer);
+            }
+            if let Some((extra, _)) = s
+                .slots
+                .iter()
+                .find(|(slot, _)| !names.contains(&slot.as_str()))
+            {
+                return Err(err(format!(
+                    "`{extra}` is not a state slot of this optimizer (it keeps {names:?})"
+                )));
+            }
+            let state = &mut self.params[at];
+            state.state = buffers;
+            state.steps = s.steps;
         }
         Ok(())
     }

@@ -14,14 +14,18 @@
 pub mod device;
 pub mod executor;
 mod kernel;
+mod own;
 mod program;
+pub mod worker;
 
 #[cfg(feature = "gpu")]
 pub use device::GpuDevice;
 pub use device::{CpuBuffer, CpuDevice, Device};
-pub use executor::{MicroBatch, StageExecutor};
+pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
+pub use own::OwnFactory;
 pub use rookery_shared::kernels::optim::Optimizer;
+pub use worker::{Backend, BackendFactory, StageWorker, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.
 #[derive(Debug, Clone, PartialEq)]

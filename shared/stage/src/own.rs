@@ -1,0 +1,259 @@
+//! Our executor as a [`Backend`] of the generic worker: stages built on one
+//! shared device ([`OwnFactory`]), the Leaf's loss computed from the read-back
+//! output with the kernels' CPU references (a micro-batch's logits are small,
+//! and the references sum in f64).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use rookery_model::Loss;
+use rookery_proto::WireTensor;
+use rookery_shared::kernels::loss::{CrossEntropy, Mse};
+
+use crate::device::Device;
+use crate::executor::{MicroBatch, ParamOptimizerState, StageExecutor};
+use crate::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, from_wire};
+use crate::{HostTensor, StageError, optimizer_for};
+
+/// Builds [`StageExecutor`]s on one device, shared by every stage this
+/// provider is assigned over time.
+pub struct OwnFactory<D: Device> {
+    device: Arc<D>,
+}
+
+impl<D: Device> OwnFactory<D> {
+    pub fn new(device: D) -> Self {
+        Self {
+            device: Arc::new(device),
+        }
+    }
+
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+}
+
+impl<D: Device> Device for Arc<D> {
+    type Buffer = D::Buffer;
+    type Prepared = D::Prepared;
+
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+
+    fn alloc(&self, words: usize) -> Result<Self::Buffer, StageError> {
+        (**self).alloc(words)
+    }
+
+    fn write_f32(&self, buffer: &Self::Buffer, data: &[f32]) -> Result<(), StageError> {
+        (**self).write_f32(buffer, data)
+    }
+
+    fn write_u32(&self, buffer: &Self::Buffer, data: &[u32]) -> Result<(), StageError> {
+        (**self).write_u32(buffer, data)
+    }
+
+    fn prepare(&self, kernel: &crate::Kernel) -> Self::Prepared {
+        (**self).prepare(kernel)
+    }
+
+    async fn run(
+        &self,
+        calls: &[(&crate::Kernel, &Self::Prepared, Vec<&Self::Buffer>)],
+    ) -> Result<(), StageError> {
+        (**self).run(calls).await
+    }
+
+    async fn read_f32(&self, buffer: &Self::Buffer) -> Result<Vec<f32>, StageError> {
+        (**self).read_f32(buffer).await
+    }
+}
+
+impl<D: Device> BackendFactory for OwnFactory<D> {
+    type Backend = StageExecutor<Arc<D>>;
+
+    fn build(&mut self, spec: StageSpec<'_>) -> Result<Self::Backend, String> {
+        let mut params = BTreeMap::new();
+        for p in spec.params {
+            let t = from_wire(p).map_err(|e| format!("parameter `{}`: {e}", p.name))?;
+            params.insert(p.name.clone(), t.data);
+        }
+        let mut exec = StageExecutor::new(
+            self.device.clone(),
+            spec.graph,
+            spec.range,
+            spec.outputs,
+            &params,
+            optimizer_for(&spec.optimizer),
+        )
+        .map_err(|e| e.to_string())?;
+        if !spec.optimizer_state.is_empty() {
+            let states = spec
+                .optimizer_state
+                .iter()
+                .map(|s| {
+                    let slots = s
+                        .slots
+                        .iter()
+                        .map(|t| Ok((t.name.clone(), from_wire(t).map_err(|e| e.to_string())?)))
+                        .collect::<Result<_, String>>()?;
+                    Ok(ParamOptimizerState {
+                        name: s.name.clone(),
+                        steps: s.steps,
+                        slots,
+                    })
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            exec.restore_optimizer_state(&states)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(exec)
+    }
+}
+
+impl<D: Device> Backend for StageExecutor<D> {
+    type MicroBatch = MicroBatch;
+    type Error = StageError;
+
+    fn input_names(&self) -> Vec<String> {
+        StageExecutor::input_names(self)
+    }
+
+    fn param_names(&self) -> Vec<String> {
+        StageExecutor::param_names(self)
+    }
+
+    fn set_step_seed(&mut self, _seed: u64) {
+        // No op lowered yet draws random numbers (Dropout is refused when
+        // the stage is built), so the seed has nothing to steer.
+    }
+
+    async fn forward(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        _offset: u64,
+    ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
+        StageExecutor::forward(self, inputs).await
+    }
+
+    async fn evaluate(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+    ) -> Result<Vec<(String, HostTensor)>, StageError> {
+        StageExecutor::evaluate(self, inputs).await
+    }
+
+    async fn backward(
+        &mut self,
+        micro_batch: MicroBatch,
+        grads: &[(String, HostTensor)],
+    ) -> Result<Vec<(String, HostTensor)>, StageError> {
+        StageExecutor::backward(self, micro_batch, grads).await
+    }
+
+    async fn step(&mut self) -> Result<(), StageError> {
+        StageExecutor::step(self).await
+    }
+
+    async fn parameters(&mut self) -> Result<Vec<(String, HostTensor)>, StageError> {
+        StageExecutor::parameters(self).await
+    }
+
+    fn set_parameters(&mut self, values: &[(String, HostTensor)]) -> Result<(), StageError> {
+        StageExecutor::set_parameters(self, values)
+    }
+
+    async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimizerState>, StageError> {
+        StageExecutor::optimizer_state(self).await
+    }
+
+    fn leaf_loss(
+        &self,
+        loss: Loss,
+        y: &HostTensor,
+        labels: &WireTensor,
+        batch_size: usize,
+    ) -> Result<LeafLossValue, StageError> {
+        let samples = y.shape.first().copied().unwrap_or(0);
+        if samples == 0 || batch_size == 0 || samples > batch_size {
+            return Err(StageError::Grad {
+                name: "loss".into(),
+                reason: format!(
+                    "a micro-batch of {samples} samples cannot be part of a batch of {batch_size}"
+                ),
+            });
+        }
+        // The gradient of this micro-batch's share of the step's mean loss.
+        let share = samples as f32 / batch_size as f32;
+        let (mean, grad) = host_loss(loss, y, labels, share)?;
+        Ok(LeafLossValue {
+            mean: f64::from(mean),
+            grad: HostTensor {
+                shape: y.shape.clone(),
+                data: grad,
+            },
+        })
+    }
+
+    fn loss_value(
+        &self,
+        loss: Loss,
+        y: &HostTensor,
+        labels: &WireTensor,
+    ) -> Result<f64, StageError> {
+        Ok(f64::from(host_loss(loss, y, labels, 1.0)?.0))
+    }
+}
+
+/// The mean loss and its gradient scaled by `scale`, as `nn.CrossEntropyLoss`
+/// and `nn.MSELoss` compute them.
+fn host_loss(
+    loss: Loss,
+    y: &HostTensor,
+    labels: &WireTensor,
+    scale: f32,
+) -> Result<(f32, Vec<f32>), StageError> {
+    let bad = |reason: String| StageError::Grad {
+        name: "labels".into(),
+        reason,
+    };
+    match loss {
+        Loss::CrossEntropy => {
+            let (Some(&n), Some(&classes)) = (y.shape.first(), y.shape.get(1)) else {
+                return Err(bad(format!(
+                    "cross-entropy needs logits [N, C, ..], got shape {:?}",
+                    y.shape
+                )));
+            };
+            let inner: usize = y.shape.iter().skip(2).product();
+            let classes_of = labels.to_i64().map_err(|e| bad(e.to_string()))?;
+            if classes_of.len() != n * inner {
+                return Err(bad(format!(
+                    "{} labels for {} rows of logits",
+                    classes_of.len(),
+                    n * inner
+                )));
+            }
+            let labels = classes_of
+                .iter()
+                .map(|&c| {
+                    u32::try_from(c)
+                        .ok()
+                        .filter(|&c| (c as usize) < classes)
+                        .ok_or_else(|| bad(format!("class {c} is outside 0..{classes}")))
+                })
+                .collect::<Result<Vec<u32>, _>>()?;
+            Ok(CrossEntropy { n, classes, inner }.reference(&y.data, &labels, scale))
+        }
+        Loss::Mse => {
+            let target = from_wire(labels).map_err(|e| bad(e.to_string()))?;
+            if target.shape != y.shape {
+                return Err(bad(format!(
+                    "targets of shape {:?} for outputs of shape {:?}",
+                    target.shape, y.shape
+                )));
+            }
+            Ok(Mse { len: y.data.len() }.reference(&y.data, &target.data, scale))
+        }
+    }
+}

@@ -1,0 +1,871 @@
+//! One provider's share of a training job, whatever computes it: a
+//! [`StageWorker`] turns the server's training messages into calls on a
+//! [`Backend`] (our own executor here, on a GPU or the CPU references; the
+//! libtorch one in `rookery-provider`) and answers with the messages the
+//! server relays on (`rookery_proto::train` describes the exchange).
+//!
+//! The server relies on these rules:
+//! - a stage counts a step's micro-batches as `torch.chunk` (and
+//!   `rookery_job::micro_batch_ranges`) does: `chunk = ceil(step_samples /
+//!   micro_batches)`, `count = ceil(step_samples / chunk)`, micro-batch `m`
+//!   holding samples `m * chunk ..`; dropout masks are seeded by
+//!   [`step_seed`] and those sample positions;
+//! - once a stage has run backward for all of a step's micro-batches it steps
+//!   its optimizer and sends `StepDone`, after the last micro-batch's
+//!   `Gradients`;
+//! - `UploadParams` is answered with the optimizer state, then the
+//!   parameters;
+//! - after `JobFailed` the stage is gone: later messages for that job get
+//!   `JobFailed` again, until a new `Assign`.
+//!
+//! Every failure (a bad assignment, a tensor of the wrong shape, a device
+//! error, a message that does not fit the stage's state) becomes
+//! `ToServer::JobFailed`; nothing a server sends can panic it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Display;
+use std::future::Future;
+
+use rookery_model::{Graph, Loss, OptimizerConfig};
+use rookery_proto::train::{loss_from_wire, optimizer_config};
+use rookery_proto::{
+    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
+    ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType, WireTensor,
+};
+
+use crate::HostTensor;
+use crate::executor::ParamOptimizerState;
+
+/// The dropout seed of step `step` of a job seeded `job_seed`: every stage of
+/// every cluster derives its masks from it (and each sample's position in
+/// the step's batch), and so must any single-process reference run that is
+/// to reproduce a distributed one.
+///
+/// It is SplitMix64's output function applied to
+/// `job_seed ^ (step * 0x9E37_79B9_7F4A_7C15)` (wrapping): consecutive steps
+/// get unrelated seeds, and jobs with nearby seeds do not share steps' masks.
+pub fn step_seed(job_seed: u64, step: u64) -> u64 {
+    let mut z = job_seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// What a stage needs to be built, decoded from an `Assign`.
+pub struct StageSpec<'a> {
+    pub graph: &'a Graph,
+    pub range: std::ops::Range<usize>,
+    pub outputs: &'a [String],
+    pub params: &'a [WireTensor],
+    pub optimizer: OptimizerConfig,
+    pub optimizer_state: &'a [ParamOptimState],
+}
+
+/// The loss of one micro-batch on the Leaf.
+pub struct LeafLossValue {
+    /// The micro-batch's own mean loss.
+    pub mean: f64,
+    /// The gradient of its share of the step's mean loss w.r.t. the output.
+    pub grad: HostTensor,
+}
+
+/// One stage's computation, as the worker drives it. Futures are awaited
+/// one at a time; a synchronous backend returns ready ones.
+pub trait Backend {
+    type MicroBatch: Copy + std::fmt::Debug;
+    type Error: Display;
+
+    fn input_names(&self) -> Vec<String>;
+    fn param_names(&self) -> Vec<String>;
+    fn set_step_seed(&mut self, seed: u64);
+    /// A training forward of a micro-batch whose first sample is `offset` in
+    /// the step's batch; keeps what backward needs.
+    fn forward(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        offset: u64,
+    ) -> impl Future<Output = Result<(Self::MicroBatch, Vec<(String, HostTensor)>), Self::Error>>;
+    fn evaluate(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+    ) -> impl Future<Output = Result<Vec<(String, HostTensor)>, Self::Error>>;
+    fn backward(
+        &mut self,
+        micro_batch: Self::MicroBatch,
+        grads: &[(String, HostTensor)],
+    ) -> impl Future<Output = Result<Vec<(String, HostTensor)>, Self::Error>>;
+    fn step(&mut self) -> impl Future<Output = Result<(), Self::Error>>;
+    fn parameters(
+        &mut self,
+    ) -> impl Future<Output = Result<Vec<(String, HostTensor)>, Self::Error>>;
+    fn set_parameters(&mut self, values: &[(String, HostTensor)]) -> Result<(), Self::Error>;
+    fn optimizer_state(
+        &mut self,
+    ) -> impl Future<Output = Result<Vec<ParamOptimizerState>, Self::Error>>;
+    /// The Leaf's loss of output `y` against `labels` in a step of
+    /// `batch_size` samples.
+    fn leaf_loss(
+        &self,
+        loss: Loss,
+        y: &HostTensor,
+        labels: &WireTensor,
+        batch_size: usize,
+    ) -> Result<LeafLossValue, Self::Error>;
+    /// The mean loss of an evaluation micro-batch.
+    fn loss_value(
+        &self,
+        loss: Loss,
+        y: &HostTensor,
+        labels: &WireTensor,
+    ) -> Result<f64, Self::Error>;
+}
+
+/// Builds backends for assignments.
+pub trait BackendFactory {
+    type Backend: Backend;
+
+    fn build(&mut self, spec: StageSpec<'_>) -> Result<Self::Backend, String>;
+}
+
+/// Runs at most one stage of one job at a time.
+pub struct StageWorker<F: BackendFactory> {
+    factory: F,
+    stage: Option<Stage<F::Backend>>,
+    /// The job whose stage was dropped after a failure, and why.
+    failed: Option<(u64, String)>,
+}
+
+impl<F: BackendFactory> StageWorker<F> {
+    pub fn new(factory: F) -> Self {
+        Self {
+            factory,
+            stage: None,
+            failed: None,
+        }
+    }
+
+    pub fn factory(&self) -> &F {
+        &self.factory
+    }
+
+    /// The job whose stage this worker holds, if any.
+    pub fn job_id(&self) -> Option<u64> {
+        self.stage.as_ref().map(|s| s.job_id)
+    }
+
+    /// `(stage index, stages, micro-batches done)` of the stage held now.
+    pub fn progress(&self) -> Option<(u32, u32, u64)> {
+        self.stage
+            .as_ref()
+            .map(|s| (s.index, s.stages, s.micro_batches_done))
+    }
+
+    /// Handles one training message; see the module docs for the replies.
+    /// Session messages (`Welcome`, `Heartbeat`, `Error`, `Probe`) get none.
+    pub async fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+        let Some(job_id) = job_of(&message) else {
+            return Vec::new();
+        };
+        let what = describe(&message);
+        match message {
+            ToProvider::Assign(a) => self.assign(*a),
+            ToProvider::Release { job_id } => {
+                if self.job_id() == Some(job_id) {
+                    self.stage = None;
+                }
+                if matches!(&self.failed, Some((id, _)) if *id == job_id) {
+                    self.failed = None;
+                }
+                Vec::new()
+            }
+            message => {
+                let stage = match &mut self.stage {
+                    Some(stage) if stage.job_id == job_id => stage,
+                    Some(stage) => {
+                        return failed(
+                            job_id,
+                            format!(
+                                "{what} is for job {job_id}, but this provider holds a stage of job {}",
+                                stage.job_id
+                            ),
+                        );
+                    }
+                    None => {
+                        let message = match &self.failed {
+                            Some((id, reason)) if *id == job_id => format!(
+                                "{what}: the stage of job {job_id} was dropped after an earlier failure: {reason}"
+                            ),
+                            _ => format!(
+                                "{what} for job {job_id} arrived, but no stage is assigned to this provider (no Assign yet, or the stage was released)"
+                            ),
+                        };
+                        return failed(job_id, message);
+                    }
+                };
+                let mut out = Vec::new();
+                if let Err(error) = stage.handle(message, &mut out).await {
+                    let reason = format!("{}: {what}: {error}", stage.describe());
+                    // A half-done step cannot be trusted, so the stage goes.
+                    self.stage = None;
+                    self.failed = Some((job_id, reason.clone()));
+                    out.push(ToServer::JobFailed {
+                        job_id,
+                        message: reason,
+                    });
+                }
+                out
+            }
+        }
+    }
+
+    fn assign(&mut self, a: Assignment) -> Vec<ToServer> {
+        // The server is the source of truth: a new assignment replaces
+        // whatever this worker held.
+        self.stage = None;
+        self.failed = None;
+        let job_id = a.job_id;
+        let title = format!(
+            "cannot build stage {} of {} (nodes {}..{}) of job {job_id}, cluster {}",
+            a.stage, a.stages, a.first, a.end, a.cluster
+        );
+        match Stage::build(a, &mut self.factory) {
+            Ok(stage) => {
+                self.stage = Some(stage);
+                vec![ToServer::Ready { job_id }]
+            }
+            Err(error) => {
+                let reason = format!("{title}: {error}");
+                self.failed = Some((job_id, reason.clone()));
+                failed(job_id, reason)
+            }
+        }
+    }
+}
+
+/// The job a training message belongs to (`None` for session messages).
+pub fn job_of(message: &ToProvider) -> Option<u64> {
+    match message {
+        ToProvider::Assign(a) => Some(a.job_id),
+        ToProvider::Forward(f) => Some(f.job_id),
+        ToProvider::Backward(b) => Some(b.job_id),
+        ToProvider::UploadParams { job_id, .. } | ToProvider::Release { job_id } => Some(*job_id),
+        ToProvider::SetParams(p) => Some(p.job_id),
+        ToProvider::Welcome { .. }
+        | ToProvider::Heartbeat { .. }
+        | ToProvider::Error(_)
+        | ToProvider::Probe { .. } => None,
+    }
+}
+
+fn failed(job_id: u64, message: String) -> Vec<ToServer> {
+    vec![ToServer::JobFailed { job_id, message }]
+}
+
+/// Names a message for error texts.
+fn describe(message: &ToProvider) -> String {
+    match message {
+        ToProvider::Forward(f) => match f.phase {
+            Phase::Train { step } => format!("Forward of micro-batch {} of step {step}", f.micro),
+            Phase::Eval { epoch } => {
+                format!(
+                    "eval Forward of micro-batch {} after epoch {epoch}",
+                    f.micro
+                )
+            }
+        },
+        ToProvider::Backward(b) => {
+            format!("Backward of micro-batch {} of step {}", b.micro, b.step)
+        }
+        ToProvider::UploadParams { step, .. } => format!("UploadParams at step {step}"),
+        ToProvider::SetParams(p) => format!("SetParams at step {}", p.step),
+        ToProvider::Assign(_) => "Assign".into(),
+        ToProvider::Release { .. } => "Release".into(),
+        ToProvider::Welcome { .. } => "Welcome".into(),
+        ToProvider::Heartbeat { .. } => "Heartbeat".into(),
+        ToProvider::Error(_) => "Error".into(),
+        ToProvider::Probe { .. } => "Probe".into(),
+    }
+}
+
+/// Why a message could not be carried out; its text goes into `JobFailed`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerError(String);
+
+impl Display for WorkerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn protocol(message: impl Into<String>) -> WorkerError {
+    WorkerError(message.into())
+}
+
+fn backend<E: Display>(error: E) -> WorkerError {
+    WorkerError(error.to_string())
+}
+
+/// The stage of one assignment and where it stands in the current step.
+struct Stage<B: Backend> {
+    job_id: u64,
+    cluster: u32,
+    index: u32,
+    stages: u32,
+    first: u32,
+    end: u32,
+    exec: B,
+    loss: Loss,
+    wire_dtype: WireDType,
+    seed: u64,
+    micro_batches: u32,
+    /// The Leaf's single output, which the loss reads.
+    leaf_output: Option<String>,
+    /// The lowest step not done yet.
+    next_step: u64,
+    step: Option<StepState<B::MicroBatch>>,
+    micro_batches_done: u64,
+}
+
+struct StepState<M> {
+    step: u64,
+    samples: u32,
+    chunk: u32,
+    count: u32,
+    forwarded: BTreeSet<u32>,
+    /// Micro-batches run forward and awaiting Backward (never on the Leaf,
+    /// which backpropagates at once).
+    in_flight: BTreeMap<u32, M>,
+    finished: u32,
+    compute_ms: f64,
+}
+
+impl<B: Backend> Stage<B> {
+    fn build<F: BackendFactory<Backend = B>>(
+        a: Assignment,
+        factory: &mut F,
+    ) -> Result<Self, WorkerError> {
+        if a.stages == 0 || a.stage >= a.stages {
+            return Err(protocol(format!(
+                "stage index {} is not in a chain of {} stages",
+                a.stage, a.stages
+            )));
+        }
+        if !a.wire_dtype.is_float() {
+            return Err(protocol(format!(
+                "wire dtype {} cannot carry activations and gradients (use f32, f16 or bf16)",
+                a.wire_dtype.as_str()
+            )));
+        }
+        let graph = Graph::from_json(&a.graph_json)
+            .map_err(|e| protocol(format!("the model graph JSON does not parse: {e}")))?;
+        let leaf = a.stage + 1 == a.stages;
+        if leaf && a.outputs.len() != 1 {
+            return Err(protocol(format!(
+                "the Leaf needs exactly one output for the loss, got {:?}",
+                a.outputs
+            )));
+        }
+        let leaf_output = leaf.then(|| a.outputs[0].clone());
+        let exec = factory
+            .build(StageSpec {
+                graph: &graph,
+                range: a.first as usize..a.end as usize,
+                outputs: &a.outputs,
+                params: &a.params,
+                optimizer: optimizer_config(a.optimizer),
+                optimizer_state: &a.optimizer_state,
+            })
+            .map_err(WorkerError)?;
+        Ok(Self {
+            job_id: a.job_id,
+            cluster: a.cluster,
+            index: a.stage,
+            stages: a.stages,
+            first: a.first,
+            end: a.end,
+            exec,
+            loss: loss_from_wire(a.loss),
+            wire_dtype: a.wire_dtype,
+            seed: a.seed,
+            // As the server's `micro_batch_ranges`: 0 means the batch is not split.
+            micro_batches: a.micro_batches.max(1),
+            leaf_output,
+            next_step: a.start_step,
+            step: None,
+            micro_batches_done: 0,
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "job {}, cluster {}, stage {} of {} (nodes {}..{})",
+            self.job_id, self.cluster, self.index, self.stages, self.first, self.end
+        )
+    }
+
+    fn is_root(&self) -> bool {
+        self.index == 0
+    }
+
+    async fn handle(
+        &mut self,
+        message: ToProvider,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
+        match message {
+            ToProvider::Forward(f) => match f.phase {
+                Phase::Train { step } => self.train_forward(step, f, out).await,
+                Phase::Eval { .. } => self.eval_forward(f, out).await,
+            },
+            ToProvider::Backward(b) => self.backward(b, out).await,
+            ToProvider::UploadParams { job_id, step } => {
+                // The optimizer state goes first: the server's sync is over
+                // once every stage's parameters are in, and its checkpoint
+                // needs both.
+                let params = self
+                    .exec
+                    .optimizer_state()
+                    .await
+                    .map_err(backend)?
+                    .into_iter()
+                    .map(|s| ParamOptimState {
+                        name: s.name,
+                        steps: s.steps,
+                        slots: s
+                            .slots
+                            .iter()
+                            .map(|(slot, t)| to_wire(slot, t, WireDType::F32))
+                            .collect(),
+                    })
+                    .collect();
+                out.push(ToServer::OptimizerState(OptimizerState {
+                    job_id,
+                    step,
+                    params,
+                }));
+                let params = self
+                    .exec
+                    .parameters()
+                    .await
+                    .map_err(backend)?
+                    .iter()
+                    .map(|(name, t)| to_wire(name, t, WireDType::F32))
+                    .collect();
+                out.push(ToServer::Params(ParamSet {
+                    job_id,
+                    step,
+                    params,
+                }));
+                Ok(())
+            }
+            ToProvider::SetParams(p) => self.set_params(&p),
+            other => Err(protocol(format!(
+                "{} is not a stage message",
+                describe(&other)
+            ))),
+        }
+    }
+
+    /// The step's state, opening the step (and seeding its dropout) on its
+    /// first micro-batch.
+    fn begin_step(
+        &mut self,
+        step: u64,
+        samples: u32,
+    ) -> Result<&mut StepState<B::MicroBatch>, WorkerError> {
+        match &self.step {
+            Some(s) if s.step == step => {
+                if s.samples != samples {
+                    return Err(protocol(format!(
+                        "step_samples changed within step {step} from {} to {samples}",
+                        s.samples
+                    )));
+                }
+            }
+            Some(s) => {
+                return Err(protocol(format!(
+                    "step {step} cannot start while step {} is unfinished ({} of {} micro-batches backpropagated)",
+                    s.step, s.finished, s.count
+                )));
+            }
+            None => {
+                if step < self.next_step {
+                    return Err(protocol(format!(
+                        "step {step} is already done on this stage (the next step is {})",
+                        self.next_step
+                    )));
+                }
+                if samples == 0 {
+                    return Err(protocol("a training step of 0 samples"));
+                }
+                let chunk = samples.div_ceil(self.micro_batches);
+                self.exec.set_step_seed(step_seed(self.seed, step));
+                self.step = Some(StepState {
+                    step,
+                    samples,
+                    chunk,
+                    count: samples.div_ceil(chunk),
+                    forwarded: BTreeSet::new(),
+                    in_flight: BTreeMap::new(),
+                    finished: 0,
+                    compute_ms: 0.0,
+                });
+            }
+        }
+        self.step
+            .as_mut()
+            .ok_or_else(|| protocol("the step state vanished"))
+    }
+
+    async fn train_forward(
+        &mut self,
+        step: u64,
+        f: Forward,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
+        let started = Clock::now();
+        let inputs = from_wire_all(&f.inputs)?;
+        let state = self.begin_step(step, f.step_samples)?;
+        let micro = f.micro;
+        if micro >= state.count {
+            return Err(protocol(format!(
+                "step {step} has {} micro-batches ({} samples in chunks of {}), so there is no micro-batch {micro}",
+                state.count, state.samples, state.chunk
+            )));
+        }
+        if !state.forwarded.insert(micro) {
+            return Err(protocol(format!(
+                "micro-batch {micro} of step {step} was already run forward"
+            )));
+        }
+        let offset = micro * state.chunk;
+        let expected = state.chunk.min(state.samples - offset);
+        if let Some((name, t)) = inputs.first()
+            && t.shape.first().is_some_and(|&b| b != expected as usize)
+        {
+            return Err(protocol(format!(
+                "input `{name}` holds {} samples, but micro-batch {micro} of a step of {} samples in chunks of {} holds {expected}",
+                t.shape[0], state.samples, state.chunk
+            )));
+        }
+        let (micro_batch, outputs) = self
+            .exec
+            .forward(&inputs, u64::from(offset))
+            .await
+            .map_err(backend)?;
+        let Some(output) = self.leaf_output.clone() else {
+            let outputs = to_wire_all(&outputs, self.wire_dtype);
+            let compute_ms = started.elapsed_ms();
+            if let Some(state) = self.step.as_mut() {
+                state.in_flight.insert(micro, micro_batch);
+                state.compute_ms += compute_ms;
+            }
+            out.push(ToServer::Activations(Activations {
+                job_id: self.job_id,
+                phase: f.phase,
+                micro,
+                outputs,
+                compute_ms,
+            }));
+            return Ok(());
+        };
+        let labels = f
+            .labels
+            .as_ref()
+            .ok_or_else(|| protocol("the Leaf got a Forward without labels"))?;
+        let y = single_output(&outputs, &output)?;
+        let loss = self
+            .exec
+            .leaf_loss(self.loss, y, labels, f.step_samples as usize)
+            .map_err(backend)?;
+        let samples = y.shape.first().copied().unwrap_or(0);
+        out.push(ToServer::LeafLoss(LeafLoss {
+            job_id: self.job_id,
+            phase: f.phase,
+            micro,
+            loss_sum: loss.mean * samples as f64,
+            correct: self.correct(y, labels)?,
+            samples: samples as u32,
+        }));
+        let grads = self
+            .exec
+            .backward(micro_batch, &[(output, loss.grad)])
+            .await
+            .map_err(backend)?;
+        self.finish_micro(step, micro, grads, started, out).await
+    }
+
+    async fn backward(&mut self, b: Backward, out: &mut Vec<ToServer>) -> Result<(), WorkerError> {
+        let started = Clock::now();
+        if self.leaf_output.is_some() {
+            return Err(protocol(
+                "the Leaf runs backward right after its forward; it takes no Backward",
+            ));
+        }
+        let state = match self.step.as_mut() {
+            Some(s) if s.step == b.step => s,
+            Some(s) => {
+                return Err(protocol(format!(
+                    "this stage is in step {}, not step {}",
+                    s.step, b.step
+                )));
+            }
+            None => return Err(protocol("no training step is in progress on this stage")),
+        };
+        let micro_batch = state.in_flight.remove(&b.micro).ok_or_else(|| {
+            protocol(format!(
+                "micro-batch {} of step {} is not awaiting backward here (never run forward, or already backpropagated; awaiting: {:?})",
+                b.micro,
+                b.step,
+                state.in_flight.keys().collect::<Vec<_>>()
+            ))
+        })?;
+        let grads = from_wire_all(&b.grads)?;
+        let grads = self
+            .exec
+            .backward(micro_batch, &grads)
+            .await
+            .map_err(backend)?;
+        self.finish_micro(b.step, b.micro, grads, started, out)
+            .await
+    }
+
+    /// After a micro-batch's backward: its input gradients go back (unless
+    /// this is the Root), and the step ends after its last micro-batch.
+    async fn finish_micro(
+        &mut self,
+        step: u64,
+        micro: u32,
+        grads: Vec<(String, HostTensor)>,
+        started: Clock,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
+        self.micro_batches_done += 1;
+        if !self.is_root() {
+            out.push(ToServer::Gradients(Gradients {
+                job_id: self.job_id,
+                step,
+                micro,
+                grads: to_wire_all(&grads, self.wire_dtype),
+                compute_ms: started.elapsed_ms(),
+            }));
+        }
+        let state = self
+            .step
+            .as_mut()
+            .ok_or_else(|| protocol("the step state vanished"))?;
+        state.finished += 1;
+        if state.finished < state.count {
+            state.compute_ms += started.elapsed_ms();
+            return Ok(());
+        }
+        let so_far = state.compute_ms;
+        self.exec.step().await.map_err(backend)?;
+        self.step = None;
+        self.next_step = step + 1;
+        out.push(ToServer::StepDone(StepDone {
+            job_id: self.job_id,
+            step,
+            compute_ms: so_far + started.elapsed_ms(),
+        }));
+        Ok(())
+    }
+
+    async fn eval_forward(
+        &mut self,
+        f: Forward,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
+        let started = Clock::now();
+        let inputs = from_wire_all(&f.inputs)?;
+        let outputs = self.exec.evaluate(&inputs).await.map_err(backend)?;
+        let Some(output) = &self.leaf_output else {
+            out.push(ToServer::Activations(Activations {
+                job_id: self.job_id,
+                phase: f.phase,
+                micro: f.micro,
+                outputs: to_wire_all(&outputs, self.wire_dtype),
+                compute_ms: started.elapsed_ms(),
+            }));
+            return Ok(());
+        };
+        let labels = f
+            .labels
+            .as_ref()
+            .ok_or_else(|| protocol("the Leaf got a Forward without labels"))?;
+        let y = single_output(&outputs, output)?;
+        let mean = self
+            .exec
+            .loss_value(self.loss, y, labels)
+            .map_err(backend)?;
+        let samples = y.shape.first().copied().unwrap_or(0);
+        out.push(ToServer::LeafLoss(LeafLoss {
+            job_id: self.job_id,
+            phase: f.phase,
+            micro: f.micro,
+            loss_sum: mean * samples as f64,
+            correct: self.correct(y, labels)?,
+            samples: samples as u32,
+        }));
+        Ok(())
+    }
+
+    /// Samples whose highest logit (the first one, on ties, as torch's
+    /// argmax) is their label; 0 for regression.
+    fn correct(&self, y: &HostTensor, labels: &WireTensor) -> Result<u64, WorkerError> {
+        if self.loss != Loss::CrossEntropy {
+            return Ok(0);
+        }
+        let labels = labels.to_i64().map_err(backend)?;
+        Ok(count_correct(y, &labels))
+    }
+
+    fn set_params(&mut self, p: &ParamSet) -> Result<(), WorkerError> {
+        let known: BTreeSet<String> = self.exec.param_names().into_iter().collect();
+        let unknown: Vec<&str> = p
+            .params
+            .iter()
+            .map(|t| t.name.as_str())
+            .filter(|n| !known.contains(*n))
+            .collect();
+        // Checked before anything changes, so a refused set leaves no
+        // half-loaded stage.
+        if !unknown.is_empty() {
+            return Err(protocol(format!(
+                "{unknown:?} are not parameters of this stage (it has {known:?})"
+            )));
+        }
+        let values = from_wire_all(&p.params)?;
+        self.exec.set_parameters(&values).map_err(backend)
+    }
+}
+
+/// Samples of `y` (`[N, C, inner..]` logits) whose first highest class is
+/// their label (`[N, inner..]`).
+pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
+    let (Some(&n), Some(&classes)) = (y.shape.first(), y.shape.get(1)) else {
+        return 0;
+    };
+    let inner: usize = y.shape.iter().skip(2).product();
+    if n * inner != labels.len() || classes == 0 {
+        return 0;
+    }
+    let mut hits = 0;
+    for row in 0..n * inner {
+        let base = (row / inner) * classes * inner + row % inner;
+        let mut best = 0;
+        for c in 1..classes {
+            if y.data[base + c * inner] > y.data[base + best * inner] {
+                best = c;
+            }
+        }
+        if labels[row] == best as i64 {
+            hits += 1;
+        }
+    }
+    hits
+}
+
+fn single_output<'a>(
+    outputs: &'a [(String, HostTensor)],
+    name: &str,
+) -> Result<&'a HostTensor, WorkerError> {
+    outputs
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, t)| t)
+        .ok_or_else(|| protocol(format!("the stage did not produce its output `{name}`")))
+}
+
+/// A host tensor from wire bytes: floats become f32 (checked finite);
+/// integer tensors are refused here (labels are read separately).
+pub fn from_wire(t: &WireTensor) -> Result<HostTensor, WorkerError> {
+    let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+    if !t.dtype.is_float() {
+        return Err(protocol(format!(
+            "tensor `{}` is {}, where floats are expected",
+            t.name,
+            t.dtype.as_str()
+        )));
+    }
+    let data = t.to_f32().map_err(backend)?;
+    if let Some(index) = data.iter().position(|v| !v.is_finite()) {
+        return Err(protocol(format!(
+            "tensor `{}` holds a non-finite value at element {index}",
+            t.name
+        )));
+    }
+    Ok(HostTensor { shape, data })
+}
+
+fn from_wire_all(tensors: &[WireTensor]) -> Result<Vec<(String, HostTensor)>, WorkerError> {
+    tensors
+        .iter()
+        .map(|t| Ok((t.name.clone(), from_wire(t)?)))
+        .collect()
+}
+
+fn to_wire(name: &str, t: &HostTensor, dtype: WireDType) -> WireTensor {
+    WireTensor::from_f32(name, &t.shape, &t.data, dtype)
+}
+
+fn to_wire_all(tensors: &[(String, HostTensor)], dtype: WireDType) -> Vec<WireTensor> {
+    tensors
+        .iter()
+        .map(|(name, t)| to_wire(name, t, dtype))
+        .collect()
+}
+
+/// Milliseconds of compute, natively and in a browser (where
+/// `std::time::Instant` panics).
+#[derive(Clone, Copy)]
+struct Clock(f64);
+
+impl Clock {
+    fn now() -> Self {
+        Self(now_ms())
+    }
+
+    fn elapsed_ms(self) -> f64 {
+        (now_ms() - self.0).max(0.0)
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn now_ms() -> f64 {
+    use std::sync::OnceLock;
+    use std::time::Instant;
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64() * 1e3
+}
+
+#[cfg(target_arch = "wasm32")]
+fn now_ms() -> f64 {
+    js_sys::Date::now()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_are_fixed_values_and_differ_between_steps_and_jobs() {
+        // Pinned: a reference trainer elsewhere must reproduce these exactly.
+        assert_eq!(step_seed(0, 0), 0);
+        assert_eq!(step_seed(0, 1), 0xE220_A839_7B1D_CDAF);
+        let seeds: std::collections::BTreeSet<u64> = (0..4)
+            .flat_map(|job| (0..100).map(move |step| step_seed(job, step)))
+            .collect();
+        assert_eq!(seeds.len(), 400);
+    }
+
+    #[test]
+    fn correct_counts_the_first_highest_logit() {
+        let y = HostTensor {
+            shape: vec![3, 3],
+            data: vec![0.1, 0.9, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 2.0],
+        };
+        assert_eq!(count_correct(&y, &[1, 0, 1]), 2);
+        assert_eq!(count_correct(&y, &[1, 1]), 0, "mismatched label count");
+    }
+}
