@@ -132,3 +132,36 @@ proptest! {
         prop_assert_eq!(run(&checks::optimizer(o, len, seed)), Ok(()));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    #[test]
+    fn softmax_and_layer_norm_match_reference_on_random_shapes(
+        outer in 1usize..20, axis in 1usize..40, inner in 1usize..5, log in any::<bool>(), seed in any::<u64>()
+    ) {
+        prop_assert_eq!(run(&checks::softmax(outer, axis, inner, log, seed)), Ok(()));
+        prop_assert_eq!(run(&checks::layer_norm(outer * inner, axis, seed)), Ok(()));
+    }
+
+    #[test]
+    fn batch_norm_matches_reference_on_random_shapes(
+        n in 1usize..9, channels in 1usize..6, spatial in 1usize..50, seed in any::<u64>()
+    ) {
+        // Training needs more than one value per channel, as torch insists.
+        prop_assume!(n * spatial > 1);
+        prop_assert_eq!(run(&checks::batch_norm(n, channels, spatial, seed)), Ok(()));
+    }
+
+    #[test]
+    fn transpose_concat_gather_match_reference_on_random_shapes(
+        shape in shape(4, 5), rot in 0usize..4, sizes in prop::collection::vec(1usize..5, 1..4),
+        outer in 1usize..4, inner in 1usize..6, axis in 1usize..12, count in 1usize..20, seed in any::<u64>()
+    ) {
+        let rank = shape.len();
+        let perm: Vec<usize> = (0..rank).map(|d| (d + rot) % rank).collect();
+        prop_assert_eq!(run(&checks::transpose(&shape, &perm, seed).expect("a permutation")), Ok(()));
+        prop_assert_eq!(run(&checks::concat(outer, &sizes, inner, seed)), Ok(()));
+        prop_assert_eq!(run(&checks::gather(outer, axis, inner, count, seed)), Ok(()));
+    }
+}

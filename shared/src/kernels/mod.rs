@@ -6,7 +6,9 @@
 //! One file per family: [`spec`] (what a generated kernel is, shared
 //! helpers), [`elementwise`] (activations, broadcast binary ops, dropout),
 //! [`gemm`] (the tiled GEMM template: MatMul, Linear), [`loss`]
-//! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), `matmul`
+//! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), [`reduce`]
+//! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
+//! (transpose, concat, gather), `matmul`
 //! (the original uniform-shaped tiled matmul), and [`checks`] (the GPU-vs-reference cases
 //! every harness runs).
 
@@ -19,7 +21,10 @@ pub mod elementwise;
 pub mod gemm;
 pub mod loss;
 mod matmul;
+pub mod norm;
 pub mod optim;
+pub mod reduce;
+pub mod shape;
 pub mod spec;
 
 #[cfg(feature = "gpu")]
