@@ -9,11 +9,13 @@
 //! with random shapes and [`standard_checks`] is a fixed spread of odd and
 //! even sizes.
 
+use super::conv::Conv2d;
 use super::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Dropout, Operand, UNARIES, Unary};
 use super::gemm::{Linear, MatMul, gemm_tol};
 use super::loss::{CrossEntropy, Mse};
 use super::norm::{BatchNorm, LayerNorm};
 use super::optim::{Optimizer, optimizer_cases};
+use super::pool::{GlobalAvgPool, Pool2d};
 use super::reduce::Softmax;
 use super::sample_matrix;
 use super::shape::{Concat, Gather, Transpose};
@@ -896,6 +898,188 @@ pub fn gather(outer: usize, axis: usize, inner: usize, count: usize, seed: u64) 
     }
 }
 
+/// Conv2d forward and backward (input, weight, bias) against the direct
+/// reference.
+pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
+    let x = sample_matrix(conv.n * conv.c * conv.h * conv.w, seed);
+    let weight = sample_matrix(
+        conv.o * (conv.c / conv.groups) * conv.kh * conv.kw,
+        seed ^ 1,
+    );
+    let bias = sample_matrix(conv.o, seed ^ 2);
+    let dy = sample_matrix(conv.out_len(), seed ^ 3);
+    let (y, dx, dw, db) = conv.reference(&x, &weight, conv.bias.then_some(&bias[..]), &dy);
+    let (oh, ow) = conv.out_hw();
+    let k_fwd = conv.c / conv.groups * conv.kh * conv.kw;
+    let k_in = conv.o / conv.groups * conv.kh * conv.kw;
+    let k_w = conv.n * oh * ow;
+    // Buffers: 0 x, 1 weight, 2 bias, 3 dy, 4 y, 5 dx, 6 dweight, 7 dbias.
+    let fwd = if conv.bias {
+        vec![0, 1, 2, 4]
+    } else {
+        vec![0, 1, 4]
+    };
+    let mut steps = vec![
+        (conv.forward(), fwd),
+        (conv.backward_input(), vec![3, 1, 5]),
+        (conv.backward_weight(), vec![3, 0, 6]),
+    ];
+    let mut expect = vec![
+        Expect {
+            what: "y",
+            buffer: 4,
+            want: y,
+            tol: gemm_tol(k_fwd),
+        },
+        Expect {
+            what: "dx",
+            buffer: 5,
+            want: dx,
+            tol: gemm_tol(k_in),
+        },
+        Expect {
+            what: "dweight",
+            buffer: 6,
+            want: dw,
+            tol: gemm_tol(k_w),
+        },
+    ];
+    if conv.bias {
+        steps.push((conv.backward_bias(), vec![3, 7]));
+        expect.push(Expect {
+            what: "dbias",
+            buffer: 7,
+            want: db,
+            tol: gemm_tol(k_w),
+        });
+    }
+    Check {
+        name: format!("{conv:?}"),
+        buffers: vec![
+            Init::F32(x.clone()),
+            Init::F32(weight.clone()),
+            Init::F32(bias),
+            Init::F32(dy),
+            Init::Zeros(conv.out_len()),
+            Init::Zeros(x.len()),
+            Init::Zeros(weight.len()),
+            Init::Zeros(conv.o),
+        ],
+        steps,
+        expect,
+    }
+}
+
+/// Max and average pooling, forward and backward, on the same geometry.
+pub fn pool2d(pool: Pool2d, seed: u64) -> Check {
+    let x = sample_matrix(pool.planes * pool.h * pool.w, seed);
+    let dy = sample_matrix(pool.out_len(), seed ^ 1);
+    let (my, arg, mdx) = pool.max_reference(&x, &dy);
+    let (ay, adx) = pool.avg_reference(&x, &dy);
+    let window = (pool.kernel[0] * pool.kernel[1]) as f32;
+    let avg_tol = Tol::new(1e-6 * window, 1e-5);
+    // Buffers: 0 x, 1 dy, 2 max y, 3 argmax, 4 max dx, 5 avg y, 6 avg dx.
+    Check {
+        name: format!("{pool:?}"),
+        expect: vec![
+            Expect {
+                what: "max y",
+                buffer: 2,
+                want: my,
+                tol: tol::EXACT,
+            },
+            Expect {
+                what: "argmax",
+                buffer: 3,
+                want: arg.iter().map(|&v| f32::from_bits(v)).collect(),
+                tol: tol::EXACT,
+            },
+            Expect {
+                what: "max dx",
+                buffer: 4,
+                want: mdx,
+                tol: tol::BROADCAST_SUM,
+            },
+            Expect {
+                what: "avg y",
+                buffer: 5,
+                want: ay,
+                tol: avg_tol,
+            },
+            Expect {
+                what: "avg dx",
+                buffer: 6,
+                want: adx,
+                tol: avg_tol,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x.clone()),
+            Init::F32(dy),
+            Init::Zeros(pool.out_len()),
+            Init::Zeros(pool.out_len()),
+            Init::Zeros(x.len()),
+            Init::Zeros(pool.out_len()),
+            Init::Zeros(x.len()),
+        ],
+        steps: vec![
+            (pool.max_forward(), vec![0, 2, 3]),
+            (pool.max_backward(), vec![3, 1, 4]),
+            (pool.avg_forward(), vec![0, 5]),
+            (pool.avg_backward(), vec![1, 6]),
+        ],
+    }
+}
+
+/// GlobalAveragePool forward and backward.
+pub fn global_avg_pool(planes: usize, spatial: usize, seed: u64) -> Check {
+    let g = GlobalAvgPool { planes, spatial };
+    let x = sample_matrix(planes * spatial, seed);
+    let dy = sample_matrix(planes, seed ^ 1);
+    let (y, dx) = g.reference(&x, &dy);
+    Check {
+        name: format!("global_avg_pool({planes}x{spatial})"),
+        expect: vec![
+            Expect {
+                what: "y",
+                buffer: 2,
+                want: y,
+                tol: tol::BROADCAST_SUM,
+            },
+            Expect {
+                what: "dx",
+                buffer: 3,
+                want: dx,
+                tol: tol::ARITH,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(dy),
+            Init::Zeros(planes),
+            Init::Zeros(planes * spatial),
+        ],
+        steps: vec![(g.forward(), vec![0, 2]), (g.backward(), vec![1, 3])],
+    }
+}
+
+/// The convolutions of the standard checks: the demo CNN's
+/// (`examples/mnist-cnn.toml`) and odd geometries with stride, padding,
+/// dilation and groups.
+pub fn conv_cases() -> Vec<Conv2d> {
+    [
+        ([2, 1, 28, 28], 8, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([2, 8, 14, 14], 16, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([1, 1, 5, 5], 1, [3, 3], [1, 1], [0, 0], [1, 1], 1, false),
+        ([3, 4, 9, 7], 6, [3, 2], [2, 1], [1, 0], [1, 2], 2, true),
+        ([2, 3, 8, 8], 3, [3, 3], [2, 2], [1, 1], [2, 2], 3, true),
+        ([1, 2, 6, 5], 5, [1, 1], [3, 2], [0, 0], [1, 1], 1, true),
+    ]
+    .into_iter()
+    .filter_map(|(x, o, k, s, p, d, g, b)| Conv2d::new(x, o, k, s, p, d, g, b))
+    .collect()
+}
+
 /// Broadcast shape pairs every harness runs: equal shapes, scalars, leading
 /// and inner broadcasts on both sides, odd sizes.
 pub const BROADCAST_CASES: [(&[usize], &[usize]); 6] = [
@@ -976,6 +1160,23 @@ pub fn standard_checks() -> Vec<Check> {
     checks.push(concat(1, &[7], 1, 2));
     checks.push(gather(1, 10, 16, 33, 1));
     checks.push(gather(3, 5, 2, 4, 2));
+    for (i, conv) in conv_cases().into_iter().enumerate() {
+        checks.push(conv2d(conv, i as u64));
+    }
+    for (i, (planes, h, w, k, s, p)) in [
+        (1, 1, 1, [1, 1], [1, 1], [0, 0]),
+        (16, 28, 28, [2, 2], [2, 2], [0, 0]),
+        (3, 7, 5, [3, 2], [2, 1], [1, 1]),
+        (2, 9, 9, [3, 3], [1, 1], [1, 0]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        checks.extend(Pool2d::new(planes, h, w, k, s, p).map(|pool| pool2d(pool, i as u64)));
+    }
+    for (planes, spatial) in [(1, 1), (64, 49), (3, 1000)] {
+        checks.push(global_avg_pool(planes, spatial, spatial as u64));
+    }
     checks
 }
 

@@ -8,7 +8,8 @@
 //! [`gemm`] (the tiled GEMM template: MatMul, Linear), [`loss`]
 //! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), [`reduce`]
 //! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
-//! (transpose, concat, gather), `matmul`
+//! (transpose, concat, gather), [`conv`] (Conv2d as implicit GEMM), [`pool`]
+//! (max, average, global average), `matmul`
 //! (the original uniform-shaped tiled matmul), and [`checks`] (the GPU-vs-reference cases
 //! every harness runs).
 
@@ -17,12 +18,14 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod checks;
+pub mod conv;
 pub mod elementwise;
 pub mod gemm;
 pub mod loss;
 mod matmul;
 pub mod norm;
 pub mod optim;
+pub mod pool;
 pub mod reduce;
 pub mod shape;
 pub mod spec;
