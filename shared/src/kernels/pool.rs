@@ -94,13 +94,16 @@ impl Pool2d {
     }
 
     /// Max forward: bindings `x`, `y`, `argmax` (u32, the index within the
-    /// plane, as torch's indices). NaN wins, as in torch.
+    /// plane, as torch's indices). NaN wins, as in torch. The running maximum
+    /// starts at the window's first element rather than at -inf, which
+    /// Chromium's WGSL compiler refuses to represent; padding is at most half
+    /// the kernel, so every window has one.
     pub fn max_forward(&self) -> KernelSpec {
         let (h, w) = (self.h, self.w);
         let ([kh, kw], [s0, s1], [p0, p1]) = (self.kernel, self.stride, self.padding);
         let body = format!(
             "{}    let y0 = i32(oy * {s0}u) - {p0}i;\n    let x0 = i32(ox * {s1}u) - {p1}i;\n\
-             \x20   var best = bitcast<f32>(0xff800000u);\n    var arg = u32(max(y0, 0i)) * {w}u + u32(max(x0, 0i));\n\
+             \x20   var arg = u32(max(y0, 0i)) * {w}u + u32(max(x0, 0i));\n    var best = x[plane * {hw}u + arg];\n\
              \x20   for (var ky = 0i; ky < {kh}i; ky += 1i) {{\n        let iy = y0 + ky;\n        if (iy < 0i || iy >= {h}i) {{ continue; }}\n\
              \x20       for (var kx = 0i; kx < {kw}i; kx += 1i) {{\n            let ix = x0 + kx;\n            if (ix < 0i || ix >= {w}i) {{ continue; }}\n\
              \x20           let idx = u32(iy) * {w}u + u32(ix);\n            let v = x[plane * {hw}u + idx];\n\
