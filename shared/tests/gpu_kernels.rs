@@ -132,3 +132,68 @@ proptest! {
         prop_assert_eq!(run(&checks::optimizer(o, len, seed)), Ok(()));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    #[test]
+    fn softmax_and_layer_norm_match_reference_on_random_shapes(
+        outer in 1usize..20, axis in 1usize..40, inner in 1usize..5, log in any::<bool>(), seed in any::<u64>()
+    ) {
+        prop_assert_eq!(run(&checks::softmax(outer, axis, inner, log, seed)), Ok(()));
+        prop_assert_eq!(run(&checks::layer_norm(outer * inner, axis, seed)), Ok(()));
+    }
+
+    #[test]
+    fn batch_norm_matches_reference_on_random_shapes(
+        n in 1usize..9, channels in 1usize..6, spatial in 1usize..50, seed in any::<u64>()
+    ) {
+        // Training needs more than one value per channel, as torch insists.
+        prop_assume!(n * spatial > 1);
+        prop_assert_eq!(run(&checks::batch_norm(n, channels, spatial, seed)), Ok(()));
+    }
+
+    #[test]
+    fn transpose_concat_gather_match_reference_on_random_shapes(
+        shape in shape(4, 5), rot in 0usize..4, sizes in prop::collection::vec(1usize..5, 1..4),
+        outer in 1usize..4, inner in 1usize..6, axis in 1usize..12, count in 1usize..20, seed in any::<u64>()
+    ) {
+        let rank = shape.len();
+        let perm: Vec<usize> = (0..rank).map(|d| (d + rot) % rank).collect();
+        prop_assert_eq!(run(&checks::transpose(&shape, &perm, seed).expect("a permutation")), Ok(()));
+        prop_assert_eq!(run(&checks::concat(outer, &sizes, inner, seed)), Ok(()));
+        prop_assert_eq!(run(&checks::gather(outer, axis, inner, count, seed)), Ok(()));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    #[test]
+    fn conv2d_matches_reference_on_random_geometry(
+        n in 1usize..3, cg in 1usize..4, og in 1usize..4, groups in 1usize..3,
+        h in 1usize..12, w in 1usize..12, kh in 1usize..4, kw in 1usize..4,
+        stride in (1usize..3, 1usize..3), padding in (0usize..2, 0usize..2), dilation in (1usize..3, 1usize..3),
+        bias in any::<bool>(), tile in prop::sample::select(vec![4u32, 8, 16]), seed in any::<u64>()
+    ) {
+        let conv = rookery_shared::kernels::conv::Conv2d::new(
+            [n, cg * groups, h, w], og * groups, [kh, kw], [stride.0, stride.1],
+            [padding.0, padding.1], [dilation.0, dilation.1], groups, bias,
+        );
+        prop_assume!(conv.is_some());
+        let mut conv = conv.unwrap();
+        conv.tile = tile;
+        prop_assert_eq!(run(&checks::conv2d(conv, seed)), Ok(()));
+    }
+
+    #[test]
+    fn pools_match_reference_on_random_geometry(
+        planes in 1usize..5, h in 1usize..15, w in 1usize..15, k in (1usize..4, 1usize..4),
+        s in (1usize..4, 1usize..4), p in (0usize..2, 0usize..2), seed in any::<u64>()
+    ) {
+        let pool = rookery_shared::kernels::pool::Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1]);
+        prop_assume!(pool.is_some());
+        prop_assert_eq!(run(&checks::pool2d(pool.unwrap(), seed)), Ok(()));
+        prop_assert_eq!(run(&checks::global_avg_pool(planes, h * w, seed)), Ok(()));
+    }
+}

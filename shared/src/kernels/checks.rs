@@ -9,11 +9,16 @@
 //! with random shapes and [`standard_checks`] is a fixed spread of odd and
 //! even sizes.
 
+use super::conv::Conv2d;
 use super::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Dropout, Operand, UNARIES, Unary};
 use super::gemm::{Linear, MatMul, gemm_tol};
 use super::loss::{CrossEntropy, Mse};
+use super::norm::{BatchNorm, LayerNorm};
 use super::optim::{Optimizer, optimizer_cases};
+use super::pool::{GlobalAvgPool, Pool2d};
+use super::reduce::Softmax;
 use super::sample_matrix;
+use super::shape::{Concat, Gather, Transpose};
 use super::spec::{KernelSpec, Tol, numel};
 
 /// A buffer's initial contents.
@@ -154,6 +159,9 @@ pub mod tol {
     /// Optimizers: the same f32 operations in the same order as the
     /// reference, except that WGSL's division and `sqrt` may be off by
     /// 2.5 ulp (Vulkan's precision rules), over three steps.
+    /// Layer/batch norm: two-pass statistics and `inverseSqrt` in f32,
+    /// sums over up to a few thousand elements.
+    pub const NORM: Tol = Tol::new(2e-5, 1e-4);
     pub const OPTIM: Tol = Tol::new(1e-7, 2e-5);
 }
 
@@ -561,6 +569,517 @@ pub fn optimizer(o: Optimizer, len: usize, seed: u64) -> Check {
     }
 }
 
+/// Softmax or LogSoftmax forward and backward on `[outer, axis, inner]`.
+pub fn softmax(outer: usize, axis: usize, inner: usize, log: bool, seed: u64) -> Check {
+    let s = Softmax {
+        outer,
+        axis,
+        inner,
+        log,
+    };
+    let len = outer * axis * inner;
+    let x: Vec<f32> = sample_matrix(len, seed).iter().map(|v| v * 5.0).collect();
+    let dy = sample_matrix(len, seed ^ 1);
+    let (y, dx) = s.reference(&x, &dy);
+    Check {
+        name: format!(
+            "{}({outer}x{axis}x{inner})",
+            if log { "log_softmax" } else { "softmax" }
+        ),
+        expect: vec![
+            Expect {
+                what: "y",
+                buffer: 2,
+                want: y,
+                tol: tol::LOSS,
+            },
+            Expect {
+                what: "dx",
+                buffer: 3,
+                want: dx,
+                tol: tol::LOSS,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(dy),
+            Init::Zeros(len),
+            Init::Zeros(len),
+        ],
+        steps: vec![(s.forward(), vec![0, 2]), (s.backward(), vec![2, 1, 3])],
+    }
+}
+
+/// LayerNorm forward and backward (x, weight, bias) on `rows x cols`.
+pub fn layer_norm(rows: usize, cols: usize, seed: u64) -> Check {
+    let l = LayerNorm {
+        rows,
+        cols,
+        eps: 1e-5,
+    };
+    let x: Vec<f32> = sample_matrix(rows * cols, seed)
+        .iter()
+        .map(|v| v * 3.0 + 0.5)
+        .collect();
+    let w = sample_matrix(cols, seed ^ 1);
+    let b = sample_matrix(cols, seed ^ 2);
+    let dy = sample_matrix(rows * cols, seed ^ 3);
+    let (y, dx, dw, db) = l.reference(&x, &w, &b, &dy);
+    // Buffers: 0 x, 1 w, 2 b, 3 dy, 4 y, 5 mean, 6 rstd, 7 dx, 8 dw, 9 db.
+    Check {
+        name: format!("layer_norm({rows}x{cols})"),
+        expect: vec![
+            Expect {
+                what: "y",
+                buffer: 4,
+                want: y,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "dx",
+                buffer: 7,
+                want: dx,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "dw",
+                buffer: 8,
+                want: dw,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "db",
+                buffer: 9,
+                want: db,
+                tol: tol::BROADCAST_SUM,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(w),
+            Init::F32(b),
+            Init::F32(dy),
+            Init::Zeros(rows * cols),
+            Init::Zeros(rows),
+            Init::Zeros(rows),
+            Init::Zeros(rows * cols),
+            Init::Zeros(cols),
+            Init::Zeros(cols),
+        ],
+        steps: vec![
+            (l.forward(), vec![0, 1, 2, 4, 5, 6]),
+            (l.backward_x(), vec![0, 1, 5, 6, 3, 7]),
+            (l.backward_params(), vec![0, 5, 6, 3, 8, 9]),
+        ],
+    }
+}
+
+/// BatchNorm training forward (with the running statistics update),
+/// training backward, and eval forward, on `[n, channels, spatial]`.
+pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check {
+    let bn = BatchNorm {
+        n,
+        channels,
+        spatial,
+        eps: 1e-5,
+        momentum: 0.1,
+    };
+    let len = n * channels * spatial;
+    let x: Vec<f32> = sample_matrix(len, seed)
+        .iter()
+        .map(|v| v * 2.0 + 1.0)
+        .collect();
+    let w = sample_matrix(channels, seed ^ 1);
+    let b = sample_matrix(channels, seed ^ 2);
+    let rm = sample_matrix(channels, seed ^ 3);
+    let rv: Vec<f32> = sample_matrix(channels, seed ^ 4)
+        .iter()
+        .map(|v| v.abs() + 0.5)
+        .collect();
+    let dy = sample_matrix(len, seed ^ 5);
+    let eval = bn.reference_eval(&x, &w, &b, (&rm, &rv));
+    let (y, rm2, rv2, dx, dw, db) = bn.reference_train(&x, &w, &b, (&rm, &rv), &dy);
+    // Buffers: 0 x, 1 w, 2 b, 3 rm, 4 rv, 5 y, 6 save_mean, 7 save_rstd,
+    // 8 dy, 9 dx, 10 dw, 11 db, 12 eval y (run first, on the old stats).
+    Check {
+        name: format!("batch_norm({n}x{channels}x{spatial})"),
+        expect: vec![
+            Expect {
+                what: "eval y",
+                buffer: 12,
+                want: eval,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "y",
+                buffer: 5,
+                want: y,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "running_mean",
+                buffer: 3,
+                want: rm2,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "running_var",
+                buffer: 4,
+                want: rv2,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "dx",
+                buffer: 9,
+                want: dx,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "dw",
+                buffer: 10,
+                want: dw,
+                tol: tol::NORM,
+            },
+            Expect {
+                what: "db",
+                buffer: 11,
+                want: db,
+                tol: tol::BROADCAST_SUM,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(w),
+            Init::F32(b),
+            Init::F32(rm),
+            Init::F32(rv),
+            Init::Zeros(len),
+            Init::Zeros(channels),
+            Init::Zeros(channels),
+            Init::F32(dy),
+            Init::Zeros(len),
+            Init::Zeros(channels),
+            Init::Zeros(channels),
+            Init::Zeros(len),
+        ],
+        steps: vec![
+            (bn.forward_eval(), vec![0, 1, 2, 3, 4, 12]),
+            (bn.forward_train(), vec![0, 1, 2, 3, 4, 5, 6, 7]),
+            (bn.backward_train(), vec![0, 1, 6, 7, 8, 9, 10, 11]),
+        ],
+    }
+}
+
+/// A transpose and its backward (the inverse permutation).
+pub fn transpose(shape: &[usize], perm: &[usize], seed: u64) -> Option<Check> {
+    let t = Transpose::new(shape, perm)?;
+    let len = numel(shape);
+    let x = sample_matrix(len, seed);
+    let dy = sample_matrix(len, seed ^ 1);
+    let y = t.reference(&x);
+    let dx = t.inverse().reference(&dy);
+    Some(Check {
+        name: format!("transpose({} by {perm:?})", shape_name(shape)),
+        expect: vec![
+            Expect {
+                what: "y",
+                buffer: 2,
+                want: y,
+                tol: tol::EXACT,
+            },
+            Expect {
+                what: "dx",
+                buffer: 3,
+                want: dx,
+                tol: tol::EXACT,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(dy),
+            Init::Zeros(len),
+            Init::Zeros(len),
+        ],
+        steps: vec![
+            (t.forward(), vec![0, 2]),
+            (t.inverse().forward(), vec![1, 3]),
+        ],
+    })
+}
+
+/// Concat of `sizes.len()` inputs along the middle axis, and the backward
+/// copying each input's slice of the gradient out.
+pub fn concat(outer: usize, sizes: &[usize], inner: usize, seed: u64) -> Check {
+    let c = Concat {
+        outer,
+        sizes: sizes.to_vec(),
+        inner,
+    };
+    let parts: Vec<Vec<f32>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| sample_matrix(outer * s * inner, seed ^ i as u64))
+        .collect();
+    let refs: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
+    let y = c.reference(&refs);
+    let total = y.len();
+    // The backward of concatenation is the split: check it returns the parts.
+    let mut buffers: Vec<Init> = parts.iter().cloned().map(Init::F32).collect();
+    let out = buffers.len();
+    buffers.push(Init::Zeros(total));
+    let mut steps = Vec::new();
+    let mut expect = vec![Expect {
+        what: "y",
+        buffer: out,
+        want: y,
+        tol: tol::EXACT,
+    }];
+    for i in 0..parts.len() {
+        steps.push((c.forward(i), vec![i, out]));
+    }
+    for (i, p) in parts.into_iter().enumerate() {
+        let slot = buffers.len();
+        buffers.push(Init::Zeros(p.len()));
+        steps.push((c.backward(i), vec![out, slot]));
+        expect.push(Expect {
+            what: "dx part",
+            buffer: slot,
+            want: p,
+            tol: tol::EXACT,
+        });
+    }
+    Check {
+        name: format!("concat({outer}x{sizes:?}x{inner})"),
+        buffers,
+        steps,
+        expect,
+    }
+}
+
+/// Gather / Embedding forward and backward with indices in `[-axis, axis)`.
+pub fn gather(outer: usize, axis: usize, inner: usize, count: usize, seed: u64) -> Check {
+    let g = Gather {
+        outer,
+        axis,
+        inner,
+        count,
+    };
+    let data = sample_matrix(outer * axis * inner, seed);
+    let indices: Vec<i32> = sample_matrix(count, seed ^ 1)
+        .iter()
+        .map(|v| ((v * axis as f32).floor() as i32).clamp(-(axis as i32), axis as i32 - 1))
+        .collect();
+    let dy = sample_matrix(outer * count * inner, seed ^ 2);
+    let (y, dd) = g.reference(&data, &indices, &dy);
+    Check {
+        name: format!("gather({outer}x{axis}x{inner}, {count} indices)"),
+        expect: vec![
+            Expect {
+                what: "y",
+                buffer: 3,
+                want: y,
+                tol: tol::EXACT,
+            },
+            Expect {
+                what: "ddata",
+                buffer: 4,
+                want: dd,
+                tol: tol::BROADCAST_SUM,
+            },
+        ],
+        buffers: vec![
+            Init::F32(data.clone()),
+            Init::U32(indices.iter().map(|&v| v as u32).collect()),
+            Init::F32(dy),
+            Init::Zeros(outer * count * inner),
+            Init::Zeros(data.len()),
+        ],
+        steps: vec![(g.forward(), vec![0, 1, 3]), (g.backward(), vec![1, 2, 4])],
+    }
+}
+
+/// Conv2d forward and backward (input, weight, bias) against the direct
+/// reference.
+pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
+    let x = sample_matrix(conv.n * conv.c * conv.h * conv.w, seed);
+    let weight = sample_matrix(
+        conv.o * (conv.c / conv.groups) * conv.kh * conv.kw,
+        seed ^ 1,
+    );
+    let bias = sample_matrix(conv.o, seed ^ 2);
+    let dy = sample_matrix(conv.out_len(), seed ^ 3);
+    let (y, dx, dw, db) = conv.reference(&x, &weight, conv.bias.then_some(&bias[..]), &dy);
+    let (oh, ow) = conv.out_hw();
+    let k_fwd = conv.c / conv.groups * conv.kh * conv.kw;
+    let k_in = conv.o / conv.groups * conv.kh * conv.kw;
+    let k_w = conv.n * oh * ow;
+    // Buffers: 0 x, 1 weight, 2 bias, 3 dy, 4 y, 5 dx, 6 dweight, 7 dbias.
+    let fwd = if conv.bias {
+        vec![0, 1, 2, 4]
+    } else {
+        vec![0, 1, 4]
+    };
+    let mut steps = vec![
+        (conv.forward(), fwd),
+        (conv.backward_input(), vec![3, 1, 5]),
+        (conv.backward_weight(), vec![3, 0, 6]),
+    ];
+    let mut expect = vec![
+        Expect {
+            what: "y",
+            buffer: 4,
+            want: y,
+            tol: gemm_tol(k_fwd),
+        },
+        Expect {
+            what: "dx",
+            buffer: 5,
+            want: dx,
+            tol: gemm_tol(k_in),
+        },
+        Expect {
+            what: "dweight",
+            buffer: 6,
+            want: dw,
+            tol: gemm_tol(k_w),
+        },
+    ];
+    if conv.bias {
+        steps.push((conv.backward_bias(), vec![3, 7]));
+        expect.push(Expect {
+            what: "dbias",
+            buffer: 7,
+            want: db,
+            tol: gemm_tol(k_w),
+        });
+    }
+    Check {
+        name: format!("{conv:?}"),
+        buffers: vec![
+            Init::F32(x.clone()),
+            Init::F32(weight.clone()),
+            Init::F32(bias),
+            Init::F32(dy),
+            Init::Zeros(conv.out_len()),
+            Init::Zeros(x.len()),
+            Init::Zeros(weight.len()),
+            Init::Zeros(conv.o),
+        ],
+        steps,
+        expect,
+    }
+}
+
+/// Max and average pooling, forward and backward, on the same geometry.
+pub fn pool2d(pool: Pool2d, seed: u64) -> Check {
+    let x = sample_matrix(pool.planes * pool.h * pool.w, seed);
+    let dy = sample_matrix(pool.out_len(), seed ^ 1);
+    let (my, arg, mdx) = pool.max_reference(&x, &dy);
+    let (ay, adx) = pool.avg_reference(&x, &dy);
+    let window = (pool.kernel[0] * pool.kernel[1]) as f32;
+    let avg_tol = Tol::new(1e-6 * window, 1e-5);
+    // Buffers: 0 x, 1 dy, 2 max y, 3 argmax, 4 max dx, 5 avg y, 6 avg dx.
+    Check {
+        name: format!("{pool:?}"),
+        expect: vec![
+            Expect {
+                what: "max y",
+                buffer: 2,
+                want: my,
+                tol: tol::EXACT,
+            },
+            Expect {
+                what: "argmax",
+                buffer: 3,
+                want: arg.iter().map(|&v| f32::from_bits(v)).collect(),
+                tol: tol::EXACT,
+            },
+            Expect {
+                what: "max dx",
+                buffer: 4,
+                want: mdx,
+                tol: tol::BROADCAST_SUM,
+            },
+            Expect {
+                what: "avg y",
+                buffer: 5,
+                want: ay,
+                tol: avg_tol,
+            },
+            Expect {
+                what: "avg dx",
+                buffer: 6,
+                want: adx,
+                tol: avg_tol,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x.clone()),
+            Init::F32(dy),
+            Init::Zeros(pool.out_len()),
+            Init::Zeros(pool.out_len()),
+            Init::Zeros(x.len()),
+            Init::Zeros(pool.out_len()),
+            Init::Zeros(x.len()),
+        ],
+        steps: vec![
+            (pool.max_forward(), vec![0, 2, 3]),
+            (pool.max_backward(), vec![3, 1, 4]),
+            (pool.avg_forward(), vec![0, 5]),
+            (pool.avg_backward(), vec![1, 6]),
+        ],
+    }
+}
+
+/// GlobalAveragePool forward and backward.
+pub fn global_avg_pool(planes: usize, spatial: usize, seed: u64) -> Check {
+    let g = GlobalAvgPool { planes, spatial };
+    let x = sample_matrix(planes * spatial, seed);
+    let dy = sample_matrix(planes, seed ^ 1);
+    let (y, dx) = g.reference(&x, &dy);
+    Check {
+        name: format!("global_avg_pool({planes}x{spatial})"),
+        expect: vec![
+            Expect {
+                what: "y",
+                buffer: 2,
+                want: y,
+                tol: tol::BROADCAST_SUM,
+            },
+            Expect {
+                what: "dx",
+                buffer: 3,
+                want: dx,
+                tol: tol::ARITH,
+            },
+        ],
+        buffers: vec![
+            Init::F32(x),
+            Init::F32(dy),
+            Init::Zeros(planes),
+            Init::Zeros(planes * spatial),
+        ],
+        steps: vec![(g.forward(), vec![0, 2]), (g.backward(), vec![1, 3])],
+    }
+}
+
+/// The convolutions of the standard checks: the demo CNN's
+/// (`examples/mnist-cnn.toml`) and odd geometries with stride, padding,
+/// dilation and groups.
+pub fn conv_cases() -> Vec<Conv2d> {
+    [
+        ([2, 1, 28, 28], 8, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([2, 8, 14, 14], 16, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([1, 1, 5, 5], 1, [3, 3], [1, 1], [0, 0], [1, 1], 1, false),
+        ([3, 4, 9, 7], 6, [3, 2], [2, 1], [1, 0], [1, 2], 2, true),
+        ([2, 3, 8, 8], 3, [3, 3], [2, 2], [1, 1], [2, 2], 3, true),
+        ([1, 2, 6, 5], 5, [1, 1], [3, 2], [0, 0], [1, 1], 1, true),
+    ]
+    .into_iter()
+    .filter_map(|(x, o, k, s, p, d, g, b)| Conv2d::new(x, o, k, s, p, d, g, b))
+    .collect()
+}
+
 /// Broadcast shape pairs every harness runs: equal shapes, scalars, leading
 /// and inner broadcasts on both sides, odd sizes.
 pub const BROADCAST_CASES: [(&[usize], &[usize]); 6] = [
@@ -617,6 +1136,47 @@ pub fn standard_checks() -> Vec<Check> {
     for (i, o) in optimizer_cases().into_iter().enumerate() {
         checks.push(optimizer(o, 1 + 97 * i, i as u64));
     }
+    for log in [false, true] {
+        for (outer, axis, inner) in [(1, 1, 1), (32, 10, 1), (3, 17, 5), (1, 1000, 1)] {
+            checks.push(softmax(outer, axis, inner, log, axis as u64));
+        }
+    }
+    for (rows, cols) in [(1, 1), (7, 33), (64, 128)] {
+        checks.push(layer_norm(rows, cols, cols as u64));
+    }
+    for (n, c, sp) in [(2, 1, 1), (4, 3, 25), (32, 8, 49), (1, 5, 2)] {
+        checks.push(batch_norm(n, c, sp, sp as u64));
+    }
+    let transposes: [(&[usize], &[usize]); 4] = [
+        (&[5, 7], &[1, 0]),
+        (&[2, 3, 4], &[2, 0, 1]),
+        (&[3, 1, 4, 2], &[0, 3, 1, 2]),
+        (&[9], &[0]),
+    ];
+    for (i, (shape, perm)) in transposes.iter().enumerate() {
+        checks.extend(transpose(shape, perm, i as u64));
+    }
+    checks.push(concat(3, &[1, 4, 2], 5, 1));
+    checks.push(concat(1, &[7], 1, 2));
+    checks.push(gather(1, 10, 16, 33, 1));
+    checks.push(gather(3, 5, 2, 4, 2));
+    for (i, conv) in conv_cases().into_iter().enumerate() {
+        checks.push(conv2d(conv, i as u64));
+    }
+    for (i, (planes, h, w, k, s, p)) in [
+        (1, 1, 1, [1, 1], [1, 1], [0, 0]),
+        (16, 28, 28, [2, 2], [2, 2], [0, 0]),
+        (3, 7, 5, [3, 2], [2, 1], [1, 1]),
+        (2, 9, 9, [3, 3], [1, 1], [1, 0]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        checks.extend(Pool2d::new(planes, h, w, k, s, p).map(|pool| pool2d(pool, i as u64)));
+    }
+    for (planes, spatial) in [(1, 1), (64, 49), (3, 1000)] {
+        checks.push(global_avg_pool(planes, spatial, spatial as u64));
+    }
     checks
 }
 
@@ -655,6 +1215,8 @@ mod tests {
                 assert_eq!(spec.bindings.len(), idx.len(), "{}", c.name);
                 assert!(idx.iter().all(|&i| i < c.buffers.len()));
                 super::super::spec::validate::spec(spec);
+                // Chromium's WGSL compiler refuses const infinities (naga accepts them).
+                assert!(!spec.wgsl.contains("bitcast<f32>(0x"), "{}", c.name);
             }
             for e in &c.expect {
                 assert!(e.buffer < c.buffers.len());

@@ -6,7 +6,10 @@
 //! One file per family: [`spec`] (what a generated kernel is, shared
 //! helpers), [`elementwise`] (activations, broadcast binary ops, dropout),
 //! [`gemm`] (the tiled GEMM template: MatMul, Linear), [`loss`]
-//! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), `matmul`
+//! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), [`reduce`]
+//! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
+//! (transpose, concat, gather), [`conv`] (Conv2d as implicit GEMM), [`pool`]
+//! (max, average, global average), `matmul`
 //! (the original uniform-shaped tiled matmul), and [`checks`] (the GPU-vs-reference cases
 //! every harness runs).
 
@@ -15,11 +18,16 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod checks;
+pub mod conv;
 pub mod elementwise;
 pub mod gemm;
 pub mod loss;
 mod matmul;
+pub mod norm;
 pub mod optim;
+pub mod pool;
+pub mod reduce;
+pub mod shape;
 pub mod spec;
 
 #[cfg(feature = "gpu")]

@@ -115,17 +115,16 @@ pub fn one_d(
 }
 
 /// An f32 literal WGSL reads back as exactly `v` (Rust's shortest round-trip
-/// formatting, with a decimal point or exponent so it is not an integer).
+/// formatting, with an exponent so it is not an integer). WGSL has no
+/// infinite or NaN constants (Chromium refuses even a const `bitcast` to
+/// one), so those become the largest finite value of their sign, or 0.
 pub fn f32_lit(v: f32) -> String {
-    if v.is_infinite() {
-        return if v > 0.0 {
-            "bitcast<f32>(0x7f800000u)".into()
-        } else {
-            "bitcast<f32>(0xff800000u)".into()
-        };
-    }
-    let s = format!("{v:e}");
-    format!("f32({s})")
+    let v = if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(f32::MIN, f32::MAX)
+    };
+    format!("f32({v:e})")
 }
 
 /// How far a GPU result may be from its reference: element-wise
