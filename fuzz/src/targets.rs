@@ -103,6 +103,7 @@ fn protocol_to_server() -> Target {
             memory_bytes: 8 << 30,
             gflops: 55.5,
             display_name: "fuzz".into(),
+            max_buffer_bytes: None,
         }),
         ToServer::Heartbeat { seq: 300 },
         ToServer::Error(ErrorMessage {

@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Default largest frame a peer may send. Tensor payloads of later protocol
 /// messages fit well inside; anything larger is a misbehaving peer.
@@ -80,6 +80,11 @@ pub struct Hello {
     pub gflops: f64,
     /// A name the provider chose for itself; shown on the dashboard only.
     pub display_name: String,
+    /// The largest single buffer the provider's GPU can bind (WebGPU's
+    /// `maxStorageBufferBindingSize`, capped by `maxBufferSize`), for
+    /// providers that run our own kernels; the planner keeps every tensor of
+    /// their stages within it. `None` for libtorch providers.
+    pub max_buffer_bytes: Option<u64>,
 }
 
 /// Why a peer is being told off. The code is for programs, the text for people.
@@ -274,6 +279,7 @@ mod tests {
             memory_bytes: 24 << 30,
             gflops: 41.5,
             display_name: "alice-laptop".into(),
+            max_buffer_bytes: None,
         }
     }
 
@@ -552,6 +558,7 @@ mod tests {
                 protocol_version: version,
                 kind: if browser { ProviderKind::Browser } else { ProviderKind::Native },
                 device, memory_bytes: memory, gflops, display_name: name,
+                max_buffer_bytes: None,
             });
             let frame = encode(&message).unwrap();
             prop_assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));

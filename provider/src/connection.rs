@@ -392,6 +392,7 @@ mod tests {
             memory_bytes: 1,
             gflops: 1.0,
             display_name: "unit".into(),
+            max_buffer_bytes: None,
         }
     }
 

@@ -5,6 +5,7 @@ use clap::Parser;
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
 use rookery_provider::backend::{self, DeviceChoice};
 use rookery_provider::connection;
+use rookery_provider::trainer::Trainer;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -25,6 +26,17 @@ struct Cli {
     /// The server's join token, if it requires one (`rookery serve --provider-token`).
     #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// What runs the stages: libtorch (CPU or CUDA, see --device), or our own
+    /// WGSL kernels on any GPU through wgpu (Vulkan, Metal, DX12), so AMD,
+    /// Intel and Apple GPUs can donate without CUDA.
+    #[arg(long, value_enum, default_value = "torch")]
+    backend: BackendChoice,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendChoice {
+    Torch,
+    Wgpu,
 }
 
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
@@ -71,26 +83,34 @@ async fn run() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
 
-    let backend = backend::select(cli.device).context("choosing a compute backend")?;
-    let profile = tokio::task::spawn_blocking(move || backend.profile())
-        .await
-        .context("the benchmark thread failed")?
-        .context("measuring this machine")?;
     let name = cli.name.unwrap_or_else(default_name);
-    println!(
-        "{name}: {} with {:.1} GiB, {:.1} GFLOP/s measured",
-        profile.device,
-        profile.memory_bytes as f64 / f64::from(1u32 << 30),
-        profile.gflops
-    );
-    let hello = Hello {
-        protocol_version: PROTOCOL_VERSION,
-        kind: ProviderKind::Native,
-        device: profile.device,
-        memory_bytes: profile.memory_bytes,
-        gflops: profile.gflops,
-        display_name: name,
+    let (hello, make_trainer) = match cli.backend {
+        BackendChoice::Torch => {
+            let backend = backend::select(cli.device).context("choosing a compute backend")?;
+            let profile = tokio::task::spawn_blocking(move || backend.profile())
+                .await
+                .context("the benchmark thread failed")?
+                .context("measuring this machine")?;
+            let hello = Hello {
+                protocol_version: PROTOCOL_VERSION,
+                kind: ProviderKind::Native,
+                device: profile.device,
+                memory_bytes: profile.memory_bytes,
+                gflops: profile.gflops,
+                display_name: name,
+                max_buffer_bytes: None,
+            };
+            (hello, trainer_factory(cli.device)?)
+        }
+        BackendChoice::Wgpu => wgpu_provider(name).await?,
     };
+    println!(
+        "{}: {} with {:.1} GiB, {:.1} GFLOP/s measured",
+        hello.display_name,
+        hello.device,
+        hello.memory_bytes as f64 / f64::from(1u32 << 30),
+        hello.gflops
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -98,7 +118,6 @@ async fn run() -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let make_trainer = trainer_factory(cli.device)?;
     let url = connection::provider_url(&cli.server);
     tracing::info!(%url, "connecting");
     connection::run(&url, cli.token.as_deref(), &hello, stop_rx, make_trainer)
@@ -108,28 +127,73 @@ async fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Builds each session's trainer: libtorch stages on the chosen device, or,
-/// in a build without libtorch, one that refuses every job with the reason.
+/// Makes each session's trainer.
+type MakeTrainer = Box<dyn Fn() -> Box<dyn Trainer> + Send + Sync>;
+
+/// libtorch stages on the chosen device, or, in a build without libtorch,
+/// a trainer that refuses every job with the reason.
 #[cfg(feature = "torch")]
-fn trainer_factory(
-    choice: DeviceChoice,
-) -> anyhow::Result<impl Fn() -> Box<dyn rookery_provider::trainer::Trainer>> {
+fn trainer_factory(choice: DeviceChoice) -> anyhow::Result<MakeTrainer> {
     let device = backend::torch::TorchBackend::new(choice)
         .context("choosing the training device")?
         .device();
-    Ok(move || {
-        Box::new(rookery_provider::worker::StageWorker::new(device))
-            as Box<dyn rookery_provider::trainer::Trainer>
-    })
+    Ok(Box::new(move || {
+        Box::new(rookery_provider::worker::StageWorker::new(device)) as Box<dyn Trainer>
+    }))
 }
 
 #[cfg(not(feature = "torch"))]
-fn trainer_factory(
-    _choice: DeviceChoice,
-) -> anyhow::Result<impl Fn() -> Box<dyn rookery_provider::trainer::Trainer>> {
-    Ok(|| {
-        Box::new(rookery_provider::trainer::NoTorch) as Box<dyn rookery_provider::trainer::Trainer>
-    })
+fn trainer_factory(_choice: DeviceChoice) -> anyhow::Result<MakeTrainer> {
+    Ok(Box::new(|| {
+        Box::new(rookery_provider::trainer::NoTorch) as Box<dyn Trainer>
+    }))
+}
+
+/// Opens the best GPU adapter wgpu finds, measures it with our own matmul
+/// kernel, and trains with our own executor on it.
+#[cfg(feature = "wgpu")]
+async fn wgpu_provider(name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
+    use std::sync::Arc;
+
+    use rookery_provider::own::OwnTrainer;
+    use rookery_stage::GpuDevice;
+
+    let device = GpuDevice::open()
+        .await
+        .context("opening a GPU through wgpu (install a Vulkan, Metal or DX12 driver)")?;
+    let context = device.context();
+    let gflops = context
+        .benchmark_matmul_gflops(256, 16)
+        .await
+        .context("measuring the GPU")?;
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ProviderKind::Native,
+        device: context.adapter_description(),
+        // wgpu does not say how much memory a GPU has; the host's is the
+        // bound for integrated and software adapters, and buffer limits
+        // bound each tensor.
+        memory_bytes: backend::host_memory_bytes(),
+        gflops,
+        display_name: name,
+        max_buffer_bytes: Some(
+            context
+                .max_storage_buffer_binding_size()
+                .min(context.max_buffer_size()),
+        ),
+    };
+    let device = Arc::new(device);
+    Ok((
+        hello,
+        Box::new(move || Box::new(OwnTrainer::new(device.clone())) as Box<dyn Trainer>),
+    ))
+}
+
+#[cfg(not(feature = "wgpu"))]
+async fn wgpu_provider(_name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
+    anyhow::bail!(
+        "this build has no wgpu backend (rebuild rookery-provider with `--features wgpu`)"
+    )
 }
 
 fn default_name() -> String {

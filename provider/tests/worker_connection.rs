@@ -23,6 +23,7 @@ fn hello() -> rookery_proto::Hello {
         memory_bytes: 1,
         gflops: 1.0,
         display_name: "worker-connection".into(),
+        max_buffer_bytes: None,
     }
 }
 

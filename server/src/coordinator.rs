@@ -85,18 +85,22 @@ pub struct LiveProvider {
 
 impl LiveProvider {
     /// What the planner knows of it, if a job may be planned onto it now:
-    /// idle, native (browser tabs run no stages until the WebGPU executor
-    /// lands, issue 5) and with its link measured.
+    /// idle and with its link measured. Browser tabs and `--backend wgpu`
+    /// providers run our own kernels, so their GPU's buffer limit comes along.
     pub fn candidate(&self) -> Option<ProviderSpec> {
-        let plannable =
-            self.work.is_none() && self.hello.kind == rookery_proto::ProviderKind::Native;
-        plannable.then_some(ProviderSpec {
+        if self.work.is_some() {
+            return None;
+        }
+        Some(ProviderSpec {
             id: self.id.to_string(),
-            kind: ProviderKind::Native,
+            kind: match self.hello.kind {
+                rookery_proto::ProviderKind::Native => ProviderKind::Native,
+                rookery_proto::ProviderKind::Browser => ProviderKind::Browser,
+            },
             memory_bytes: self.hello.memory_bytes,
             gflops: self.hello.gflops,
             bandwidth_mbps: self.bandwidth_mbps?,
-            max_buffer_bytes: None,
+            max_buffer_bytes: self.hello.max_buffer_bytes,
         })
     }
 }

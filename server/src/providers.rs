@@ -156,6 +156,7 @@ mod tests {
             memory_bytes: 1 << 30,
             gflops: 3.5,
             display_name: name.into(),
+            max_buffer_bytes: None,
         }
     }
 

@@ -2077,6 +2077,7 @@ units = 3
                 memory_bytes: 1 << 30,
                 gflops: 10.0,
                 bandwidth_mbps: 1000.0,
+                max_buffer_bytes: None,
             })
             .collect();
         let options = PlanOptions {

@@ -178,6 +178,9 @@ where
 }
 
 /// A provider describes itself; nothing it says is trusted blindly.
+/// The smallest buffer limit a provider may report.
+const MIN_BUFFER_LIMIT: u64 = 1 << 20;
+
 fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
     let problem = if hello.display_name.trim().is_empty() || hello.display_name.chars().count() > 64
     {
@@ -188,6 +191,10 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
         Some("measured GFLOP/s must be a positive finite number")
     } else if hello.memory_bytes == 0 {
         Some("memory must be more than 0 bytes")
+    } else if hello.max_buffer_bytes.is_some_and(|b| b < MIN_BUFFER_LIMIT) {
+        // WebGPU guarantees 128 MiB; a device claiming less than 1 MiB could
+        // take no stage anyway.
+        Some("the largest bindable buffer must be at least 1 MiB")
     } else {
         None
     };
@@ -604,6 +611,7 @@ mod tests {
             memory_bytes: 1 << 30,
             gflops: 10.0,
             display_name: "unit".into(),
+            max_buffer_bytes: None,
         }
     }
 
@@ -766,6 +774,13 @@ mod tests {
                     ..hello()
                 },
                 "memory",
+            ),
+            (
+                Hello {
+                    max_buffer_bytes: Some(4096),
+                    ..hello()
+                },
+                "largest bindable buffer",
             ),
             (
                 Hello {

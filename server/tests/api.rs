@@ -57,6 +57,7 @@ async fn providers_endpoint_lists_registered_and_departed_providers() {
         memory_bytes: 8 << 30,
         gflops: 55.0,
         display_name: "box".into(),
+        max_buffer_bytes: None,
     };
     let kept = providers::register(&state.db, hello.clone(), 10)
         .await

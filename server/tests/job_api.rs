@@ -377,6 +377,7 @@ fn connect(
                 memory_bytes,
                 gflops: 10.0 * id as f64,
                 display_name: format!("p{id}"),
+                max_buffer_bytes: None,
             },
             tx,
         });

@@ -81,6 +81,7 @@ async fn join(client: &mut Client) -> u64 {
         memory_bytes: 1 << 30,
         gflops: 1.0,
         display_name: "limits".into(),
+        max_buffer_bytes: None,
     });
     let frame = rookery_proto::encode(&hello).unwrap();
     client.send(Message::Binary(frame.into())).await.unwrap();

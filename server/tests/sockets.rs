@@ -91,6 +91,7 @@ fn hello(name: &str) -> ToServer {
         memory_bytes: 1 << 30,
         gflops: 1.0,
         display_name: name.into(),
+        max_buffer_bytes: None,
     })
 }
 

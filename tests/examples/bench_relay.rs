@@ -124,6 +124,7 @@ async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
         memory_bytes: 8 << 30,
         gflops: 100.0,
         display_name: name.into(),
+        max_buffer_bytes: None,
     };
     send(&mut socket, &ToServer::Hello(hello)).await?;
     match receive(&mut socket, &mut Assembler::<ToProvider>::default()).await? {

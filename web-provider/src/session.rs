@@ -68,6 +68,7 @@ pub(crate) fn hello_frame(
         memory_bytes,
         gflops,
         display_name: "browser tab".to_owned(),
+        max_buffer_bytes: None,
     }))
 }
 
