@@ -173,6 +173,7 @@ pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
         Some(DonateStatus::Benchmarking { .. }) => "benchmarking",
         Some(DonateStatus::Connecting { .. }) => "connecting",
         Some(DonateStatus::Connected { .. }) => "connected",
+        Some(DonateStatus::Training { .. }) => "training",
         Some(DonateStatus::Reconnecting { .. }) => "reconnecting",
         Some(DonateStatus::Failed { .. }) => "failed",
     }
@@ -204,6 +205,22 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
             gflops: g,
         }) => (
             format!("Donating as provider #{provider_id}. Keep this tab open."),
+            Some(adapter_line(adapter, *g)),
+        ),
+        Some(DonateStatus::Training {
+            provider_id,
+            adapter,
+            gflops: g,
+            job_id,
+            stage,
+            stages,
+            micro_batches,
+        }) => (
+            format!(
+                "Provider #{provider_id} is training stage {} of {stages} of job #{job_id}: \
+                 {micro_batches} micro-batches done. Keep this tab open.",
+                stage + 1
+            ),
             Some(adapter_line(adapter, *g)),
         ),
         Some(DonateStatus::Reconnecting { reason }) => (
@@ -339,5 +356,20 @@ mod tests {
         let (headline, detail) = donate_text(Some(&s));
         assert!(headline.contains("#7"));
         assert_eq!(detail.as_deref(), Some("SwiftShader, 12.3 GFLOP/s"));
+        let s = DonateStatus::Training {
+            provider_id: 7,
+            adapter: "SwiftShader".into(),
+            gflops: 12.34,
+            job_id: 3,
+            stage: 1,
+            stages: 3,
+            micro_batches: 40,
+        };
+        assert_eq!(donate_state(Some(&s)), "training");
+        let (headline, _) = donate_text(Some(&s));
+        assert!(
+            headline.contains("stage 2 of 3 of job #3") && headline.contains("40 micro-batches"),
+            "{headline}"
+        );
     }
 }

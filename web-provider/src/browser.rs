@@ -2,10 +2,15 @@
 //! `navigator.gpu`, the `WebSocket` and its event handlers, and the timers,
 //! driving the platform-free logic in `session`.
 
+use std::rc::Rc;
+use std::sync::Arc;
+
 use futures_channel::mpsc;
 use futures_util::StreamExt;
 use gloo_timers::future::TimeoutFuture;
+use rookery_proto::ToProvider;
 use rookery_shared::kernels::{GpuContext, GpuError};
+use rookery_stage::{CpuDevice, Device, GpuDevice, OwnFactory, StageWorker};
 use wasm_bindgen::JsCast;
 use wasm_bindgen::closure::Closure;
 use web_sys::{BinaryType, CloseEvent, MessageEvent, WebSocket};
@@ -39,12 +44,13 @@ fn browser_offers_webgpu() -> bool {
 }
 
 pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatus) + 'static) {
+    let on_status: Status = Rc::new(on_status);
     on_status(DonateStatus::Probing);
     if !browser_offers_webgpu() {
         on_status(DonateStatus::NoWebGpu {
-            reason: NO_WEBGPU.to_owned(),
+            reason: format!("{NO_WEBGPU} {CPU_INSTEAD}"),
         });
-        return;
+        return donate_cpu(server_ws_url, on_status).await;
     }
     let gpu = match GpuContext::new().await {
         Ok(gpu) => gpu,
@@ -57,8 +63,10 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
                      Try reloading the page, or another browser."
                 ),
             };
-            on_status(DonateStatus::NoWebGpu { reason });
-            return;
+            on_status(DonateStatus::NoWebGpu {
+                reason: format!("{reason} {CPU_INSTEAD}"),
+            });
+            return donate_cpu(server_ws_url, on_status).await;
         }
     };
     let adapter = gpu.adapter_description();
@@ -83,29 +91,80 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
             return;
         }
     };
+    let max_buffer = gpu
+        .max_storage_buffer_binding_size()
+        .min(gpu.max_buffer_size());
     // Browsers do not reveal how much memory their GPU has; the largest
     // buffer the adapter allows is the closest honest figure.
-    let hello = match session::hello_frame(&adapter, gpu.max_buffer_size(), gflops) {
-        Ok(frame) => frame,
-        Err(error) => {
-            on_status(DonateStatus::Failed {
-                reason: error.to_string(),
-            });
-            return;
-        }
-    };
+    let memory = gpu.max_buffer_size();
+    let device = Arc::new(GpuDevice::new(gpu));
+    serve(
+        &server_ws_url,
+        Donor {
+            adapter,
+            gflops,
+            memory,
+            max_buffer: Some(max_buffer),
+        },
+        device,
+        on_status,
+    )
+    .await;
+}
 
+const CPU_INSTEAD: &str = "This tab donates its CPU instead, running Rookery's reference \
+     kernels compiled to WebAssembly (much slower than a GPU).";
+
+/// The fallback without WebGPU: stages on the kernels' CPU references.
+async fn donate_cpu(server_ws_url: String, on_status: Status) {
+    let gflops = session::measure_cpu_gflops(js_sys::Date::now);
+    let donor = Donor {
+        adapter: "this tab's CPU (no WebGPU; reference kernels)".to_owned(),
+        gflops,
+        // A tab's memory is not knowable either; wasm32 addresses 4 GiB and
+        // browsers allow a fraction of it.
+        memory: 1 << 30,
+        max_buffer: None,
+    };
+    serve(&server_ws_url, donor, CpuDevice, on_status).await;
+}
+
+/// What this tab offers.
+struct Donor {
+    adapter: String,
+    gflops: f64,
+    memory: u64,
+    max_buffer: Option<u64>,
+}
+
+type Status = Rc<dyn Fn(DonateStatus)>;
+
+/// Connects, and reconnects after every drop, donating `device`.
+async fn serve<D>(server_ws_url: &str, donor: Donor, device: D, on_status: Status)
+where
+    D: Device + Clone + 'static,
+{
+    let hello =
+        match session::hello_frame(&donor.adapter, donor.memory, donor.gflops, donor.max_buffer) {
+            Ok(frame) => frame,
+            Err(error) => {
+                on_status(DonateStatus::Failed {
+                    reason: error.to_string(),
+                });
+                return;
+            }
+        };
     let mut backoff = Backoff::new();
     loop {
         on_status(DonateStatus::Connecting {
-            adapter: adapter.clone(),
-            gflops,
+            adapter: donor.adapter.clone(),
+            gflops: donor.gflops,
         });
         let end = connect_once(
-            &server_ws_url,
+            server_ws_url,
             &hello,
-            &adapter,
-            gflops,
+            &donor,
+            device.clone(),
             &on_status,
             &mut backoff,
         )
@@ -123,7 +182,10 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
                 TimeoutFuture::new(delay_ms).await;
             }
             // `connect_once` only ends with one of the two above.
-            Reaction::Ignore | Reaction::Welcomed { .. } | Reaction::Answer(_) => {}
+            Reaction::Ignore
+            | Reaction::Welcomed { .. }
+            | Reaction::Answer(_)
+            | Reaction::Train(_) => {}
         }
     }
 }
@@ -141,25 +203,34 @@ enum Event {
     },
     Error,
     HeartbeatDue,
+    /// The stage worker cannot send its replies: the session is over.
+    WorkerLost(String),
 }
 
 /// One connection, from opening the socket to its end; returns why it ended,
-/// as `Reconnect` or `GiveUp`.
-async fn connect_once(
+/// as `Reconnect` or `GiveUp`. Training messages go to a stage worker that
+/// runs in its own task, so heartbeats and link probes are answered while a
+/// micro-batch computes.
+async fn connect_once<D>(
     url: &str,
     hello: &[u8],
-    adapter: &str,
-    gflops: f64,
-    on_status: &impl Fn(DonateStatus),
+    donor: &Donor,
+    device: D,
+    on_status: &Status,
     backoff: &mut Backoff,
-) -> Reaction {
+) -> Reaction
+where
+    D: Device + Clone + 'static,
+{
     let (events, mut incoming) = mpsc::unbounded();
     let socket = match Socket::open(url, events.clone()) {
-        Ok(socket) => socket,
+        Ok(socket) => Rc::new(socket),
         Err(reason) => return Reaction::GiveUp(reason),
     };
+    let mut inbox = session::Inbox::default();
     let mut opened = false;
-    let mut welcomed = false;
+    let mut welcomed: Option<u64> = None;
+    let mut training: Option<mpsc::UnboundedSender<ToProvider>> = None;
     let mut seq = 0u64;
     while let Some(event) = incoming.next().await {
         match event {
@@ -169,30 +240,62 @@ async fn connect_once(
                     return Reaction::Reconnect(reason);
                 }
             }
-            Event::Frame(frame) => match session::react(&frame) {
-                Reaction::Ignore => {}
-                Reaction::Welcomed {
-                    provider_id,
-                    heartbeat_interval_ms,
-                } => {
-                    if !welcomed {
-                        welcomed = true;
-                        backoff.reset();
-                        start_heartbeat(events.clone(), heartbeat_interval_ms);
-                        on_status(DonateStatus::Connected {
-                            provider_id,
-                            adapter: adapter.to_owned(),
-                            gflops,
-                        });
+            Event::Frame(frame) => {
+                let message = match inbox.push(frame) {
+                    Ok(Some(message)) => message,
+                    Ok(None) => continue,
+                    Err(reason) => return Reaction::Reconnect(reason),
+                };
+                match session::react(message) {
+                    Reaction::Ignore => {}
+                    Reaction::Welcomed {
+                        provider_id,
+                        heartbeat_interval_ms,
+                    } => {
+                        if welcomed.is_none() {
+                            welcomed = Some(provider_id);
+                            backoff.reset();
+                            start_heartbeat(events.clone(), heartbeat_interval_ms);
+                            on_status(DonateStatus::Connected {
+                                provider_id,
+                                adapter: donor.adapter.clone(),
+                                gflops: donor.gflops,
+                            });
+                            let (to_worker, from_session) = mpsc::unbounded();
+                            training = Some(to_worker);
+                            wasm_bindgen_futures::spawn_local(train(
+                                from_session,
+                                StageWorker::new(OwnFactory::new(device.clone())),
+                                socket.clone(),
+                                events.clone(),
+                                Progress {
+                                    provider_id,
+                                    adapter: donor.adapter.clone(),
+                                    gflops: donor.gflops,
+                                    on_status: on_status.clone(),
+                                },
+                            ));
+                        }
                     }
-                }
-                Reaction::Answer(reply) => {
-                    if let Err(reason) = socket.send(&reply) {
-                        return Reaction::Reconnect(reason);
+                    Reaction::Answer(reply) => {
+                        if let Err(reason) = socket.send(&reply) {
+                            return Reaction::Reconnect(reason);
+                        }
                     }
+                    Reaction::Train(message) => {
+                        let Some(worker) = &training else {
+                            return Reaction::Reconnect(
+                                "the server sent training work before welcoming this tab"
+                                    .to_owned(),
+                            );
+                        };
+                        if worker.unbounded_send(message).is_err() {
+                            return Reaction::Reconnect("the stage worker stopped".to_owned());
+                        }
+                    }
+                    end @ (Reaction::Reconnect(_) | Reaction::GiveUp(_)) => return end,
                 }
-                end @ (Reaction::Reconnect(_) | Reaction::GiveUp(_)) => return end,
-            },
+            }
             Event::Text => {
                 return Reaction::Reconnect(
                     "the server sent text where this tab expected binary frames".to_owned(),
@@ -207,6 +310,7 @@ async fn connect_once(
                     return Reaction::Reconnect(reason);
                 }
             }
+            Event::WorkerLost(reason) => return Reaction::Reconnect(reason),
             Event::Closed { code, reason } => {
                 let detail = if reason.is_empty() {
                     format!("code {code}")
@@ -230,6 +334,54 @@ async fn connect_once(
         }
     }
     Reaction::Reconnect("the connection ended".to_owned())
+}
+
+/// What the Donate page shows while a stage trains.
+struct Progress {
+    provider_id: u64,
+    adapter: String,
+    gflops: f64,
+    on_status: Status,
+}
+
+/// The stage worker's task: one training message at a time, replies straight
+/// onto the socket, progress to the page. It ends when the session drops its
+/// queue.
+async fn train<D: Device + 'static>(
+    mut messages: mpsc::UnboundedReceiver<ToProvider>,
+    mut worker: StageWorker<OwnFactory<D>>,
+    socket: Rc<Socket>,
+    events: mpsc::UnboundedSender<Event>,
+    progress: Progress,
+) {
+    while let Some(message) = messages.next().await {
+        let job_id = rookery_stage::worker::job_of(&message);
+        for reply in worker.handle(message).await {
+            let sent = session::reply_frames(&reply)
+                .and_then(|frames| frames.iter().try_for_each(|f| socket.send(f)));
+            if let Err(reason) = sent {
+                let _ = events.unbounded_send(Event::WorkerLost(reason));
+                return;
+            }
+        }
+        let status = match (worker.progress(), job_id) {
+            (Some((stage, stages, micro_batches)), Some(job_id)) => DonateStatus::Training {
+                provider_id: progress.provider_id,
+                adapter: progress.adapter.clone(),
+                gflops: progress.gflops,
+                job_id,
+                stage,
+                stages,
+                micro_batches,
+            },
+            _ => DonateStatus::Connected {
+                provider_id: progress.provider_id,
+                adapter: progress.adapter.clone(),
+                gflops: progress.gflops,
+            },
+        };
+        (progress.on_status)(status);
+    }
 }
 
 /// Queues a heartbeat every `interval_ms` until the session that owns the

@@ -27,6 +27,17 @@ pub enum DonateStatus {
         adapter: String,
         gflops: f64,
     },
+    /// Running a stage of a job (`stage` of `stages`: this tab's share of the
+    /// model), with `micro_batches` forward and backward passes done.
+    Training {
+        provider_id: u64,
+        adapter: String,
+        gflops: f64,
+        job_id: u64,
+        stage: u32,
+        stages: u32,
+        micro_batches: u64,
+    },
     /// The connection dropped; the tab retries after a pause.
     Reconnecting { reason: String },
     /// Something failed that retrying will not fix.
@@ -49,12 +60,14 @@ pub fn default_server_url() -> Option<String> {
 /// Donates this tab's GPU to the server at `server_ws_url` until the page
 /// closes, reporting every change of state through `on_status`.
 ///
-/// In order: `Probing`; `NoWebGpu` (and return) without a usable adapter;
+/// In order: `Probing`; `NoWebGpu` without a usable adapter, after which the
+/// tab donates its CPU instead (the kernels' references, compiled to wasm);
 /// `Benchmarking` while the kernel is checked against the CPU reference
 /// (`Failed` and return if it is wrong) and timed; then `Connecting`,
-/// `Connected` once the server welcomes the tab, and `Reconnecting` after
+/// `Connected` once the server welcomes the tab, `Training` while it runs a
+/// stage, and `Reconnecting` after
 /// every drop, forever, with pauses from 1 s doubling to 15 s. It returns
-/// only after `NoWebGpu` or `Failed` (for example when the server speaks
+/// only after `Failed` (for example when the server speaks
 /// another protocol version); dropping the future stops the donation.
 pub async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatus) + 'static) {
     #[cfg(target_arch = "wasm32")]

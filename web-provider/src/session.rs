@@ -5,6 +5,7 @@
 // Natively only the tests call most of this; the browser glue is wasm-only.
 #![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 
+use rookery_proto::stream::{self, Assembler};
 use rookery_proto::{
     DEFAULT_MAX_FRAME_BYTES, EncodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION,
     PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer,
@@ -60,6 +61,7 @@ pub(crate) fn hello_frame(
     adapter: &str,
     memory_bytes: u64,
     gflops: f64,
+    max_buffer_bytes: Option<u64>,
 ) -> Result<Vec<u8>, EncodeError> {
     rookery_proto::encode(&ToServer::Hello(Hello {
         protocol_version: PROTOCOL_VERSION,
@@ -68,7 +70,7 @@ pub(crate) fn hello_frame(
         memory_bytes,
         gflops,
         display_name: "browser tab".to_owned(),
-        max_buffer_bytes: None,
+        max_buffer_bytes,
     }))
 }
 
@@ -90,61 +92,68 @@ pub(crate) enum Reaction {
     Reconnect(String),
     /// Stop donating: reconnecting cannot help. The text is for a person.
     GiveUp(String),
-    /// Send this frame back (a training request this tab cannot take yet).
+    /// Send this frame back.
     Answer(Vec<u8>),
+    /// A training message for the stage worker.
+    Train(ToProvider),
 }
 
-pub(crate) fn react(frame: &[u8]) -> Reaction {
-    match rookery_proto::decode::<ToProvider>(frame, DEFAULT_MAX_FRAME_BYTES) {
-        Ok(ToProvider::Welcome {
-            provider_id,
-            heartbeat_interval_ms,
-            ..
-        }) => Reaction::Welcomed {
-            provider_id,
-            heartbeat_interval_ms: heartbeat_interval_ms.max(MIN_HEARTBEAT_MS),
-        },
-        Ok(ToProvider::Heartbeat { .. }) => Reaction::Ignore,
-        Ok(ToProvider::Error(ErrorMessage {
-            code: ErrorCode::VersionMismatch,
-            message,
-        })) => Reaction::GiveUp(format!(
-            "This page and the server speak different protocol versions ({message}). \
-             Reload the page to get the server's current version."
-        )),
-        Ok(ToProvider::Error(ErrorMessage { message, .. })) => {
-            Reaction::Reconnect(format!("the server refused this tab: {message}"))
-        }
-        Ok(ToProvider::Release { .. }) => Reaction::Ignore,
-        Ok(ToProvider::Probe { seq, .. }) => answer(&ToServer::ProbeAck { seq }),
-        Ok(
-            message @ (ToProvider::Assign(_)
-            | ToProvider::Forward(_)
-            | ToProvider::Backward(_)
-            | ToProvider::UploadParams { .. }
-            | ToProvider::SetParams(_)),
-        ) => decline(&message),
-        Err(error) => Reaction::Reconnect(format!(
-            "the server sent a message this tab cannot read ({error})"
-        )),
+/// Puts frames together into whole messages: a streamed message's tensors
+/// arrive in payload frames after it.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    assembler: Assembler<ToProvider>,
+}
+
+impl Inbox {
+    /// The message `frame` completes, if any; an error ends the connection.
+    pub(crate) fn push(&mut self, frame: Vec<u8>) -> Result<Option<ToProvider>, String> {
+        let incoming = stream::read_frame(&bytes::Bytes::from(frame), DEFAULT_MAX_FRAME_BYTES)
+            .map_err(|error| format!("the server sent a message this tab cannot read ({error})"))?;
+        self.assembler
+            .push(incoming)
+            .map_err(|error| format!("the server's frames do not fit together ({error})"))
     }
 }
 
-/// Browser tabs do not run stages yet (WebGPU training comes with the kernel
-/// executor); the server hears so and moves on.
-fn decline(message: &ToProvider) -> Reaction {
-    let job_id = match message {
-        ToProvider::Assign(a) => a.job_id,
-        ToProvider::Forward(f) => f.job_id,
-        ToProvider::Backward(b) => b.job_id,
-        ToProvider::UploadParams { job_id, .. } => *job_id,
-        ToProvider::SetParams(p) => p.job_id,
-        _ => 0,
-    };
-    answer(&ToServer::JobFailed {
-        job_id,
-        message: "browser providers cannot run training stages yet".to_owned(),
-    })
+/// What the tab does about one whole message from the server.
+pub(crate) fn react(message: ToProvider) -> Reaction {
+    match message {
+        ToProvider::Welcome {
+            provider_id,
+            heartbeat_interval_ms,
+            ..
+        } => Reaction::Welcomed {
+            provider_id,
+            heartbeat_interval_ms: heartbeat_interval_ms.max(MIN_HEARTBEAT_MS),
+        },
+        ToProvider::Heartbeat { .. } => Reaction::Ignore,
+        ToProvider::Error(ErrorMessage {
+            code: ErrorCode::VersionMismatch,
+            message,
+        }) => Reaction::GiveUp(format!(
+            "This page and the server speak different protocol versions ({message}). \
+             Reload the page to get the server's current version."
+        )),
+        ToProvider::Error(ErrorMessage { message, .. }) => {
+            Reaction::Reconnect(format!("the server refused this tab: {message}"))
+        }
+        ToProvider::Probe { seq, .. } => answer(&ToServer::ProbeAck { seq }),
+        message @ (ToProvider::Assign(_)
+        | ToProvider::Forward(_)
+        | ToProvider::Backward(_)
+        | ToProvider::UploadParams { .. }
+        | ToProvider::SetParams(_)
+        | ToProvider::Release { .. }) => Reaction::Train(message),
+    }
+}
+
+/// The frames of a reply: large activations and gradients go as payload
+/// frames after their message, as native providers send them.
+pub(crate) fn reply_frames(message: &ToServer) -> Result<Vec<Vec<u8>>, String> {
+    stream::encode_streamed(message)
+        .map(|frames| frames.into_iter().map(|f| f.to_vec()).collect())
+        .map_err(|error| format!("cannot encode a reply: {error}"))
 }
 
 fn answer(message: &ToServer) -> Reaction {
@@ -223,6 +232,24 @@ pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
     gpu.benchmark_matmul_gflops(BENCHMARK_N, iterations).await
 }
 
+/// GFLOP/s of the CPU reference matmul, timed with `now_ms` (the browser's
+/// clock): what a tab without WebGPU offers.
+pub(crate) fn measure_cpu_gflops(now_ms: impl Fn() -> f64) -> f64 {
+    const N: usize = 96;
+    let a = sample_matrix(N * N, 1);
+    let b = sample_matrix(N * N, 2);
+    let flops = rookery_shared::kernels::matmul_flops(N, N, N);
+    let started = now_ms();
+    let mut runs = 0u32;
+    // At least 50 ms, so a coarse clock still measures something.
+    while runs < 2 || now_ms() - started < 50.0 {
+        std::hint::black_box(rookery_shared::kernels::matmul_reference(&a, &b, N, N, N));
+        runs += 1;
+    }
+    let seconds = ((now_ms() - started) / 1e3).max(1e-6);
+    (flops * f64::from(runs) / seconds / 1e9).max(1e-3)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,7 +289,7 @@ mod tests {
 
     #[test]
     fn hello_is_a_browser_hello_of_the_current_version() {
-        let frame = hello_frame("SwiftShader (webgpu)", 1 << 28, 12.5).unwrap();
+        let frame = hello_frame("SwiftShader (webgpu)", 1 << 28, 12.5, Some(1 << 27)).unwrap();
         assert_eq!(
             rookery_proto::peek_hello_version(&frame),
             Some(PROTOCOL_VERSION)
@@ -276,24 +303,25 @@ mod tests {
         assert_eq!(hello.device, "SwiftShader (webgpu)");
         assert_eq!(hello.memory_bytes, 1 << 28);
         assert_eq!(hello.gflops, 12.5);
+        assert_eq!(hello.max_buffer_bytes, Some(1 << 27));
         assert_eq!(
             rookery_proto::decode::<ToServer>(&heartbeat_frame(9).unwrap(), 64).unwrap(),
             ToServer::Heartbeat { seq: 9 }
         );
     }
 
-    fn frame(message: ToProvider) -> Vec<u8> {
-        rookery_proto::encode(&message).unwrap()
+    fn frame(message: &ToProvider) -> Vec<u8> {
+        rookery_proto::encode(message).unwrap()
     }
 
     #[test]
-    fn reactions_to_server_frames() {
+    fn reactions_to_server_messages() {
         assert_eq!(
-            react(&frame(ToProvider::Welcome {
+            react(ToProvider::Welcome {
                 provider_id: 4,
                 heartbeat_interval_ms: 2_000,
                 heartbeat_timeout_ms: 10_000,
-            })),
+            }),
             Reaction::Welcomed {
                 provider_id: 4,
                 heartbeat_interval_ms: 2_000
@@ -301,54 +329,100 @@ mod tests {
         );
         // A zero interval would make the heartbeat loop spin.
         assert_eq!(
-            react(&frame(ToProvider::Welcome {
+            react(ToProvider::Welcome {
                 provider_id: 4,
                 heartbeat_interval_ms: 0,
                 heartbeat_timeout_ms: 0,
-            })),
+            }),
             Reaction::Welcomed {
                 provider_id: 4,
                 heartbeat_interval_ms: MIN_HEARTBEAT_MS
             }
         );
-        assert_eq!(
-            react(&frame(ToProvider::Heartbeat { seq: 1 })),
-            Reaction::Ignore
-        );
+        assert_eq!(react(ToProvider::Heartbeat { seq: 1 }), Reaction::Ignore);
         // A link probe is answered at once, so the server can time the link.
         let probe = ToProvider::Probe {
             seq: 3,
             padding: vec![0; 64].into(),
         };
         assert_eq!(
-            react(&frame(probe)),
+            react(probe),
             Reaction::Answer(rookery_proto::encode(&ToServer::ProbeAck { seq: 3 }).unwrap())
         );
         assert!(matches!(
-            react(&frame(ToProvider::Error(ErrorMessage {
+            react(ToProvider::Error(ErrorMessage {
                 code: ErrorCode::VersionMismatch,
                 message: "server speaks 2".into(),
-            }))),
+            })),
             Reaction::GiveUp(text) if text.contains("server speaks 2")
         ));
         assert!(matches!(
-            react(&frame(ToProvider::Error(ErrorMessage {
+            react(ToProvider::Error(ErrorMessage {
                 code: ErrorCode::HeartbeatTimeout,
                 message: "too quiet".into(),
-            }))),
+            })),
             Reaction::Reconnect(text) if text.contains("too quiet")
         ));
-        assert!(matches!(react(&[0xff, 0xff]), Reaction::Reconnect(_)));
-        let Reaction::Answer(reply) =
-            react(&frame(ToProvider::UploadParams { job_id: 4, step: 1 }))
-        else {
-            panic!("a training request gets an answer");
-        };
-        assert!(matches!(
-            rookery_proto::decode::<ToServer>(&reply, 1 << 16),
-            Ok(ToServer::JobFailed { job_id: 4, .. })
-        ));
-        assert!(matches!(react(&[]), Reaction::Reconnect(_)));
+        // Training goes to the stage worker.
+        let upload = ToProvider::UploadParams { job_id: 4, step: 1 };
+        assert_eq!(react(upload.clone()), Reaction::Train(upload));
+    }
+
+    #[test]
+    fn the_inbox_puts_streamed_tensors_back_into_their_message_and_refuses_garbage() {
+        use rookery_proto::{Backward, WireDType, WireTensor};
+        let values: Vec<f32> = (0..40_000).map(|i| i as f32).collect();
+        let backward = ToProvider::Backward(Backward {
+            job_id: 1,
+            step: 2,
+            micro: 0,
+            grads: vec![WireTensor::from_f32(
+                "g",
+                &[40_000],
+                &values,
+                WireDType::F32,
+            )],
+        });
+        let frames = stream::encode_streamed(&backward).unwrap();
+        assert!(
+            frames.len() > 1,
+            "160 KB of gradients travel as payload frames"
+        );
+        let mut inbox = Inbox::default();
+        let mut whole = None;
+        for f in frames {
+            whole = inbox.push(f.to_vec()).unwrap();
+        }
+        assert_eq!(whole, Some(backward));
+        assert!(inbox.push(vec![0xff, 0xff]).is_err());
+        assert!(Inbox::default().push(Vec::new()).is_err());
+        assert_eq!(
+            Inbox::default()
+                .push(frame(&ToProvider::Heartbeat { seq: 2 }))
+                .unwrap(),
+            Some(ToProvider::Heartbeat { seq: 2 })
+        );
+        // Replies stream the same way.
+        let reply = ToServer::Gradients(rookery_proto::Gradients {
+            job_id: 1,
+            step: 2,
+            micro: 0,
+            grads: vec![WireTensor::from_f32(
+                "g",
+                &[40_000],
+                &values,
+                WireDType::F32,
+            )],
+            compute_ms: 1.0,
+        });
+        assert!(reply_frames(&reply).unwrap().len() > 1);
+    }
+
+    #[test]
+    fn the_cpu_fallback_measures_a_positive_speed() {
+        let start = std::time::Instant::now();
+        let gflops = measure_cpu_gflops(|| start.elapsed().as_secs_f64() * 1e3);
+        assert!(gflops > 0.0 && gflops.is_finite(), "{gflops}");
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub trait Device {
 
 /// Runs every kernel's CPU reference. Slow, exact to the references'
 /// precision, and available everywhere.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 pub struct CpuDevice;
 
 /// A [`CpuDevice`] buffer.
