@@ -208,3 +208,102 @@ fn two_clusters_with_sgd_match_the_reference_with_the_doubled_batch() {
     let job = job(dir.path(), MLP, &[12], 20 * 16, training);
     assert_same_losses(&job, 4, 20, 1e-5, true);
 }
+
+/// A browser tab on the Donate page trains one of three stages (our own
+/// kernels on WebGPU, SwiftShader in headless Chromium) beside two libtorch
+/// providers, to the single-process reference's losses step for step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_tab_trains_a_stage_beside_libtorch_ones_like_one_process() -> anyhow::Result<()>
+{
+    use std::time::{Duration, Instant};
+
+    use fantoccini::Locator;
+    use rookery_e2e::{Browser, Server, start_native_provider};
+    use rookery_proto::ProviderKind;
+    use rookery_server::client::Client;
+
+    let dir = tempfile::tempdir()?;
+    let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
+        optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 5";
+    let job_file = job(dir.path(), MLP, &[12], 20 * 16, training);
+    let server = Server::start(10_000)?;
+    let _root = start_native_provider(&server, "native-a")?;
+    let _leaf = start_native_provider(&server, "native-b")?;
+    let browser = Browser::start().await?;
+    browser.client.goto(&server.http_url("/donate")).await?;
+    browser
+        .client
+        .wait()
+        .at_most(Duration::from_secs(30))
+        .for_element(Locator::Css("#donate-start"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .wait_for_attr(
+            "#donate-status",
+            "data-state",
+            "connected",
+            Duration::from_secs(90),
+        )
+        .await?;
+    server
+        .wait_for_providers(
+            "two native and one browser provider, links measured",
+            Duration::from_secs(60),
+            |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
+        )
+        .await?;
+    let client = Client::new(&server.http_url(""), &server.api_token()?);
+    let id = client.submit(&job_file).await?.id;
+    let started = Instant::now();
+    let mut seen_training = false;
+    let job = loop {
+        let job = client.job(id).await?;
+        if matches!(job.status.as_str(), "completed" | "failed" | "cancelled") {
+            break job;
+        }
+        if !seen_training
+            && let Ok(status) = browser.client.find(Locator::Css("#donate-status")).await
+            && status.attr("data-state").await?.as_deref() == Some("training")
+        {
+            seen_training = true;
+            browser.screenshot("donate-training").await?;
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(300),
+            "the job did not finish in 5 minutes: {job:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(job.status, "completed", "{job:?}");
+    let plan = job.plan.as_ref().expect("a running job has a plan");
+    let browser_stages: Vec<_> = plan.clusters[0]
+        .stages
+        .iter()
+        .filter(|s| s.provider_kind == ProviderKind::Browser)
+        .collect();
+    assert_eq!(browser_stages.len(), 1, "{plan:?}");
+    assert!(
+        seen_training,
+        "the Donate page never showed the stage training"
+    );
+    let got: Vec<f64> = client
+        .metrics(id)
+        .await?
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect();
+    let want = reference_losses(&job_file);
+    assert_eq!(got.len(), want.len());
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(1e-12);
+        assert!(
+            rel < 1e-4,
+            "step {step}: with a browser {} stage {g}, reference {w} (relative {rel:e})",
+            browser_stages[0].role
+        );
+    }
+    Ok(())
+}
