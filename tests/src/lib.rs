@@ -79,6 +79,12 @@ impl Drop for Process {
     }
 }
 
+impl From<Child> for Process {
+    fn from(child: Child) -> Self {
+        Self(child)
+    }
+}
+
 /// A `rookery serve` process on a free loopback port with its own data dir.
 #[derive(Debug)]
 pub struct Server {

@@ -307,3 +307,48 @@ async fn a_browser_tab_trains_a_stage_beside_libtorch_ones_like_one_process() ->
     }
     Ok(())
 }
+
+/// `rookery-provider --backend wgpu` (our own kernels on the GPU wgpu finds:
+/// lavapipe here) trains a stage beside two libtorch providers, to the
+/// single-process reference's losses step for step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() -> anyhow::Result<()>
+{
+    use std::time::Duration;
+
+    use rookery_e2e::{Process, Server, provider_command, start_native_provider};
+    use rookery_server::client::Client;
+
+    let dir = tempfile::tempdir()?;
+    let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
+        optimizer = { name = \"sgd\", lr = 0.1, momentum = 0.9 }\nclusters = 1\nstages = 3\nseed = 7";
+    let job_file = job(dir.path(), MLP, &[12], 20 * 16, training);
+    let server = Server::start(10_000)?;
+    let _a = start_native_provider(&server, "torch-a")?;
+    let _b = start_native_provider(&server, "torch-b")?;
+    let _gpu = Process::from(
+        provider_command(&server, "wgpu", &["--backend", "wgpu"])?.spawn()?,
+    );
+    server
+        .wait_for_providers("three providers, links measured", Duration::from_secs(60), |all| {
+            all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some())
+        })
+        .await?;
+    let client = Client::new(&server.http_url(""), &server.api_token()?);
+    let id = client.submit(&job_file).await?.id;
+    let job = tokio::time::timeout(Duration::from_secs(300), client.watch(id)).await??;
+    assert_eq!(job.status, "completed", "{job:?}");
+    let plan = job.plan.as_ref().expect("a finished job keeps its plan");
+    assert!(
+        plan.clusters[0].stages.iter().any(|s| s.provider_name == "wgpu"),
+        "{plan:?}"
+    );
+    let got: Vec<f64> = client.metrics(id).await?.steps.iter().map(|s| s.loss).collect();
+    let want = reference_losses(&job_file);
+    assert_eq!(got.len(), want.len());
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(1e-12);
+        assert!(rel < 1e-4, "step {step}: {g}, reference {w} (relative {rel:e})");
+    }
+    Ok(())
+}
