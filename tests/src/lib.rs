@@ -347,15 +347,20 @@ pub struct Browser {
 
 impl Browser {
     pub async fn start() -> anyhow::Result<Self> {
-        Self::launch(None).await
+        Self::launch(None, true).await
     }
 
     /// A browser that saves downloads into `dir` without asking.
     pub async fn start_with_downloads(dir: &Path) -> anyhow::Result<Self> {
-        Self::launch(Some(dir)).await
+        Self::launch(Some(dir), true).await
     }
 
-    async fn launch(downloads: Option<&Path>) -> anyhow::Result<Self> {
+    /// A browser without WebGPU, as most browsers still are.
+    pub async fn start_without_webgpu() -> anyhow::Result<Self> {
+        Self::launch(None, false).await
+    }
+
+    async fn launch(downloads: Option<&Path>, webgpu: bool) -> anyhow::Result<Self> {
         let chromedriver =
             std::env::var("CHROMEDRIVER").unwrap_or_else(|_| "/usr/bin/chromedriver".into());
         let chromium =
@@ -372,7 +377,11 @@ impl Browser {
                 })?,
         );
         let profile = tempfile::tempdir()?;
-        let mut args: Vec<String> = CHROMIUM_FLAGS.iter().map(|f| f.to_string()).collect();
+        let mut args: Vec<String> = CHROMIUM_FLAGS
+            .iter()
+            .filter(|f| webgpu || !f.contains("webgpu"))
+            .map(|f| f.to_string())
+            .collect();
         args.push(format!("--user-data-dir={}", profile.path().display()));
         let mut capabilities = serde_json::Map::new();
         let mut options = serde_json::json!({ "binary": chromium, "args": args });

@@ -215,6 +215,18 @@ fn two_clusters_with_sgd_match_the_reference_with_the_doubled_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_tab_trains_a_stage_beside_libtorch_ones_like_one_process() -> anyhow::Result<()>
 {
+    browser_stage_matches_the_reference(true).await
+}
+
+/// A browser without WebGPU says so and donates its CPU instead: the
+/// kernels' references compiled to wasm train the stage just as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_without_webgpu_trains_a_stage_on_its_cpu_like_one_process() -> anyhow::Result<()>
+{
+    browser_stage_matches_the_reference(false).await
+}
+
+async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()> {
     use std::time::{Duration, Instant};
 
     use fantoccini::Locator;
@@ -229,7 +241,11 @@ async fn a_browser_tab_trains_a_stage_beside_libtorch_ones_like_one_process() ->
     let server = Server::start(10_000)?;
     let _root = start_native_provider(&server, "native-a")?;
     let _leaf = start_native_provider(&server, "native-b")?;
-    let browser = Browser::start().await?;
+    let browser = if webgpu {
+        Browser::start().await?
+    } else {
+        Browser::start_without_webgpu().await?
+    };
     browser.client.goto(&server.http_url("/donate")).await?;
     browser
         .client
@@ -247,13 +263,19 @@ async fn a_browser_tab_trains_a_stage_beside_libtorch_ones_like_one_process() ->
             Duration::from_secs(90),
         )
         .await?;
-    server
+    let providers = server
         .wait_for_providers(
             "two native and one browser provider, links measured",
             Duration::from_secs(60),
             |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
         )
         .await?;
+    let tab = providers
+        .iter()
+        .find(|p| p.kind == ProviderKind::Browser)
+        .expect("the tab joined");
+    // Without WebGPU the tab says it donates its CPU, here and on its page.
+    assert_eq!(tab.device.contains("CPU"), !webgpu, "{tab:?}");
     let client = Client::new(&server.http_url(""), &server.api_token()?);
     let id = client.submit(&job_file).await?.id;
     let started = Instant::now();
@@ -268,7 +290,12 @@ async fn a_browser_tab_trains_a_stage_beside_libtorch_ones_like_one_process() ->
             && status.attr("data-state").await?.as_deref() == Some("training")
         {
             seen_training = true;
-            browser.screenshot("donate-training").await?;
+            let name = if webgpu {
+                "donate-training"
+            } else {
+                "donate-training-cpu"
+            };
+            browser.screenshot(name).await?;
         }
         anyhow::ensure!(
             started.elapsed() < Duration::from_secs(300),
@@ -326,13 +353,13 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
     let server = Server::start(10_000)?;
     let _a = start_native_provider(&server, "torch-a")?;
     let _b = start_native_provider(&server, "torch-b")?;
-    let _gpu = Process::from(
-        provider_command(&server, "wgpu", &["--backend", "wgpu"])?.spawn()?,
-    );
+    let _gpu = Process::from(provider_command(&server, "wgpu", &["--backend", "wgpu"])?.spawn()?);
     server
-        .wait_for_providers("three providers, links measured", Duration::from_secs(60), |all| {
-            all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some())
-        })
+        .wait_for_providers(
+            "three providers, links measured",
+            Duration::from_secs(60),
+            |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
+        )
         .await?;
     let client = Client::new(&server.http_url(""), &server.api_token()?);
     let id = client.submit(&job_file).await?.id;
@@ -340,15 +367,27 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
     assert_eq!(job.status, "completed", "{job:?}");
     let plan = job.plan.as_ref().expect("a finished job keeps its plan");
     assert!(
-        plan.clusters[0].stages.iter().any(|s| s.provider_name == "wgpu"),
+        plan.clusters[0]
+            .stages
+            .iter()
+            .any(|s| s.provider_name == "wgpu"),
         "{plan:?}"
     );
-    let got: Vec<f64> = client.metrics(id).await?.steps.iter().map(|s| s.loss).collect();
+    let got: Vec<f64> = client
+        .metrics(id)
+        .await?
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect();
     let want = reference_losses(&job_file);
     assert_eq!(got.len(), want.len());
     for (step, (g, w)) in got.iter().zip(&want).enumerate() {
         let rel = (g - w).abs() / w.abs().max(1e-12);
-        assert!(rel < 1e-4, "step {step}: {g}, reference {w} (relative {rel:e})");
+        assert!(
+            rel < 1e-4,
+            "step {step}: {g}, reference {w} (relative {rel:e})"
+        );
     }
     Ok(())
 }
