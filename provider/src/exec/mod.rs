@@ -23,7 +23,8 @@ pub mod reference;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
-use rookery_model::{Analysis, DType, Graph, GraphError, Op, ParamKind};
+use rookery_model::layout::{self, LayoutError, LayoutParam, Source, StageLayout};
+use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
 use tch::{Device, Kind, Tensor};
 
 pub use loss::{LossOutput, micro_batch_loss};
@@ -72,6 +73,16 @@ pub enum ExecError {
     Torch(#[from] tch::TchError),
 }
 
+impl From<LayoutError> for ExecError {
+    fn from(error: LayoutError) -> Self {
+        match error {
+            LayoutError::Range { first, end, nodes } => ExecError::Range { first, end, nodes },
+            LayoutError::Input { name, reason } => ExecError::Input { name, reason },
+            LayoutError::Output { name, reason } => ExecError::Output { name, reason },
+        }
+    }
+}
+
 /// libtorch messages carry a C++ backtrace after the first lines; people need
 /// the message, not the frames.
 fn short(e: &tch::TchError) -> String {
@@ -100,14 +111,6 @@ pub struct Forward {
     /// The stage's outputs in constructor order, detached (the autograd graph
     /// stays inside the executor), on the stage's device.
     pub outputs: Vec<(String, Tensor)>,
-}
-
-/// Where a node reads a tensor from.
-#[derive(Debug, Clone, Copy)]
-enum Source {
-    Input(usize),
-    Param(usize),
-    Local(usize),
 }
 
 #[derive(Debug)]
@@ -170,36 +173,7 @@ pub struct StageExecutor {
 /// is the `outputs` argument of a stage `[first, end)`.
 pub fn stage_boundary(graph: &Graph, cut: usize) -> Result<Vec<String>, ExecError> {
     let analysis = graph.analyze()?;
-    Ok(boundary(graph, &analysis, cut))
-}
-
-fn boundary(graph: &Graph, analysis: &Analysis, cut: usize) -> Vec<String> {
-    let n = analysis.nodes.len();
-    let mut last_use: HashMap<&str, usize> = HashMap::new();
-    for (p, info) in analysis.nodes.iter().enumerate() {
-        for t in &graph.nodes[info.index].inputs {
-            let e = last_use.entry(t.as_str()).or_insert(p);
-            *e = (*e).max(p);
-        }
-    }
-    for o in &graph.outputs {
-        last_use.insert(o.as_str(), n);
-    }
-    let produced = graph.inputs.iter().map(|i| (i.name.as_str(), 0)).chain(
-        analysis
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(p, info)| (info.name.as_str(), p + 1)),
-    );
-    produced
-        .filter(|(name, from)| {
-            last_use
-                .get(name)
-                .is_some_and(|&to| *from <= cut && cut <= to)
-        })
-        .map(|(name, _)| name.to_string())
-        .collect()
+    Ok(layout::boundary(graph, &analysis, cut))
 }
 
 /// Builds CPU tensors for parameters given as flat values (e.g. from
@@ -271,78 +245,38 @@ impl StageExecutor {
         device: Device,
     ) -> Result<Self, ExecError> {
         let analysis = graph.analyze()?;
-        let n = analysis.nodes.len();
-        if range.start >= range.end || range.end > n {
-            return Err(ExecError::Range {
-                first: range.start,
-                end: range.end,
-                nodes: n,
-            });
-        }
         let mut given: HashMap<String, Tensor> = params.into_iter().collect();
-        let produced_at: HashMap<&str, usize> = analysis
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(p, info)| (info.name.as_str(), p))
-            .collect();
-        let mut builder = Builder {
-            graph,
-            analysis: &analysis,
-            produced_at: &produced_at,
-            first: range.start,
-            local: HashMap::new(),
-            inputs: Vec::new(),
-            params: Vec::new(),
-            device,
-            given: &mut given,
-        };
-        let mut nodes = Vec::with_capacity(range.len());
-        for (j, info) in analysis.nodes[range.clone()].iter().enumerate() {
-            let node = &graph.nodes[info.index];
+        let layout = StageLayout::new(graph, &analysis, range, &outputs)?;
+        let mut nodes = Vec::with_capacity(layout.nodes.len());
+        for node in layout.nodes {
             if !ops::supported(&node.op) {
                 return Err(ExecError::Unsupported {
                     node: node.name.clone(),
                     op: node.op.name().to_string(),
                 });
             }
-            let sources = node
-                .inputs
-                .iter()
-                .map(|t| builder.source(t))
-                .collect::<Result<Vec<_>, _>>()?;
             nodes.push(StageNode {
-                name: node.name.clone(),
-                op: node.op.clone(),
-                inputs: sources,
+                name: node.name,
+                op: node.op,
+                inputs: node.inputs,
             });
-            builder.local.insert(node.name.clone(), j);
         }
-        let mut outs = Vec::with_capacity(outputs.len());
-        for name in outputs {
-            let src = builder.output_source(&name, range.end)?;
-            if outs.iter().any(|(o, _)| *o == name) {
-                return Err(ExecError::Output {
-                    name,
-                    reason: "listed twice".into(),
-                });
-            }
-            outs.push((name, src));
-        }
-        let (inputs, params) = (builder.inputs, builder.params);
-        let mut last_use = vec![0usize; nodes.len()];
-        for (k, node) in nodes.iter().enumerate() {
-            for s in &node.inputs {
-                if let Source::Local(j) = s {
-                    last_use[*j] = last_use[*j].max(k);
-                }
-            }
-        }
-        for (_, s) in &outs {
-            if let Source::Local(j) = s {
-                last_use[*j] = usize::MAX;
-            }
-        }
+        let inputs = layout
+            .inputs
+            .into_iter()
+            .map(|i| StageInput {
+                name: i.name,
+                dtype: i.dtype,
+                rank: i.shape.len(),
+                requires_grad: i.requires_grad,
+            })
+            .collect();
+        let params = layout
+            .params
+            .into_iter()
+            .map(|p| stage_param(p, &mut given, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (outs, last_use) = (layout.outputs, layout.last_use);
         Ok(Self {
             device,
             nodes,
@@ -774,122 +708,44 @@ impl StageExecutor {
     }
 }
 
-/// Constructor state: resolves tensor names to sources, creating input and
-/// parameter slots on first use.
-struct Builder<'a> {
-    graph: &'a Graph,
-    analysis: &'a Analysis,
-    produced_at: &'a HashMap<&'a str, usize>,
-    first: usize,
-    local: HashMap<String, usize>,
-    inputs: Vec<StageInput>,
-    params: Vec<StageParam>,
+/// The stage's copy of parameter `p`, taken from the values `given`, on `device`.
+fn stage_param(
+    p: LayoutParam,
+    given: &mut HashMap<String, Tensor>,
     device: Device,
-    given: &'a mut HashMap<String, Tensor>,
-}
-
-impl Builder<'_> {
-    fn source(&mut self, name: &str) -> Result<Source, ExecError> {
-        if let Some(&j) = self.local.get(name) {
-            return Ok(Source::Local(j));
-        }
-        if let Some(i) = self.params.iter().position(|p| p.name == name) {
-            return Ok(Source::Param(i));
-        }
-        if let Some(p) = self.graph.param(name) {
-            let err = |reason: String| ExecError::Param {
-                name: name.to_string(),
-                reason,
-            };
-            let t = self
-                .given
-                .remove(name)
-                .ok_or_else(|| err("missing from the values given to the stage".into()))?;
-            let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
-            if t.size() != shape {
-                return Err(err(format!(
-                    "shape {:?} differs from the graph's {:?}",
-                    t.size(),
-                    p.shape
-                )));
-            }
-            if !dtype_matches(p.dtype, t.kind()) {
-                return Err(err(format!(
-                    "dtype {:?} for a {:?} parameter",
-                    t.kind(),
-                    p.dtype
-                )));
-            }
-            // A private copy: the optimizer and BatchNorm update it in place.
-            let mut t = t.f_detach()?.f_to_device(self.device)?.f_detach_copy()?;
-            if p.kind == ParamKind::Trainable {
-                t = t.f_set_requires_grad(true)?;
-            }
-            self.params.push(StageParam {
-                name: name.to_string(),
-                kind: p.kind,
-                dtype: p.dtype,
-                shape,
-                tensor: t,
-            });
-            return Ok(Source::Param(self.params.len() - 1));
-        }
-        self.input(name).map(Source::Input)
+) -> Result<StageParam, ExecError> {
+    let err = |reason: String| ExecError::Param {
+        name: p.name.clone(),
+        reason,
+    };
+    let t = given
+        .remove(&p.name)
+        .ok_or_else(|| err("missing from the values given to the stage".into()))?;
+    let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
+    if t.size() != shape {
+        return Err(err(format!(
+            "shape {:?} differs from the graph's {:?}",
+            t.size(),
+            p.shape
+        )));
     }
-
-    /// A tensor from before the stage: a graph input or an earlier node's output.
-    fn input(&mut self, name: &str) -> Result<usize, ExecError> {
-        if let Some(i) = self.inputs.iter().position(|i| i.name == name) {
-            return Ok(i);
-        }
-        let from_node = match self.produced_at.get(name) {
-            Some(&p) if p < self.first => true,
-            Some(_) => {
-                return Err(ExecError::Input {
-                    name: name.to_string(),
-                    reason: "produced by a node after the start of the stage".into(),
-                });
-            }
-            None if self.graph.inputs.iter().any(|i| i.name == name) => false,
-            None => {
-                return Err(ExecError::Input {
-                    name: name.to_string(),
-                    reason: "not a tensor of this graph".into(),
-                });
-            }
-        };
-        let info = self
-            .analysis
-            .tensors
-            .get(name)
-            .ok_or_else(|| ExecError::Input {
-                name: name.to_string(),
-                reason: "shape unknown".into(),
-            })?;
-        self.inputs.push(StageInput {
-            name: name.to_string(),
-            dtype: info.dtype,
-            rank: info.shape.len(),
-            requires_grad: from_node && info.dtype == DType::F32,
-        });
-        Ok(self.inputs.len() - 1)
+    if !dtype_matches(p.dtype, t.kind()) {
+        return Err(err(format!(
+            "dtype {:?} for a {:?} parameter",
+            t.kind(),
+            p.dtype
+        )));
     }
-
-    fn output_source(&mut self, name: &str, end: usize) -> Result<Source, ExecError> {
-        if let Some(&j) = self.local.get(name) {
-            return Ok(Source::Local(j));
-        }
-        let err = |reason: &str| ExecError::Output {
-            name: name.to_string(),
-            reason: reason.into(),
-        };
-        if self.graph.param(name).is_some() {
-            return Err(err("is a parameter; parameters do not leave a stage"));
-        }
-        match self.produced_at.get(name) {
-            Some(&p) if p >= end => Err(err("is produced by a later stage")),
-            // Produced before the stage (or a graph input): passed through.
-            _ => self.input(name).map(Source::Input),
-        }
+    // A private copy: the optimizer and BatchNorm update it in place.
+    let mut t = t.f_detach()?.f_to_device(device)?.f_detach_copy()?;
+    if p.kind == ParamKind::Trainable {
+        t = t.f_set_requires_grad(true)?;
     }
+    Ok(StageParam {
+        name: p.name,
+        kind: p.kind,
+        dtype: p.dtype,
+        shape,
+        tensor: t,
+    })
 }
