@@ -12,7 +12,9 @@ use rookery_shared::kernels::loss::{CrossEntropy, Mse};
 
 use crate::device::Device;
 use crate::executor::{MicroBatch, ParamOptimizerState, StageExecutor};
-use crate::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, from_wire};
+use rookery_proto::{ParamOptimState, WireDType};
+
+use crate::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, WorkerError};
 use crate::{HostTensor, StageError, optimizer_for};
 
 /// Builds [`StageExecutor`]s on one device, shared by every stage this
@@ -113,11 +115,8 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
 
 impl<D: Device> Backend for StageExecutor<D> {
     type MicroBatch = MicroBatch;
+    type Tensor = HostTensor;
     type Error = StageError;
-
-    fn input_names(&self) -> Vec<String> {
-        StageExecutor::input_names(self)
-    }
 
     fn param_names(&self) -> Vec<String> {
         StageExecutor::param_names(self)
@@ -126,6 +125,26 @@ impl<D: Device> Backend for StageExecutor<D> {
     fn set_step_seed(&mut self, _seed: u64) {
         // No op lowered yet draws random numbers (Dropout is refused when
         // the stage is built), so the seed has nothing to steer.
+    }
+
+    fn decode(&self, t: &WireTensor) -> Result<HostTensor, StageError> {
+        from_wire(t).map_err(|e| StageError::Input {
+            name: t.name.clone(),
+            reason: e.to_string(),
+        })
+    }
+
+    fn encode(
+        &self,
+        name: &str,
+        t: &HostTensor,
+        dtype: WireDType,
+    ) -> Result<WireTensor, StageError> {
+        Ok(WireTensor::from_f32(name, &t.shape, &t.data, dtype))
+    }
+
+    fn samples(&self, t: &HostTensor) -> Option<usize> {
+        t.shape.first().copied()
     }
 
     async fn forward(
@@ -155,16 +174,36 @@ impl<D: Device> Backend for StageExecutor<D> {
         StageExecutor::step(self).await
     }
 
-    async fn parameters(&mut self) -> Result<Vec<(String, HostTensor)>, StageError> {
-        StageExecutor::parameters(self).await
+    async fn parameters(&mut self) -> Result<Vec<WireTensor>, StageError> {
+        Ok(StageExecutor::parameters(self)
+            .await?
+            .iter()
+            .map(|(name, t)| WireTensor::from_f32(name, &t.shape, &t.data, WireDType::F32))
+            .collect())
     }
 
-    fn set_parameters(&mut self, values: &[(String, HostTensor)]) -> Result<(), StageError> {
-        StageExecutor::set_parameters(self, values)
+    fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), StageError> {
+        let values = values
+            .iter()
+            .map(|t| Ok((t.name.clone(), self.decode(t)?)))
+            .collect::<Result<Vec<_>, StageError>>()?;
+        StageExecutor::set_parameters(self, &values)
     }
 
-    async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimizerState>, StageError> {
-        StageExecutor::optimizer_state(self).await
+    async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, StageError> {
+        Ok(StageExecutor::optimizer_state(self)
+            .await?
+            .into_iter()
+            .map(|s| ParamOptimState {
+                name: s.name,
+                steps: s.steps,
+                slots: s
+                    .slots
+                    .iter()
+                    .map(|(slot, t)| WireTensor::from_f32(slot, &t.shape, &t.data, WireDType::F32))
+                    .collect(),
+            })
+            .collect())
     }
 
     fn leaf_loss(
@@ -173,7 +212,7 @@ impl<D: Device> Backend for StageExecutor<D> {
         y: &HostTensor,
         labels: &WireTensor,
         batch_size: usize,
-    ) -> Result<LeafLossValue, StageError> {
+    ) -> Result<LeafLossValue<HostTensor>, StageError> {
         let samples = y.shape.first().copied().unwrap_or(0);
         if samples == 0 || batch_size == 0 || samples > batch_size {
             return Err(StageError::Grad {
@@ -202,6 +241,14 @@ impl<D: Device> Backend for StageExecutor<D> {
         labels: &WireTensor,
     ) -> Result<f64, StageError> {
         Ok(f64::from(host_loss(loss, y, labels, 1.0)?.0))
+    }
+
+    fn correct(&self, y: &HostTensor, labels: &WireTensor) -> Result<u64, StageError> {
+        let labels = labels.to_i64().map_err(|e| StageError::Grad {
+            name: "labels".into(),
+            reason: e.to_string(),
+        })?;
+        Ok(count_correct(y, &labels))
     }
 }
 
@@ -255,5 +302,67 @@ fn host_loss(
             }
             Ok(Mse { len: y.data.len() }.reference(&y.data, &target.data, scale))
         }
+    }
+}
+
+/// Samples of `y` (`[N, C, inner..]` logits) whose first highest class is
+/// their label (`[N, inner..]`).
+pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
+    let (Some(&n), Some(&classes)) = (y.shape.first(), y.shape.get(1)) else {
+        return 0;
+    };
+    let inner: usize = y.shape.iter().skip(2).product();
+    if n * inner != labels.len() || classes == 0 {
+        return 0;
+    }
+    let mut hits = 0;
+    for row in 0..n * inner {
+        let base = (row / inner) * classes * inner + row % inner;
+        let mut best = 0;
+        for c in 1..classes {
+            if y.data[base + c * inner] > y.data[base + best * inner] {
+                best = c;
+            }
+        }
+        if labels[row] == best as i64 {
+            hits += 1;
+        }
+    }
+    hits
+}
+
+/// A host tensor from wire bytes: floats become f32 (checked finite);
+/// integer tensors are refused here (labels are read separately).
+pub fn from_wire(t: &WireTensor) -> Result<HostTensor, WorkerError> {
+    let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+    if !t.dtype.is_float() {
+        return Err(WorkerError(format!(
+            "tensor `{}` is {}, where floats are expected",
+            t.name,
+            t.dtype.as_str()
+        )));
+    }
+    let data = t.to_f32().map_err(|e| WorkerError(e.to_string()))?;
+    if let Some(index) = data.iter().position(|v| !v.is_finite()) {
+        return Err(WorkerError(format!(
+            "tensor `{}` holds a non-finite value at element {index}",
+            t.name
+        )));
+    }
+    Ok(HostTensor { shape, data })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn correct_counts_the_first_highest_logit() {
+        let y = HostTensor {
+            shape: vec![3, 3],
+            data: vec![0.1, 0.9, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 2.0],
+        };
+        assert_eq!(count_correct(&y, &[1, 0, 1]), 2);
+        assert_eq!(count_correct(&y, &[1, 1]), 0, "mismatched label count");
     }
 }

@@ -33,9 +33,6 @@ use rookery_proto::{
     ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType, WireTensor,
 };
 
-use crate::HostTensor;
-use crate::executor::ParamOptimizerState;
-
 /// The dropout seed of step `step` of a job seeded `job_seed`: every stage of
 /// every cluster derives its masks from it (and each sample's position in
 /// the step's batch), and so must any single-process reference run that is
@@ -62,62 +59,77 @@ pub struct StageSpec<'a> {
 }
 
 /// The loss of one micro-batch on the Leaf.
-pub struct LeafLossValue {
+pub struct LeafLossValue<T> {
     /// The micro-batch's own mean loss.
     pub mean: f64,
     /// The gradient of its share of the step's mean loss w.r.t. the output.
-    pub grad: HostTensor,
+    pub grad: T,
 }
 
-/// One stage's computation, as the worker drives it. Futures are awaited
-/// one at a time; a synchronous backend returns ready ones.
+/// One stage's computation, as the worker drives it: tensors in the
+/// backend's own form (`Tensor`), converted from and to the wire by the
+/// backend, so nothing is lost on the way (i64 buffers stay i64). Futures
+/// are awaited one at a time; a synchronous backend returns ready ones.
 pub trait Backend {
     type MicroBatch: Copy + std::fmt::Debug;
+    type Tensor;
     type Error: Display;
 
-    fn input_names(&self) -> Vec<String>;
     fn param_names(&self) -> Vec<String>;
     fn set_step_seed(&mut self, seed: u64);
+    /// A wire tensor as the backend's own, refusing non-finite floats.
+    fn decode(&self, t: &WireTensor) -> Result<Self::Tensor, Self::Error>;
+    /// Floats as `dtype`; integer tensors as i64.
+    fn encode(
+        &self,
+        name: &str,
+        t: &Self::Tensor,
+        dtype: WireDType,
+    ) -> Result<WireTensor, Self::Error>;
+    /// Dimension 0 (the batch), if the tensor has one.
+    fn samples(&self, t: &Self::Tensor) -> Option<usize>;
     /// A training forward of a micro-batch whose first sample is `offset` in
     /// the step's batch; keeps what backward needs.
+    #[allow(clippy::type_complexity)]
     fn forward(
         &mut self,
-        inputs: &[(String, HostTensor)],
+        inputs: &[(String, Self::Tensor)],
         offset: u64,
-    ) -> impl Future<Output = Result<(Self::MicroBatch, Vec<(String, HostTensor)>), Self::Error>>;
+    ) -> impl Future<Output = Result<(Self::MicroBatch, Vec<(String, Self::Tensor)>), Self::Error>>;
     fn evaluate(
         &mut self,
-        inputs: &[(String, HostTensor)],
-    ) -> impl Future<Output = Result<Vec<(String, HostTensor)>, Self::Error>>;
+        inputs: &[(String, Self::Tensor)],
+    ) -> impl Future<Output = Result<Vec<(String, Self::Tensor)>, Self::Error>>;
     fn backward(
         &mut self,
         micro_batch: Self::MicroBatch,
-        grads: &[(String, HostTensor)],
-    ) -> impl Future<Output = Result<Vec<(String, HostTensor)>, Self::Error>>;
+        grads: &[(String, Self::Tensor)],
+    ) -> impl Future<Output = Result<Vec<(String, Self::Tensor)>, Self::Error>>;
     fn step(&mut self) -> impl Future<Output = Result<(), Self::Error>>;
-    fn parameters(
-        &mut self,
-    ) -> impl Future<Output = Result<Vec<(String, HostTensor)>, Self::Error>>;
-    fn set_parameters(&mut self, values: &[(String, HostTensor)]) -> Result<(), Self::Error>;
+    /// Every parameter and buffer, floats as f32.
+    fn parameters(&mut self) -> impl Future<Output = Result<Vec<WireTensor>, Self::Error>>;
+    fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), Self::Error>;
     fn optimizer_state(
         &mut self,
-    ) -> impl Future<Output = Result<Vec<ParamOptimizerState>, Self::Error>>;
+    ) -> impl Future<Output = Result<Vec<ParamOptimState>, Self::Error>>;
     /// The Leaf's loss of output `y` against `labels` in a step of
     /// `batch_size` samples.
     fn leaf_loss(
         &self,
         loss: Loss,
-        y: &HostTensor,
+        y: &Self::Tensor,
         labels: &WireTensor,
         batch_size: usize,
-    ) -> Result<LeafLossValue, Self::Error>;
+    ) -> Result<LeafLossValue<Self::Tensor>, Self::Error>;
     /// The mean loss of an evaluation micro-batch.
     fn loss_value(
         &self,
         loss: Loss,
-        y: &HostTensor,
+        y: &Self::Tensor,
         labels: &WireTensor,
     ) -> Result<f64, Self::Error>;
+    /// Samples whose highest logit (the first, on ties) is their label.
+    fn correct(&self, y: &Self::Tensor, labels: &WireTensor) -> Result<u64, Self::Error>;
 }
 
 /// Builds backends for assignments.
@@ -289,7 +301,7 @@ fn describe(message: &ToProvider) -> String {
 
 /// Why a message could not be carried out; its text goes into `JobFailed`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct WorkerError(String);
+pub struct WorkerError(pub(crate) String);
 
 impl Display for WorkerError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -422,35 +434,13 @@ impl<B: Backend> Stage<B> {
                 // The optimizer state goes first: the server's sync is over
                 // once every stage's parameters are in, and its checkpoint
                 // needs both.
-                let params = self
-                    .exec
-                    .optimizer_state()
-                    .await
-                    .map_err(backend)?
-                    .into_iter()
-                    .map(|s| ParamOptimState {
-                        name: s.name,
-                        steps: s.steps,
-                        slots: s
-                            .slots
-                            .iter()
-                            .map(|(slot, t)| to_wire(slot, t, WireDType::F32))
-                            .collect(),
-                    })
-                    .collect();
+                let params = self.exec.optimizer_state().await.map_err(backend)?;
                 out.push(ToServer::OptimizerState(OptimizerState {
                     job_id,
                     step,
                     params,
                 }));
-                let params = self
-                    .exec
-                    .parameters()
-                    .await
-                    .map_err(backend)?
-                    .iter()
-                    .map(|(name, t)| to_wire(name, t, WireDType::F32))
-                    .collect();
+                let params = self.exec.parameters().await.map_err(backend)?;
                 out.push(ToServer::Params(ParamSet {
                     job_id,
                     step,
@@ -524,7 +514,7 @@ impl<B: Backend> Stage<B> {
         out: &mut Vec<ToServer>,
     ) -> Result<(), WorkerError> {
         let started = Clock::now();
-        let inputs = from_wire_all(&f.inputs)?;
+        let inputs = self.decode_all(&f.inputs)?;
         let state = self.begin_step(step, f.step_samples)?;
         let micro = f.micro;
         if micro >= state.count {
@@ -540,12 +530,13 @@ impl<B: Backend> Stage<B> {
         }
         let offset = micro * state.chunk;
         let expected = state.chunk.min(state.samples - offset);
+        let (samples, chunk) = (state.samples, state.chunk);
         if let Some((name, t)) = inputs.first()
-            && t.shape.first().is_some_and(|&b| b != expected as usize)
+            && let Some(held) = self.exec.samples(t)
+            && held != expected as usize
         {
             return Err(protocol(format!(
-                "input `{name}` holds {} samples, but micro-batch {micro} of a step of {} samples in chunks of {} holds {expected}",
-                t.shape[0], state.samples, state.chunk
+                "input `{name}` holds {held} samples, but micro-batch {micro} of a step of {samples} samples in chunks of {chunk} holds {expected}"
             )));
         }
         let (micro_batch, outputs) = self
@@ -554,7 +545,7 @@ impl<B: Backend> Stage<B> {
             .await
             .map_err(backend)?;
         let Some(output) = self.leaf_output.clone() else {
-            let outputs = to_wire_all(&outputs, self.wire_dtype);
+            let outputs = self.encode_all(&outputs)?;
             let compute_ms = started.elapsed_ms();
             if let Some(state) = self.step.as_mut() {
                 state.in_flight.insert(micro, micro_batch);
@@ -578,7 +569,7 @@ impl<B: Backend> Stage<B> {
             .exec
             .leaf_loss(self.loss, y, labels, f.step_samples as usize)
             .map_err(backend)?;
-        let samples = y.shape.first().copied().unwrap_or(0);
+        let samples = self.exec.samples(y).unwrap_or(0);
         out.push(ToServer::LeafLoss(LeafLoss {
             job_id: self.job_id,
             phase: f.phase,
@@ -620,7 +611,7 @@ impl<B: Backend> Stage<B> {
                 state.in_flight.keys().collect::<Vec<_>>()
             ))
         })?;
-        let grads = from_wire_all(&b.grads)?;
+        let grads = self.decode_all(&b.grads)?;
         let grads = self
             .exec
             .backward(micro_batch, &grads)
@@ -636,7 +627,7 @@ impl<B: Backend> Stage<B> {
         &mut self,
         step: u64,
         micro: u32,
-        grads: Vec<(String, HostTensor)>,
+        grads: Vec<(String, B::Tensor)>,
         started: Clock,
         out: &mut Vec<ToServer>,
     ) -> Result<(), WorkerError> {
@@ -646,7 +637,7 @@ impl<B: Backend> Stage<B> {
                 job_id: self.job_id,
                 step,
                 micro,
-                grads: to_wire_all(&grads, self.wire_dtype),
+                grads: self.encode_all(&grads)?,
                 compute_ms: started.elapsed_ms(),
             }));
         }
@@ -677,14 +668,14 @@ impl<B: Backend> Stage<B> {
         out: &mut Vec<ToServer>,
     ) -> Result<(), WorkerError> {
         let started = Clock::now();
-        let inputs = from_wire_all(&f.inputs)?;
+        let inputs = self.decode_all(&f.inputs)?;
         let outputs = self.exec.evaluate(&inputs).await.map_err(backend)?;
         let Some(output) = &self.leaf_output else {
             out.push(ToServer::Activations(Activations {
                 job_id: self.job_id,
                 phase: f.phase,
                 micro: f.micro,
-                outputs: to_wire_all(&outputs, self.wire_dtype),
+                outputs: self.encode_all(&outputs)?,
                 compute_ms: started.elapsed_ms(),
             }));
             return Ok(());
@@ -698,7 +689,7 @@ impl<B: Backend> Stage<B> {
             .exec
             .loss_value(self.loss, y, labels)
             .map_err(backend)?;
-        let samples = y.shape.first().copied().unwrap_or(0);
+        let samples = self.exec.samples(y).unwrap_or(0);
         out.push(ToServer::LeafLoss(LeafLoss {
             job_id: self.job_id,
             phase: f.phase,
@@ -710,14 +701,26 @@ impl<B: Backend> Stage<B> {
         Ok(())
     }
 
-    /// Samples whose highest logit (the first one, on ties, as torch's
-    /// argmax) is their label; 0 for regression.
-    fn correct(&self, y: &HostTensor, labels: &WireTensor) -> Result<u64, WorkerError> {
+    /// Samples whose highest logit is their label; 0 for regression.
+    fn correct(&self, y: &B::Tensor, labels: &WireTensor) -> Result<u64, WorkerError> {
         if self.loss != Loss::CrossEntropy {
             return Ok(0);
         }
-        let labels = labels.to_i64().map_err(backend)?;
-        Ok(count_correct(y, &labels))
+        self.exec.correct(y, labels).map_err(backend)
+    }
+
+    fn decode_all(&self, tensors: &[WireTensor]) -> Result<Vec<(String, B::Tensor)>, WorkerError> {
+        tensors
+            .iter()
+            .map(|t| Ok((t.name.clone(), self.exec.decode(t).map_err(backend)?)))
+            .collect()
+    }
+
+    fn encode_all(&self, tensors: &[(String, B::Tensor)]) -> Result<Vec<WireTensor>, WorkerError> {
+        tensors
+            .iter()
+            .map(|(name, t)| self.exec.encode(name, t, self.wire_dtype).map_err(backend))
+            .collect()
     }
 
     fn set_params(&mut self, p: &ParamSet) -> Result<(), WorkerError> {
@@ -735,85 +738,16 @@ impl<B: Backend> Stage<B> {
                 "{unknown:?} are not parameters of this stage (it has {known:?})"
             )));
         }
-        let values = from_wire_all(&p.params)?;
-        self.exec.set_parameters(&values).map_err(backend)
+        self.exec.set_parameters(&p.params).map_err(backend)
     }
 }
 
-/// Samples of `y` (`[N, C, inner..]` logits) whose first highest class is
-/// their label (`[N, inner..]`).
-pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
-    let (Some(&n), Some(&classes)) = (y.shape.first(), y.shape.get(1)) else {
-        return 0;
-    };
-    let inner: usize = y.shape.iter().skip(2).product();
-    if n * inner != labels.len() || classes == 0 {
-        return 0;
-    }
-    let mut hits = 0;
-    for row in 0..n * inner {
-        let base = (row / inner) * classes * inner + row % inner;
-        let mut best = 0;
-        for c in 1..classes {
-            if y.data[base + c * inner] > y.data[base + best * inner] {
-                best = c;
-            }
-        }
-        if labels[row] == best as i64 {
-            hits += 1;
-        }
-    }
-    hits
-}
-
-fn single_output<'a>(
-    outputs: &'a [(String, HostTensor)],
-    name: &str,
-) -> Result<&'a HostTensor, WorkerError> {
+fn single_output<'a, T>(outputs: &'a [(String, T)], name: &str) -> Result<&'a T, WorkerError> {
     outputs
         .iter()
         .find(|(n, _)| n == name)
         .map(|(_, t)| t)
         .ok_or_else(|| protocol(format!("the stage did not produce its output `{name}`")))
-}
-
-/// A host tensor from wire bytes: floats become f32 (checked finite);
-/// integer tensors are refused here (labels are read separately).
-pub fn from_wire(t: &WireTensor) -> Result<HostTensor, WorkerError> {
-    let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
-    if !t.dtype.is_float() {
-        return Err(protocol(format!(
-            "tensor `{}` is {}, where floats are expected",
-            t.name,
-            t.dtype.as_str()
-        )));
-    }
-    let data = t.to_f32().map_err(backend)?;
-    if let Some(index) = data.iter().position(|v| !v.is_finite()) {
-        return Err(protocol(format!(
-            "tensor `{}` holds a non-finite value at element {index}",
-            t.name
-        )));
-    }
-    Ok(HostTensor { shape, data })
-}
-
-fn from_wire_all(tensors: &[WireTensor]) -> Result<Vec<(String, HostTensor)>, WorkerError> {
-    tensors
-        .iter()
-        .map(|t| Ok((t.name.clone(), from_wire(t)?)))
-        .collect()
-}
-
-fn to_wire(name: &str, t: &HostTensor, dtype: WireDType) -> WireTensor {
-    WireTensor::from_f32(name, &t.shape, &t.data, dtype)
-}
-
-fn to_wire_all(tensors: &[(String, HostTensor)], dtype: WireDType) -> Vec<WireTensor> {
-    tensors
-        .iter()
-        .map(|(name, t)| to_wire(name, t, dtype))
-        .collect()
 }
 
 /// Milliseconds of compute, natively and in a browser (where
@@ -857,15 +791,5 @@ mod tests {
             .flat_map(|job| (0..100).map(move |step| step_seed(job, step)))
             .collect();
         assert_eq!(seeds.len(), 400);
-    }
-
-    #[test]
-    fn correct_counts_the_first_highest_logit() {
-        let y = HostTensor {
-            shape: vec![3, 3],
-            data: vec![0.1, 0.9, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 2.0],
-        };
-        assert_eq!(count_correct(&y, &[1, 0, 1]), 2);
-        assert_eq!(count_correct(&y, &[1, 1]), 0, "mismatched label count");
     }
 }
