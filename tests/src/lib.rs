@@ -414,6 +414,26 @@ impl Browser {
         })
     }
 
+    /// Opens `server`'s Donate page, presses the button and waits until the
+    /// server has welcomed the tab.
+    pub async fn start_donating(&self, server: &Server) -> anyhow::Result<()> {
+        self.client.goto(&server.http_url("/donate")).await?;
+        self.client
+            .wait()
+            .at_most(Duration::from_secs(30))
+            .for_element(fantoccini::Locator::Css("#donate-start"))
+            .await?
+            .click()
+            .await?;
+        self.wait_for_attr(
+            "#donate-status",
+            "data-state",
+            "connected",
+            Duration::from_secs(90),
+        )
+        .await
+    }
+
     /// Saves a PNG of the current page under `target/screenshots/`.
     pub async fn screenshot(&self, name: &str) -> anyhow::Result<PathBuf> {
         let png = self.client.screenshot().await?;

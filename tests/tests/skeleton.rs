@@ -24,23 +24,7 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
     let mut native = start_native_provider(&server, "e2e-native")?;
 
     let browser = Browser::start().await?;
-    browser.client.goto(&server.http_url("/donate")).await?;
-    browser
-        .client
-        .wait()
-        .at_most(Duration::from_secs(30))
-        .for_element(Locator::Css("#donate-start"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .wait_for_attr(
-            "#donate-status",
-            "data-state",
-            "connected",
-            Duration::from_secs(90),
-        )
-        .await?;
+    browser.start_donating(&server).await?;
     browser.screenshot("donate").await?;
 
     let providers = server

@@ -246,23 +246,7 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
     } else {
         Browser::start_without_webgpu().await?
     };
-    browser.client.goto(&server.http_url("/donate")).await?;
-    browser
-        .client
-        .wait()
-        .at_most(Duration::from_secs(30))
-        .for_element(Locator::Css("#donate-start"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .wait_for_attr(
-            "#donate-status",
-            "data-state",
-            "connected",
-            Duration::from_secs(90),
-        )
-        .await?;
+    browser.start_donating(&server).await?;
     let providers = server
         .wait_for_providers(
             "two native and one browser provider, links measured",

@@ -10,6 +10,10 @@ use std::sync::Mutex;
 use crate::StageError;
 use crate::kernel::Kernel;
 
+/// A kernel with what its device prepared for it and its buffers, in binding
+/// order: one entry of [`Device::run`].
+pub type BoundCall<'a, P, B> = (&'a Kernel, &'a P, Vec<&'a B>);
+
 /// A place to keep tensors and run [`Kernel`]s on them. Buffers hold 32-bit
 /// words (f32 values, u32 labels and uniforms).
 pub trait Device {
@@ -33,7 +37,7 @@ pub trait Device {
     /// Runs `calls` in order, each seeing the writes of those before it.
     fn run(
         &self,
-        calls: &[(&Kernel, &Self::Prepared, Vec<&Self::Buffer>)],
+        calls: &[BoundCall<'_, Self::Prepared, Self::Buffer>],
     ) -> impl Future<Output = Result<(), StageError>>;
 
     fn read_f32(&self, buffer: &Self::Buffer)
@@ -97,7 +101,7 @@ impl Device for CpuDevice {
 
     fn prepare(&self, _kernel: &Kernel) {}
 
-    async fn run(&self, calls: &[(&Kernel, &(), Vec<&CpuBuffer>)]) -> Result<(), StageError> {
+    async fn run(&self, calls: &[BoundCall<'_, (), CpuBuffer>]) -> Result<(), StageError> {
         for (kernel, (), buffers) in calls {
             let mut words: Vec<Vec<u32>> = buffers.iter().map(|b| b.words()).collect();
             kernel.cpu(&mut words);
@@ -120,7 +124,7 @@ pub use gpu::GpuDevice;
 mod gpu {
     use rookery_shared::kernels::{GpuBuffer, GpuContext, KernelSpec};
 
-    use super::Device;
+    use super::{BoundCall, Device};
     use crate::StageError;
     use crate::kernel::Kernel;
 
@@ -175,7 +179,7 @@ mod gpu {
 
         async fn run(
             &self,
-            calls: &[(&Kernel, &KernelSpec, Vec<&GpuBuffer>)],
+            calls: &[BoundCall<'_, KernelSpec, GpuBuffer>],
         ) -> Result<(), StageError> {
             if calls.is_empty() {
                 return Ok(());

@@ -17,7 +17,7 @@ use rookery_model::{DType, Graph, ParamKind, Source, StageLayout};
 use rookery_shared::kernels::optim::Optimizer;
 use rookery_shared::kernels::spec::numel;
 
-use crate::device::Device;
+use crate::device::{BoundCall, Device};
 use crate::kernel::Kernel;
 use crate::program::{Buf, Program, lower};
 use crate::{HostTensor, StageError};
@@ -42,6 +42,9 @@ impl MicroBatch {
         self.0
     }
 }
+
+/// The calls of a pass with their buffers bound.
+type BoundCalls<'a, D> = Vec<BoundCall<'a, <D as Device>::Prepared, <D as Device>::Buffer>>;
 
 struct ParamState<B> {
     value: B,
@@ -679,7 +682,7 @@ impl<D: Device> StageExecutor<D> {
         calls: &'a [crate::program::Call<D::Prepared>],
         batch: usize,
         acts: Option<&'a Activations<D::Buffer>>,
-    ) -> Result<Vec<(&'a Kernel, &'a D::Prepared, Vec<&'a D::Buffer>)>, StageError> {
+    ) -> Result<BoundCalls<'a, D>, StageError> {
         let scratch = self.scratch.get(&batch);
         let missing = || StageError::Internal("a buffer was bound before it was made".into());
         calls

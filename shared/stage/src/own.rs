@@ -10,7 +10,7 @@ use rookery_model::Loss;
 use rookery_proto::WireTensor;
 use rookery_shared::kernels::loss::{CrossEntropy, Mse};
 
-use crate::device::Device;
+use crate::device::{BoundCall, Device};
 use crate::executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 use rookery_proto::{ParamOptimState, WireDType};
 
@@ -61,7 +61,7 @@ impl<D: Device> Device for Arc<D> {
 
     async fn run(
         &self,
-        calls: &[(&crate::Kernel, &Self::Prepared, Vec<&Self::Buffer>)],
+        calls: &[BoundCall<'_, Self::Prepared, Self::Buffer>],
     ) -> Result<(), StageError> {
         (**self).run(calls).await
     }
@@ -316,7 +316,7 @@ pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
         return 0;
     }
     let mut hits = 0;
-    for row in 0..n * inner {
+    for (row, &label) in labels.iter().enumerate() {
         let base = (row / inner) * classes * inner + row % inner;
         let mut best = 0;
         for c in 1..classes {
@@ -324,7 +324,7 @@ pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
                 best = c;
             }
         }
-        if labels[row] == best as i64 {
+        if label == best as i64 {
             hits += 1;
         }
     }
