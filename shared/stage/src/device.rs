@@ -66,14 +66,12 @@ impl CpuBuffer {
 }
 
 impl CpuDevice {
+    /// Overwrites the start of `buffer`, as a GPU queue write does.
     fn write_words(buffer: &CpuBuffer, data: impl Iterator<Item = u32>) -> Result<(), StageError> {
         let mut words = buffer.words();
-        let mut written = 0;
         for (slot, w) in words.iter_mut().zip(data) {
             *slot = w;
-            written += 1;
         }
-        let _ = written;
         buffer.set(words);
         Ok(())
     }
