@@ -13,10 +13,10 @@ mod exec_common;
 use std::collections::BTreeMap;
 
 use exec_common::*;
-use rookery_model::{Graph, OptimizerConfig, from_toml};
+use rookery_model::{Graph, Init, Op, OptimizerConfig, from_toml};
 use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor, optimizer_for};
-use tch::{Device as TorchDevice, Tensor};
+use tch::{Device as TorchDevice, Kind, Tensor};
 
 const MLP: &str = r#"
 input_shape = [6]
@@ -32,6 +32,73 @@ activation = "tanh"
 type = "Dense"
 units = 8
 activation = "sigmoid"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// LayerNorm (with weight and bias), Softmax over features, LogSoftmax.
+const NORMED_MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 12
+[[layers]]
+type = "LayerNormalization"
+[[layers]]
+type = "Activation"
+name = "gelu"
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "softmax"
+[[layers]]
+type = "Dense"
+units = 5
+[[layers]]
+type = "Activation"
+name = "log_softmax"
+"#;
+
+/// Grouped, strided and dilated convolutions, padded max and average
+/// pooling, and a global average pool.
+const CNN: &str = r#"
+input_shape = [2, 9, 9]
+[[layers]]
+type = "Conv2D"
+filters = 4
+kernel_size = 3
+padding = 1
+activation = "relu"
+[[layers]]
+type = "MaxPooling2D"
+pool_size = 3
+stride = 2
+padding = 1
+[[layers]]
+type = "Conv2D"
+filters = 6
+kernel_size = [2, 3]
+stride = [1, 2]
+dilation = 2
+padding = [1, 2]
+groups = 2
+[[layers]]
+type = "AveragePooling2D"
+pool_size = 2
+stride = 1
+padding = 1
+[[layers]]
+type = "Conv2D"
+filters = 3
+kernel_size = 1
+bias = false
+[[layers]]
+type = "GlobalAveragePooling2D"
+[[layers]]
+type = "Flatten"
 [[layers]]
 type = "Dense"
 units = 4
@@ -211,6 +278,74 @@ fn mlp_stages_on_the_cpu_references_match_libtorch_step_for_step() {
     let graph = from_toml(MLP).unwrap();
     let n = graph.analyze().unwrap().nodes.len();
     for (range, config) in [(2..5, adam()), (0..n, sgd_momentum())] {
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn layer_norm_and_softmax_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(NORMED_MLP).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [(0..3, adam()), (1..5, sgd_momentum()), (0..n, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+/// x [B, 4, 6] -> t = Transpose(0, 2, 1) -> a = Linear(t) -> c = Concat(t,
+/// a; axis 1) -> n = LayerNorm(c) without weight or bias -> s =
+/// Softmax(n; axis 1) -> out = Linear(s): `t` gets two gradient
+/// contributions, one through the concatenation.
+fn shuffled() -> Graph {
+    let x = Tensor::zeros([1, 4, 6], (Kind::Float, TorchDevice::Cpu));
+    let w = |name: &str, o: usize, i: usize| {
+        let mut p = param(name, &[o, i], vec![0.0; o * i]);
+        p.init = Init::torch_weight(i);
+        p
+    };
+    Graph {
+        inputs: vec![input("x", &x)],
+        params: vec![w("a.w", 4, 4), w("out.w", 3, 4)],
+        nodes: vec![
+            node(
+                "t",
+                Op::Transpose {
+                    perm: vec![0, 2, 1],
+                },
+                &["x"],
+            ),
+            node("a", Op::Linear, &["t", "a.w"]),
+            node("c", Op::Concat { axis: 1 }, &["t", "a"]),
+            node(
+                "n",
+                Op::LayerNorm {
+                    axis: -1,
+                    eps: 1e-5,
+                },
+                &["c"],
+            ),
+            node("s", Op::Softmax { axis: 1 }, &["n"]),
+            node("out", Op::Linear, &["s", "out.w"]),
+        ],
+        outputs: vec!["out".into()],
+    }
+}
+
+#[test]
+fn transpose_concat_and_bare_layer_norm_stages_match_libtorch() {
+    let graph = shuffled();
+    for (range, config) in [(0..6, adam()), (2..5, sgd_momentum()), (1..4, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn conv_and_pooling_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(CNN).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [(0..4, adam()), (3..7, sgd_momentum()), (0..n, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
         same_as_torch(CpuDevice, &graph, range, config);
     }
 }

@@ -60,6 +60,7 @@ struct ParamState<B> {
 struct Activations<B> {
     inputs: Vec<B>,
     locals: Vec<B>,
+    saved: Vec<B>,
 }
 
 struct Scratch<B> {
@@ -645,6 +646,11 @@ impl<D: Device> StageExecutor<D> {
         Ok(Activations {
             inputs: alloc(&program.input_shapes)?,
             locals: alloc(&program.local_shapes)?,
+            saved: program
+                .saved_lens
+                .iter()
+                .map(|&n| self.device.alloc(n))
+                .collect::<Result<Vec<_>, _>>()?,
         })
     }
 
@@ -703,6 +709,7 @@ impl<D: Device> StageExecutor<D> {
                                 &scratch.ok_or_else(missing)?.local_grads[j]
                             }
                             Buf::Temp(t) => &scratch.ok_or_else(missing)?.temps[t],
+                            Buf::Saved(s) => &acts.ok_or_else(missing)?.saved[s],
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
