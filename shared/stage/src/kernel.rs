@@ -8,9 +8,10 @@
 
 use rookery_shared::kernels::KernelSpec;
 use rookery_shared::kernels::conv::Conv2d;
+use rookery_shared::kernels::dropout::DropoutMask;
 use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_shared::kernels::gemm::{Linear, MatMul, sum_to_shape};
-use rookery_shared::kernels::norm::LayerNorm;
+use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
 use rookery_shared::kernels::optim::Optimizer;
 use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_shared::kernels::reduce::Softmax;
@@ -87,6 +88,15 @@ pub enum Kernel {
     GlobalAvgPool(GlobalAvgPool),
     /// `dy`, `dx`.
     GlobalAvgPoolBackward(GlobalAvgPool),
+    /// `x`, `w`, `b`, `running_mean`, `running_var`, `y`, `save_mean`,
+    /// `save_rstd`: batch statistics, running ones updated in place.
+    BatchNormTrain(BatchNorm),
+    /// `x`, `w`, `b`, `running_mean`, `running_var`, `y`.
+    BatchNormEval(BatchNorm),
+    /// `x`, `w`, `save_mean`, `save_rstd`, `dy`, `dx`, `dw`, `db`.
+    BatchNormBackward(BatchNorm),
+    /// `args` (u32 key and first index), `x`, `y`, `noise`.
+    Dropout(DropoutMask),
     /// `u` (the uniform of `step`), `param`, `grad`, then the optimizer's
     /// state buffers. `step` is 1 for a parameter's first update.
     OptimizerStep {
@@ -159,6 +169,10 @@ impl Kernel {
             Kernel::AvgPoolBackward(p) => p.avg_backward(),
             Kernel::GlobalAvgPool(g) => g.forward(),
             Kernel::GlobalAvgPoolBackward(g) => g.backward(),
+            Kernel::BatchNormTrain(b) => b.forward_train(),
+            Kernel::BatchNormEval(b) => b.forward_eval(),
+            Kernel::BatchNormBackward(b) => b.backward_train(),
+            Kernel::Dropout(d) => d.forward(),
         }
     }
 
@@ -402,8 +416,72 @@ impl Kernel {
                 let (_, dx) = g.reference(&zeros(g.planes * g.spatial), &f(&buffers[0]));
                 store(&mut buffers[1], &dx);
             }
+            Kernel::BatchNormTrain(b) => {
+                let x = f(&buffers[0]);
+                let (rm, rv) = (f(&buffers[3]), f(&buffers[4]));
+                let (y, rm, rv, ..) = b.reference_train(
+                    &x,
+                    &f(&buffers[1]),
+                    &f(&buffers[2]),
+                    (&rm, &rv),
+                    &zeros(x.len()),
+                );
+                let (mean, rstd) = channel_stats(b, &x);
+                store(&mut buffers[3], &rm);
+                store(&mut buffers[4], &rv);
+                store(&mut buffers[5], &y);
+                store(&mut buffers[6], &mean);
+                store(&mut buffers[7], &rstd);
+            }
+            Kernel::BatchNormEval(b) => {
+                let (rm, rv) = (f(&buffers[3]), f(&buffers[4]));
+                let y = b.reference_eval(
+                    &f(&buffers[0]),
+                    &f(&buffers[1]),
+                    &f(&buffers[2]),
+                    (&rm, &rv),
+                );
+                store(&mut buffers[5], &y);
+            }
+            // Recomputes the batch statistics from `x`, as the reference does.
+            Kernel::BatchNormBackward(b) => {
+                let ch = zeros(b.channels);
+                let (.., dx, dw, db) = b.reference_train(
+                    &f(&buffers[0]),
+                    &f(&buffers[1]),
+                    &ch,
+                    (&ch, &ch),
+                    &f(&buffers[4]),
+                );
+                store(&mut buffers[5], &dx);
+                store(&mut buffers[6], &dw);
+                store(&mut buffers[7], &db);
+            }
+            Kernel::Dropout(d) => {
+                let args = [buffers[0][0], buffers[0][1], buffers[0][2], buffers[0][3]];
+                let (y, noise) = d.reference(args, &f(&buffers[1]));
+                store(&mut buffers[2], &y);
+                store(&mut buffers[3], &noise);
+            }
         }
     }
+}
+
+/// Per-channel batch mean and `1 / sqrt(var + eps)` (biased variance), as
+/// the BatchNorm training forward saves them.
+fn channel_stats(b: &BatchNorm, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (ch, sp) = (b.channels, b.spatial);
+    let m = (b.n * sp) as f64;
+    (0..ch)
+        .map(|c| {
+            let vals: Vec<f64> = (0..b.n * sp)
+                .map(|j| f64::from(x[(j / sp) * ch * sp + c * sp + j % sp]))
+                .collect();
+            let mu = vals.iter().sum::<f64>() / m;
+            let var = vals.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / m;
+            (mu as f32, (1.0 / (var + f64::from(b.eps)).sqrt()) as f32)
+        })
+        .unzip()
 }
 
 /// `m` with `operand` (its `a` or `b`) given the output's batch dimensions.

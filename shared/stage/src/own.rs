@@ -123,17 +123,16 @@ impl<D: Device> Backend for StageExecutor<D> {
         StageExecutor::param_names(self)
     }
 
-    fn set_step_seed(&mut self, _seed: u64) {
-        // No op lowered yet draws random numbers (Dropout is refused when
-        // the stage is built), so the seed has nothing to steer.
+    fn set_step_seed(&mut self, seed: u64) {
+        StageExecutor::set_step_seed(self, seed);
     }
 
     async fn forward(
         &mut self,
         inputs: &[(String, HostTensor)],
-        _offset: u64,
+        offset: u64,
     ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
-        StageExecutor::forward(self, inputs).await
+        StageExecutor::forward_at(self, inputs, offset).await
     }
 
     async fn evaluate(

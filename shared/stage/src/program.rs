@@ -13,9 +13,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rookery_model::{DType, Graph, Op, ParamKind, Source, StageLayout};
 use rookery_shared::kernels::conv::Conv2d;
+use rookery_shared::kernels::dropout::{self, DropoutMask};
 use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_shared::kernels::gemm::{Linear, MatMul};
-use rookery_shared::kernels::norm::LayerNorm;
+use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
 use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_shared::kernels::reduce::{Softmax, split_at_axis};
 use rookery_shared::kernels::shape::{Concat, Transpose};
@@ -62,6 +63,13 @@ pub(crate) struct Program<P> {
     pub backward: Vec<Call<P>>,
     /// Parameters whose gradient the backward writes.
     pub params_with_grad: Vec<usize>,
+    /// Dropout nodes of a training program: the [`Buf::Saved`] buffer the
+    /// executor writes each forward's key and first index into, the node's
+    /// name and its elements per sample.
+    pub dropouts: Vec<(usize, String, u64)>,
+    /// Integer parameters each training forward adds one to (BatchNorm's
+    /// `num_batches_tracked`).
+    pub counted: Vec<usize>,
 }
 
 /// Shapes of every tensor of the stage when dimension 0 of the graph's
@@ -81,12 +89,14 @@ fn shapes_at(graph: &Graph, batch: usize) -> Result<BTreeMap<String, Vec<usize>>
         .collect())
 }
 
-/// Builds the program of `layout` for micro-batches of `batch` samples,
-/// preparing each kernel with `prepare`.
+/// Builds the program of `layout` for micro-batches of `batch` samples in
+/// training (`train`: dropout active, BatchNorm on batch statistics) or
+/// evaluation mode, preparing each kernel with `prepare`.
 pub(crate) fn lower<P>(
     graph: &Graph,
     layout: &StageLayout,
     batch: usize,
+    train: bool,
     local_dtypes: &[DType],
     prepare: impl Fn(&Kernel) -> P,
 ) -> Result<Program<P>, StageError> {
@@ -116,6 +126,9 @@ pub(crate) fn lower<P>(
         saved_lens: Vec::new(),
         free_temps: Vec::new(),
         kept: HashMap::new(),
+        train,
+        dropouts: Vec::new(),
+        counted: Vec::new(),
         written: HashSet::new(),
         calls: Vec::new(),
     };
@@ -128,7 +141,8 @@ pub(crate) fn lower<P>(
             l.written.insert(*src);
         }
     }
-    for (k, node) in layout.nodes.iter().enumerate().rev() {
+    // An evaluation program has no backward.
+    for (k, node) in layout.nodes.iter().enumerate().rev().filter(|_| train) {
         if l.written.contains(&Source::Local(k)) {
             l.backward_node(k, &node.op, &node.inputs)?;
         }
@@ -164,6 +178,8 @@ pub(crate) fn lower<P>(
     Ok(Program {
         temp_lens: l.temp_lens,
         saved_lens: l.saved_lens,
+        dropouts: l.dropouts,
+        counted: l.counted,
         forward: finish(forward),
         backward: finish(backward),
         params_with_grad,
@@ -190,6 +206,9 @@ struct Lowering<'a> {
     free_temps: Vec<(usize, usize)>,
     /// Saved buffers each node's forward wrote, for its backward.
     kept: HashMap<usize, Vec<Buf>>,
+    train: bool,
+    dropouts: Vec<(usize, String, u64)>,
+    counted: Vec<usize>,
     /// Tensors whose gradient has a first contribution already.
     written: HashSet<Source>,
     calls: Vec<(Kernel, Vec<Buf>)>,
@@ -288,6 +307,17 @@ impl Lowering<'_> {
     fn forward_node(&mut self, k: usize, op: &Op, ins: &[Source]) -> Result<(), StageError> {
         let out = Buf::Value(Source::Local(k));
         let y_len = numel(&self.local_shapes[k]);
+        for (at, &src) in ins.iter().enumerate() {
+            let integer = match src {
+                Source::Param(p) => self.layout.params[p].dtype != DType::F32,
+                Source::Local(j) => self.local_dtypes[j] != DType::F32,
+                Source::Input(_) => false,
+            };
+            // BatchNorm's batch counter lives on the host, never bound.
+            if integer && !(matches!(op, Op::BatchNorm { .. }) && at == 5) {
+                return Err(self.unsupported(k, op, "integer tensors are not supported yet"));
+            }
+        }
         let call = match op {
             Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Identity => (
                 Kernel::Unary {
@@ -392,6 +422,50 @@ impl Lowering<'_> {
             Op::GlobalAveragePool => {
                 let g = self.global_pool(k, op, ins)?;
                 (Kernel::GlobalAvgPool(g), vec![Buf::Value(ins[0]), out])
+            }
+            Op::Dropout { p } if self.train && *p > 0.0 => {
+                if *p >= 1.0 {
+                    return Err(self.unsupported(k, op, "p must be below 1"));
+                }
+                let d = DropoutMask {
+                    len: y_len,
+                    p: *p,
+                    scale: dropout::scale(*p),
+                };
+                let args = self.saved(4);
+                let noise = self.saved(y_len);
+                let Buf::Saved(at) = args else {
+                    return Err(StageError::Internal("saved buffer expected".into()));
+                };
+                let batch = self.local_shapes[k].first().copied().unwrap_or(1).max(1);
+                self.dropouts.push((
+                    at,
+                    self.layout.nodes[k].name.clone(),
+                    (y_len / batch) as u64,
+                ));
+                self.kept.insert(k, vec![noise]);
+                (
+                    Kernel::Dropout(d),
+                    vec![args, Buf::Value(ins[0]), out, noise],
+                )
+            }
+            Op::Dropout { .. } => (Kernel::Copy { len: y_len }, vec![Buf::Value(ins[0]), out]),
+            Op::BatchNorm { eps, momentum } => {
+                let bn = self.batch_norm(k, op, ins, *eps, *momentum)?;
+                let mut args: Vec<Buf> = ins[..5].iter().map(|&s| Buf::Value(s)).collect();
+                args.push(out);
+                if self.train {
+                    let mean = self.saved(bn.channels);
+                    let rstd = self.saved(bn.channels);
+                    args.extend([mean, rstd]);
+                    self.kept.insert(k, vec![mean, rstd]);
+                    if let Some(&Source::Param(p)) = ins.get(5) {
+                        self.counted.push(p);
+                    }
+                    (Kernel::BatchNormTrain(bn), args)
+                } else {
+                    (Kernel::BatchNormEval(bn), args)
+                }
             }
             other => {
                 return Err(self.unsupported(k, other, "no kernel lowering yet"));
@@ -633,9 +707,100 @@ impl Lowering<'_> {
                     vec![(Kernel::GlobalAvgPoolBackward(g), vec![dy, dest])]
                 });
             }
+            Op::Dropout { .. } => match self.kept.get(&k) {
+                Some(kept) => {
+                    let noise = kept[0];
+                    let shape = self.local_shapes[k].clone();
+                    let shapes = Broadcast::new(&shape, &shape)
+                        .ok_or_else(|| StageError::Internal("shape does not broadcast".into()))?;
+                    self.contribute(ins[0], |_, dest| {
+                        vec![(
+                            Kernel::Binary {
+                                op: BinaryOp::Mul,
+                                shapes,
+                            },
+                            vec![dy, noise, dest],
+                        )]
+                    });
+                }
+                None => {
+                    let len = numel(&self.local_shapes[k]);
+                    self.contribute(ins[0], |_, dest| {
+                        vec![(Kernel::Copy { len }, vec![dy, dest])]
+                    });
+                }
+            },
+            Op::BatchNorm { eps, momentum } => {
+                let bn = self.batch_norm(k, op, ins, *eps, *momentum)?;
+                let kept = self.kept[&k].clone();
+                let len = numel(self.shape(ins[0]));
+                let (dx, rx) = self.route(ins[0], len);
+                let (dw, rw) = self.route(ins[1], bn.channels);
+                let (db, rb) = self.route(ins[2], bn.channels);
+                self.calls.push((
+                    Kernel::BatchNormBackward(bn),
+                    vec![
+                        Buf::Value(ins[0]),
+                        Buf::Value(ins[1]),
+                        kept[0],
+                        kept[1],
+                        dy,
+                        dx,
+                        dw,
+                        db,
+                    ],
+                ));
+                for routed in [rx, rw, rb] {
+                    self.settle(routed);
+                }
+            }
             other => return Err(self.unsupported(k, other, "no kernel lowering yet")),
         }
         Ok(())
+    }
+
+    fn batch_norm(
+        &self,
+        k: usize,
+        op: &Op,
+        ins: &[Source],
+        eps: f32,
+        momentum: f32,
+    ) -> Result<BatchNorm, StageError> {
+        if ins.len() < 5 {
+            return Err(self.unsupported(
+                k,
+                op,
+                "expects x, weight, bias, running_mean, running_var",
+            ));
+        }
+        let shape = self.shape(ins[0]);
+        if shape.len() < 2 {
+            return Err(self.unsupported(k, op, "expects x [N, C, ..]"));
+        }
+        let bn = BatchNorm {
+            n: shape[0],
+            channels: shape[1],
+            spatial: shape[2..].iter().product(),
+            eps,
+            momentum,
+        };
+        for &p in &ins[1..5] {
+            if numel(self.shape(p)) != bn.channels {
+                return Err(self.unsupported(k, op, "statistics differ from the channels"));
+            }
+        }
+        // nn.BatchNorm's own check: one value per channel has no variance.
+        if self.train && bn.n * bn.spatial <= 1 {
+            return Err(self.unsupported(
+                k,
+                op,
+                &format!(
+                    "expected more than 1 value per channel when training, got input size {shape:?}"
+                ),
+            ));
+        }
+        Ok(bn)
     }
 
     fn axis(&self, k: usize, op: &Op, a: i64, rank: usize) -> Result<usize, StageError> {
