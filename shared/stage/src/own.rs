@@ -75,8 +75,20 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
     fn build(&mut self, spec: StageSpec<'_>) -> Result<Self::Backend, String> {
         let mut params = BTreeMap::new();
         for p in spec.params {
-            let t = from_wire(p).map_err(|e| format!("parameter `{}`: {e}", p.name))?;
-            params.insert(p.name.clone(), t.data);
+            // Integer parameters (BatchNorm's `num_batches_tracked`) are
+            // counts the executor keeps on the host.
+            let data = if p.dtype.is_float() {
+                from_wire(p)
+                    .map_err(|e| format!("parameter `{}`: {e}", p.name))?
+                    .data
+            } else {
+                p.to_i64()
+                    .map_err(|e| format!("parameter `{}`: {e}", p.name))?
+                    .into_iter()
+                    .map(|v| v as f32)
+                    .collect()
+            };
+            params.insert(p.name.clone(), data);
         }
         let mut exec = StageExecutor::new(
             self.device.clone(),
