@@ -13,7 +13,7 @@ mod exec_common;
 use std::collections::BTreeMap;
 
 use exec_common::*;
-use rookery_model::{Graph, Init, Op, OptimizerConfig, from_toml};
+use rookery_model::{DType, Graph, Init, Op, OptimizerConfig, from_toml};
 use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor, optimizer_for};
 use tch::{Device as TorchDevice, Kind, Tensor};
@@ -210,9 +210,8 @@ fn same_as_torch<D: Device>(
                     let mut shape = analysis.tensors[&name].shape.clone();
                     shape[0] = b;
                     seed += 1;
-                    let n: usize = shape.iter().product();
-                    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-                    (name, t(&pseudo(n, seed), &dims))
+                    let integer = analysis.tensors[&name].dtype == DType::I64;
+                    (name, sample(&shape, seed, integer))
                 })
                 .collect();
             let forward = torch.forward_at(&inputs, true, offset).unwrap();
@@ -263,9 +262,8 @@ fn same_as_torch<D: Device>(
         .map(|name| {
             let mut shape = analysis.tensors[&name].shape.clone();
             shape[0] = 7;
-            let n: usize = shape.iter().product();
-            let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-            (name, t(&pseudo(n, 999), &dims))
+            let integer = analysis.tensors[&name].dtype == DType::I64;
+            (name, sample(&shape, 999, integer))
         })
         .collect();
     let want = torch.evaluate(&inputs).unwrap();
@@ -287,6 +285,24 @@ fn same_as_torch<D: Device>(
         compare(g, &tensor(w), &format!("{what}: loaded {name}"));
     }
 }
+
+/// Pseudo-random floats, or for an integer input indices in `[-VOCAB,
+/// VOCAB)`: negative ones count from the end, as ONNX Gather allows.
+fn sample(shape: &[usize], seed: u64, integer: bool) -> Tensor {
+    let n: usize = shape.iter().product();
+    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    if integer {
+        let v: Vec<i64> = (0..n as i64)
+            .map(|j| (j * 7 + seed as i64 * 3) % (2 * VOCAB as i64) - VOCAB as i64)
+            .collect();
+        ti(&v, &dims)
+    } else {
+        t(&pseudo(n, seed), &dims)
+    }
+}
+
+/// Rows of the embedding tables below.
+const VOCAB: usize = 10;
 
 fn gpu() -> GpuDevice {
     pollster::block_on(GpuDevice::open()).unwrap_or_else(|e| {
@@ -444,4 +460,63 @@ fn the_demo_cnn_matches_libtorch_stage_for_stage() {
         same_as_torch(gpu(), &graph, range.clone(), config);
     }
     same_as_torch(CpuDevice, &graph, 0..4, sgd_gentle());
+}
+
+/// ids [B, 3] (i64) -> e = Gather(table, ids) -> f = Flatten -> out = Linear,
+/// plus u = Gather(table, ids) again: the table gets two contributions.
+fn embedded() -> Graph {
+    let ids = Tensor::zeros([1, 3], (Kind::Int64, TorchDevice::Cpu));
+    let mut table = param("table", &[VOCAB, 4], vec![0.0; VOCAB * 4]);
+    table.init = Init::torch_weight(4);
+    let mut w = param("out.w", &[5, 12], vec![0.0; 60]);
+    w.init = Init::torch_weight(12);
+    Graph {
+        inputs: vec![input("ids", &ids)],
+        params: vec![table, w],
+        nodes: vec![
+            node("e", Op::Gather { axis: 0 }, &["table", "ids"]),
+            node("u", Op::Gather { axis: 0 }, &["table", "ids"]),
+            node("s", Op::Mul, &["e", "u"]),
+            node("f", Op::Flatten { axis: 1 }, &["s"]),
+            node("out", Op::Linear, &["f", "out.w"]),
+        ],
+        outputs: vec!["out".into()],
+    }
+}
+
+#[test]
+fn embedding_gathers_with_negative_indices_match_libtorch() {
+    let graph = embedded();
+    for (range, config) in [(0..5, adam()), (0..3, sgd_momentum())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn out_of_range_and_fractional_indices_are_refused_before_any_kernel_runs() {
+    let graph = embedded();
+    let values = graph.initial_values(7);
+    let mut ours = rookery_stage::StageExecutor::new(
+        CpuDevice,
+        &graph,
+        0..5,
+        &["out".to_string()],
+        &values,
+        optimizer_for(&adam()),
+    )
+    .unwrap();
+    for (bad, words) in [
+        (10.0, "out of range"),
+        (-11.0, "out of range"),
+        (1.5, "not an integer"),
+    ] {
+        let ids = HostTensor {
+            shape: vec![1, 3],
+            data: vec![0.0, bad, 1.0],
+        };
+        let e = pollster::block_on(ours.forward(&[("ids".into(), ids)])).unwrap_err();
+        assert!(e.to_string().contains(words), "{e}");
+        assert_eq!(ours.in_flight(), 0);
+    }
 }

@@ -117,14 +117,6 @@ impl<D: Device> StageExecutor<D> {
             .iter()
             .map(|n| n.output.dtype)
             .collect();
-        for input in &layout.inputs {
-            if input.dtype != DType::F32 {
-                return Err(StageError::Input {
-                    name: input.name.clone(),
-                    reason: "integer inputs are not supported by this backend yet".into(),
-                });
-            }
-        }
         let mut states = Vec::with_capacity(layout.params.len());
         for p in &layout.params {
             let err = |reason: String| StageError::Param {
@@ -304,7 +296,18 @@ impl<D: Device> StageExecutor<D> {
                     reason: format!("shape {:?} where {:?} is expected", tensor.shape, shape),
                 });
             }
-            self.device.write_f32(&acts.inputs[i], &tensor.data)?;
+            if self.layout.inputs[i].dtype == DType::F32 {
+                self.device.write_f32(&acts.inputs[i], &tensor.data)?;
+            } else {
+                let limit = program
+                    .index_checks
+                    .iter()
+                    .filter(|(at, _)| *at == i)
+                    .map(|&(_, size)| size)
+                    .min();
+                let words = index_words(name, &tensor.data, limit)?;
+                self.device.write_u32(&acts.inputs[i], &words)?;
+            }
         }
         let calls = self.bind(&program.forward, key.0, Some(acts))?;
         self.device.run(&calls).await?;
@@ -316,7 +319,15 @@ impl<D: Device> StageExecutor<D> {
                 Source::Local(j) => (&acts.locals[j], &program.local_shapes[j]),
                 Source::Param(_) => unreachable!("the layout never sends parameters"),
             };
-            let data = self.device.read_f32(buffer).await?;
+            let mut data = self.device.read_f32(buffer).await?;
+            // An integer input sent on holds i32 words.
+            if let Source::Input(i) = *src
+                && self.layout.inputs[i].dtype != DType::F32
+            {
+                for v in &mut data {
+                    *v = v.to_bits() as i32 as f32;
+                }
+            }
             outputs.push((
                 name.clone(),
                 HostTensor {
@@ -809,4 +820,30 @@ impl<D: Device> StageExecutor<D> {
             })
             .collect()
     }
+}
+
+/// An integer input's values (carried as f32, exact below 2^24) as the i32
+/// words the kernels bind, refusing fractions and, when the input indexes an
+/// axis of `limit` entries, anything outside `[-limit, limit)` (as the
+/// libtorch executor refuses it, before a kernel reads out of bounds).
+fn index_words(name: &str, data: &[f32], limit: Option<usize>) -> Result<Vec<u32>, StageError> {
+    let err = |reason: String| StageError::Input {
+        name: name.to_string(),
+        reason,
+    };
+    let bound = limit.map_or(1 << 24, |n| n as i64);
+    data.iter()
+        .map(|&v| {
+            if v.fract() != 0.0 || !v.is_finite() {
+                return Err(err(format!("{v} is not an integer index")));
+            }
+            let i = v as i64;
+            if i < -bound || i >= bound {
+                return Err(err(format!(
+                    "index out of range: {i} where the axis has size {bound}"
+                )));
+            }
+            Ok(i as i32 as u32)
+        })
+        .collect()
 }

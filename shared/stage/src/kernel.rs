@@ -15,7 +15,7 @@ use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
 use rookery_shared::kernels::optim::Optimizer;
 use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_shared::kernels::reduce::Softmax;
-use rookery_shared::kernels::shape::{Concat, Transpose};
+use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
 use rookery_shared::kernels::spec::{Binding, DEFAULT_WORKGROUP, f32_lit, numel, one_d};
 
 /// A kernel with every shape fixed. Binding orders are those of the kernel
@@ -97,6 +97,10 @@ pub enum Kernel {
     BatchNormBackward(BatchNorm),
     /// `args` (u32 key and first index), `x`, `y`, `noise`.
     Dropout(DropoutMask),
+    /// `data`, `indices` (i32), `y`.
+    Gather(Gather),
+    /// `indices`, `dy`, `ddata`.
+    GatherBackward(Gather),
     /// `u` (the uniform of `step`), `param`, `grad`, then the optimizer's
     /// state buffers. `step` is 1 for a parameter's first update.
     OptimizerStep {
@@ -173,6 +177,8 @@ impl Kernel {
             Kernel::BatchNormEval(b) => b.forward_eval(),
             Kernel::BatchNormBackward(b) => b.backward_train(),
             Kernel::Dropout(d) => d.forward(),
+            Kernel::Gather(g) => g.forward(),
+            Kernel::GatherBackward(g) => g.backward(),
         }
     }
 
@@ -463,8 +469,31 @@ impl Kernel {
                 store(&mut buffers[2], &y);
                 store(&mut buffers[3], &noise);
             }
+            Kernel::Gather(g) => {
+                let indices = ints(&buffers[1][..g.count]);
+                let (y, _) = g.reference(
+                    &f(&buffers[0]),
+                    &indices,
+                    &zeros(g.outer * g.count * g.inner),
+                );
+                store(&mut buffers[2], &y);
+            }
+            Kernel::GatherBackward(g) => {
+                let indices = ints(&buffers[0][..g.count]);
+                let (_, dd) = g.reference(
+                    &zeros(g.outer * g.axis * g.inner),
+                    &indices,
+                    &f(&buffers[1]),
+                );
+                store(&mut buffers[2], &dd);
+            }
         }
     }
+}
+
+/// i32 words as the kernels bind indices.
+fn ints(words: &[u32]) -> Vec<i32> {
+    words.iter().map(|&w| w as i32).collect()
 }
 
 /// Per-channel batch mean and `1 / sqrt(var + eps)` (biased variance), as

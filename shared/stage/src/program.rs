@@ -19,7 +19,7 @@ use rookery_shared::kernels::gemm::{Linear, MatMul};
 use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
 use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_shared::kernels::reduce::{Softmax, split_at_axis};
-use rookery_shared::kernels::shape::{Concat, Transpose};
+use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
 use rookery_shared::kernels::spec::numel;
 
 use crate::StageError;
@@ -70,6 +70,9 @@ pub(crate) struct Program<P> {
     /// Integer parameters each training forward adds one to (BatchNorm's
     /// `num_batches_tracked`).
     pub counted: Vec<usize>,
+    /// Integer stage inputs used as Gather indices, with the size of the
+    /// gathered axis: the executor checks them to lie in `[-size, size)`.
+    pub index_checks: Vec<(usize, usize)>,
 }
 
 /// Shapes of every tensor of the stage when dimension 0 of the graph's
@@ -129,6 +132,7 @@ pub(crate) fn lower<P>(
         train,
         dropouts: Vec::new(),
         counted: Vec::new(),
+        index_checks: Vec::new(),
         written: HashSet::new(),
         calls: Vec::new(),
     };
@@ -180,6 +184,7 @@ pub(crate) fn lower<P>(
         saved_lens: l.saved_lens,
         dropouts: l.dropouts,
         counted: l.counted,
+        index_checks: l.index_checks,
         forward: finish(forward),
         backward: finish(backward),
         params_with_grad,
@@ -209,6 +214,7 @@ struct Lowering<'a> {
     train: bool,
     dropouts: Vec<(usize, String, u64)>,
     counted: Vec<usize>,
+    index_checks: Vec<(usize, usize)>,
     /// Tensors whose gradient has a first contribution already.
     written: HashSet<Source>,
     calls: Vec<(Kernel, Vec<Buf>)>,
@@ -311,10 +317,13 @@ impl Lowering<'_> {
             let integer = match src {
                 Source::Param(p) => self.layout.params[p].dtype != DType::F32,
                 Source::Local(j) => self.local_dtypes[j] != DType::F32,
-                Source::Input(_) => false,
+                Source::Input(i) => self.layout.inputs[i].dtype != DType::F32,
             };
-            // BatchNorm's batch counter lives on the host, never bound.
-            if integer && !(matches!(op, Op::BatchNorm { .. }) && at == 5) {
+            // BatchNorm's batch counter lives on the host, never bound;
+            // Gather binds stage inputs as i32 indices.
+            let allowed = (matches!(op, Op::BatchNorm { .. }) && at == 5)
+                || (matches!(op, Op::Gather { .. }) && at == 1 && matches!(src, Source::Input(_)));
+            if integer && !allowed {
                 return Err(self.unsupported(k, op, "integer tensors are not supported yet"));
             }
         }
@@ -450,6 +459,16 @@ impl Lowering<'_> {
                 )
             }
             Op::Dropout { .. } => (Kernel::Copy { len: y_len }, vec![Buf::Value(ins[0]), out]),
+            Op::Gather { axis } => {
+                let g = self.gather(k, op, ins, *axis)?;
+                if let Source::Input(i) = ins[1] {
+                    self.index_checks.push((i, g.axis));
+                }
+                (
+                    Kernel::Gather(g),
+                    vec![Buf::Value(ins[0]), Buf::Value(ins[1]), out],
+                )
+            }
             Op::BatchNorm { eps, momentum } => {
                 let bn = self.batch_norm(k, op, ins, *eps, *momentum)?;
                 let mut args: Vec<Buf> = ins[..5].iter().map(|&s| Buf::Value(s)).collect();
@@ -467,6 +486,10 @@ impl Lowering<'_> {
                     (Kernel::BatchNormEval(bn), args)
                 }
             }
+            // The op set grows in `rookery-model` ahead of the backends; an
+            // op added there without a lowering must reach the job as a clear
+            // error, not break this crate's build.
+            #[allow(unreachable_patterns)]
             other => {
                 return Err(self.unsupported(k, other, "no kernel lowering yet"));
             }
@@ -730,6 +753,15 @@ impl Lowering<'_> {
                     });
                 }
             },
+            Op::Gather { axis } => {
+                let g = self.gather(k, op, ins, *axis)?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(
+                        Kernel::GatherBackward(g),
+                        vec![Buf::Value(ins[1]), dy, dest],
+                    )]
+                });
+            }
             Op::BatchNorm { eps, momentum } => {
                 let bn = self.batch_norm(k, op, ins, *eps, *momentum)?;
                 let kept = self.kept[&k].clone();
@@ -754,9 +786,24 @@ impl Lowering<'_> {
                     self.settle(routed);
                 }
             }
+            #[allow(unreachable_patterns)]
             other => return Err(self.unsupported(k, other, "no kernel lowering yet")),
         }
         Ok(())
+    }
+
+    fn gather(&self, k: usize, op: &Op, ins: &[Source], a: i64) -> Result<Gather, StageError> {
+        if ins.len() != 2 {
+            return Err(self.unsupported(k, op, "expects data and indices"));
+        }
+        let data = self.shape(ins[0]);
+        let a = self.axis(k, op, a, data.len())?;
+        Ok(Gather {
+            outer: data[..a].iter().product(),
+            axis: data[a],
+            inner: data[a + 1..].iter().product(),
+            count: numel(self.shape(ins[1])),
+        })
     }
 
     fn batch_norm(
