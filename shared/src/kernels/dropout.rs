@@ -152,6 +152,14 @@ mod tests {
         let m = noise(k, 0, 4000, 0.3, scale(0.3));
         let kept = m.iter().filter(|&&v| v > 0.0).count();
         assert!((2650..2950).contains(&kept), "{kept} kept of 4000");
+        // Pinned (computed independently, in Python): a change here would
+        // break every checkpointed run's reproducibility.
+        assert_eq!(k, 0xd15a_d266_ff94_712f);
+        let pattern: String = m[..32]
+            .iter()
+            .map(|&v| if v > 0.0 { '1' } else { '0' })
+            .collect();
+        assert_eq!(pattern, "11011101011111100001011111110101");
         // The window at `first` is the tail of a longer mask from 0.
         assert_eq!(noise(k, 1000, 50, 0.3, scale(0.3)), m[1000..1050].to_vec());
     }
