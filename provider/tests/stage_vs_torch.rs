@@ -13,10 +13,10 @@ mod exec_common;
 use std::collections::BTreeMap;
 
 use exec_common::*;
-use rookery_model::{Graph, OptimizerConfig, from_toml};
+use rookery_model::{DType, Graph, Init, Op, OptimizerConfig, from_toml};
 use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor, optimizer_for};
-use tch::{Device as TorchDevice, Tensor};
+use tch::{Device as TorchDevice, Kind, Tensor};
 
 const MLP: &str = r#"
 input_shape = [6]
@@ -36,6 +36,105 @@ activation = "sigmoid"
 type = "Dense"
 units = 4
 "#;
+
+/// LayerNorm (with weight and bias), Softmax over features, LogSoftmax.
+const NORMED_MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 12
+[[layers]]
+type = "LayerNormalization"
+[[layers]]
+type = "Activation"
+name = "gelu"
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "softmax"
+[[layers]]
+type = "Dense"
+units = 5
+[[layers]]
+type = "Activation"
+name = "log_softmax"
+"#;
+
+/// Grouped, strided and dilated convolutions, padded max and average
+/// pooling, and a global average pool.
+const CNN: &str = r#"
+input_shape = [2, 9, 9]
+[[layers]]
+type = "Conv2D"
+filters = 4
+kernel_size = 3
+padding = 1
+activation = "relu"
+[[layers]]
+type = "MaxPooling2D"
+pool_size = 3
+stride = 2
+padding = 1
+[[layers]]
+type = "Conv2D"
+filters = 6
+kernel_size = [2, 3]
+stride = [1, 2]
+dilation = 2
+padding = [1, 2]
+groups = 2
+[[layers]]
+type = "AveragePooling2D"
+pool_size = 2
+stride = 1
+padding = 1
+[[layers]]
+type = "Conv2D"
+filters = 3
+kernel_size = 1
+bias = false
+[[layers]]
+type = "GlobalAveragePooling2D"
+[[layers]]
+type = "Flatten"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// BatchNorm1d (running statistics and batch counter) and Dropout between
+/// Dense layers, LayerNorm after them.
+const REGULARISED_MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 12
+[[layers]]
+type = "BatchNormalization1D"
+momentum = 0.2
+[[layers]]
+type = "Activation"
+name = "relu"
+[[layers]]
+type = "Dropout"
+rate = 0.3
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "LayerNormalization"
+[[layers]]
+type = "Dropout"
+rate = 0.5
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// The demo CNN: Conv2d, BatchNorm2d, max pooling, Dropout, Dense.
+const MNIST_CNN: &str = include_str!("../../examples/mnist-cnn.toml");
 
 /// Uneven micro-batches, as `torch.chunk` makes of 18 samples in 4.
 const MICRO_BATCHES: [usize; 4] = [5, 5, 5, 3];
@@ -98,6 +197,10 @@ fn same_as_torch<D: Device>(
     let analysis = graph.analyze().unwrap();
     let mut seed = 100;
     for step in 0..STEPS {
+        let step_seed = rookery_stage::step_seed(3, step);
+        torch.set_step_seed(step_seed);
+        ours.set_step_seed(step_seed);
+        let mut offset = 0;
         let mut pending = Vec::new();
         for &b in &MICRO_BATCHES {
             let inputs: Vec<(String, Tensor)> = torch
@@ -107,14 +210,15 @@ fn same_as_torch<D: Device>(
                     let mut shape = analysis.tensors[&name].shape.clone();
                     shape[0] = b;
                     seed += 1;
-                    let n: usize = shape.iter().product();
-                    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-                    (name, t(&pseudo(n, seed), &dims))
+                    let integer = analysis.tensors[&name].dtype == DType::I64;
+                    (name, sample(&shape, seed, integer))
                 })
                 .collect();
-            let forward = torch.forward(&inputs, true).unwrap();
+            let forward = torch.forward_at(&inputs, true, offset).unwrap();
             let host_inputs: Vec<_> = inputs.iter().map(|(n, x)| (n.clone(), host(x))).collect();
-            let (micro_batch, got) = pollster::block_on(ours.forward(&host_inputs)).unwrap();
+            let (micro_batch, got) =
+                pollster::block_on(ours.forward_at(&host_inputs, offset)).unwrap();
+            offset += b as u64;
             for ((name, g), (_, w)) in got.iter().zip(&forward.outputs) {
                 compare(g, w, &format!("{what}: step {step} output {name}"));
             }
@@ -150,6 +254,24 @@ fn same_as_torch<D: Device>(
             );
         }
     }
+    // Evaluation mode (no dropout, BatchNorm on running statistics) after
+    // training.
+    let inputs: Vec<(String, Tensor)> = torch
+        .input_names()
+        .into_iter()
+        .map(|name| {
+            let mut shape = analysis.tensors[&name].shape.clone();
+            shape[0] = 7;
+            let integer = analysis.tensors[&name].dtype == DType::I64;
+            (name, sample(&shape, 999, integer))
+        })
+        .collect();
+    let want = torch.evaluate(&inputs).unwrap();
+    let host_inputs: Vec<_> = inputs.iter().map(|(n, x)| (n.clone(), host(x))).collect();
+    let got = pollster::block_on(ours.evaluate(&host_inputs)).unwrap();
+    for ((name, g), (_, w)) in got.iter().zip(&want) {
+        compare(g, w, &format!("{what}: evaluation output {name}"));
+    }
     // Parameters loaded from elsewhere (a sync) replace the values exactly.
     let loaded: Vec<(String, HostTensor)> = torch
         .parameters()
@@ -163,6 +285,24 @@ fn same_as_torch<D: Device>(
         compare(g, &tensor(w), &format!("{what}: loaded {name}"));
     }
 }
+
+/// Pseudo-random floats, or for an integer input indices in `[-VOCAB,
+/// VOCAB)`: negative ones count from the end, as ONNX Gather allows.
+fn sample(shape: &[usize], seed: u64, integer: bool) -> Tensor {
+    let n: usize = shape.iter().product();
+    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    if integer {
+        let v: Vec<i64> = (0..n as i64)
+            .map(|j| (j * 7 + seed as i64 * 3) % (2 * VOCAB as i64) - VOCAB as i64)
+            .collect();
+        ti(&v, &dims)
+    } else {
+        t(&pseudo(n, seed), &dims)
+    }
+}
+
+/// Rows of the embedding tables below.
+const VOCAB: usize = 10;
 
 fn gpu() -> GpuDevice {
     pollster::block_on(GpuDevice::open()).unwrap_or_else(|e| {
@@ -178,6 +318,17 @@ fn adam() -> OptimizerConfig {
         eps: 1e-8,
         weight_decay: 0.01,
         amsgrad: false,
+    }
+}
+
+/// For the CNNs, whose larger gradients would make a bigger step diverge.
+fn sgd_gentle() -> OptimizerConfig {
+    OptimizerConfig::Sgd {
+        lr: 0.005,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
     }
 }
 
@@ -212,5 +363,160 @@ fn mlp_stages_on_the_cpu_references_match_libtorch_step_for_step() {
     let n = graph.analyze().unwrap().nodes.len();
     for (range, config) in [(2..5, adam()), (0..n, sgd_momentum())] {
         same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn layer_norm_and_softmax_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(NORMED_MLP).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [(0..3, adam()), (1..5, sgd_momentum()), (0..n, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+/// x [B, 4, 6] -> t = Transpose(0, 2, 1) -> a = Linear(t) -> c = Concat(t,
+/// a; axis 1) -> n = LayerNorm(c) without weight or bias -> s =
+/// Softmax(n; axis 1) -> out = Linear(s): `t` gets two gradient
+/// contributions, one through the concatenation.
+fn shuffled() -> Graph {
+    let x = Tensor::zeros([1, 4, 6], (Kind::Float, TorchDevice::Cpu));
+    let w = |name: &str, o: usize, i: usize| {
+        let mut p = param(name, &[o, i], vec![0.0; o * i]);
+        p.init = Init::torch_weight(i);
+        p
+    };
+    Graph {
+        inputs: vec![input("x", &x)],
+        params: vec![w("a.w", 4, 4), w("out.w", 3, 4)],
+        nodes: vec![
+            node(
+                "t",
+                Op::Transpose {
+                    perm: vec![0, 2, 1],
+                },
+                &["x"],
+            ),
+            node("a", Op::Linear, &["t", "a.w"]),
+            node("c", Op::Concat { axis: 1 }, &["t", "a"]),
+            node(
+                "n",
+                Op::LayerNorm {
+                    axis: -1,
+                    eps: 1e-5,
+                },
+                &["c"],
+            ),
+            node("s", Op::Softmax { axis: 1 }, &["n"]),
+            node("out", Op::Linear, &["s", "out.w"]),
+        ],
+        outputs: vec!["out".into()],
+    }
+}
+
+#[test]
+fn transpose_concat_and_bare_layer_norm_stages_match_libtorch() {
+    let graph = shuffled();
+    for (range, config) in [(0..6, adam()), (2..5, sgd_momentum()), (1..4, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn conv_and_pooling_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(CNN).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [(0..4, adam()), (3..7, sgd_momentum()), (0..n, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+/// A bias right before a BatchNorm has a gradient of zero up to rounding,
+/// which Adam would normalise into steps of noise; stages holding one train
+/// with SGD, where rounding stays rounding.
+#[test]
+fn batch_norm_and_dropout_stages_match_libtorch_in_training_and_evaluation() {
+    let graph = from_toml(REGULARISED_MLP).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [
+        (0..4, sgd_momentum()),
+        (1..7, adam()),
+        (0..n, sgd_momentum()),
+    ] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn the_demo_cnn_matches_libtorch_stage_for_stage() {
+    let graph = from_toml(MNIST_CNN).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    // SGD where a stage holds the conv bias before the BatchNorm (see above).
+    for (range, config) in [(0..4, sgd_gentle()), (3..8, adam()), (0..n, sgd_gentle())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+    }
+    same_as_torch(CpuDevice, &graph, 0..4, sgd_gentle());
+}
+
+/// ids [B, 3] (i64) -> e = Gather(table, ids) -> f = Flatten -> out = Linear,
+/// plus u = Gather(table, ids) again: the table gets two contributions.
+fn embedded() -> Graph {
+    let ids = Tensor::zeros([1, 3], (Kind::Int64, TorchDevice::Cpu));
+    let mut table = param("table", &[VOCAB, 4], vec![0.0; VOCAB * 4]);
+    table.init = Init::torch_weight(4);
+    let mut w = param("out.w", &[5, 12], vec![0.0; 60]);
+    w.init = Init::torch_weight(12);
+    Graph {
+        inputs: vec![input("ids", &ids)],
+        params: vec![table, w],
+        nodes: vec![
+            node("e", Op::Gather { axis: 0 }, &["table", "ids"]),
+            node("u", Op::Gather { axis: 0 }, &["table", "ids"]),
+            node("s", Op::Mul, &["e", "u"]),
+            node("f", Op::Flatten { axis: 1 }, &["s"]),
+            node("out", Op::Linear, &["f", "out.w"]),
+        ],
+        outputs: vec!["out".into()],
+    }
+}
+
+#[test]
+fn embedding_gathers_with_negative_indices_match_libtorch() {
+    let graph = embedded();
+    for (range, config) in [(0..5, adam()), (0..3, sgd_momentum())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn out_of_range_and_fractional_indices_are_refused_before_any_kernel_runs() {
+    let graph = embedded();
+    let values = graph.initial_values(7);
+    let mut ours = rookery_stage::StageExecutor::new(
+        CpuDevice,
+        &graph,
+        0..5,
+        &["out".to_string()],
+        &values,
+        optimizer_for(&adam()),
+    )
+    .unwrap();
+    for (bad, words) in [
+        (10.0, "out of range"),
+        (-11.0, "out of range"),
+        (1.5, "not an integer"),
+    ] {
+        let ids = HostTensor {
+            shape: vec![1, 3],
+            data: vec![0.0, bad, 1.0],
+        };
+        let e = pollster::block_on(ours.forward(&[("ids".into(), ids)])).unwrap_err();
+        assert!(e.to_string().contains(words), "{e}");
+        assert_eq!(ours.in_flight(), 0);
     }
 }

@@ -656,8 +656,7 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
     }
 }
 
-/// The MLP of the tests above without the ops our own kernels do not run
-/// yet (Dropout, LayerNorm).
+/// A plain MLP, for the first mixed chains.
 const MLP_OWN_OPS: &str = r#"
 input_shape = [6]
 [[layers]]
@@ -711,4 +710,96 @@ fn mlp_entirely_on_our_kernels_gpu_root_and_cpu_leaf_trains_like_one_process() {
     };
     let losses = train_both_with(&g, &[0..3, 3..5], job, mlp_batch(16, 5), 20, &make);
     assert_same_within(&losses, "MLP, wgpu Root, CPU-reference Leaf", 1e-4, 1e-3);
+}
+
+/// The dropout mask is drawn from the sample's position in the step, so a
+/// wgpu Stem's Dropout and LayerNorm match libtorch's exactly.
+#[test]
+fn mlp_with_dropout_and_layer_norm_on_a_wgpu_stem_trains_like_one_process() {
+    let g = from_toml(MLP).unwrap();
+    for (optimizer, name) in [(sgd(), "SGD"), (OptimizerConfig::adam(0.01), "Adam")] {
+        let job = JobConfig::new(optimizer, Loss::CrossEntropy);
+        let make = |k: usize| {
+            if k == 1 {
+                wgpu_worker()
+            } else {
+                torch_worker(k)
+            }
+        };
+        let losses = train_both_with(&g, &[0..2, 2..6, 6..7], job, mlp_batch(16, 5), 20, &make);
+        assert_same_within(
+            &losses,
+            &format!("MLP with Dropout and LayerNorm, wgpu Stem, {name}"),
+            1e-4,
+            1e-3,
+        );
+    }
+}
+
+#[test]
+fn cnn_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
+    let g = from_toml(CNN).unwrap();
+    let job = JobConfig {
+        batch_size: 8,
+        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy)
+    };
+    let make = |k: usize| {
+        if k == 1 {
+            wgpu_worker()
+        } else {
+            torch_worker(k)
+        }
+    };
+    let losses = train_both_with(&g, &[0..2, 2..6, 6..8], job, cnn_batch(8), 20, &make);
+    assert_same_within(&losses, "CNN, wgpu Stem, Adam", 1e-4, 1e-3);
+}
+
+/// The demo CNN's layers (Conv2d, BatchNorm2d with its running statistics
+/// and batch counter, max pooling, Dropout) at the pipeline tests' size.
+const BN_CNN: &str = r#"
+input_shape = [2, 8, 8]
+[[layers]]
+type = "Conv2D"
+filters = 4
+kernel_size = 3
+padding = 1
+[[layers]]
+type = "BatchNormalization2D"
+[[layers]]
+type = "Activation"
+name = "relu"
+[[layers]]
+type = "MaxPooling2D"
+pool_size = 2
+[[layers]]
+type = "Flatten"
+[[layers]]
+type = "Dropout"
+rate = 0.25
+[[layers]]
+type = "Dense"
+units = 3
+"#;
+
+#[test]
+fn batch_norm_cnn_with_a_wgpu_stem_trains_like_one_process() {
+    let g = from_toml(BN_CNN).unwrap();
+    // SGD: the conv bias before BatchNorm has a gradient of zero up to
+    // rounding, which Adam would turn into steps of noise. One micro-batch:
+    // the one-process reference takes batch statistics over the whole batch.
+    let job = JobConfig {
+        batch_size: 8,
+        micro_batches: 1,
+        ..JobConfig::new(sgd(), Loss::CrossEntropy)
+    };
+    let make = |k: usize| {
+        if k == 1 {
+            wgpu_worker()
+        } else {
+            torch_worker(k)
+        }
+    };
+    let n = g.nodes.len();
+    let losses = train_both_with(&g, &[0..1, 1..6, 6..n], job, cnn_batch(8), 20, &make);
+    assert_same_within(&losses, "BatchNorm CNN, wgpu Stem, SGD", 1e-4, 1e-3);
 }

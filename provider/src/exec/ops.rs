@@ -5,6 +5,7 @@
 //! micro-batches draws the same mask as one pass over the whole batch.
 
 use rookery_model::Op;
+use rookery_shared::kernels::dropout;
 use tch::{Kind, Tensor};
 
 /// Why one op failed; the executor adds the node name and op.
@@ -291,35 +292,10 @@ fn gather(data: &Tensor, indices: &Tensor, a: i64) -> OpResult {
     Ok(picked.f_reshape(shape.as_slice())?)
 }
 
-/// SplitMix64's output function: a bijective mix of 64 bits.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// FNV-1a, the same name hash `rookery_model::init` uses for parameter streams.
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
-
 /// The dropout multiplier (0 or `1 / (1 - p)`, as ATen's `input * noise`), drawn
-/// so a pipeline and a single process agree:
-///
-/// - `key = mix(seed ^ mix(fnv1a(node name)))`: one stream per node and step;
-/// - dimension 0 is the batch; the element at sample `s` of this micro-batch
-///   and flat position `j` within the sample has the global index
-///   `g = (sample_offset + s) * per_sample + j`, which is the same whichever
-///   micro-batch the sample travels in;
-/// - `u = (mix(key + (g + 1) * GOLDEN) >> 40) / 2^24` (the g-th output of a
-///   SplitMix64 generator seeded with `key`, as a float in [0, 1) exact in f32);
-/// - the element is kept when `u >= p`.
-///
-/// Any backend (WGSL, CPU reference) can reproduce the mask from these rules.
+/// so a pipeline and a single process agree, by the rules of
+/// `rookery_shared::kernels::dropout` (which our WGSL kernel follows too);
+/// dimension 0 is the batch.
 pub(crate) fn dropout_noise(x: &Tensor, p: f32, ctx: &OpContext<'_>) -> OpResult {
     let size = x.size();
     let numel: i64 = size.iter().product();
@@ -328,18 +304,9 @@ pub(crate) fn dropout_noise(x: &Tensor, p: f32, ctx: &OpContext<'_>) -> OpResult
     } else {
         numel / size[0]
     } as u64;
-    let key = mix(ctx.seed ^ mix(fnv1a(ctx.node)));
-    let keep = (1.0 - f64_of(p)) as f32;
-    let scale = 1.0 / keep;
+    let key = dropout::key(ctx.seed, ctx.node);
     let first = ctx.sample_offset.wrapping_mul(per_sample);
-    let noise: Vec<f32> = (0..numel as u64)
-        .map(|j| {
-            let g = first.wrapping_add(j);
-            let h = mix(key.wrapping_add(g.wrapping_add(1).wrapping_mul(GOLDEN)));
-            let u = (h >> 40) as f32 * (1.0 / (1u32 << 24) as f32);
-            if u >= p { scale } else { 0.0 }
-        })
-        .collect();
+    let noise = dropout::noise(key, first, numel as usize, p, dropout::scale(p));
     Ok(Tensor::f_from_slice(&noise)?
         .f_reshape(size.as_slice())?
         .f_to_kind(x.kind())?

@@ -19,6 +19,7 @@
 
 pub mod checks;
 pub mod conv;
+pub mod dropout;
 pub mod elementwise;
 pub mod gemm;
 pub mod loss;

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use rookery_model::{DType, Graph, ParamKind, Source, StageLayout};
+use rookery_shared::kernels::dropout;
 use rookery_shared::kernels::optim::Optimizer;
 use rookery_shared::kernels::spec::numel;
 
@@ -58,11 +59,19 @@ struct ParamState<B> {
     /// Updates applied so far (torch's per-parameter `step`).
     steps: u64,
     len: usize,
+    /// An integer parameter's value (BatchNorm's `num_batches_tracked`):
+    /// a count kept on the host, as no kernel reads it.
+    count: Option<i64>,
 }
+
+/// Programs, activations and micro-batches are per batch size and mode
+/// (`true`: training).
+type Key = (usize, bool);
 
 struct Activations<B> {
     inputs: Vec<B>,
     locals: Vec<B>,
+    saved: Vec<B>,
 }
 
 struct Scratch<B> {
@@ -80,10 +89,12 @@ pub struct StageExecutor<D: Device> {
     local_dtypes: Vec<DType>,
     params: Vec<ParamState<D::Buffer>>,
     optimizer: Optimizer,
-    programs: HashMap<usize, Program<D::Prepared>>,
-    free: HashMap<usize, Vec<Activations<D::Buffer>>>,
+    programs: HashMap<Key, Program<D::Prepared>>,
+    free: HashMap<Key, Vec<Activations<D::Buffer>>>,
     scratch: HashMap<usize, Scratch<D::Buffer>>,
     in_flight: BTreeMap<MicroBatch, (usize, Activations<D::Buffer>)>,
+    /// The step's seed, steering dropout masks.
+    seed: u64,
     next_micro_batch: u64,
     /// Prepared optimizer kernels by parameter length.
     optimizer_kernels: HashMap<usize, D::Prepared>,
@@ -109,14 +120,6 @@ impl<D: Device> StageExecutor<D> {
             .iter()
             .map(|n| n.output.dtype)
             .collect();
-        for input in &layout.inputs {
-            if input.dtype != DType::F32 {
-                return Err(StageError::Input {
-                    name: input.name.clone(),
-                    reason: "integer inputs are not supported by this backend yet".into(),
-                });
-            }
-        }
         let mut states = Vec::with_capacity(layout.params.len());
         for p in &layout.params {
             let err = |reason: String| StageError::Param {
@@ -134,13 +137,17 @@ impl<D: Device> StageExecutor<D> {
                     p.shape
                 )));
             }
-            if p.dtype != DType::F32 {
+            let count =
+                (p.dtype != DType::F32).then(|| values.first().copied().unwrap_or(0.0) as i64);
+            if count.is_some() && (len != 1 || p.kind == ParamKind::Trainable) {
                 return Err(err(
-                    "integer parameters are not supported by this backend yet".into(),
+                    "integer parameters other than a counter buffer are not supported by this backend yet".into(),
                 ));
             }
-            let value = device.alloc(len)?;
-            device.write_f32(&value, values)?;
+            let value = device.alloc(if count.is_some() { 1 } else { len })?;
+            if count.is_none() {
+                device.write_f32(&value, values)?;
+            }
             let grad = device.alloc(if p.kind == ParamKind::Trainable {
                 len
             } else {
@@ -154,6 +161,7 @@ impl<D: Device> StageExecutor<D> {
                 uniform: None,
                 steps: 0,
                 len,
+                count,
             });
         }
         Ok(Self {
@@ -167,6 +175,7 @@ impl<D: Device> StageExecutor<D> {
             free: HashMap::new(),
             scratch: HashMap::new(),
             in_flight: BTreeMap::new(),
+            seed: 0,
             next_micro_batch: 0,
             optimizer_kernels: HashMap::new(),
         })
@@ -191,6 +200,16 @@ impl<D: Device> StageExecutor<D> {
             .collect()
     }
 
+    /// Whether each parameter (in [`Self::param_names`] order) is an integer
+    /// buffer, which travels as i64.
+    pub fn param_is_integer(&self) -> Vec<bool> {
+        self.layout
+            .params
+            .iter()
+            .map(|p| p.dtype != DType::F32)
+            .collect()
+    }
+
     /// Every parameter and buffer of the stage, by name.
     pub fn param_names(&self) -> Vec<String> {
         self.layout.params.iter().map(|p| p.name.clone()).collect()
@@ -205,15 +224,77 @@ impl<D: Device> StageExecutor<D> {
         self.in_flight.len()
     }
 
-    /// Runs one micro-batch forward and keeps what backward needs.
+    /// Sets the seed of the coming step's dropout masks (the worker's
+    /// [`step_seed`](crate::step_seed)).
+    pub fn set_step_seed(&mut self, seed: u64) {
+        self.seed = seed;
+    }
+
+    /// Runs one training micro-batch forward and keeps what backward needs,
+    /// as [`Self::forward_at`] with the micro-batch first in its step.
     pub async fn forward(
         &mut self,
         inputs: &[(String, HostTensor)],
     ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
+        self.forward_at(inputs, 0).await
+    }
+
+    /// Runs one training micro-batch whose first sample is `offset` in the
+    /// step's batch (which selects its share of the dropout masks) forward,
+    /// and keeps what backward needs.
+    pub async fn forward_at(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        offset: u64,
+    ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
+        let (batch, acts, outputs) = self.run_forward(inputs, offset, true).await?;
+        let id = MicroBatch(self.next_micro_batch);
+        self.next_micro_batch += 1;
+        self.in_flight.insert(id, (batch, acts));
+        Ok((id, outputs))
+    }
+
+    async fn run_forward(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        offset: u64,
+        train: bool,
+    ) -> Result<(usize, Activations<D::Buffer>, Vec<(String, HostTensor)>), StageError> {
         let batch = self.batch_of(inputs)?;
-        self.ensure_program(batch)?;
-        let acts = self.take_activations(batch)?;
-        let program = &self.programs[&batch];
+        let key = (batch, train);
+        self.ensure_program(key)?;
+        let acts = self.take_activations(key)?;
+        let result = self.run_forward_with(inputs, offset, key, &acts).await;
+        match result {
+            Ok(outputs) => Ok((batch, acts, outputs)),
+            Err(e) => {
+                self.free.entry(key).or_default().push(acts);
+                Err(e)
+            }
+        }
+    }
+
+    async fn run_forward_with(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        offset: u64,
+        key: Key,
+        acts: &Activations<D::Buffer>,
+    ) -> Result<Vec<(String, HostTensor)>, StageError> {
+        let program = &self.programs[&key];
+        for (at, node, per_sample) in &program.dropouts {
+            let k = dropout::key(self.seed, node);
+            let first = offset.wrapping_mul(*per_sample);
+            self.device.write_u32(
+                &acts.saved[*at],
+                &[
+                    k as u32,
+                    (k >> 32) as u32,
+                    first as u32,
+                    (first >> 32) as u32,
+                ],
+            )?;
+        }
         for (i, shape) in program.input_shapes.iter().enumerate() {
             let (name, tensor) = inputs
                 .iter()
@@ -228,9 +309,20 @@ impl<D: Device> StageExecutor<D> {
                     reason: format!("shape {:?} where {:?} is expected", tensor.shape, shape),
                 });
             }
-            self.device.write_f32(&acts.inputs[i], &tensor.data)?;
+            if self.layout.inputs[i].dtype == DType::F32 {
+                self.device.write_f32(&acts.inputs[i], &tensor.data)?;
+            } else {
+                let limit = program
+                    .index_checks
+                    .iter()
+                    .filter(|(at, _)| *at == i)
+                    .map(|&(_, size)| size)
+                    .min();
+                let words = index_words(name, &tensor.data, limit)?;
+                self.device.write_u32(&acts.inputs[i], &words)?;
+            }
         }
-        let calls = self.bind(&program.forward, batch, Some(&acts))?;
+        let calls = self.bind(&program.forward, key.0, Some(acts))?;
         self.device.run(&calls).await?;
         drop(calls);
         let mut outputs = Vec::with_capacity(self.layout.outputs.len());
@@ -240,7 +332,15 @@ impl<D: Device> StageExecutor<D> {
                 Source::Local(j) => (&acts.locals[j], &program.local_shapes[j]),
                 Source::Param(_) => unreachable!("the layout never sends parameters"),
             };
-            let data = self.device.read_f32(buffer).await?;
+            let mut data = self.device.read_f32(buffer).await?;
+            // An integer input sent on holds i32 words.
+            if let Source::Input(i) = *src
+                && self.layout.inputs[i].dtype != DType::F32
+            {
+                for v in &mut data {
+                    *v = v.to_bits() as i32 as f32;
+                }
+            }
             outputs.push((
                 name.clone(),
                 HostTensor {
@@ -249,10 +349,12 @@ impl<D: Device> StageExecutor<D> {
                 },
             ));
         }
-        let id = MicroBatch(self.next_micro_batch);
-        self.next_micro_batch += 1;
-        self.in_flight.insert(id, (batch, acts));
-        Ok((id, outputs))
+        for &p in &program.counted.clone() {
+            if let Some(c) = &mut self.params[p].count {
+                *c += 1;
+            }
+        }
+        Ok(outputs)
     }
 
     /// Backpropagates one micro-batch from the gradients of the stage's
@@ -269,7 +371,7 @@ impl<D: Device> StageExecutor<D> {
             .remove(&micro_batch)
             .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
         let result = self.backward_with(batch, &acts, output_grads).await;
-        self.free.entry(batch).or_default().push(acts);
+        self.free.entry((batch, true)).or_default().push(acts);
         result
     }
 
@@ -280,7 +382,7 @@ impl<D: Device> StageExecutor<D> {
         output_grads: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
         self.ensure_scratch(batch)?;
-        let program = &self.programs[&batch];
+        let program = &self.programs[&(batch, true)];
         let scratch = &self.scratch[&batch];
         for (name, g) in output_grads {
             let err = |reason: String| StageError::Grad {
@@ -370,14 +472,14 @@ impl<D: Device> StageExecutor<D> {
         Ok(grads)
     }
 
-    /// A forward pass that keeps nothing, for validation. (The ops lowered
-    /// so far behave the same in training and evaluation.)
+    /// A forward pass in evaluation mode (no dropout, BatchNorm on its
+    /// running statistics) that keeps nothing, for validation.
     pub async fn evaluate(
         &mut self,
         inputs: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        let (micro_batch, outputs) = self.forward(inputs).await?;
-        self.discard(micro_batch)?;
+        let (batch, acts, outputs) = self.run_forward(inputs, 0, false).await?;
+        self.free.entry((batch, false)).or_default().push(acts);
         Ok(outputs)
     }
 
@@ -387,7 +489,7 @@ impl<D: Device> StageExecutor<D> {
             .in_flight
             .remove(&micro_batch)
             .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
-        self.free.entry(batch).or_default().push(acts);
+        self.free.entry((batch, true)).or_default().push(acts);
         Ok(())
     }
 
@@ -462,7 +564,10 @@ impl<D: Device> StageExecutor<D> {
     pub async fn parameters(&self) -> Result<Vec<(String, HostTensor)>, StageError> {
         let mut out = Vec::with_capacity(self.params.len());
         for (p, state) in self.layout.params.iter().zip(&self.params) {
-            let data = self.device.read_f32(&state.value).await?;
+            let data = match state.count {
+                Some(c) => vec![c as f32],
+                None => self.device.read_f32(&state.value).await?,
+            };
             out.push((
                 p.name.clone(),
                 HostTensor {
@@ -492,7 +597,10 @@ impl<D: Device> StageExecutor<D> {
                     v.shape, self.layout.params[at].shape
                 )));
             }
-            self.device.write_f32(&self.params[at].value, &v.data)?;
+            match &mut self.params[at].count {
+                Some(c) => *c = v.data.first().copied().unwrap_or(0.0) as i64,
+                None => self.device.write_f32(&self.params[at].value, &v.data)?,
+            }
         }
         Ok(())
     }
@@ -623,22 +731,28 @@ impl<D: Device> StageExecutor<D> {
         Ok(batch)
     }
 
-    fn ensure_program(&mut self, batch: usize) -> Result<(), StageError> {
-        if !self.programs.contains_key(&batch) {
+    fn ensure_program(&mut self, key: Key) -> Result<(), StageError> {
+        if !self.programs.contains_key(&key) {
             let device = &self.device;
-            let program = lower(&self.graph, &self.layout, batch, &self.local_dtypes, |k| {
-                device.prepare(k)
-            })?;
-            self.programs.insert(batch, program);
+            let (batch, train) = key;
+            let program = lower(
+                &self.graph,
+                &self.layout,
+                batch,
+                train,
+                &self.local_dtypes,
+                |k| device.prepare(k),
+            )?;
+            self.programs.insert(key, program);
         }
         Ok(())
     }
 
-    fn take_activations(&mut self, batch: usize) -> Result<Activations<D::Buffer>, StageError> {
-        if let Some(acts) = self.free.get_mut(&batch).and_then(Vec::pop) {
+    fn take_activations(&mut self, key: Key) -> Result<Activations<D::Buffer>, StageError> {
+        if let Some(acts) = self.free.get_mut(&key).and_then(Vec::pop) {
             return Ok(acts);
         }
-        let program = &self.programs[&batch];
+        let program = &self.programs[&key];
         let alloc = |shapes: &[Vec<usize>]| {
             shapes
                 .iter()
@@ -648,6 +762,11 @@ impl<D: Device> StageExecutor<D> {
         Ok(Activations {
             inputs: alloc(&program.input_shapes)?,
             locals: alloc(&program.local_shapes)?,
+            saved: program
+                .saved_lens
+                .iter()
+                .map(|&n| self.device.alloc(n))
+                .collect::<Result<Vec<_>, _>>()?,
         })
     }
 
@@ -655,7 +774,7 @@ impl<D: Device> StageExecutor<D> {
         if self.scratch.contains_key(&batch) {
             return Ok(());
         }
-        let program = &self.programs[&batch];
+        let program = &self.programs[&(batch, true)];
         let alloc = |lens: &mut dyn Iterator<Item = usize>| {
             lens.map(|n| self.device.alloc(n))
                 .collect::<Result<Vec<_>, _>>()
@@ -706,6 +825,7 @@ impl<D: Device> StageExecutor<D> {
                                 &scratch.ok_or_else(missing)?.local_grads[j]
                             }
                             Buf::Temp(t) => &scratch.ok_or_else(missing)?.temps[t],
+                            Buf::Saved(s) => &acts.ok_or_else(missing)?.saved[s],
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
@@ -713,4 +833,30 @@ impl<D: Device> StageExecutor<D> {
             })
             .collect()
     }
+}
+
+/// An integer input's values (carried as f32, exact below 2^24) as the i32
+/// words the kernels bind, refusing fractions and, when the input indexes an
+/// axis of `limit` entries, anything outside `[-limit, limit)` (as the
+/// libtorch executor refuses it, before a kernel reads out of bounds).
+fn index_words(name: &str, data: &[f32], limit: Option<usize>) -> Result<Vec<u32>, StageError> {
+    let err = |reason: String| StageError::Input {
+        name: name.to_string(),
+        reason,
+    };
+    let bound = limit.map_or(1 << 24, |n| n as i64);
+    data.iter()
+        .map(|&v| {
+            if v.fract() != 0.0 || !v.is_finite() {
+                return Err(err(format!("{v} is not an integer index")));
+            }
+            let i = v as i64;
+            if i < -bound || i >= bound {
+                return Err(err(format!(
+                    "index out of range: {i} where the axis has size {bound}"
+                )));
+            }
+            Ok(i as i32 as u32)
+        })
+        .collect()
 }

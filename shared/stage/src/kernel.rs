@@ -7,9 +7,15 @@
 //! fill) are generated here with the kernel crate's 1-D helper.
 
 use rookery_shared::kernels::KernelSpec;
+use rookery_shared::kernels::conv::Conv2d;
+use rookery_shared::kernels::dropout::DropoutMask;
 use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_shared::kernels::gemm::{Linear, MatMul, sum_to_shape};
+use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
 use rookery_shared::kernels::optim::Optimizer;
+use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
+use rookery_shared::kernels::reduce::Softmax;
+use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
 use rookery_shared::kernels::spec::{Binding, DEFAULT_WORKGROUP, f32_lit, numel, one_d};
 
 /// A kernel with every shape fixed. Binding orders are those of the kernel
@@ -48,6 +54,53 @@ pub enum Kernel {
     AddInto { len: usize },
     /// `y`: every element set to `value`.
     Fill { len: usize, value: f32 },
+    /// `x`, `w`, `b`, `y`, `mean`, `rstd`.
+    LayerNorm(LayerNorm),
+    /// `x`, `w`, `mean`, `rstd`, `dy`, `dx`.
+    LayerNormBackwardX(LayerNorm),
+    /// `x`, `mean`, `rstd`, `dy`, `dw`, `db`.
+    LayerNormBackwardParams(LayerNorm),
+    /// `x`, `y`.
+    Softmax(Softmax),
+    /// `y`, `dy`, `dx`.
+    SoftmaxBackward(Softmax),
+    /// `x`, `y`.
+    Transpose(Transpose),
+    /// `x`, `y`: input `part` into its slice of `y`.
+    Concat { concat: Concat, part: usize },
+    /// `dy`, `dx`: input `part`'s slice of `dy`.
+    ConcatBackward { concat: Concat, part: usize },
+    /// `x`, `weight`, `bias`?, `y`.
+    Conv2d(Conv2d),
+    /// `dy`, `weight`, `dx`.
+    Conv2dBackwardInput(Conv2d),
+    /// `dy`, `x`, `dweight`.
+    Conv2dBackwardWeight(Conv2d),
+    /// `x`, `y`, `argmax` (u32).
+    MaxPool(Pool2d),
+    /// `argmax`, `dy`, `dx`.
+    MaxPoolBackward(Pool2d),
+    /// `x`, `y`.
+    AvgPool(Pool2d),
+    /// `dy`, `dx`.
+    AvgPoolBackward(Pool2d),
+    /// `x`, `y`.
+    GlobalAvgPool(GlobalAvgPool),
+    /// `dy`, `dx`.
+    GlobalAvgPoolBackward(GlobalAvgPool),
+    /// `x`, `w`, `b`, `running_mean`, `running_var`, `y`, `save_mean`,
+    /// `save_rstd`: batch statistics, running ones updated in place.
+    BatchNormTrain(BatchNorm),
+    /// `x`, `w`, `b`, `running_mean`, `running_var`, `y`.
+    BatchNormEval(BatchNorm),
+    /// `x`, `w`, `save_mean`, `save_rstd`, `dy`, `dx`, `dw`, `db`.
+    BatchNormBackward(BatchNorm),
+    /// `args` (u32 key and first index), `x`, `y`, `noise`.
+    Dropout(DropoutMask),
+    /// `data`, `indices` (i32), `y`.
+    Gather(Gather),
+    /// `indices`, `dy`, `ddata`.
+    GatherBackward(Gather),
     /// `u` (the uniform of `step`), `param`, `grad`, then the optimizer's
     /// state buffers. `step` is 1 for a parameter's first update.
     OptimizerStep {
@@ -103,6 +156,29 @@ impl Kernel {
                 &format!("    y[i] = {};", f32_lit(*value)),
             ),
             Kernel::OptimizerStep { optimizer, len, .. } => optimizer.step(*len),
+            Kernel::LayerNorm(n) => n.forward(),
+            Kernel::LayerNormBackwardX(n) => n.backward_x(),
+            Kernel::LayerNormBackwardParams(n) => n.backward_params(),
+            Kernel::Softmax(s) => s.forward(),
+            Kernel::SoftmaxBackward(s) => s.backward(),
+            Kernel::Transpose(t) => t.forward(),
+            Kernel::Concat { concat, part } => concat.forward(*part),
+            Kernel::ConcatBackward { concat, part } => concat.backward(*part),
+            Kernel::Conv2d(c) => c.forward(),
+            Kernel::Conv2dBackwardInput(c) => c.backward_input(),
+            Kernel::Conv2dBackwardWeight(c) => c.backward_weight(),
+            Kernel::MaxPool(p) => p.max_forward(),
+            Kernel::MaxPoolBackward(p) => p.max_backward(),
+            Kernel::AvgPool(p) => p.avg_forward(),
+            Kernel::AvgPoolBackward(p) => p.avg_backward(),
+            Kernel::GlobalAvgPool(g) => g.forward(),
+            Kernel::GlobalAvgPoolBackward(g) => g.backward(),
+            Kernel::BatchNormTrain(b) => b.forward_train(),
+            Kernel::BatchNormEval(b) => b.forward_eval(),
+            Kernel::BatchNormBackward(b) => b.backward_train(),
+            Kernel::Dropout(d) => d.forward(),
+            Kernel::Gather(g) => g.forward(),
+            Kernel::GatherBackward(g) => g.backward(),
         }
     }
 
@@ -233,8 +309,208 @@ impl Kernel {
                     store(b, s);
                 }
             }
+            Kernel::LayerNorm(n) => {
+                let x = f(&buffers[0]);
+                let (y, ..) = n.reference(&x, &f(&buffers[1]), &f(&buffers[2]), &zeros(x.len()));
+                let (mean, rstd) = row_stats(&x, n.cols, n.eps);
+                store(&mut buffers[3], &y);
+                store(&mut buffers[4], &mean);
+                store(&mut buffers[5], &rstd);
+            }
+            // The references recompute the statistics from `x` rather than
+            // reading the saved ones.
+            Kernel::LayerNormBackwardX(n) => {
+                let (_, dx, ..) = n.reference(
+                    &f(&buffers[0]),
+                    &f(&buffers[1]),
+                    &zeros(n.cols),
+                    &f(&buffers[4]),
+                );
+                store(&mut buffers[5], &dx);
+            }
+            Kernel::LayerNormBackwardParams(n) => {
+                let (_, _, dw, db) = n.reference(
+                    &f(&buffers[0]),
+                    &vec![1.0; n.cols],
+                    &zeros(n.cols),
+                    &f(&buffers[3]),
+                );
+                store(&mut buffers[4], &dw);
+                store(&mut buffers[5], &db);
+            }
+            Kernel::Softmax(s) => {
+                let x = f(&buffers[0]);
+                let (y, _) = s.reference(&x, &zeros(x.len()));
+                store(&mut buffers[1], &y);
+            }
+            Kernel::SoftmaxBackward(s) => {
+                let dx = softmax_backward(s, &f(&buffers[0]), &f(&buffers[1]));
+                store(&mut buffers[2], &dx);
+            }
+            Kernel::Transpose(t) => {
+                let y = t.reference(&f(&buffers[0]));
+                store(&mut buffers[1], &y);
+            }
+            Kernel::Concat { concat, part } => {
+                let (range, stride, offset) = concat_slice(concat, *part);
+                let x = buffers[0][..concat.outer * range].to_vec();
+                for o in 0..concat.outer {
+                    let at = o * stride + offset;
+                    buffers[1][at..at + range].copy_from_slice(&x[o * range..(o + 1) * range]);
+                }
+            }
+            Kernel::ConcatBackward { concat, part } => {
+                let (range, stride, offset) = concat_slice(concat, *part);
+                let dy = buffers[0].clone();
+                for o in 0..concat.outer {
+                    let at = o * stride + offset;
+                    buffers[1][o * range..(o + 1) * range].copy_from_slice(&dy[at..at + range]);
+                }
+            }
+            Kernel::Conv2d(c) => {
+                let bias = c.bias.then(|| f(&buffers[2]));
+                let (y, ..) = c.reference(
+                    &f(&buffers[0]),
+                    &f(&buffers[1]),
+                    bias.as_deref(),
+                    &zeros(c.out_len()),
+                );
+                let out = if c.bias { 3 } else { 2 };
+                store(&mut buffers[out], &y);
+            }
+            Kernel::Conv2dBackwardInput(c) => {
+                let (_, dx, ..) = c.reference(
+                    &zeros(c.n * c.c * c.h * c.w),
+                    &f(&buffers[1]),
+                    None,
+                    &f(&buffers[0]),
+                );
+                store(&mut buffers[2], &dx);
+            }
+            Kernel::Conv2dBackwardWeight(c) => {
+                let (_, _, dw, _) = c.reference(
+                    &f(&buffers[1]),
+                    &zeros(c.o * (c.c / c.groups) * c.kh * c.kw),
+                    None,
+                    &f(&buffers[0]),
+                );
+                store(&mut buffers[2], &dw);
+            }
+            Kernel::MaxPool(p) => {
+                let (y, argmax, _) = p.max_reference(&f(&buffers[0]), &zeros(p.out_len()));
+                store(&mut buffers[1], &y);
+                buffers[2][..argmax.len()].copy_from_slice(&argmax);
+            }
+            Kernel::MaxPoolBackward(p) => {
+                let dx = max_pool_backward(p, &buffers[0], &f(&buffers[1]));
+                store(&mut buffers[2], &dx);
+            }
+            Kernel::AvgPool(p) => {
+                let x = f(&buffers[0]);
+                let (y, _) = p.avg_reference(&x, &zeros(p.out_len()));
+                store(&mut buffers[1], &y);
+            }
+            Kernel::AvgPoolBackward(p) => {
+                let (_, dx) = p.avg_reference(&zeros(p.planes * p.h * p.w), &f(&buffers[0]));
+                store(&mut buffers[1], &dx);
+            }
+            Kernel::GlobalAvgPool(g) => {
+                let (y, _) = g.reference(&f(&buffers[0]), &zeros(g.planes));
+                store(&mut buffers[1], &y);
+            }
+            Kernel::GlobalAvgPoolBackward(g) => {
+                let (_, dx) = g.reference(&zeros(g.planes * g.spatial), &f(&buffers[0]));
+                store(&mut buffers[1], &dx);
+            }
+            Kernel::BatchNormTrain(b) => {
+                let x = f(&buffers[0]);
+                let (rm, rv) = (f(&buffers[3]), f(&buffers[4]));
+                let (y, rm, rv, ..) = b.reference_train(
+                    &x,
+                    &f(&buffers[1]),
+                    &f(&buffers[2]),
+                    (&rm, &rv),
+                    &zeros(x.len()),
+                );
+                let (mean, rstd) = channel_stats(b, &x);
+                store(&mut buffers[3], &rm);
+                store(&mut buffers[4], &rv);
+                store(&mut buffers[5], &y);
+                store(&mut buffers[6], &mean);
+                store(&mut buffers[7], &rstd);
+            }
+            Kernel::BatchNormEval(b) => {
+                let (rm, rv) = (f(&buffers[3]), f(&buffers[4]));
+                let y = b.reference_eval(
+                    &f(&buffers[0]),
+                    &f(&buffers[1]),
+                    &f(&buffers[2]),
+                    (&rm, &rv),
+                );
+                store(&mut buffers[5], &y);
+            }
+            // Recomputes the batch statistics from `x`, as the reference does.
+            Kernel::BatchNormBackward(b) => {
+                let ch = zeros(b.channels);
+                let (.., dx, dw, db) = b.reference_train(
+                    &f(&buffers[0]),
+                    &f(&buffers[1]),
+                    &ch,
+                    (&ch, &ch),
+                    &f(&buffers[4]),
+                );
+                store(&mut buffers[5], &dx);
+                store(&mut buffers[6], &dw);
+                store(&mut buffers[7], &db);
+            }
+            Kernel::Dropout(d) => {
+                let args = [buffers[0][0], buffers[0][1], buffers[0][2], buffers[0][3]];
+                let (y, noise) = d.reference(args, &f(&buffers[1]));
+                store(&mut buffers[2], &y);
+                store(&mut buffers[3], &noise);
+            }
+            Kernel::Gather(g) => {
+                let indices = ints(&buffers[1][..g.count]);
+                let (y, _) = g.reference(
+                    &f(&buffers[0]),
+                    &indices,
+                    &zeros(g.outer * g.count * g.inner),
+                );
+                store(&mut buffers[2], &y);
+            }
+            Kernel::GatherBackward(g) => {
+                let indices = ints(&buffers[0][..g.count]);
+                let (_, dd) = g.reference(
+                    &zeros(g.outer * g.axis * g.inner),
+                    &indices,
+                    &f(&buffers[1]),
+                );
+                store(&mut buffers[2], &dd);
+            }
         }
     }
+}
+
+/// i32 words as the kernels bind indices.
+fn ints(words: &[u32]) -> Vec<i32> {
+    words.iter().map(|&w| w as i32).collect()
+}
+
+/// Per-channel batch mean and `1 / sqrt(var + eps)` (biased variance), as
+/// the BatchNorm training forward saves them.
+fn channel_stats(b: &BatchNorm, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (ch, sp) = (b.channels, b.spatial);
+    let m = (b.n * sp) as f64;
+    (0..ch)
+        .map(|c| {
+            let vals: Vec<f64> = (0..b.n * sp)
+                .map(|j| f64::from(x[(j / sp) * ch * sp + c * sp + j % sp]))
+                .collect();
+            let mu = vals.iter().sum::<f64>() / m;
+            let var = vals.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / m;
+            (mu as f32, (1.0 / (var + f64::from(b.eps)).sqrt()) as f32)
+        })
+        .unzip()
 }
 
 /// `m` with `operand` (its `a` or `b`) given the output's batch dimensions.
@@ -249,4 +525,74 @@ fn widened(m: &MatMul, operand: &[usize]) -> MatMul {
         (m.a.clone(), full)
     };
     MatMul { a, b, tile: m.tile }
+}
+
+/// Per-row mean and `1 / sqrt(var + eps)` of rows of `cols`, as the
+/// LayerNorm forward saves them.
+fn row_stats(x: &[f32], cols: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
+    x.chunks(cols.max(1))
+        .map(|row| {
+            let n = row.len() as f64;
+            let mu = row.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+            let var = row
+                .iter()
+                .map(|&v| (f64::from(v) - mu).powi(2))
+                .sum::<f64>()
+                / n;
+            (mu as f32, (1.0 / (var + f64::from(eps)).sqrt()) as f32)
+        })
+        .unzip()
+}
+
+/// Softmax's backward from its output, in f64 (the kernel crate's reference
+/// starts from the input, which the kernel does not bind): `dx = y (dy -
+/// sum(dy y))`, or for log-softmax `dx = dy - exp(y) sum(dy)`.
+fn softmax_backward(s: &Softmax, y: &[f32], dy: &[f32]) -> Vec<f32> {
+    let (a, inner) = (s.axis, s.inner);
+    let mut dx = vec![0.0f32; y.len()];
+    for row in 0..s.outer * inner {
+        let base = (row / inner) * a * inner + row % inner;
+        let idx = |c: usize| base + c * inner;
+        let (yv, g): (Vec<f64>, Vec<f64>) = (0..a)
+            .map(|c| (f64::from(y[idx(c)]), f64::from(dy[idx(c)])))
+            .unzip();
+        if s.log {
+            let sum: f64 = g.iter().sum();
+            for c in 0..a {
+                dx[idx(c)] = (g[c] - yv[c].exp() * sum) as f32;
+            }
+        } else {
+            let dot: f64 = yv.iter().zip(&g).map(|(y, g)| y * g).sum();
+            for c in 0..a {
+                dx[idx(c)] = (yv[c] * (g[c] - dot)) as f32;
+            }
+        }
+    }
+    dx
+}
+
+/// Input `part` of `concat` as `(elements per outer index, output elements
+/// per outer index, offset of the part within those)`.
+fn concat_slice(concat: &Concat, part: usize) -> (usize, usize, usize) {
+    let total: usize = concat.sizes.iter().sum();
+    let offset: usize = concat.sizes[..part].iter().sum();
+    (
+        concat.sizes[part] * concat.inner,
+        total * concat.inner,
+        offset * concat.inner,
+    )
+}
+
+/// Max pooling's backward from the saved argmax (index within the plane):
+/// each output's gradient goes to the element that won its window.
+fn max_pool_backward(p: &Pool2d, argmax: &[u32], dy: &[f32]) -> Vec<f32> {
+    let plane_in = p.h * p.w;
+    let (oh, ow) = p.out_hw();
+    let plane_out = oh * ow;
+    let mut dx = vec![0.0f64; p.planes * plane_in];
+    for (oi, &g) in dy.iter().enumerate().take(p.planes * plane_out) {
+        let plane = oi / plane_out;
+        dx[plane * plane_in + argmax[oi] as usize] += f64::from(g);
+    }
+    dx.into_iter().map(|v| v as f32).collect()
 }

@@ -77,6 +77,8 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
     fn build(&mut self, spec: StageSpec<'_>) -> Result<Self::Backend, String> {
         let mut params = BTreeMap::new();
         for p in spec.params {
+            // Integer parameters (BatchNorm's `num_batches_tracked`) are
+            // counts the executor keeps on the host.
             let t = from_wire(p).map_err(|e| format!("parameter `{}`: {e}", p.name))?;
             params.insert(p.name.clone(), t.data);
         }
@@ -122,9 +124,8 @@ impl<D: Device> Backend for StageExecutor<D> {
         StageExecutor::param_names(self)
     }
 
-    fn set_step_seed(&mut self, _seed: u64) {
-        // No op lowered yet draws random numbers (Dropout is refused when
-        // the stage is built), so the seed has nothing to steer.
+    fn set_step_seed(&mut self, seed: u64) {
+        StageExecutor::set_step_seed(self, seed);
     }
 
     fn decode(&self, t: &WireTensor) -> Result<HostTensor, StageError> {
@@ -150,9 +151,9 @@ impl<D: Device> Backend for StageExecutor<D> {
     async fn forward(
         &mut self,
         inputs: &[(String, HostTensor)],
-        _offset: u64,
+        offset: u64,
     ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
-        StageExecutor::forward(self, inputs).await
+        StageExecutor::forward_at(self, inputs, offset).await
     }
 
     async fn evaluate(
@@ -175,10 +176,19 @@ impl<D: Device> Backend for StageExecutor<D> {
     }
 
     async fn parameters(&mut self) -> Result<Vec<WireTensor>, StageError> {
+        let integer = self.param_is_integer();
         Ok(StageExecutor::parameters(self)
             .await?
             .iter()
-            .map(|(name, t)| WireTensor::from_f32(name, &t.shape, &t.data, WireDType::F32))
+            .zip(integer)
+            .map(|((name, t), integer)| {
+                if integer {
+                    let values: Vec<i64> = t.data.iter().map(|&v| v as i64).collect();
+                    WireTensor::from_i64(name, &t.shape, &values)
+                } else {
+                    WireTensor::from_f32(name, &t.shape, &t.data, WireDType::F32)
+                }
+            })
             .collect())
     }
 
@@ -331,16 +341,23 @@ pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
     hits
 }
 
+/// Integers a host tensor's f32 carries exactly.
+const EXACT_INTEGERS: i64 = 1 << 24;
+
 /// A host tensor from wire bytes: floats become f32 (checked finite);
-/// integer tensors are refused here (labels are read separately).
+/// integers (indices, counters) too, when f32 holds them exactly.
 pub fn from_wire(t: &WireTensor) -> Result<HostTensor, WorkerError> {
     let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
     if !t.dtype.is_float() {
-        return Err(WorkerError(format!(
-            "tensor `{}` is {}, where floats are expected",
-            t.name,
-            t.dtype.as_str()
-        )));
+        let values = t.to_i64().map_err(|e| WorkerError(e.to_string()))?;
+        if let Some(v) = values.iter().find(|v| v.abs() >= EXACT_INTEGERS) {
+            return Err(WorkerError(format!(
+                "tensor `{}` holds the integer {v}, beyond the {EXACT_INTEGERS} this backend carries exactly",
+                t.name
+            )));
+        }
+        let data = values.into_iter().map(|v| v as f32).collect();
+        return Ok(HostTensor { shape, data });
     }
     let data = t.to_f32().map_err(|e| WorkerError(e.to_string()))?;
     if let Some(index) = data.iter().position(|v| !v.is_finite()) {

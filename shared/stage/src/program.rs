@@ -9,11 +9,17 @@
 //! through a scratch buffer and an add, so no gradient buffer needs zeroing
 //! and the order of additions is fixed (the same every run).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rookery_model::{DType, Graph, Op, ParamKind, Source, StageLayout};
+use rookery_shared::kernels::conv::Conv2d;
+use rookery_shared::kernels::dropout::{self, DropoutMask};
 use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_shared::kernels::gemm::{Linear, MatMul};
+use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
+use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
+use rookery_shared::kernels::reduce::{Softmax, split_at_axis};
+use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
 use rookery_shared::kernels::spec::numel;
 
 use crate::StageError;
@@ -31,6 +37,9 @@ pub(crate) enum Buf {
     Grad(Source),
     /// Scratch space of the pass.
     Temp(usize),
+    /// Per-micro-batch state a forward keeps for its backward (LayerNorm's
+    /// row statistics, max pooling's argmax, ...), or constants it binds.
+    Saved(usize),
 }
 
 /// One kernel call with its buffers in binding order.
@@ -48,10 +57,22 @@ pub(crate) struct Program<P> {
     pub local_shapes: Vec<Vec<usize>>,
     /// Elements of each scratch buffer.
     pub temp_lens: Vec<usize>,
+    /// Words of each [`Buf::Saved`] buffer (one set per micro-batch in flight).
+    pub saved_lens: Vec<usize>,
     pub forward: Vec<Call<P>>,
     pub backward: Vec<Call<P>>,
     /// Parameters whose gradient the backward writes.
     pub params_with_grad: Vec<usize>,
+    /// Dropout nodes of a training program: the [`Buf::Saved`] buffer the
+    /// executor writes each forward's key and first index into, the node's
+    /// name and its elements per sample.
+    pub dropouts: Vec<(usize, String, u64)>,
+    /// Integer parameters each training forward adds one to (BatchNorm's
+    /// `num_batches_tracked`).
+    pub counted: Vec<usize>,
+    /// Integer stage inputs used as Gather indices, with the size of the
+    /// gathered axis: the executor checks them to lie in `[-size, size)`.
+    pub index_checks: Vec<(usize, usize)>,
 }
 
 /// Shapes of every tensor of the stage when dimension 0 of the graph's
@@ -71,12 +92,14 @@ fn shapes_at(graph: &Graph, batch: usize) -> Result<BTreeMap<String, Vec<usize>>
         .collect())
 }
 
-/// Builds the program of `layout` for micro-batches of `batch` samples,
-/// preparing each kernel with `prepare`.
+/// Builds the program of `layout` for micro-batches of `batch` samples in
+/// training (`train`: dropout active, BatchNorm on batch statistics) or
+/// evaluation mode, preparing each kernel with `prepare`.
 pub(crate) fn lower<P>(
     graph: &Graph,
     layout: &StageLayout,
     batch: usize,
+    train: bool,
     local_dtypes: &[DType],
     prepare: impl Fn(&Kernel) -> P,
 ) -> Result<Program<P>, StageError> {
@@ -103,7 +126,13 @@ pub(crate) fn lower<P>(
         local_shapes: &local_shapes,
         local_dtypes,
         temp_lens: Vec::new(),
+        saved_lens: Vec::new(),
         free_temps: Vec::new(),
+        kept: HashMap::new(),
+        train,
+        dropouts: Vec::new(),
+        counted: Vec::new(),
+        index_checks: Vec::new(),
         written: HashSet::new(),
         calls: Vec::new(),
     };
@@ -116,7 +145,8 @@ pub(crate) fn lower<P>(
             l.written.insert(*src);
         }
     }
-    for (k, node) in layout.nodes.iter().enumerate().rev() {
+    // An evaluation program has no backward.
+    for (k, node) in layout.nodes.iter().enumerate().rev().filter(|_| train) {
         if l.written.contains(&Source::Local(k)) {
             l.backward_node(k, &node.op, &node.inputs)?;
         }
@@ -151,6 +181,10 @@ pub(crate) fn lower<P>(
     };
     Ok(Program {
         temp_lens: l.temp_lens,
+        saved_lens: l.saved_lens,
+        dropouts: l.dropouts,
+        counted: l.counted,
+        index_checks: l.index_checks,
         forward: finish(forward),
         backward: finish(backward),
         params_with_grad,
@@ -159,14 +193,28 @@ pub(crate) fn lower<P>(
     })
 }
 
+/// What [`Lowering::settle`] does after a kernel wrote a routed gradient.
+enum Routed {
+    Direct,
+    Discard(usize, usize),
+    Add(Source, usize, usize),
+}
+
 struct Lowering<'a> {
     layout: &'a StageLayout,
     input_shapes: &'a [Vec<usize>],
     local_shapes: &'a [Vec<usize>],
     local_dtypes: &'a [DType],
     temp_lens: Vec<usize>,
+    saved_lens: Vec<usize>,
     /// Scratch buffers free for reuse, as (index, elements).
     free_temps: Vec<(usize, usize)>,
+    /// Saved buffers each node's forward wrote, for its backward.
+    kept: HashMap<usize, Vec<Buf>>,
+    train: bool,
+    dropouts: Vec<(usize, String, u64)>,
+    counted: Vec<usize>,
+    index_checks: Vec<(usize, usize)>,
     /// Tensors whose gradient has a first contribution already.
     written: HashSet<Source>,
     calls: Vec<(Kernel, Vec<Buf>)>,
@@ -195,6 +243,39 @@ impl Lowering<'_> {
         }
         self.temp_lens.push(len);
         self.temp_lens.len() - 1
+    }
+
+    fn saved(&mut self, len: usize) -> Buf {
+        self.saved_lens.push(len);
+        Buf::Saved(self.saved_lens.len() - 1)
+    }
+
+    /// Where a kernel writing several gradients at once puts the one of
+    /// `src`: its gradient buffer for the first contribution, a scratch
+    /// buffer otherwise (or when `src` needs none, to be discarded); pass
+    /// the second part to [`Self::settle`] after the kernel.
+    fn route(&mut self, src: Source, len: usize) -> (Buf, Routed) {
+        if !self.needs_grad(src) {
+            let t = self.temp(len);
+            return (Buf::Temp(t), Routed::Discard(t, len));
+        }
+        if self.written.insert(src) {
+            return (Buf::Grad(src), Routed::Direct);
+        }
+        let t = self.temp(len);
+        (Buf::Temp(t), Routed::Add(src, t, len))
+    }
+
+    fn settle(&mut self, routed: Routed) {
+        match routed {
+            Routed::Direct => {}
+            Routed::Discard(t, len) => self.free_temps.push((t, len)),
+            Routed::Add(src, t, len) => {
+                self.calls
+                    .push((Kernel::AddInto { len }, vec![Buf::Temp(t), Buf::Grad(src)]));
+                self.free_temps.push((t, len));
+            }
+        }
     }
 
     /// Adds `make(dest)`'s calls, which write one contribution to the
@@ -232,6 +313,20 @@ impl Lowering<'_> {
     fn forward_node(&mut self, k: usize, op: &Op, ins: &[Source]) -> Result<(), StageError> {
         let out = Buf::Value(Source::Local(k));
         let y_len = numel(&self.local_shapes[k]);
+        for (at, &src) in ins.iter().enumerate() {
+            let integer = match src {
+                Source::Param(p) => self.layout.params[p].dtype != DType::F32,
+                Source::Local(j) => self.local_dtypes[j] != DType::F32,
+                Source::Input(i) => self.layout.inputs[i].dtype != DType::F32,
+            };
+            // BatchNorm's batch counter lives on the host, never bound;
+            // Gather binds stage inputs as i32 indices.
+            let allowed = (matches!(op, Op::BatchNorm { .. }) && at == 5)
+                || (matches!(op, Op::Gather { .. }) && at == 1 && matches!(src, Source::Input(_)));
+            if integer && !allowed {
+                return Err(self.unsupported(k, op, "integer tensors are not supported yet"));
+            }
+        }
         let call = match op {
             Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Identity => (
                 Kernel::Unary {
@@ -269,6 +364,132 @@ impl Lowering<'_> {
                     vec![Buf::Value(ins[0]), Buf::Value(ins[1]), out],
                 )
             }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let s = self.softmax(k, op, ins, *axis)?;
+                (Kernel::Softmax(s), vec![Buf::Value(ins[0]), out])
+            }
+            Op::Transpose { perm } => {
+                let t = Transpose::new(self.shape(ins[0]), perm).ok_or_else(|| {
+                    self.unsupported(k, op, "not a permutation of the dimensions")
+                })?;
+                (Kernel::Transpose(t), vec![Buf::Value(ins[0]), out])
+            }
+            Op::Concat { axis } => {
+                let concat = self.concat(k, op, ins, *axis)?;
+                for (part, &src) in ins.iter().enumerate() {
+                    self.calls.push((
+                        Kernel::Concat {
+                            concat: concat.clone(),
+                            part,
+                        },
+                        vec![Buf::Value(src), out],
+                    ));
+                }
+                return Ok(());
+            }
+            Op::LayerNorm { axis, eps } => {
+                let n = self.layer_norm(k, op, ins, *axis, *eps)?;
+                let mean = self.saved(n.rows);
+                let rstd = self.saved(n.rows);
+                let mut args = vec![Buf::Value(ins[0])];
+                let mut kept = vec![mean, rstd];
+                // A LayerNorm without weight or bias binds ones or zeros.
+                for (at, value) in [(1, 1.0), (2, 0.0)] {
+                    if let Some(&src) = ins.get(at) {
+                        args.push(Buf::Value(src));
+                    } else {
+                        let c = self.saved(n.cols);
+                        self.calls
+                            .push((Kernel::Fill { len: n.cols, value }, vec![c]));
+                        args.push(c);
+                        kept.push(c);
+                    }
+                }
+                args.extend([out, mean, rstd]);
+                self.kept.insert(k, kept);
+                (Kernel::LayerNorm(n), args)
+            }
+            Op::Conv2d { .. } => {
+                let conv = self.conv(k, op, ins)?;
+                let mut args = vec![Buf::Value(ins[0]), Buf::Value(ins[1])];
+                if conv.bias {
+                    args.push(Buf::Value(ins[2]));
+                }
+                args.push(out);
+                (Kernel::Conv2d(conv), args)
+            }
+            Op::MaxPool2d { .. } => {
+                let pool = self.pool(k, op, ins)?;
+                let argmax = self.saved(pool.out_len());
+                self.kept.insert(k, vec![argmax]);
+                (Kernel::MaxPool(pool), vec![Buf::Value(ins[0]), out, argmax])
+            }
+            Op::AvgPool2d { .. } => {
+                let pool = self.pool(k, op, ins)?;
+                (Kernel::AvgPool(pool), vec![Buf::Value(ins[0]), out])
+            }
+            Op::GlobalAveragePool => {
+                let g = self.global_pool(k, op, ins)?;
+                (Kernel::GlobalAvgPool(g), vec![Buf::Value(ins[0]), out])
+            }
+            Op::Dropout { p } if self.train && *p > 0.0 => {
+                if *p >= 1.0 {
+                    return Err(self.unsupported(k, op, "p must be below 1"));
+                }
+                let d = DropoutMask {
+                    len: y_len,
+                    p: *p,
+                    scale: dropout::scale(*p),
+                };
+                let args = self.saved(4);
+                let noise = self.saved(y_len);
+                let Buf::Saved(at) = args else {
+                    return Err(StageError::Internal("saved buffer expected".into()));
+                };
+                let batch = self.local_shapes[k].first().copied().unwrap_or(1).max(1);
+                self.dropouts.push((
+                    at,
+                    self.layout.nodes[k].name.clone(),
+                    (y_len / batch) as u64,
+                ));
+                self.kept.insert(k, vec![noise]);
+                (
+                    Kernel::Dropout(d),
+                    vec![args, Buf::Value(ins[0]), out, noise],
+                )
+            }
+            Op::Dropout { .. } => (Kernel::Copy { len: y_len }, vec![Buf::Value(ins[0]), out]),
+            Op::Gather { axis } => {
+                let g = self.gather(k, op, ins, *axis)?;
+                if let Source::Input(i) = ins[1] {
+                    self.index_checks.push((i, g.axis));
+                }
+                (
+                    Kernel::Gather(g),
+                    vec![Buf::Value(ins[0]), Buf::Value(ins[1]), out],
+                )
+            }
+            Op::BatchNorm { eps, momentum } => {
+                let bn = self.batch_norm(k, op, ins, *eps, *momentum)?;
+                let mut args: Vec<Buf> = ins[..5].iter().map(|&s| Buf::Value(s)).collect();
+                args.push(out);
+                if self.train {
+                    let mean = self.saved(bn.channels);
+                    let rstd = self.saved(bn.channels);
+                    args.extend([mean, rstd]);
+                    self.kept.insert(k, vec![mean, rstd]);
+                    if let Some(&Source::Param(p)) = ins.get(5) {
+                        self.counted.push(p);
+                    }
+                    (Kernel::BatchNormTrain(bn), args)
+                } else {
+                    (Kernel::BatchNormEval(bn), args)
+                }
+            }
+            // The op set grows in `rookery-model` ahead of the backends; an
+            // op added there without a lowering must reach the job as a clear
+            // error, not break this crate's build.
+            #[allow(unreachable_patterns)]
             other => {
                 return Err(self.unsupported(k, other, "no kernel lowering yet"));
             }
@@ -397,9 +618,364 @@ impl Lowering<'_> {
                     ]
                 });
             }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let s = self.softmax(k, op, ins, *axis)?;
+                let y = Buf::Value(Source::Local(k));
+                self.contribute(ins[0], |_, dest| {
+                    vec![(Kernel::SoftmaxBackward(s), vec![y, dy, dest])]
+                });
+            }
+            Op::Transpose { perm } => {
+                let t = Transpose::new(self.shape(ins[0]), perm).ok_or_else(|| {
+                    self.unsupported(k, op, "not a permutation of the dimensions")
+                })?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(Kernel::Transpose(t.inverse()), vec![dy, dest])]
+                });
+            }
+            Op::Concat { axis } => {
+                let concat = self.concat(k, op, ins, *axis)?;
+                for (part, &src) in ins.iter().enumerate() {
+                    let concat = concat.clone();
+                    self.contribute(src, |_, dest| {
+                        vec![(Kernel::ConcatBackward { concat, part }, vec![dy, dest])]
+                    });
+                }
+            }
+            Op::LayerNorm { axis, eps } => {
+                let n = self.layer_norm(k, op, ins, *axis, *eps)?;
+                let kept = self.kept[&k].clone();
+                let (mean, rstd) = (kept[0], kept[1]);
+                let mut consts = kept[2..].iter().copied();
+                let x = Buf::Value(ins[0]);
+                let w = match ins.get(1) {
+                    Some(&src) => Buf::Value(src),
+                    None => consts
+                        .next()
+                        .ok_or_else(|| StageError::Internal("LayerNorm lost its ones".into()))?,
+                };
+                self.contribute(ins[0], |_, dest| {
+                    vec![(
+                        Kernel::LayerNormBackwardX(n),
+                        vec![x, w, mean, rstd, dy, dest],
+                    )]
+                });
+                let params: Vec<Source> = ins[1..].to_vec();
+                if params.iter().any(|&p| self.needs_grad(p)) {
+                    let mut dests = Vec::new();
+                    let mut settle = Vec::new();
+                    for at in 1..3 {
+                        let (dest, routed) = match ins.get(at) {
+                            Some(&src) => self.route(src, n.cols),
+                            None => {
+                                let t = self.temp(n.cols);
+                                (Buf::Temp(t), Routed::Discard(t, n.cols))
+                            }
+                        };
+                        dests.push(dest);
+                        settle.push(routed);
+                    }
+                    self.calls.push((
+                        Kernel::LayerNormBackwardParams(n),
+                        vec![x, mean, rstd, dy, dests[0], dests[1]],
+                    ));
+                    for routed in settle {
+                        self.settle(routed);
+                    }
+                }
+            }
+            Op::Conv2d { .. } => {
+                let conv = self.conv(k, op, ins)?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(
+                        Kernel::Conv2dBackwardInput(conv),
+                        vec![dy, Buf::Value(ins[1]), dest],
+                    )]
+                });
+                self.contribute(ins[1], |_, dest| {
+                    vec![(
+                        Kernel::Conv2dBackwardWeight(conv),
+                        vec![dy, Buf::Value(ins[0]), dest],
+                    )]
+                });
+                if conv.bias {
+                    let (oh, ow) = conv.out_hw();
+                    self.contribute(ins[2], |_, dest| {
+                        vec![(
+                            Kernel::SumToShape {
+                                from: vec![conv.n, conv.o, oh * ow],
+                                to: vec![conv.o, 1],
+                            },
+                            vec![dy, dest],
+                        )]
+                    });
+                }
+            }
+            Op::MaxPool2d { .. } => {
+                let pool = self.pool(k, op, ins)?;
+                let argmax = self.kept[&k][0];
+                self.contribute(ins[0], |_, dest| {
+                    vec![(Kernel::MaxPoolBackward(pool), vec![argmax, dy, dest])]
+                });
+            }
+            Op::AvgPool2d { .. } => {
+                let pool = self.pool(k, op, ins)?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(Kernel::AvgPoolBackward(pool), vec![dy, dest])]
+                });
+            }
+            Op::GlobalAveragePool => {
+                let g = self.global_pool(k, op, ins)?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(Kernel::GlobalAvgPoolBackward(g), vec![dy, dest])]
+                });
+            }
+            Op::Dropout { .. } => match self.kept.get(&k) {
+                Some(kept) => {
+                    let noise = kept[0];
+                    let shape = self.local_shapes[k].clone();
+                    let shapes = Broadcast::new(&shape, &shape)
+                        .ok_or_else(|| StageError::Internal("shape does not broadcast".into()))?;
+                    self.contribute(ins[0], |_, dest| {
+                        vec![(
+                            Kernel::Binary {
+                                op: BinaryOp::Mul,
+                                shapes,
+                            },
+                            vec![dy, noise, dest],
+                        )]
+                    });
+                }
+                None => {
+                    let len = numel(&self.local_shapes[k]);
+                    self.contribute(ins[0], |_, dest| {
+                        vec![(Kernel::Copy { len }, vec![dy, dest])]
+                    });
+                }
+            },
+            Op::Gather { axis } => {
+                let g = self.gather(k, op, ins, *axis)?;
+                self.contribute(ins[0], |_, dest| {
+                    vec![(
+                        Kernel::GatherBackward(g),
+                        vec![Buf::Value(ins[1]), dy, dest],
+                    )]
+                });
+            }
+            Op::BatchNorm { eps, momentum } => {
+                let bn = self.batch_norm(k, op, ins, *eps, *momentum)?;
+                let kept = self.kept[&k].clone();
+                let len = numel(self.shape(ins[0]));
+                let (dx, rx) = self.route(ins[0], len);
+                let (dw, rw) = self.route(ins[1], bn.channels);
+                let (db, rb) = self.route(ins[2], bn.channels);
+                self.calls.push((
+                    Kernel::BatchNormBackward(bn),
+                    vec![
+                        Buf::Value(ins[0]),
+                        Buf::Value(ins[1]),
+                        kept[0],
+                        kept[1],
+                        dy,
+                        dx,
+                        dw,
+                        db,
+                    ],
+                ));
+                for routed in [rx, rw, rb] {
+                    self.settle(routed);
+                }
+            }
+            #[allow(unreachable_patterns)]
             other => return Err(self.unsupported(k, other, "no kernel lowering yet")),
         }
         Ok(())
+    }
+
+    fn gather(&self, k: usize, op: &Op, ins: &[Source], a: i64) -> Result<Gather, StageError> {
+        if ins.len() != 2 {
+            return Err(self.unsupported(k, op, "expects data and indices"));
+        }
+        let data = self.shape(ins[0]);
+        let a = self.axis(k, op, a, data.len())?;
+        Ok(Gather {
+            outer: data[..a].iter().product(),
+            axis: data[a],
+            inner: data[a + 1..].iter().product(),
+            count: numel(self.shape(ins[1])),
+        })
+    }
+
+    fn batch_norm(
+        &self,
+        k: usize,
+        op: &Op,
+        ins: &[Source],
+        eps: f32,
+        momentum: f32,
+    ) -> Result<BatchNorm, StageError> {
+        if ins.len() < 5 {
+            return Err(self.unsupported(
+                k,
+                op,
+                "expects x, weight, bias, running_mean, running_var",
+            ));
+        }
+        let shape = self.shape(ins[0]);
+        if shape.len() < 2 {
+            return Err(self.unsupported(k, op, "expects x [N, C, ..]"));
+        }
+        let bn = BatchNorm {
+            n: shape[0],
+            channels: shape[1],
+            spatial: shape[2..].iter().product(),
+            eps,
+            momentum,
+        };
+        for &p in &ins[1..5] {
+            if numel(self.shape(p)) != bn.channels {
+                return Err(self.unsupported(k, op, "statistics differ from the channels"));
+            }
+        }
+        // nn.BatchNorm's own check: one value per channel has no variance.
+        if self.train && bn.n * bn.spatial <= 1 {
+            return Err(self.unsupported(
+                k,
+                op,
+                &format!(
+                    "expected more than 1 value per channel when training, got input size {shape:?}"
+                ),
+            ));
+        }
+        Ok(bn)
+    }
+
+    fn axis(&self, k: usize, op: &Op, a: i64, rank: usize) -> Result<usize, StageError> {
+        let r = rank as i64;
+        let resolved = if a < 0 { a + r } else { a };
+        if resolved < 0 || resolved >= r.max(1) {
+            return Err(self.unsupported(k, op, &format!("axis {a} out of range for rank {rank}")));
+        }
+        Ok(resolved as usize)
+    }
+
+    fn softmax(&self, k: usize, op: &Op, ins: &[Source], a: i64) -> Result<Softmax, StageError> {
+        let shape = self.shape(ins[0]);
+        let a = self.axis(k, op, a, shape.len())?;
+        let (outer, axis, inner) = split_at_axis(shape, a);
+        Ok(Softmax {
+            outer,
+            axis,
+            inner,
+            log: matches!(op, Op::LogSoftmax { .. }),
+        })
+    }
+
+    fn concat(&self, k: usize, op: &Op, ins: &[Source], a: i64) -> Result<Concat, StageError> {
+        let first = self.shape(ins[0]).to_vec();
+        let a = self.axis(k, op, a, first.len())?;
+        let mut sizes = Vec::with_capacity(ins.len());
+        for &src in ins {
+            let s = self.shape(src);
+            if s.len() != first.len() || s[..a] != first[..a] || s[a + 1..] != first[a + 1..] {
+                return Err(self.unsupported(k, op, "inputs differ off the concatenation axis"));
+            }
+            sizes.push(s[a]);
+        }
+        Ok(Concat {
+            outer: first[..a].iter().product(),
+            sizes,
+            inner: first[a + 1..].iter().product(),
+        })
+    }
+
+    fn layer_norm(
+        &self,
+        k: usize,
+        op: &Op,
+        ins: &[Source],
+        a: i64,
+        eps: f32,
+    ) -> Result<LayerNorm, StageError> {
+        let shape = self.shape(ins[0]);
+        let a = self.axis(k, op, a, shape.len())?;
+        let cols: usize = shape[a..].iter().product();
+        for &p in &ins[1..] {
+            if numel(self.shape(p)) != cols {
+                return Err(self.unsupported(
+                    k,
+                    op,
+                    "weight or bias differs from the normalised shape",
+                ));
+            }
+        }
+        Ok(LayerNorm {
+            rows: shape[..a].iter().product(),
+            cols,
+            eps,
+        })
+    }
+
+    fn conv(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Conv2d, StageError> {
+        let Op::Conv2d {
+            stride,
+            padding,
+            dilation,
+            groups,
+        } = op
+        else {
+            return Err(StageError::Internal("conv of a non-conv op".into()));
+        };
+        let (&[n, c, h, w], &[o, _, kh, kw]) = (self.shape(ins[0]), self.shape(ins[1])) else {
+            return Err(self.unsupported(
+                k,
+                op,
+                "expects x [N, C, H, W] and weight [O, C/g, kh, kw]",
+            ));
+        };
+        Conv2d::new(
+            [n, c, h, w],
+            o,
+            [kh, kw],
+            *stride,
+            *padding,
+            *dilation,
+            *groups,
+            ins.len() > 2,
+        )
+        .ok_or_else(|| self.unsupported(k, op, "invalid convolution geometry"))
+    }
+
+    fn pool(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Pool2d, StageError> {
+        let (Op::MaxPool2d {
+            kernel,
+            stride,
+            padding,
+        }
+        | Op::AvgPool2d {
+            kernel,
+            stride,
+            padding,
+        }) = op
+        else {
+            return Err(StageError::Internal("pool of a non-pool op".into()));
+        };
+        let &[n, c, h, w] = self.shape(ins[0]) else {
+            return Err(self.unsupported(k, op, "expects x [N, C, H, W]"));
+        };
+        Pool2d::new(n * c, h, w, *kernel, *stride, *padding)
+            .ok_or_else(|| self.unsupported(k, op, "invalid pooling geometry"))
+    }
+
+    fn global_pool(&self, k: usize, op: &Op, ins: &[Source]) -> Result<GlobalAvgPool, StageError> {
+        let shape = self.shape(ins[0]);
+        if shape.len() < 3 {
+            return Err(self.unsupported(k, op, "expects x [N, C, spatial..]"));
+        }
+        Ok(GlobalAvgPool {
+            planes: shape[0] * shape[1],
+            spatial: shape[2..].iter().product(),
+        })
     }
 
     fn broadcast(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Broadcast, StageError> {
