@@ -25,6 +25,10 @@ struct Cli {
     /// The server's join token, if it requires one (`rookery serve --provider-token`).
     #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Test only: misbehave in this one way (see `rookery_provider::fault`).
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, value_enum, hide = true)]
+    fault: Option<rookery_provider::fault::Fault>,
 }
 
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
@@ -70,6 +74,14 @@ async fn run() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
+    #[cfg(feature = "fault-injection")]
+    if let Some(fault) = cli.fault {
+        tracing::warn!(
+            ?fault,
+            "fault injection: this provider will send wrong data"
+        );
+        rookery_provider::fault::set(fault);
+    }
 
     let backend = backend::select(cli.device).context("choosing a compute backend")?;
     let profile = tokio::task::spawn_blocking(move || backend.profile())

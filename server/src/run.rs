@@ -13,13 +13,16 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use rookery_job::weights::WeightTensor;
-use rookery_job::{Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges};
+use rookery_job::{
+    Aggregation, Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges,
+};
 use rookery_model::{Analysis, DType, Graph, Init, ParamKind, Plan};
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
     ToProvider, ToServer, WireDType, WireTensor,
 };
 
+use crate::aggregate;
 use crate::jobs::{EpochRecord, StageTime, StepRecord};
 
 /// What the coordinator must do on the job's behalf, in order.
@@ -34,6 +37,35 @@ pub enum Effect {
     /// Training is over; these are the trained weights.
     Completed(Vec<WeightTensor>),
     Failed(String),
+    /// The provider sent something wrong: counts against it.
+    Fault {
+        provider: u64,
+        reason: String,
+        /// Whether a frame the step needs was dropped (rather than outvoted
+        /// at a sync), so the provider's stage cannot finish the step.
+        frame_dropped: bool,
+    },
+}
+
+/// Why a frame was turned down.
+#[derive(Debug)]
+enum Rejected {
+    /// Out of order or late (as around a rollback): dropped, nobody's fault.
+    Stale(String),
+    /// Wrong data: another job's, another stage's, misshapen, non-finite.
+    Fault(String),
+}
+
+impl From<String> for Rejected {
+    fn from(reason: String) -> Self {
+        Rejected::Stale(reason)
+    }
+}
+
+impl From<&str> for Rejected {
+    fn from(reason: &str) -> Self {
+        Rejected::Stale(reason.to_string())
+    }
 }
 
 /// A parameter's current (averaged) value.
@@ -105,8 +137,8 @@ pub struct JobRun {
     perm_epoch: Option<u64>,
     clusters: Vec<ClusterRun>,
     params: BTreeMap<String, ParamValue>,
-    /// Params uploaded at the current sync: name -> one value per cluster.
-    uploads: BTreeMap<String, Vec<Vec<f32>>>,
+    /// Params uploaded at the current sync: name -> (cluster, value) per cluster.
+    uploads: BTreeMap<String, Vec<(usize, Vec<f32>)>>,
     state: State,
     /// When the current step's clock started: the end of the previous step
     /// (so its sync and the gap between steps count), or the step's own start
@@ -302,7 +334,8 @@ impl JobRun {
     }
 
     /// A provider of this job sent `message`. Frames that break the protocol
-    /// are dropped with a logged reason; a provider's own failure fails the job.
+    /// are dropped with a logged reason (and an [`Effect::Fault`] when the
+    /// data was wrong rather than late); a provider's own failure fails the job.
     pub fn on_message(&mut self, provider: u64, message: ToServer) -> Vec<Effect> {
         let Some((c, s)) = self.locate(provider) else {
             tracing::warn!(
@@ -340,17 +373,31 @@ impl JobRun {
             | ToServer::Error(_)
             | ToServer::ProbeAck { .. } => Ok(Vec::new()),
         };
-        result.unwrap_or_else(|reason| {
-            tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");
-            Vec::new()
-        })
+        match result {
+            Ok(effects) => effects,
+            Err(Rejected::Stale(reason)) => {
+                tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");
+                Vec::new()
+            }
+            Err(Rejected::Fault(reason)) => {
+                tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a faulty frame");
+                vec![Effect::Fault {
+                    provider,
+                    reason: format!("cluster {c}, stage {s}: {reason}"),
+                    frame_dropped: true,
+                }]
+            }
+        }
     }
 
-    fn check_job(&self, job_id: u64) -> Result<(), String> {
+    fn check_job(&self, job_id: u64) -> Result<(), Rejected> {
         if job_id == self.job_id {
             Ok(())
         } else {
-            Err(format!("it is for job {job_id}, not {}", self.job_id))
+            Err(Rejected::Fault(format!(
+                "a frame for job {job_id}, not {}",
+                self.job_id
+            )))
         }
     }
 
@@ -432,12 +479,14 @@ impl JobRun {
         c: usize,
         s: usize,
         a: Activations,
-    ) -> Result<Vec<Effect>, String> {
+    ) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(a.phase)?;
         let run = &mut self.clusters[c];
         let last = run.stages.len() - 1;
         if s == last {
-            return Err("the Leaf sends losses, not activations".into());
+            return Err(Rejected::Fault(
+                "the Leaf sends losses, not activations".into(),
+            ));
         }
         let samples = *run
             .micro_samples
@@ -448,7 +497,8 @@ impl JobRun {
             &run.stages[s].outputs,
             samples,
             wire_dtype(self.spec.training.wire_dtype),
-        )?;
+        )
+        .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += a.compute_ms.max(0.0);
         self.bytes_relayed += a.outputs.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let labels = if s + 1 == last {
@@ -474,10 +524,12 @@ impl JobRun {
         )])
     }
 
-    fn on_gradients(&mut self, c: usize, s: usize, g: Gradients) -> Result<Vec<Effect>, String> {
+    fn on_gradients(&mut self, c: usize, s: usize, g: Gradients) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(Phase::Train { step: g.step })?;
         if s == 0 {
-            return Err("the Root has no one to send gradients to".into());
+            return Err(Rejected::Fault(
+                "the Root has no one to send gradients to".into(),
+            ));
         }
         let run = &mut self.clusters[c];
         let samples = *run
@@ -498,7 +550,8 @@ impl JobRun {
             &expected,
             samples,
             wire_dtype(self.spec.training.wire_dtype),
-        )?;
+        )
+        .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
         self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let prev = run.stages[s - 1].provider;
@@ -513,30 +566,27 @@ impl JobRun {
         )])
     }
 
-    fn on_leaf_loss(&mut self, c: usize, s: usize, l: LeafLoss) -> Result<Vec<Effect>, String> {
+    fn on_leaf_loss(&mut self, c: usize, s: usize, l: LeafLoss) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(l.phase)?;
         let run = &mut self.clusters[c];
         if s + 1 != run.stages.len() {
-            return Err("only the Leaf reports losses".into());
+            return Err(Rejected::Fault("only the Leaf reports losses".into()));
         }
         let samples = *run
             .micro_samples
             .get(&(l.phase, l.micro))
             .ok_or_else(|| format!("micro-batch {} is not in flight", l.micro))?;
         if !run.reported.insert((l.phase, l.micro)) {
-            return Err(format!(
-                "micro-batch {}'s loss was already reported",
-                l.micro
-            ));
+            return Err(format!("micro-batch {}'s loss was already reported", l.micro).into());
         }
         if samples != l.samples as usize
             || !l.loss_sum.is_finite()
             || l.correct > u64::from(l.samples)
         {
-            return Err(format!(
+            return Err(Rejected::Fault(format!(
                 "implausible loss report: {} samples (expected {samples}), loss {}, {} correct",
                 l.samples, l.loss_sum, l.correct
-            ));
+            )));
         }
         run.loss_sum += l.loss_sum;
         run.correct += l.correct;
@@ -550,11 +600,11 @@ impl JobRun {
         Ok(Vec::new())
     }
 
-    fn on_step_done(&mut self, c: usize, s: usize, d: StepDone) -> Result<Vec<Effect>, String> {
+    fn on_step_done(&mut self, c: usize, s: usize, d: StepDone) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(Phase::Train { step: d.step })?;
         let stage = &mut self.clusters[c].stages[s];
         if stage.step_done {
-            return Err(format!("step {} was already reported done", d.step));
+            return Err(format!("step {} was already reported done", d.step).into());
         }
         stage.step_done = true;
         // The provider's total is authoritative; what the relays counted was partial.
@@ -630,7 +680,7 @@ impl JobRun {
         effects
     }
 
-    fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, String> {
+    fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, Rejected> {
         let State::Syncing { step_done } = self.state else {
             return Err("parameters arrived outside a sync".into());
         };
@@ -638,7 +688,8 @@ impl JobRun {
             return Err(format!(
                 "parameters of step {} during the sync of step {step_done}",
                 p.step
-            ));
+            )
+            .into());
         }
         let stage = &self.clusters[c].stages[s];
         if stage.uploaded {
@@ -646,27 +697,34 @@ impl JobRun {
         }
         let mut values = Vec::with_capacity(p.params.len());
         for t in &p.params {
+            let fault = |reason: String| Rejected::Fault(reason);
             if !stage.params.contains(&t.name) {
-                return Err(format!("parameter `{}` is not one of the stage's", t.name));
+                return Err(fault(format!(
+                    "parameter `{}` is not one of the stage's",
+                    t.name
+                )));
             }
             let Some(current) = self.params.get(&t.name) else {
-                return Err(format!("unknown parameter `{}`", t.name));
+                return Err(fault(format!("unknown parameter `{}`", t.name)));
             };
             if t.shape_usize() != current.shape {
-                return Err(format!(
+                return Err(fault(format!(
                     "parameter `{}` has shape {:?}, expected {:?}",
                     t.name, t.shape, current.shape
-                ));
+                )));
             }
-            t.check().map_err(|e| e.to_string())?;
-            values.push((t.name.clone(), t.to_f32().map_err(|e| e.to_string())?));
+            t.check().map_err(|e| fault(e.to_string()))?;
+            values.push((
+                t.name.clone(),
+                t.to_f32().map_err(|e| fault(e.to_string()))?,
+            ));
         }
         let clusters = self.clusters.len();
         for (name, v) in values {
             self.uploads
                 .entry(name)
                 .or_insert_with(|| Vec::with_capacity(clusters))
-                .push(v);
+                .push((c, v));
         }
         self.clusters[c].stages[s].uploaded = true;
         let all = self
@@ -680,17 +738,58 @@ impl JobRun {
     }
 
     fn finish_sync(&mut self, step_done: u64) -> Vec<Effect> {
+        let rule = self.spec.training.aggregation;
+        // Each cluster's squared distance to the aggregate, and the aggregate's
+        // squared norm, over every float parameter: to spot a far-off cluster.
+        let mut squared_distances = vec![0.0f64; self.clusters.len()];
+        let mut squared_norm = 0.0f64;
         for (name, copies) in std::mem::take(&mut self.uploads) {
             let Some(target) = self.params.get_mut(&name) else {
                 continue;
             };
             target.values = match target.dtype {
                 // Counters (BatchNorm's num_batches_tracked) agree across clusters.
-                DType::I64 => copies.into_iter().next().unwrap_or_default(),
-                DType::F32 => average(&copies),
+                DType::I64 => copies
+                    .into_iter()
+                    .next()
+                    .map(|(_, v)| v)
+                    .unwrap_or_default(),
+                DType::F32 => {
+                    let slices: Vec<&[f32]> = copies.iter().map(|(_, v)| v.as_slice()).collect();
+                    let value = aggregate::aggregate(rule, &slices);
+                    if rule != Aggregation::Mean {
+                        for (c, copy) in &copies {
+                            squared_distances[*c] += aggregate::distance(copy, &value).powi(2);
+                        }
+                        squared_norm += value.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
+                    }
+                    value
+                }
             };
         }
         let mut effects = Vec::new();
+        if rule != Aggregation::Mean {
+            for c in aggregate::far_off(&squared_distances, squared_norm) {
+                let typical = squared_distances
+                    .iter()
+                    .map(|d| d.sqrt())
+                    .fold(f64::INFINITY, f64::min);
+                for stage in &self.clusters[c].stages {
+                    effects.push(Effect::Fault {
+                        provider: stage.provider,
+                        reason: format!(
+                            "cluster {c}'s parameters at the sync of step {step_done} are {:.3e} away from the {} of the clusters' (the closest cluster: {typical:.3e})",
+                            squared_distances[c].sqrt(),
+                            match rule {
+                                Aggregation::Median => "median",
+                                _ => "centered clip",
+                            },
+                        ),
+                        frame_dropped: false,
+                    });
+                }
+            }
+        }
         if self.clusters.len() > 1 {
             for run in &self.clusters {
                 for stage in &run.stages {
@@ -880,16 +979,6 @@ fn check_tensors(
     Ok(())
 }
 
-fn average(copies: &[Vec<f32>]) -> Vec<f32> {
-    let Some(first) = copies.first() else {
-        return Vec::new();
-    };
-    let n = copies.len() as f64;
-    (0..first.len())
-        .map(|i| (copies.iter().map(|c| f64::from(c[i])).sum::<f64>() / n) as f32)
-        .collect()
-}
-
 /// How a tensor of the graph's `dtype` travels: floats as `floats`
 /// (the job's wire dtype, or f32 for data and parameters), integers as i64.
 fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
@@ -958,6 +1047,7 @@ units = 3
                 shuffle: true,
                 seed: 7,
                 wire_dtype: rookery_job::WireDType::F32,
+                aggregation: Aggregation::Mean,
             },
         }
     }
@@ -973,9 +1063,19 @@ units = 3
     /// A run over 4 providers (ids 10..14): 2 clusters of Root -> Leaf, 16
     /// samples, so 2 steps; and the `Assign` frames it starts with.
     fn started() -> (JobRun, Vec<Effect>) {
+        started_with(2, Aggregation::Mean)
+    }
+
+    /// `clusters` clusters of Root -> Leaf (providers 10, 11, ...) that sync
+    /// with `aggregation`.
+    fn started_with(clusters: usize, aggregation: Aggregation) -> (JobRun, Vec<Effect>) {
         let graph = rookery_model::from_toml(MLP).unwrap();
-        let spec = spec();
-        let providers: Vec<ProviderSpec> = (10..14)
+        let mut spec = spec();
+        spec.training.clusters = ClusterCount::Fixed(clusters);
+        spec.training.aggregation = aggregation;
+        let ids = 10..10 + 2 * clusters as u64;
+        let providers: Vec<ProviderSpec> = ids
+            .clone()
             .map(|i| ProviderSpec {
                 id: i.to_string(),
                 kind: ProviderKind::Native,
@@ -986,14 +1086,72 @@ units = 3
             .collect();
         let options = PlanOptions {
             micro_batch: 2,
-            clusters: ClusterCount::Fixed(2),
+            clusters: ClusterCount::Fixed(clusters),
             stages_per_cluster: Some(2),
             ..PlanOptions::default()
         };
         let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
-        let ids = (10..14).map(|i| (i.to_string(), i)).collect();
+        let ids = ids.map(|i| (i.to_string(), i)).collect();
         let analysis = graph.analyze().unwrap();
-        JobRun::start(1, spec, &graph, &analysis, &plan, &ids, data(16), None).unwrap()
+        JobRun::start(
+            1,
+            spec,
+            &graph,
+            &analysis,
+            &plan,
+            &ids,
+            data(8 * clusters),
+            None,
+        )
+        .unwrap()
+    }
+
+    fn faults(effects: &[Effect]) -> Vec<(u64, &str, bool)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Fault {
+                    provider,
+                    reason,
+                    frame_dropped,
+                } => Some((*provider, reason.as_str(), *frame_dropped)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every stage of `run` uploads its parameters for the sync of step 1,
+    /// cluster `c`'s all equal to `value(c)`; the effects of the last upload.
+    fn upload_all(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
+        let mut last = Vec::new();
+        for c in 0..run.clusters.len() {
+            for stage in 0..run.clusters[c].stages.len() {
+                let params = run.clusters[c].stages[stage]
+                    .params
+                    .iter()
+                    .map(|n| {
+                        let shape = run.params[n].shape.clone();
+                        let len = shape.iter().product();
+                        WireTensor::from_f32(
+                            n.clone(),
+                            &shape,
+                            &vec![value(c); len],
+                            WireDType::F32,
+                        )
+                    })
+                    .collect();
+                let provider = run.clusters[c].stages[stage].provider;
+                last = run.on_message(
+                    provider,
+                    ToServer::Params(ParamSet {
+                        job_id: 1,
+                        step: 1,
+                        params,
+                    }),
+                );
+            }
+        }
+        last
     }
 
     fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {
@@ -1057,11 +1215,11 @@ units = 3
             assert!(f.labels.is_none(), "labels wait for the Leaf");
         }
 
-        // A wrongly shaped activation is dropped; a good one reaches the Leaf with its labels.
-        assert!(
-            run.on_message(root0, activations(0, 0, &[3, 8], &boundary))
-                .is_empty()
-        );
+        // A wrongly shaped activation is dropped (a fault); a good one reaches
+        // the Leaf with its labels.
+        let dropped = run.on_message(root0, activations(0, 0, &[3, 8], &boundary));
+        assert!(sends(&dropped).is_empty());
+        assert_eq!(faults(&dropped).len(), 1);
         assert!(
             run.on_message(root0, activations(1, 0, &[2, 8], &boundary))
                 .is_empty()
@@ -1179,14 +1337,137 @@ units = 3
     }
 
     #[test]
+    fn wrong_data_is_dropped_as_a_fault_of_its_sender_and_late_frames_are_not() {
+        let (mut run, _) = started();
+        let [[root0, leaf0], _] = roles(&run);
+        for p in run.providers() {
+            run.on_message(p, ToServer::Ready { job_id: 1 });
+        }
+        let boundary = run.clusters[0].stages[0].outputs[0].0.clone();
+        let input = run.graph_input.0.clone();
+        let nan = ToServer::Activations(Activations {
+            job_id: 1,
+            phase: Phase::Train { step: 0 },
+            micro: 0,
+            outputs: vec![WireTensor::from_f32(
+                &boundary,
+                &[2, 8],
+                &[f32::NAN; 16],
+                WireDType::F32,
+            )],
+            compute_ms: 1.0,
+        });
+        let mut other_job = activations(0, 0, &[2, 8], &boundary);
+        if let ToServer::Activations(a) = &mut other_job {
+            a.job_id = 2;
+        }
+        // (what, sender, frame, the reason names)
+        let faulty: [(&str, u64, ToServer, &str); 6] = [
+            ("another job's frame", root0, other_job, "job 2"),
+            (
+                "another job's Ready",
+                root0,
+                ToServer::Ready { job_id: 2 },
+                "job 2",
+            ),
+            (
+                "a wrong shape",
+                root0,
+                activations(0, 0, &[2, 9], &boundary),
+                "shape",
+            ),
+            (
+                "another stage's tensor",
+                root0,
+                activations(0, 0, &[2, 4], &input),
+                "expected",
+            ),
+            (
+                "the Leaf's activations",
+                leaf0,
+                activations(0, 0, &[2, 8], &boundary),
+                "Leaf",
+            ),
+            ("a NaN", root0, nan, "finite"),
+        ];
+        for (what, sender, frame, names) in faulty {
+            let effects = run.on_message(sender, frame);
+            let found = faults(&effects);
+            assert_eq!(found.len(), 1, "{what}: {effects:?}");
+            let (provider, reason, dropped) = found[0];
+            assert_eq!((provider, dropped), (sender, true), "{what}");
+            assert!(reason.contains(names), "{what}: {reason}");
+            assert_eq!(effects.len(), 1, "{what}: nothing is relayed");
+        }
+        // A late frame (a step that is not running) is dropped but no fault,
+        // and the good frame still goes through.
+        assert!(
+            run.on_message(root0, activations(1, 0, &[2, 8], &boundary))
+                .is_empty()
+        );
+        let relayed = run.on_message(root0, activations(0, 0, &[2, 8], &boundary));
+        assert!(matches!(sends(&relayed)[..], [(p, ToProvider::Forward(_))] if p == leaf0));
+    }
+
+    #[test]
+    fn robust_aggregation_outvotes_a_far_off_cluster_and_counts_it_against_its_providers() {
+        // (rule, expected aggregate, far-off cluster's providers faulted)
+        let cases = [
+            (Aggregation::Mean, (1.0 + 1.2 + 1.1 + 1e4) / 4.0, false),
+            (Aggregation::Median, 1.15, true),
+            (Aggregation::CenteredClip, 1.15, true),
+        ];
+        for (rule, want, counted) in cases {
+            let (mut run, _) = started_with(4, rule);
+            run.state = State::Syncing { step_done: 1 };
+            let values = [1.0, 1.2, 1.1, 1e4];
+            let effects = upload_all(&mut run, |c| values[c]);
+            for (name, p) in &run.params {
+                let worst = p
+                    .values
+                    .iter()
+                    .map(|v| ((v - want) / want).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(worst < 0.05, "{rule:?}: {name} is {:?}", &p.values[..2]);
+            }
+            let found = faults(&effects);
+            if counted {
+                let outlier: Vec<u64> = run.clusters[3].stages.iter().map(|s| s.provider).collect();
+                let blamed: Vec<u64> = found.iter().map(|f| f.0).collect();
+                assert_eq!(blamed, outlier, "{rule:?}");
+                assert!(found.iter().all(|f| !f.2 && f.1.contains("cluster 3")));
+            } else {
+                assert!(found.is_empty(), "{rule:?}: {found:?}");
+            }
+            // The sync finishes either way: everyone gets the aggregate.
+            assert_eq!(
+                sends(&effects)
+                    .iter()
+                    .filter(|(_, m)| matches!(m, ToProvider::SetParams(_)))
+                    .count(),
+                8,
+                "{rule:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn honest_clusters_under_robust_aggregation_are_not_counted() {
+        for rule in [Aggregation::Median, Aggregation::CenteredClip] {
+            let (mut run, _) = started_with(3, rule);
+            run.state = State::Syncing { step_done: 1 };
+            let effects = upload_all(&mut run, |c| 1.0 + 0.01 * c as f32);
+            assert!(faults(&effects).is_empty(), "{rule:?}");
+        }
+    }
+
+    #[test]
     fn frames_for_another_job_or_from_strangers_are_dropped() {
         let (mut run, _) = started();
         assert!(run.on_message(99, ToServer::Ready { job_id: 1 }).is_empty());
         let [[root0, ..], _] = roles(&run);
-        assert!(
-            run.on_message(root0, ToServer::Ready { job_id: 2 })
-                .is_empty()
-        );
+        let dropped = run.on_message(root0, ToServer::Ready { job_id: 2 });
+        assert!(matches!(&dropped[..], [Effect::Fault { .. }]));
         assert!(!run.clusters[0].stages[0].ready);
         // A provider's own failure ends the job.
         let failed = run.on_message(
