@@ -164,6 +164,9 @@ fn protocol_to_server() -> Target {
                         ToServer::Activations(a) => use_tensors(&a.outputs),
                         ToServer::Gradients(g) => use_tensors(&g.grads),
                         ToServer::Params(p) => use_tensors(&p.params),
+                        ToServer::OptimizerState(o) => {
+                            o.params.iter().for_each(|p| use_tensors(&p.slots))
+                        }
                         _ => {}
                     }
                     true
@@ -214,6 +217,7 @@ fn protocol_to_provider() -> io::Result<Target> {
             wire_dtype: WireDType::F32,
             seed: 42,
             start_step: 0,
+            optimizer_state: Vec::new(),
         })),
         ToProvider::Forward(Forward {
             job_id: 1,

@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 pub use tensor::{TensorError, WireDType, WireTensor};
 pub use train::{
-    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
-    WireLoss, WireOptimizer,
+    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
+    ParamOptimState, ParamSet, Phase, StepDone, WireLoss, WireOptimizer,
 };
 
 /// Bumped on every incompatible change to [`ToServer`] or [`ToProvider`].
@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Default largest frame a peer may send. Tensor payloads of later protocol
 /// messages fit well inside; anything larger is a misbehaving peer.
@@ -136,6 +136,9 @@ pub enum ToServer {
     ProbeAck {
         seq: u32,
     },
+    /// Sent just before [`ToServer::Params`] in answer to
+    /// [`ToProvider::UploadParams`].
+    OptimizerState(OptimizerState),
 }
 
 /// Frames the server sends to a provider.
@@ -324,6 +327,15 @@ mod tests {
                 message: "no memory".into(),
             },
             ToServer::ProbeAck { seq: 1 },
+            ToServer::OptimizerState(OptimizerState {
+                job_id: 1,
+                step: 5,
+                params: vec![ParamOptimState {
+                    name: "w".into(),
+                    steps: 5,
+                    slots: vec![tensor()],
+                }],
+            }),
         ]
     }
 
@@ -368,6 +380,11 @@ mod tests {
                 wire_dtype: WireDType::F16,
                 seed: 42,
                 start_step: 0,
+                optimizer_state: vec![ParamOptimState {
+                    name: "w".into(),
+                    steps: 3,
+                    slots: vec![tensor()],
+                }],
             })),
             ToProvider::Forward(Forward {
                 job_id: 1,

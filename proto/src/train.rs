@@ -10,7 +10,10 @@
 //! [`Backward`]. A stage that has run backward for all of a step's
 //! micro-batches steps its optimizer and reports [`StepDone`]. At sync points
 //! the server asks for [`Params`](crate::ToServer::Params), averages them by
-//! name across clusters, and sends the average back as `SetParams`.
+//! name across clusters, and sends the average back as `SetParams`; each
+//! stage sends its [`OptimizerState`] along, which the server keeps per
+//! cluster (not averaged) with the checkpoint, so a stage can be rebuilt on
+//! another provider exactly as it stood at the last sync.
 //!
 //! The model graph travels as its JSON form (`rookery_model::Graph::to_json`):
 //! a data-only description from a fixed op set, never code.
@@ -101,6 +104,43 @@ pub struct Assignment {
     pub seed: u64,
     /// Number of training steps already done (non-zero when resuming).
     pub start_step: u64,
+    /// The optimizer state to start from (empty for a fresh stage): a stage
+    /// rebuilt after its provider left, or resumed after a server restart,
+    /// carries on exactly where the checkpoint it restarts from stood.
+    pub optimizer_state: Vec<ParamOptimState>,
+}
+
+/// The names of optimizer state slots, as `torch.optim` names them in a
+/// `state_dict`; a [`ParamOptimState`] holds any subset.
+pub const OPTIMIZER_SLOTS: [&str; 6] = [
+    "momentum_buffer",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "square_avg",
+    "grad_avg",
+];
+
+/// One parameter's optimizer state, as `torch.optim` keeps it: the number of
+/// updates taken and its state tensors (`momentum_buffer`, `exp_avg`,
+/// `exp_avg_sq`, `max_exp_avg_sq`, `square_avg`, `grad_avg`; each the
+/// parameter's shape, named by its slot).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamOptimState {
+    pub name: String,
+    pub steps: u64,
+    pub slots: Vec<WireTensor>,
+}
+
+/// Provider to server: a stage's optimizer state, sent just before its
+/// [`ParamSet`] in answer to `UploadParams`, so the server's checkpoint holds
+/// everything needed to rebuild the stage on another provider.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerState {
+    pub job_id: u64,
+    /// Steps done when the state was taken.
+    pub step: u64,
+    pub params: Vec<ParamOptimState>,
 }
 
 /// Server to provider: run one micro-batch forward.

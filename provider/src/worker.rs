@@ -28,8 +28,9 @@ use std::time::Instant;
 
 use rookery_model::{Graph, Loss};
 use rookery_proto::{
-    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
-    TensorError, ToProvider, ToServer, WireDType, WireTensor,
+    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
+    ParamOptimState, ParamSet, Phase, StepDone, TensorError, ToProvider, ToServer, WireDType,
+    WireTensor,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -288,7 +289,8 @@ impl Stage {
             params,
             device,
         )?;
-        let optimizer = Optimizer::new(optimizer_config(a.optimizer))?;
+        let mut optimizer = Optimizer::new(optimizer_config(a.optimizer))?;
+        restore_optimizer(&mut optimizer, &exec, &a.optimizer_state, device)?;
         Ok(Self {
             job_id: a.job_id,
             cluster: a.cluster,
@@ -328,6 +330,25 @@ impl Stage {
             },
             ToProvider::Backward(b) => self.backward(b, out),
             ToProvider::UploadParams { job_id, step } => {
+                // The optimizer state goes first: the server's sync is over once
+                // every stage's parameters are in, and its checkpoint needs both.
+                let optimizer = self
+                    .optimizer
+                    .export()
+                    .into_iter()
+                    .map(|(name, steps, slots)| {
+                        let slots = slots
+                            .into_iter()
+                            .map(|(slot, t)| tensor_to_wire(slot, t, WireDType::F32))
+                            .collect::<Result<_, _>>()?;
+                        Ok(ParamOptimState { name, steps, slots })
+                    })
+                    .collect::<Result<_, WorkerError>>()?;
+                out.push(ToServer::OptimizerState(OptimizerState {
+                    job_id,
+                    step,
+                    params: optimizer,
+                }));
                 let params = self
                     .exec
                     .parameters()?
@@ -597,6 +618,47 @@ impl Stage {
         self.exec.set_parameters(&values)?;
         Ok(())
     }
+}
+
+/// Loads the optimizer state an assignment carries, checked against the
+/// stage's parameters (name and shape) before the optimizer sees it.
+fn restore_optimizer(
+    optimizer: &mut Optimizer,
+    exec: &StageExecutor,
+    state: &[ParamOptimState],
+    device: Device,
+) -> Result<(), WorkerError> {
+    if state.is_empty() {
+        return Ok(());
+    }
+    let params: BTreeMap<String, Vec<i64>> = exec
+        .parameters()?
+        .into_iter()
+        .map(|(name, t)| (name, t.size()))
+        .collect();
+    for p in state {
+        let shape = params.get(&p.name).ok_or_else(|| {
+            protocol(format!(
+                "optimizer state for `{}`, which is not a parameter of this stage",
+                p.name
+            ))
+        })?;
+        let mut slots = Vec::with_capacity(p.slots.len());
+        for t in &p.slots {
+            let value = tensor_from_wire(t)?;
+            if &value.size() != shape {
+                return Err(protocol(format!(
+                    "optimizer state `{}` of `{}` has shape {:?}, the parameter {shape:?}",
+                    t.name,
+                    p.name,
+                    value.size()
+                )));
+            }
+            slots.push((t.name.clone(), value.f_to_device(device)?));
+        }
+        optimizer.import(&p.name, p.steps, slots)?;
+    }
+    Ok(())
 }
 
 fn labels(f: &Forward) -> Result<Tensor, WorkerError> {

@@ -63,6 +63,7 @@ fn assignment(graph_json: String) -> Assignment {
         wire_dtype: WireDType::F32,
         seed: 1,
         start_step: 0,
+        optimizer_state: Vec::new(),
     }
 }
 

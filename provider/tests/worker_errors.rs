@@ -386,7 +386,7 @@ fn set_params_with_an_unknown_name_or_a_wrong_shape_fails_and_a_valid_one_replac
 {
     let mut w = ready(0);
     let before = match &w.handle(ToProvider::UploadParams { job_id: 7, step: 0 })[..] {
-        [ToServer::Params(p)] => p.params.clone(),
+        [ToServer::OptimizerState(_), ToServer::Params(p)] => p.params.clone(),
         other => panic!("{other:?}"),
     };
     let mut params = before.clone();
@@ -440,7 +440,7 @@ fn set_params_with_an_unknown_name_or_a_wrong_shape_fails_and_a_valid_one_replac
         .is_empty()
     );
     let after = match &w.handle(ToProvider::UploadParams { job_id: 7, step: 0 })[..] {
-        [ToServer::Params(p)] => p.params.clone(),
+        [ToServer::OptimizerState(_), ToServer::Params(p)] => p.params.clone(),
         other => panic!("{other:?}"),
     };
     for (a, b) in after.iter().zip(&before) {

@@ -514,6 +514,90 @@ fn uploaded_parameters_are_f32_with_i64_buffers_and_set_params_keeps_optimizer_s
     }
 }
 
+/// Trains a chain `split` steps, rebuilds it on fresh workers from what the
+/// stages uploaded (with or without their optimizer state), and trains both
+/// the original and the rebuilt chain on to `steps`; returns both losses.
+fn continue_after_rebuild(
+    optimizer: OptimizerConfig,
+    with_state: bool,
+    split: u64,
+    steps: u64,
+) -> (Vec<f64>, Vec<f64>) {
+    let g = from_toml(MLP_NO_DROPOUT).unwrap();
+    let init = init_params(&g, 5);
+    let job = JobConfig::new(optimizer, Loss::CrossEntropy);
+    let cuts = [0..2, 2..5, 5..g.nodes.len()];
+    let (x, y) = mlp_batch(16, 3);
+    let mut chain = Chain::new(&g, &cuts, 0, &init, job);
+    for step in 0..split {
+        chain.train_step(step, &rolled(&x, step), &rolled(&y, step));
+    }
+    let mut uploaded = chain.upload_with_state(split);
+    if !with_state {
+        uploaded.iter_mut().for_each(|(state, _)| state.clear());
+    }
+    let mut rebuilt = Chain::rebuilt(&g, &cuts, job, &uploaded, split);
+    let (mut kept, mut again) = (Vec::new(), Vec::new());
+    for step in split..steps {
+        let (xs, ys) = (rolled(&x, step), rolled(&y, step));
+        kept.push(chain.train_step(step, &xs, &ys).loss_sum);
+        again.push(rebuilt.train_step(step, &xs, &ys).loss_sum);
+    }
+    (kept, again)
+}
+
+#[test]
+fn a_chain_rebuilt_from_uploaded_parameters_and_optimizer_state_trains_on_bit_for_bit() {
+    for optimizer in [
+        sgd(),
+        OptimizerConfig::adam(0.01),
+        OptimizerConfig::rmsprop(0.01),
+    ] {
+        let (kept, again) = continue_after_rebuild(optimizer, true, 4, 9);
+        assert_eq!(kept, again, "{optimizer:?}");
+        // Without the state the rebuilt chain is a different optimizer: the
+        // state is what makes the rebuild exact.
+        let (kept, again) = continue_after_rebuild(optimizer, false, 4, 9);
+        assert_ne!(kept, again, "{optimizer:?} without its state");
+    }
+}
+
+#[test]
+fn optimizer_state_for_a_parameter_the_stage_lacks_or_of_the_wrong_shape_is_refused() {
+    let g = from_toml(MLP_NO_DROPOUT).unwrap();
+    let init = init_params(&g, 5);
+    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
+    let cuts = [0..2, 2..g.nodes.len()];
+    let (x, y) = mlp_batch(16, 3);
+    let mut chain = Chain::new(&g, &cuts, 0, &init, job);
+    chain.train_step(0, &x, &y);
+    let uploaded = chain.upload_with_state(1);
+    let (state, params) = uploaded[0].clone();
+    let mut stranger = state.clone();
+    stranger[0].name = "no.such.weight".into();
+    let mut misshapen = state.clone();
+    misshapen[0].slots[0] = WireTensor::from_f32("exp_avg", &[1], &[0.0], WireDType::F32);
+    let mut unknown_slot = state;
+    unknown_slot[0].slots[0].name = "velocity".into();
+    for (bad, words) in [
+        (stranger, "not a parameter of this stage"),
+        (misshapen, "has shape"),
+        (unknown_slot, "not an optimizer state slot"),
+    ] {
+        let mut w = StageWorker::new(Device::Cpu);
+        let a = rookery_proto::Assignment {
+            params: params.clone(),
+            optimizer_state: bad,
+            start_step: 1,
+            ..assignment(&g, &cuts, 0, 0, &BTreeMap::new(), &job)
+        };
+        match &w.handle(ToProvider::Assign(Box::new(a)))[..] {
+            [ToServer::JobFailed { message, .. }] => assert!(message.contains(words), "{message}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 #[test]
 fn micro_batches_may_arrive_out_of_order_and_still_match() {
     // Dropout masks follow each sample's position in the batch, not arrival order.

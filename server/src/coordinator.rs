@@ -132,6 +132,8 @@ impl Coordinator {
                 micro_batches: HashMap::new(),
                 sync_log: HashMap::new(),
                 faults: HashMap::new(),
+                bans: HashMap::new(),
+                short: HashMap::new(),
             }
             .run(rx),
         );
@@ -211,6 +213,11 @@ struct Actor {
     /// Faults per (job, provider name): by name, so that reconnecting (which
     /// gives a new id) does not wipe a provider's record on the job.
     faults: HashMap<(u64, String), u32>,
+    /// The bans of running and queued jobs as last read from or written to
+    /// the database (which is the source of truth, across restarts).
+    bans: HashMap<u64, Vec<jobs::Ban>>,
+    /// Per running job: the stages it last said it waits for a provider for.
+    short: HashMap<u64, Option<String>>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -351,14 +358,13 @@ impl Actor {
                     self.log(
                         job_id,
                         "provider_left",
-                        format!("provider {id} ({}) disconnected", live.hello.display_name),
+                        format!(
+                            "provider {id} ({}) disconnected: {reason}",
+                            live.hello.display_name
+                        ),
                     )
                     .await;
-                    let reason = format!(
-                        "provider {id} ({}) left while running a stage ({reason}); the job cannot go on without it",
-                        live.hello.display_name
-                    );
-                    self.fail(job_id, reason).await;
+                    self.stage_lost(job_id, id, &reason).await;
                 }
             }
             Event::Snapshot { reply } => {
@@ -387,7 +393,11 @@ impl Actor {
                         live.routes.push_back(Route { to, left: owed });
                     }
                 }
+                let synced = effects.iter().any(|e| matches!(e, Effect::ResumePoint(_)));
                 self.apply(job_id, effects).await;
+                if synced {
+                    self.replace_stragglers(job_id).await;
+                }
             }
             Event::Payload { id, payload } => self.relay_payload(id, payload),
             Event::Fault { id, reason } => {
@@ -425,6 +435,15 @@ impl Actor {
 
     /// Starts the oldest queued job that fits on the idle providers.
     async fn schedule(&mut self) {
+        let short: Vec<u64> = self
+            .runs
+            .iter()
+            .filter(|(_, run)| !run.vacancies().is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        for job_id in short {
+            self.fill_vacancies(job_id).await;
+        }
         let queued = match jobs::queued(&self.db).await {
             Ok(queued) => queued,
             Err(error) => {
@@ -466,7 +485,28 @@ impl Actor {
                     }
                 }
             };
-            let options = plan_options(&prepared.spec);
+            let dir = job_dir(&self.data_dir, job.id);
+            let resume = tokio::task::spawn_blocking(move || crate::resume::read(&dir))
+                .await
+                .unwrap_or_else(|error| Err(format!("reading the resume point crashed: {error}")));
+            let resume = match resume {
+                Ok(resume) => resume,
+                Err(reason) => {
+                    self.set_status(
+                        job.id,
+                        JobStatus::Failed,
+                        Some(format!("cannot resume from the checkpoint: {reason}")),
+                    )
+                    .await;
+                    continue;
+                }
+            };
+            let mut options = plan_options(&prepared.spec);
+            if let Some(resume) = &resume {
+                // The data's sharding depends on the cluster count, so a resumed
+                // job keeps it; the stages may be cut differently.
+                options.clusters = rookery_model::ClusterCount::Fixed(resume.optimizer.len());
+            }
             let plan = match rookery_model::clusterize(&prepared.graph, &specs, &options) {
                 Ok(plan) => plan,
                 Err(error) => {
@@ -492,7 +532,10 @@ impl Actor {
                 test,
                 ..
             } = prepared;
-            let started = JobRun::start(job.id, spec, &graph, &analysis, &plan, &ids, train, test);
+            let resumed_at = resume.as_ref().map(|r| r.step);
+            let started = JobRun::start(
+                job.id, spec, &graph, &analysis, &plan, &ids, train, test, resume,
+            );
             let (run, effects) = match started {
                 Ok(started) => started,
                 Err(reason) => {
@@ -540,12 +583,14 @@ impl Actor {
                 }
             }
             self.waiting.remove(&job.id);
-            self.set_status(
-                job.id,
-                JobStatus::Planning,
-                Some("handing stages to providers".into()),
-            )
-            .await;
+            let detail = match resumed_at {
+                Some(step) => format!(
+                    "handing stages to providers; resuming from the checkpoint at step {step}"
+                ),
+                None => "handing stages to providers".into(),
+            };
+            self.set_status(job.id, JobStatus::Planning, Some(detail))
+                .await;
             tracing::info!(
                 job = job.id,
                 clusters = plan.clusters.len(),
@@ -673,6 +718,18 @@ impl Actor {
                         }
                     }
                 }
+                Effect::ResumePoint(point) => {
+                    let dir = job_dir(&self.data_dir, job_id);
+                    let written =
+                        tokio::task::spawn_blocking(move || crate::resume::write(&dir, &point))
+                            .await
+                            .map_err(std::io::Error::other)
+                            .and_then(|r| r);
+                    if let Err(error) = written {
+                        tracing::error!(job = job_id, %error, "cannot write the resume point");
+                    }
+                }
+                Effect::Log { kind, message } => self.log(job_id, kind, message).await,
                 Effect::Completed(weights) => {
                     let path = weights_path(&self.data_dir, job_id);
                     match write_weights(path, weights).await {
@@ -723,41 +780,41 @@ impl Actor {
             format!("provider {provider} ({name}) fault {count} of {BAN_AFTER_FAULTS}: {reason}"),
         )
         .await;
-        let action = fault_action(count, drop_now);
-        if action == FaultAction::Ban {
-            let ban = jobs::Ban {
-                provider_id: provider,
-                provider_name: name,
-                at_ms: now_ms(),
-                reason: reason.clone(),
-            };
-            if let Err(error) = jobs::ban(&self.db, job_id, ban).await {
-                tracing::error!(job = job_id, provider, %error, "cannot record a ban");
+        let close = match fault_action(count, drop_now) {
+            FaultAction::Count => return,
+            FaultAction::Drop => format!("dropped from job {job_id}: {reason}"),
+            FaultAction::Ban => {
+                let ban = jobs::Ban {
+                    provider_id: provider,
+                    provider_name: name,
+                    at_ms: now_ms(),
+                    reason: reason.clone(),
+                };
+                self.bans.entry(job_id).or_default().push(ban.clone());
+                if let Err(error) = jobs::ban(&self.db, job_id, ban).await {
+                    tracing::error!(job = job_id, provider, %error, "cannot record a ban");
+                }
+                self.log(
+                    job_id,
+                    "provider_banned",
+                    format!("provider {provider} banned: {reason}"),
+                )
+                .await;
+                format!("banned from job {job_id} after {count} faults: {reason}")
             }
-            self.log(
-                job_id,
-                "provider_banned",
-                format!("provider {provider} banned: {reason}"),
-            )
-            .await;
-            self.send_frame(
-                provider,
-                Outgoing::Close {
-                    reason: format!("banned from job {job_id} after {count} faults: {reason}"),
-                },
-            );
-        } else if action == FaultAction::Drop {
-            self.send_frame(
-                provider,
-                Outgoing::Close {
-                    reason: format!("dropped from job {job_id}: {reason}"),
-                },
-            );
+        };
+        // Gone from the coordinator at once, so that nothing more it sends
+        // counts and it is nobody's standby; its socket loop closes the
+        // connection (and its `Disconnected` finds nothing left to do).
+        if let Some(live) = self.providers.remove(&provider) {
+            let _ = live.tx.send(Outgoing::Close { reason: close });
         }
+        // Boxed: losing a stage applies effects, which may hold faults.
+        Box::pin(self.stage_lost(job_id, provider, &reason)).await;
     }
 
     /// `live` less the providers banned from `job_id` (by id or by name).
-    async fn without_banned(&self, job_id: u64, live: Vec<LiveProvider>) -> Vec<LiveProvider> {
+    async fn without_banned(&mut self, job_id: u64, live: Vec<LiveProvider>) -> Vec<LiveProvider> {
         let bans = match jobs::bans(&self.db, job_id).await {
             Ok(bans) => bans,
             Err(error) => {
@@ -765,7 +822,138 @@ impl Actor {
                 return Vec::new();
             }
         };
-        live.into_iter().filter(|p| !is_banned(&bans, p)).collect()
+        let live = live.into_iter().filter(|p| !is_banned(&bans, p)).collect();
+        self.bans.insert(job_id, bans);
+        live
+    }
+
+    /// A provider of a running job is gone: its cluster rolls back to the
+    /// last checkpoint and its stage goes to a standby, or waits for one.
+    /// The one entry point for every way a provider leaves a job.
+    async fn stage_lost(&mut self, job_id: u64, provider: u64, reason: &str) {
+        let Some(run) = self.runs.get_mut(&job_id) else {
+            return;
+        };
+        let Some(effects) = run.stage_lost(provider, reason) else {
+            return;
+        };
+        if let Some(live) = self.providers.get_mut(&provider) {
+            live.job = None;
+            live.work = None;
+        }
+        self.apply(job_id, effects).await;
+        self.fill_vacancies(job_id).await;
+    }
+
+    /// Gives each stage of `job_id` that has no provider the fastest idle
+    /// provider with the memory for it; says what the job waits for otherwise.
+    async fn fill_vacancies(&mut self, job_id: u64) {
+        let Some(vacancies) = self.runs.get(&job_id).map(JobRun::vacancies) else {
+            return;
+        };
+        let mut waiting = Vec::new();
+        for vacancy in vacancies {
+            let Some(id) = self.standby(job_id, vacancy.memory_bytes) else {
+                waiting.push(format!(
+                    "cluster {}, stage {}",
+                    vacancy.cluster, vacancy.stage
+                ));
+                continue;
+            };
+            self.take(job_id, id, vacancy.cluster, vacancy.stage);
+            let effects = match self.runs.get_mut(&job_id) {
+                Some(run) => run.fill(vacancy.cluster, vacancy.stage, id),
+                None => return,
+            };
+            self.apply(job_id, effects).await;
+        }
+        let detail = (!waiting.is_empty())
+            .then(|| format!("waiting for a provider for {}", waiting.join("; ")));
+        if self.short.get(&job_id) != Some(&detail) {
+            if let Some(detail) = &detail {
+                self.log(job_id, "waiting", detail.clone()).await;
+            }
+            self.short.insert(job_id, detail.clone());
+            self.set_status(job_id, JobStatus::Running, detail).await;
+        }
+    }
+
+    /// The idle provider with the most GFLOP/s and at least `memory_bytes`.
+    fn standby(&self, job_id: u64, memory_bytes: u64) -> Option<u64> {
+        let bans = self.bans.get(&job_id).map_or(&[][..], Vec::as_slice);
+        self.snapshot()
+            .iter()
+            .filter(|p| !is_banned(bans, p))
+            .filter_map(|p| p.candidate().map(|spec| (p.id, spec)))
+            .filter(|(_, spec)| spec.memory_bytes >= memory_bytes)
+            .max_by(|a, b| a.1.gflops.total_cmp(&b.1.gflops))
+            .map(|(id, _)| id)
+    }
+
+    /// Marks `provider` as running stage `stage` of cluster `cluster`.
+    fn take(&mut self, job_id: u64, provider: u64, cluster: usize, stage: usize) {
+        let stages = self
+            .runs
+            .get(&job_id)
+            .map_or(1, |run| run.stage_count(cluster));
+        let role = match (stage, stages) {
+            (_, 1) => "single",
+            (0, _) => "root",
+            (s, n) if s + 1 == n => "leaf",
+            _ => "stem",
+        };
+        if let Some(live) = self.providers.get_mut(&provider) {
+            live.job = Some(job_id);
+            live.work = Some(ProviderWork {
+                job_id,
+                cluster: cluster as u32,
+                stage: stage as u32,
+                role: role.into(),
+                micro_batches_done: 0,
+            });
+        }
+    }
+
+    /// At a sync, moves stages whose providers straggle onto faster idle
+    /// providers (the checkpoint just taken is the cluster's state, so
+    /// nothing is replayed but the step just begun).
+    async fn replace_stragglers(&mut self, job_id: u64) {
+        let Some(stragglers) = self.runs.get(&job_id).map(JobRun::stragglers) else {
+            return;
+        };
+        for straggler in stragglers {
+            let slow_gflops = self
+                .providers
+                .get(&straggler.provider)
+                .map_or(0.0, |p| p.hello.gflops);
+            let Some(id) = self.standby(job_id, straggler.memory_bytes) else {
+                continue;
+            };
+            // Its own claim is all a standby has to show; one that claims less
+            // than the straggler is not expected to do better.
+            let faster = self
+                .providers
+                .get(&id)
+                .is_some_and(|p| p.hello.gflops >= slow_gflops);
+            if !faster {
+                continue;
+            }
+            let why = format!(
+                "{:.1} times slower than the job's typical stage for {} steps",
+                straggler.slowness,
+                crate::run::STRAGGLER_STEPS
+            );
+            if let Some(live) = self.providers.get_mut(&straggler.provider) {
+                live.job = None;
+                live.work = None;
+            }
+            self.take(job_id, id, straggler.cluster, straggler.stage);
+            let effects = match self.runs.get_mut(&job_id) {
+                Some(run) => run.replace(straggler.cluster, straggler.stage, id, &why),
+                None => return,
+            };
+            self.apply(job_id, effects).await;
+        }
     }
 
     async fn fail(&mut self, job_id: u64, reason: String) {
@@ -789,6 +977,8 @@ impl Actor {
         self.micro_batches.remove(&job_id);
         self.sync_log.remove(&job_id);
         self.faults.retain(|(job, _), _| *job != job_id);
+        self.bans.remove(&job_id);
+        self.short.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {

@@ -22,6 +22,7 @@ pub mod plan_cli;
 pub mod plan_view;
 pub mod providers;
 pub mod requesters;
+pub mod resume;
 pub mod run;
 pub mod ws;
 

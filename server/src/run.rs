@@ -5,9 +5,24 @@
 //! The server owns the data: [`JobRun`] picks each cluster's batch from the
 //! seeded permutation, cuts it into micro-batches, sends inputs to the Root
 //! and keeps the labels until the Leaf's forward, so inputs and labels always
-//! match. Steps run in lockstep across clusters; every `sync_every` steps (and
-//! at each epoch's end) parameters are averaged by name, which is what makes
-//! C clusters with SGD equal one process with C times the batch.
+//! match. Between syncs each cluster runs its own steps at its own pace (its
+//! batches are its own shard); every `sync_every` steps (and at each epoch's
+//! end) every cluster waits at the barrier and parameters are averaged by
+//! name, which is what makes C clusters with SGD equal one process with C
+//! times the batch. A step's metrics are recorded once every cluster has
+//! done it.
+//!
+//! Recovery: each sync is a checkpoint holding the averaged parameters and,
+//! per cluster, every stage's optimizer state as it stood (not averaged: in
+//! an undisturbed run each cluster keeps its own moments across syncs, so
+//! keeping them per cluster is what makes a rebuilt cluster continue exactly
+//! as if nothing had happened). When a stage loses its provider
+//! ([`JobRun::stage_lost`]), its cluster is rebuilt from that checkpoint on
+//! the survivors plus a replacement ([`JobRun::fill`]) and replays the steps
+//! since, with the same batches (data order is a function of the seed and
+//! the step); the other clusters train on up to the next barrier and wait
+//! there. Replayed steps were already recorded, so they are not recorded
+//! again: step records stay one per step.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -18,12 +33,19 @@ use rookery_job::{
 };
 use rookery_model::{Analysis, DType, Graph, Init, ParamKind, Plan};
 use rookery_proto::{
-    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, ParamSet, Phase, StepDone,
-    ToProvider, ToServer, WireDType, WireTensor,
+    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
+    ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType, WireTensor,
+    train::OPTIMIZER_SLOTS,
 };
 
 use crate::aggregate;
 use crate::jobs::{EpochRecord, StageTime, StepRecord};
+
+/// A stage is a straggler once its compute time per step has been more than
+/// this many times the job's typical ratio of measured to planned time ...
+pub const STRAGGLER_FACTOR: f64 = 3.0;
+/// ... for this many consecutive steps.
+pub const STRAGGLER_STEPS: u32 = 3;
 
 /// What the coordinator must do on the job's behalf, in order.
 #[derive(Debug)]
@@ -34,6 +56,14 @@ pub enum Effect {
     Epoch(EpochRecord),
     /// The latest averaged parameters, to keep as the checkpoint.
     Checkpoint(Vec<WeightTensor>),
+    /// Everything a restarted server needs to resume from the checkpoint just
+    /// taken (it follows [`Effect::Checkpoint`]).
+    ResumePoint(Box<ResumePoint>),
+    /// A line for the job's event log (`kind` is a short word).
+    Log {
+        kind: &'static str,
+        message: String,
+    },
     /// Training is over; these are the trained weights.
     Completed(Vec<WeightTensor>),
     Failed(String),
@@ -68,6 +98,39 @@ impl From<&str> for Rejected {
     }
 }
 
+/// A sync point's whole state: enough to rebuild every stage of every
+/// cluster, on any providers, exactly as it stood.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResumePoint {
+    /// Steps done.
+    pub step: u64,
+    /// Every parameter and buffer (constants too), averaged.
+    pub params: Vec<WeightTensor>,
+    /// Per cluster: the optimizer state of each parameter its stages update.
+    pub optimizer: Vec<Vec<ParamOptimState>>,
+}
+
+/// A stage without a provider, and what a replacement must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Vacancy {
+    pub cluster: usize,
+    pub stage: usize,
+    /// The planner's memory estimate for the stage.
+    pub memory_bytes: u64,
+}
+
+/// A stage whose provider has been far slower than planned, compared with
+/// the job's other stages, for [`STRAGGLER_STEPS`] steps in a row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Straggler {
+    pub cluster: usize,
+    pub stage: usize,
+    pub provider: u64,
+    /// How many times slower than the job's typical stage, against plan.
+    pub slowness: f64,
+    pub memory_bytes: u64,
+}
+
 /// A parameter's current (averaged) value.
 #[derive(Debug, Clone)]
 struct ParamValue {
@@ -80,19 +143,62 @@ struct ParamValue {
 #[derive(Debug)]
 struct StageSlot {
     provider: u64,
+    /// The provider left and no other has taken the stage yet.
+    vacant: bool,
+    /// Node range and boundary outputs, as the `Assign` carries them.
+    first: usize,
+    end: usize,
+    output_names: Vec<String>,
     /// Boundary tensors in and out: (name, per-sample shape, dtype).
     inputs: Vec<(String, Vec<usize>, DType)>,
     outputs: Vec<(String, Vec<usize>, DType)>,
     params: Vec<String>,
+    memory_bytes: u64,
+    /// The plan's compute estimate for one step (all its micro-batches), ms.
+    planned_ms: f64,
+    /// The last step's measured compute over `planned_ms`.
+    slowness: Option<f64>,
+    /// Consecutive steps this stage was a straggler.
+    slow_steps: u32,
     ready: bool,
     step_done: bool,
     compute_ms: f64,
     uploaded: bool,
 }
 
-#[derive(Debug, Default)]
+/// Where one cluster stands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ClusterState {
+    /// `Assign` sent to every stage; waiting for each `Ready`.
+    Assigning,
+    /// A stage has no provider.
+    Waiting,
+    Training {
+        step: u64,
+    },
+    /// Ready and idle: at the sync barrier, syncing or evaluating.
+    Idle,
+}
+
+/// What one cluster measured in one training step.
+#[derive(Debug, Clone)]
+struct ClusterStep {
+    loss_sum: f64,
+    samples: u64,
+    /// (provider, compute ms) per stage.
+    stages: Vec<(u64, f64)>,
+}
+
+#[derive(Debug)]
 struct ClusterRun {
     stages: Vec<StageSlot>,
+    state: ClusterState,
+    /// Steps done but not yet recorded (other clusters have not done them).
+    finished: BTreeMap<u64, ClusterStep>,
+    /// Optimizer state of the cluster's stages at the last sync, by parameter.
+    optimizer: BTreeMap<String, ParamOptimState>,
+    /// Optimizer state uploaded during the sync in progress.
+    pending_optimizer: BTreeMap<String, ParamOptimState>,
     /// Labels waiting for the Leaf's forward, by (phase, micro-batch).
     labels: HashMap<(Phase, u32), WireTensor>,
     /// Samples in each micro-batch of the current step or evaluation, for shape checks.
@@ -118,10 +224,18 @@ impl ClusterRun {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum State {
+    /// Before the first step (or the first after a resume): every cluster's
+    /// stages are being assigned.
     Assigning,
-    Training { step: u64 },
-    Syncing { step_done: u64 },
-    Evaluating { epoch: u64, expected: u64 },
+    /// Clusters run steps, each at its own pace, up to the next barrier.
+    Training,
+    Syncing {
+        step_done: u64,
+    },
+    Evaluating {
+        epoch: u64,
+        expected: u64,
+    },
     Over,
 }
 
@@ -129,6 +243,8 @@ pub struct JobRun {
     pub job_id: u64,
     spec: JobSpec,
     graph_input: (String, DType),
+    /// The model graph as providers get it (values travel as tensors).
+    graph_json: String,
     train: Dataset,
     test: Option<Dataset>,
     schedule: Schedule,
@@ -140,9 +256,13 @@ pub struct JobRun {
     /// Params uploaded at the current sync: name -> (cluster, value) per cluster.
     uploads: BTreeMap<String, Vec<(usize, Vec<f32>)>>,
     state: State,
-    /// When the current step's clock started: the end of the previous step
-    /// (so its sync and the gap between steps count), or the step's own start
-    /// when it opens an epoch (evaluation does not count).
+    /// Steps done at the last sync: the checkpoint every rebuild starts from.
+    synced: u64,
+    /// Steps whose record went out (every cluster did them).
+    recorded: u64,
+    /// When the current step's clock started: the previous record (so syncs
+    /// and gaps between steps count), or the start of an epoch's first step
+    /// (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
 }
@@ -153,7 +273,9 @@ pub type StartError = String;
 impl JobRun {
     /// Builds the run and the `Assign` frames for every stage of `plan`.
     /// `graph` is the model as imported (with its initial values), `analysis`
-    /// its analysis at the micro-batch size.
+    /// its analysis at the micro-batch size. With `resume`, the run starts
+    /// from that sync point instead of step 0 (it must have as many clusters
+    /// as the plan: the data's sharding depends on the count).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         job_id: u64,
@@ -164,6 +286,7 @@ impl JobRun {
         provider_ids: &HashMap<String, u64>,
         train: Dataset,
         test: Option<Dataset>,
+        resume: Option<ResumePoint>,
     ) -> Result<(Self, Vec<Effect>), StartError> {
         let t = &spec.training;
         let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)
@@ -173,7 +296,37 @@ impl JobRun {
             .inputs
             .first()
             .ok_or_else(|| "the model has no input".to_string())?;
-        let initial = graph.initial_values(t.seed);
+        let mut initial = graph.initial_values(t.seed);
+        if let Some(resume) = &resume {
+            if resume.optimizer.len() != plan.clusters.len() {
+                return Err(format!(
+                    "the checkpoint has {} clusters, the plan {}",
+                    resume.optimizer.len(),
+                    plan.clusters.len()
+                ));
+            }
+            if resume.step > total_steps {
+                return Err(format!(
+                    "the checkpoint is at step {}, past the job's {total_steps} steps",
+                    resume.step
+                ));
+            }
+            for w in &resume.params {
+                let Some(p) = graph.params.iter().find(|p| p.name == w.name) else {
+                    return Err(format!(
+                        "the checkpoint holds unknown parameter `{}`",
+                        w.name
+                    ));
+                };
+                if p.shape != w.shape {
+                    return Err(format!(
+                        "the checkpoint's `{}` has shape {:?}, the model's {:?}",
+                        w.name, w.shape, p.shape
+                    ));
+                }
+                initial.insert(w.name.clone(), w.values.clone());
+            }
+        }
         let params: BTreeMap<String, ParamValue> = graph
             .params
             .iter()
@@ -205,12 +358,12 @@ impl JobRun {
                 info.map_or(DType::F32, |i| i.dtype),
             )
         };
+        let micro_batches = t.micro_batches.max(1) as f64;
+        let mut optimizer = resume.as_ref().map(|r| r.optimizer.clone());
         let mut clusters = Vec::with_capacity(plan.clusters.len());
-        let mut effects = Vec::new();
         for (ci, cluster) in plan.clusters.iter().enumerate() {
-            let mut run = ClusterRun::default();
-            let stages = cluster.stages.len();
-            for (si, stage) in cluster.stages.iter().enumerate() {
+            let mut stages = Vec::with_capacity(cluster.stages.len());
+            for stage in &cluster.stages {
                 let provider = *provider_ids
                     .get(&stage.provider)
                     .ok_or_else(|| format!("the plan names unknown provider {}", stage.provider))?;
@@ -220,49 +373,49 @@ impl JobRun {
                     .collect();
                 names.sort();
                 names.dedup();
-                let wire_params = names
-                    .iter()
-                    .filter_map(|n| params.get(n).map(|v| (n, v)))
-                    .map(|(n, v)| param_tensor(n, v))
-                    .collect();
                 let outputs: Vec<String> = stage.outputs.iter().map(|b| b.name.clone()).collect();
-                effects.push(Effect::Send(
+                stages.push(StageSlot {
                     provider,
-                    ToProvider::Assign(Box::new(Assignment {
-                        job_id,
-                        cluster: ci as u32,
-                        stage: si as u32,
-                        stages: stages as u32,
-                        graph_json: graph_json.clone(),
-                        first: stage.first as u32,
-                        end: stage.end as u32,
-                        outputs: outputs.clone(),
-                        params: wire_params,
-                        optimizer: rookery_proto::train::wire_optimizer(t.optimizer),
-                        loss: rookery_proto::train::wire_loss(t.loss),
-                        batch_size: t.batch_size as u32,
-                        micro_batches: t.micro_batches as u32,
-                        wire_dtype: wire_dtype(t.wire_dtype),
-                        seed: t.seed,
-                        start_step: 0,
-                    })),
-                ));
-                run.stages.push(StageSlot {
-                    provider,
+                    vacant: false,
+                    first: stage.first,
+                    end: stage.end,
                     inputs: stage.inputs.iter().map(|b| per_sample(&b.name)).collect(),
                     outputs: outputs.iter().map(|n| per_sample(n)).collect(),
+                    output_names: outputs,
                     params: names,
+                    memory_bytes: stage.memory_bytes,
+                    planned_ms: stage.compute_s * 1e3 * micro_batches,
+                    slowness: None,
+                    slow_steps: 0,
                     ready: false,
                     step_done: false,
                     compute_ms: 0.0,
                     uploaded: false,
                 });
             }
-            clusters.push(run);
+            let state = optimizer
+                .as_mut()
+                .map(|o| std::mem::take(&mut o[ci]))
+                .unwrap_or_default();
+            clusters.push(ClusterRun {
+                stages,
+                state: ClusterState::Assigning,
+                finished: BTreeMap::new(),
+                optimizer: state.into_iter().map(|s| (s.name.clone(), s)).collect(),
+                pending_optimizer: BTreeMap::new(),
+                labels: HashMap::new(),
+                micro_samples: HashMap::new(),
+                reported: Default::default(),
+                loss_sum: 0.0,
+                correct: 0,
+                samples: 0,
+            });
         }
-        let run = JobRun {
+        let synced = resume.as_ref().map_or(0, |r| r.step);
+        let mut run = JobRun {
             job_id,
             graph_input: (input.name.clone(), input.dtype),
+            graph_json,
             spec,
             train,
             test,
@@ -274,9 +427,14 @@ impl JobRun {
             params,
             uploads: BTreeMap::new(),
             state: State::Assigning,
+            synced,
+            recorded: synced,
             step_started: Instant::now(),
             bytes_relayed: 0,
         };
+        let effects = (0..run.clusters.len())
+            .flat_map(|c| run.rebuild(c))
+            .collect();
         Ok((run, effects))
     }
 
@@ -284,11 +442,16 @@ impl JobRun {
         self.total_steps
     }
 
+    /// Steps done at the last sync (the checkpoint a rebuild starts from).
+    pub fn synced_step(&self) -> u64 {
+        self.synced
+    }
+
     /// Every provider the job uses.
     pub fn providers(&self) -> Vec<u64> {
         self.clusters
             .iter()
-            .flat_map(|c| c.stages.iter().map(|s| s.provider))
+            .flat_map(|c| c.stages.iter().filter(|s| !s.vacant).map(|s| s.provider))
             .collect()
     }
 
@@ -317,10 +480,7 @@ impl JobRun {
         self.params
             .iter()
             .filter(|(_, v)| v.kind != ParamKind::Constant)
-            .map(|(name, v)| match v.dtype {
-                DType::F32 => WeightTensor::f32(name.clone(), v.shape.clone(), v.values.clone()),
-                DType::I64 => WeightTensor::i64(name.clone(), v.shape.clone(), v.values.clone()),
-            })
+            .map(|(name, v)| weight(name, v))
             .collect()
     }
 
@@ -328,9 +488,224 @@ impl JobRun {
         self.clusters.iter().enumerate().find_map(|(c, run)| {
             run.stages
                 .iter()
-                .position(|s| s.provider == provider)
+                .position(|s| s.provider == provider && !s.vacant)
                 .map(|s| (c, s))
         })
+    }
+
+    /// The `Assign` of stage `s` of cluster `c`, from the last checkpoint.
+    fn assignment(&self, c: usize, s: usize) -> Assignment {
+        let t = &self.spec.training;
+        let run = &self.clusters[c];
+        let stage = &run.stages[s];
+        Assignment {
+            job_id: self.job_id,
+            cluster: c as u32,
+            stage: s as u32,
+            stages: run.stages.len() as u32,
+            graph_json: self.graph_json.clone(),
+            first: stage.first as u32,
+            end: stage.end as u32,
+            outputs: stage.output_names.clone(),
+            params: stage
+                .params
+                .iter()
+                .filter_map(|n| self.params.get(n).map(|v| param_tensor(n, v)))
+                .collect(),
+            optimizer: rookery_proto::train::wire_optimizer(t.optimizer),
+            loss: rookery_proto::train::wire_loss(t.loss),
+            batch_size: t.batch_size as u32,
+            micro_batches: t.micro_batches as u32,
+            wire_dtype: wire_dtype(t.wire_dtype),
+            seed: t.seed,
+            start_step: self.synced,
+            optimizer_state: stage
+                .params
+                .iter()
+                .filter_map(|n| run.optimizer.get(n).cloned())
+                .collect(),
+        }
+    }
+
+    /// Puts cluster `c` back to the last checkpoint: every stage is assigned
+    /// afresh (the survivors too, which drops whatever they were doing), or,
+    /// while a stage has no provider, the cluster waits for one.
+    fn rebuild(&mut self, c: usize) -> Vec<Effect> {
+        let run = &mut self.clusters[c];
+        run.reset();
+        run.finished.clear();
+        for stage in &mut run.stages {
+            stage.ready = false;
+            stage.step_done = false;
+            stage.uploaded = false;
+            stage.compute_ms = 0.0;
+            stage.slow_steps = 0;
+        }
+        if run.stages.iter().any(|s| s.vacant) {
+            run.state = ClusterState::Waiting;
+            return Vec::new();
+        }
+        run.state = ClusterState::Assigning;
+        (0..self.clusters[c].stages.len())
+            .map(|s| {
+                Effect::Send(
+                    self.clusters[c].stages[s].provider,
+                    ToProvider::Assign(Box::new(self.assignment(c, s))),
+                )
+            })
+            .collect()
+    }
+
+    /// The provider of a stage is gone (its socket closed, it stopped
+    /// heartbeating, or it was dropped for misbehaving): its cluster rolls
+    /// back to the last checkpoint and waits for [`JobRun::fill`]; the other
+    /// clusters train on to the next barrier. Returns `None` if the provider
+    /// runs no stage of this job.
+    pub fn stage_lost(&mut self, provider: u64, reason: &str) -> Option<Vec<Effect>> {
+        let (c, s) = self.locate(provider)?;
+        if self.state == State::Over {
+            return Some(Vec::new());
+        }
+        self.clusters[c].stages[s].vacant = true;
+        let mut effects = vec![Effect::Log {
+            kind: "stage_lost",
+            message: format!(
+                "cluster {c}, stage {s}: provider {provider} left ({reason}); the cluster rolls back to step {} (the last checkpoint)",
+                self.synced
+            ),
+        }];
+        if let State::Syncing { .. } = self.state {
+            // The sync needs this cluster's values at the barrier, which it must
+            // replay to reach again; every cluster uploads afresh then.
+            self.abandon_sync();
+        }
+        effects.extend(self.rebuild(c));
+        Some(effects)
+    }
+
+    fn abandon_sync(&mut self) {
+        self.state = State::Training;
+        self.uploads.clear();
+        for run in &mut self.clusters {
+            run.pending_optimizer.clear();
+            for stage in &mut run.stages {
+                stage.uploaded = false;
+            }
+        }
+    }
+
+    /// Stages in cluster `c`.
+    pub fn stage_count(&self, c: usize) -> usize {
+        self.clusters.get(c).map_or(0, |r| r.stages.len())
+    }
+
+    /// Stages waiting for a provider.
+    pub fn vacancies(&self) -> Vec<Vacancy> {
+        self.clusters
+            .iter()
+            .enumerate()
+            .flat_map(|(c, run)| {
+                run.stages
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.vacant)
+                    .map(move |(s, stage)| Vacancy {
+                        cluster: c,
+                        stage: s,
+                        memory_bytes: stage.memory_bytes,
+                    })
+            })
+            .collect()
+    }
+
+    /// `provider` takes the vacant stage `s` of cluster `c`. Once the cluster
+    /// has no vacancy left it is rebuilt from the last checkpoint.
+    pub fn fill(&mut self, c: usize, s: usize, provider: u64) -> Vec<Effect> {
+        let Some(stage) = self.clusters.get_mut(c).and_then(|r| r.stages.get_mut(s)) else {
+            return Vec::new();
+        };
+        if !stage.vacant || self.state == State::Over {
+            return Vec::new();
+        }
+        stage.vacant = false;
+        stage.provider = provider;
+        stage.slowness = None;
+        let replayed = self.recorded.saturating_sub(self.synced);
+        let mut effects = Vec::new();
+        if self.clusters[c].stages.iter().all(|s| !s.vacant) {
+            effects.push(Effect::Log {
+                kind: "stage_reassigned",
+                message: format!(
+                    "cluster {c}, stage {s} reassigned to provider {provider}; the cluster restarts from the checkpoint at step {} ({replayed} recorded steps to replay)",
+                    self.synced
+                ),
+            });
+            effects.extend(self.rebuild(c));
+        }
+        effects
+    }
+
+    /// Moves stage `s` of cluster `c` onto `provider` (a straggler's stage
+    /// going to a faster standby): the old provider is released and the
+    /// cluster rebuilt from the last checkpoint. Meant for a sync boundary,
+    /// where the checkpoint is the cluster's current state.
+    pub fn replace(&mut self, c: usize, s: usize, provider: u64, why: &str) -> Vec<Effect> {
+        let Some(old) = self.clusters.get(c).and_then(|r| r.stages.get(s)) else {
+            return Vec::new();
+        };
+        if old.vacant || self.state == State::Over {
+            return Vec::new();
+        }
+        let old = old.provider;
+        let mut effects = vec![Effect::Send(
+            old,
+            ToProvider::Release {
+                job_id: self.job_id,
+            },
+        )];
+        effects.extend(self.stage_lost(old, why).unwrap_or_default());
+        effects.extend(self.fill(c, s, provider));
+        effects
+    }
+
+    /// Stages that have been [`STRAGGLER_FACTOR`] times slower than the
+    /// job's typical stage (each against its plan) for [`STRAGGLER_STEPS`]
+    /// steps in a row.
+    pub fn stragglers(&self) -> Vec<Straggler> {
+        let typical = self.typical_slowness();
+        self.clusters
+            .iter()
+            .enumerate()
+            .flat_map(|(c, run)| {
+                run.stages
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| !s.vacant && s.slow_steps >= STRAGGLER_STEPS)
+                    .map(move |(s, stage)| Straggler {
+                        cluster: c,
+                        stage: s,
+                        provider: stage.provider,
+                        slowness: stage.slowness.unwrap_or(0.0) / typical,
+                        memory_bytes: stage.memory_bytes,
+                    })
+            })
+            .collect()
+    }
+
+    /// The median of every stage's measured over planned time: plans can be
+    /// off by a constant factor for every stage alike, which is no straggling.
+    fn typical_slowness(&self) -> f64 {
+        let mut all: Vec<f64> = self
+            .clusters
+            .iter()
+            .flat_map(|r| r.stages.iter().filter_map(|s| s.slowness))
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        if all.is_empty() {
+            return 1.0;
+        }
+        all.sort_by(f64::total_cmp);
+        all[(all.len() - 1) / 2]
     }
 
     /// A provider of this job sent `message`. Frames that break the protocol
@@ -345,8 +720,24 @@ impl JobRun {
             );
             return Vec::new();
         };
+        let rebuilding = matches!(
+            self.clusters[c].state,
+            ClusterState::Assigning | ClusterState::Waiting
+        );
         let result = match message {
             ToServer::Ready { job_id } => self.check_job(job_id).map(|()| self.on_ready(c, s)),
+            // Until its cluster is rebuilt, a stage's frames are left over from
+            // the steps being rolled back.
+            ToServer::Activations(_)
+            | ToServer::Gradients(_)
+            | ToServer::LeafLoss(_)
+            | ToServer::StepDone(_)
+            | ToServer::Params(_)
+            | ToServer::OptimizerState(_)
+                if rebuilding =>
+            {
+                Ok(Vec::new())
+            }
             ToServer::Activations(a) => self
                 .check_job(a.job_id)
                 .and_then(|()| self.on_activations(c, s, a)),
@@ -359,6 +750,9 @@ impl JobRun {
             ToServer::StepDone(d) => self
                 .check_job(d.job_id)
                 .and_then(|()| self.on_step_done(c, s, d)),
+            ToServer::OptimizerState(o) => self
+                .check_job(o.job_id)
+                .and_then(|()| self.on_optimizer_state(c, s, o)),
             ToServer::Params(p) => self
                 .check_job(p.job_id)
                 .and_then(|()| self.on_params(c, s, p)),
@@ -402,35 +796,111 @@ impl JobRun {
     }
 
     fn on_ready(&mut self, c: usize, s: usize) -> Vec<Effect> {
-        self.clusters[c].stages[s].ready = true;
-        let all = self
-            .clusters
-            .iter()
-            .all(|r| r.stages.iter().all(|s| s.ready));
-        if self.state == State::Assigning && all {
-            let mut effects = vec![Effect::Running];
-            effects.extend(self.start_step(0));
-            effects
+        let run = &mut self.clusters[c];
+        if run.state != ClusterState::Assigning {
+            return Vec::new();
+        }
+        run.stages[s].ready = true;
+        if !run.stages.iter().all(|s| s.ready) {
+            return Vec::new();
+        }
+        run.state = ClusterState::Idle;
+        match self.state {
+            State::Assigning => {
+                if !self.clusters.iter().all(|r| r.state == ClusterState::Idle) {
+                    return Vec::new();
+                }
+                let mut effects = vec![Effect::Running];
+                effects.extend(self.begin());
+                effects
+            }
+            // A rebuilt cluster replays from the checkpoint.
+            State::Training => {
+                let step = self.synced;
+                if step == self.barrier() {
+                    self.at_barrier()
+                } else {
+                    self.start_cluster_step(c, step)
+                }
+            }
+            // Its share of the test set again, from the start.
+            State::Evaluating { epoch, .. } => self.feed_eval(c, epoch),
+            State::Syncing { .. } | State::Over => Vec::new(),
+        }
+    }
+
+    /// The first step once every stage is ready, or after a resume: a
+    /// checkpoint taken at an epoch's end may still owe that epoch's
+    /// evaluation (running it again records the same figures).
+    fn begin(&mut self) -> Vec<Effect> {
+        let spe = self.schedule.steps_per_epoch as u64;
+        if self.synced > 0
+            && self.synced.is_multiple_of(spe)
+            && let Some(eval) = self.start_eval(self.synced / spe - 1)
+        {
+            return eval;
+        }
+        self.next_or_finish(self.synced)
+    }
+
+    /// The steps done at the next sync: a multiple of `sync_every`, an
+    /// epoch's end or the last step, whichever comes first.
+    fn barrier(&self) -> u64 {
+        let spe = self.schedule.steps_per_epoch as u64;
+        let every = self.spec.training.sync_every.max(1);
+        let next = |m: u64| (self.synced / m + 1) * m;
+        next(every)
+            .min(next(spe))
+            .min(self.total_steps.max(self.synced + 1))
+    }
+
+    /// Starts the sync once every cluster waits at the barrier.
+    fn at_barrier(&mut self) -> Vec<Effect> {
+        if self.state == State::Training
+            && self.clusters.iter().all(|r| r.state == ClusterState::Idle)
+        {
+            self.start_sync(self.barrier())
         } else {
             Vec::new()
         }
     }
 
-    fn current_phase_ok(&self, phase: Phase) -> Result<(), String> {
-        match (self.state, phase) {
-            (State::Training { step }, Phase::Train { step: got }) if step == got => Ok(()),
-            (State::Evaluating { epoch, .. }, Phase::Eval { epoch: got })
+    fn current_phase_ok(&self, c: usize, phase: Phase) -> Result<(), String> {
+        let cluster = self.clusters[c].state;
+        match (self.state, cluster, phase) {
+            (State::Training, ClusterState::Training { step }, Phase::Train { step: got })
+                if step == got =>
+            {
+                Ok(())
+            }
+            (State::Evaluating { epoch, .. }, ClusterState::Idle, Phase::Eval { epoch: got })
                 if epoch == u64::from(got) =>
             {
                 Ok(())
             }
-            (state, phase) => Err(format!(
-                "{phase:?} does not match the job's state {state:?}"
+            (state, cluster, phase) => Err(format!(
+                "{phase:?} does not match the job's state {state:?} (cluster {c}: {cluster:?})"
             )),
         }
     }
 
+    /// Every cluster starts `step` (after a sync or an evaluation).
     fn start_step(&mut self, step: u64) -> Vec<Effect> {
+        self.state = State::Training;
+        let spe = self.schedule.steps_per_epoch as u64;
+        if step.is_multiple_of(spe) {
+            self.step_started = Instant::now();
+        }
+        let mut effects = Vec::new();
+        for c in 0..self.clusters.len() {
+            if self.clusters[c].state == ClusterState::Idle {
+                effects.extend(self.start_cluster_step(c, step));
+            }
+        }
+        effects
+    }
+
+    fn start_cluster_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
         let spe = self.schedule.steps_per_epoch as u64;
         let epoch = step / spe;
         if self.perm_epoch != Some(epoch) {
@@ -438,38 +908,33 @@ impl JobRun {
             self.perm = epoch_permutation(self.train.len(), t.seed, epoch, t.shuffle);
             self.perm_epoch = Some(epoch);
         }
-        self.state = State::Training { step };
-        if step.is_multiple_of(spe) {
-            self.step_started = Instant::now();
-        }
         let phase = Phase::Train { step };
         let batch = self.spec.training.batch_size;
         let ranges = micro_batch_ranges(batch, self.spec.training.micro_batches);
+        let idx = self
+            .schedule
+            .batch(&self.perm, (step % spe) as usize, c)
+            .to_vec();
+        let run = &mut self.clusters[c];
+        run.state = ClusterState::Training { step };
+        for stage in &mut run.stages {
+            stage.step_done = false;
+            stage.compute_ms = 0.0;
+        }
+        run.reset();
         let mut effects = Vec::new();
-        for c in 0..self.clusters.len() {
-            let idx = self
-                .schedule
-                .batch(&self.perm, (step % spe) as usize, c)
-                .to_vec();
-            for stage in &mut self.clusters[c].stages {
-                stage.step_done = false;
-                stage.compute_ms = 0.0;
-            }
-            let run = &mut self.clusters[c];
-            run.reset();
-            for (m, r) in ranges.iter().enumerate() {
-                let chunk = &idx[r.clone()];
-                effects.push(feed(
-                    &self.graph_input,
-                    &self.train,
-                    run,
-                    self.job_id,
-                    phase,
-                    m as u32,
-                    batch,
-                    chunk,
-                ));
-            }
+        for (m, r) in ranges.iter().enumerate() {
+            let chunk = &idx[r.clone()];
+            effects.push(feed(
+                &self.graph_input,
+                &self.train,
+                run,
+                self.job_id,
+                phase,
+                m as u32,
+                batch,
+                chunk,
+            ));
         }
         effects
     }
@@ -480,7 +945,7 @@ impl JobRun {
         s: usize,
         a: Activations,
     ) -> Result<Vec<Effect>, Rejected> {
-        self.current_phase_ok(a.phase)?;
+        self.current_phase_ok(c, a.phase)?;
         let run = &mut self.clusters[c];
         let last = run.stages.len() - 1;
         if s == last {
@@ -525,7 +990,7 @@ impl JobRun {
     }
 
     fn on_gradients(&mut self, c: usize, s: usize, g: Gradients) -> Result<Vec<Effect>, Rejected> {
-        self.current_phase_ok(Phase::Train { step: g.step })?;
+        self.current_phase_ok(c, Phase::Train { step: g.step })?;
         if s == 0 {
             return Err(Rejected::Fault(
                 "the Root has no one to send gradients to".into(),
@@ -567,7 +1032,7 @@ impl JobRun {
     }
 
     fn on_leaf_loss(&mut self, c: usize, s: usize, l: LeafLoss) -> Result<Vec<Effect>, Rejected> {
-        self.current_phase_ok(l.phase)?;
+        self.current_phase_ok(c, l.phase)?;
         let run = &mut self.clusters[c];
         if s + 1 != run.stages.len() {
             return Err(Rejected::Fault("only the Leaf reports losses".into()));
@@ -601,7 +1066,7 @@ impl JobRun {
     }
 
     fn on_step_done(&mut self, c: usize, s: usize, d: StepDone) -> Result<Vec<Effect>, Rejected> {
-        self.current_phase_ok(Phase::Train { step: d.step })?;
+        self.current_phase_ok(c, Phase::Train { step: d.step })?;
         let stage = &mut self.clusters[c].stages[s];
         if stage.step_done {
             return Err(format!("step {} was already reported done", d.step).into());
@@ -609,37 +1074,99 @@ impl JobRun {
         stage.step_done = true;
         // The provider's total is authoritative; what the relays counted was partial.
         stage.compute_ms = d.compute_ms.max(0.0);
-        let all = self
-            .clusters
-            .iter()
-            .all(|r| r.stages.iter().all(|s| s.step_done));
-        if !all {
+        if !self.clusters[c].stages.iter().all(|s| s.step_done) {
             return Ok(Vec::new());
         }
-        Ok(self.finish_step(d.step))
+        Ok(self.finish_cluster_step(c, d.step))
     }
 
-    fn finish_step(&mut self, step: u64) -> Vec<Effect> {
-        let elapsed_ms = self.step_started.elapsed().as_secs_f64() * 1e3;
-        self.step_started = Instant::now();
-        let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
-        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / samples.max(1) as f64;
-        let spe = self.schedule.steps_per_epoch as u64;
-        let stages = self
+    /// Cluster `c` has done `step`: its totals wait for the other clusters'
+    /// (unless the step was recorded before a rollback), and it goes on to
+    /// the next step or waits at the barrier.
+    fn finish_cluster_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
+        let run = &mut self.clusters[c];
+        if step >= self.recorded {
+            let totals = ClusterStep {
+                loss_sum: run.loss_sum,
+                samples: run.samples,
+                stages: run
+                    .stages
+                    .iter()
+                    .map(|s| (s.provider, s.compute_ms))
+                    .collect(),
+            };
+            run.finished.insert(step, totals);
+        }
+        for stage in &mut run.stages {
+            if stage.planned_ms > 0.0 {
+                stage.slowness = Some(stage.compute_ms / stage.planned_ms);
+            }
+        }
+        self.count_slow_steps(c);
+        let mut effects = self.record_steps();
+        let done = step + 1;
+        if done == self.barrier() {
+            self.clusters[c].state = ClusterState::Idle;
+            effects.extend(self.at_barrier());
+        } else {
+            effects.extend(self.start_cluster_step(c, done));
+        }
+        effects
+    }
+
+    fn count_slow_steps(&mut self, c: usize) {
+        let typical = self.typical_slowness();
+        for stage in &mut self.clusters[c].stages {
+            match stage.slowness {
+                Some(v) if v > STRAGGLER_FACTOR * typical => stage.slow_steps += 1,
+                _ => stage.slow_steps = 0,
+            }
+        }
+    }
+
+    /// Records every step all clusters have done, in order.
+    fn record_steps(&mut self) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        while self
             .clusters
             .iter()
+            .all(|r| r.finished.contains_key(&self.recorded))
+        {
+            let step = self.recorded;
+            let parts: Vec<ClusterStep> = self
+                .clusters
+                .iter_mut()
+                .filter_map(|r| r.finished.remove(&step))
+                .collect();
+            effects.push(Effect::Step(self.step_record(step, &parts)));
+            self.recorded += 1;
+        }
+        effects
+    }
+
+    fn step_record(&mut self, step: u64, parts: &[ClusterStep]) -> StepRecord {
+        let elapsed_ms = self.step_started.elapsed().as_secs_f64() * 1e3;
+        self.step_started = Instant::now();
+        let samples: u64 = parts.iter().map(|p| p.samples).sum();
+        let loss = parts.iter().map(|p| p.loss_sum).sum::<f64>() / samples.max(1) as f64;
+        let spe = self.schedule.steps_per_epoch as u64;
+        let stages = parts
+            .iter()
             .enumerate()
-            .flat_map(|(c, r)| {
-                r.stages.iter().enumerate().map(move |(s, st)| StageTime {
-                    cluster: c as u32,
-                    stage: s as u32,
-                    provider: st.provider,
-                    compute_ms: st.compute_ms,
-                    idle_ms: (elapsed_ms - st.compute_ms).max(0.0),
-                })
+            .flat_map(|(c, part)| {
+                part.stages
+                    .iter()
+                    .enumerate()
+                    .map(move |(s, &(provider, compute_ms))| StageTime {
+                        cluster: c as u32,
+                        stage: s as u32,
+                        provider,
+                        compute_ms,
+                        idle_ms: (elapsed_ms - compute_ms).max(0.0),
+                    })
             })
             .collect();
-        let record = StepRecord {
+        StepRecord {
             step,
             epoch: step / spe,
             loss,
@@ -647,18 +1174,7 @@ impl JobRun {
             elapsed_ms,
             bytes_relayed: std::mem::take(&mut self.bytes_relayed),
             stages,
-        };
-        let mut effects = vec![Effect::Step(record)];
-        let done = step + 1;
-        let sync = done.is_multiple_of(self.spec.training.sync_every)
-            || done.is_multiple_of(spe)
-            || done == self.total_steps;
-        if sync {
-            effects.extend(self.start_sync(done));
-        } else {
-            effects.extend(self.start_step(done));
         }
-        effects
     }
 
     fn start_sync(&mut self, step_done: u64) -> Vec<Effect> {
@@ -666,6 +1182,7 @@ impl JobRun {
         self.uploads.clear();
         let mut effects = Vec::new();
         for run in &mut self.clusters {
+            run.pending_optimizer.clear();
             for stage in &mut run.stages {
                 stage.uploaded = false;
                 effects.push(Effect::Send(
@@ -678,6 +1195,84 @@ impl JobRun {
             }
         }
         effects
+    }
+
+    /// A stage's optimizer state, which it sends just before its parameters
+    /// at a sync; kept per cluster for the checkpoint.
+    fn on_optimizer_state(
+        &mut self,
+        c: usize,
+        s: usize,
+        o: OptimizerState,
+    ) -> Result<Vec<Effect>, Rejected> {
+        let State::Syncing { step_done } = self.state else {
+            return Err("optimizer state arrived outside a sync".into());
+        };
+        if o.step != step_done {
+            return Err(format!(
+                "optimizer state of step {} during the sync of step {step_done}",
+                o.step
+            )
+            .into());
+        }
+        let stage = &self.clusters[c].stages[s];
+        if stage.uploaded {
+            return Err("optimizer state after the stage's parameters".into());
+        }
+        for p in &o.params {
+            if !stage.params.contains(&p.name) {
+                return Err(Rejected::Fault(format!(
+                    "parameter `{}` is not one of the stage's",
+                    p.name
+                )));
+            }
+            let shape = self
+                .params
+                .get(&p.name)
+                .map(|v| v.shape.clone())
+                .unwrap_or_default();
+            for t in &p.slots {
+                if !OPTIMIZER_SLOTS.contains(&t.name.as_str()) {
+                    return Err(Rejected::Fault(format!(
+                        "`{}` is not an optimizer state slot",
+                        t.name
+                    )));
+                }
+                if t.shape_usize() != shape || t.dtype != WireDType::F32 {
+                    return Err(Rejected::Fault(format!(
+                        "optimizer state `{}` of `{}` is {:?} {}, expected {shape:?} f32",
+                        t.name,
+                        p.name,
+                        t.shape,
+                        t.dtype.as_str()
+                    )));
+                }
+                t.check().map_err(|e| Rejected::Fault(e.to_string()))?;
+            }
+        }
+        let pending = &mut self.clusters[c].pending_optimizer;
+        for p in o.params {
+            pending.insert(p.name.clone(), p);
+        }
+        Ok(Vec::new())
+    }
+
+    /// The sync of `step_done` is complete: its optimizer state becomes the
+    /// checkpoint's, and a restarted server can resume from here.
+    fn commit_sync(&mut self, step_done: u64) -> Effect {
+        self.synced = step_done;
+        for run in &mut self.clusters {
+            run.optimizer = std::mem::take(&mut run.pending_optimizer);
+        }
+        Effect::ResumePoint(Box::new(ResumePoint {
+            step: step_done,
+            params: self.params.iter().map(|(n, v)| weight(n, v)).collect(),
+            optimizer: self
+                .clusters
+                .iter()
+                .map(|r| r.optimizer.values().cloned().collect())
+                .collect(),
+        }))
     }
 
     fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, Rejected> {
@@ -768,6 +1363,8 @@ impl JobRun {
             };
         }
         let mut effects = Vec::new();
+        // Counted after the sync's own effects: the sync completes either way.
+        let mut faults = Vec::new();
         if rule != Aggregation::Mean {
             for c in aggregate::far_off(&squared_distances, squared_norm) {
                 let typical = squared_distances
@@ -775,7 +1372,7 @@ impl JobRun {
                     .map(|d| d.sqrt())
                     .fold(f64::INFINITY, f64::min);
                 for stage in &self.clusters[c].stages {
-                    effects.push(Effect::Fault {
+                    faults.push(Effect::Fault {
                         provider: stage.provider,
                         reason: format!(
                             "cluster {c}'s parameters at the sync of step {step_done} are {:.3e} away from the {} of the clusters' (the closest cluster: {typical:.3e})",
@@ -810,14 +1407,17 @@ impl JobRun {
             }
         }
         effects.push(Effect::Checkpoint(self.weights()));
+        effects.push(self.commit_sync(step_done));
         let spe = self.schedule.steps_per_epoch as u64;
         if step_done.is_multiple_of(spe)
             && let Some(eval) = self.start_eval(step_done / spe - 1)
         {
             effects.extend(eval);
+            effects.extend(faults);
             return effects;
         }
         effects.extend(self.next_or_finish(step_done));
+        effects.extend(faults);
         effects
     }
 
@@ -837,23 +1437,34 @@ impl JobRun {
         if test.is_empty() {
             return None;
         }
-        let n = test.len();
-        let clusters = self.clusters.len();
         self.state = State::Evaluating {
             epoch,
-            expected: n as u64,
+            expected: test.len() as u64,
         };
+        let effects = (0..self.clusters.len())
+            .flat_map(|c| self.feed_eval(c, epoch))
+            .collect();
+        Some(effects)
+    }
+
+    /// Cluster `c`'s share of the test set, from its first micro-batch.
+    fn feed_eval(&mut self, c: usize, epoch: u64) -> Vec<Effect> {
+        let Some(test) = self.test.as_ref() else {
+            return Vec::new();
+        };
+        let n = test.len();
+        let clusters = self.clusters.len();
         let phase = Phase::Eval {
             epoch: epoch as u32,
         };
         let micro = self.spec.micro_batch_size().max(1);
-        let mut effects = Vec::new();
-        for (c, run) in self.clusters.iter_mut().enumerate() {
-            run.reset();
-            let share = (c * n / clusters)..((c + 1) * n / clusters);
-            let idx: Vec<usize> = share.collect();
-            for (m, chunk) in idx.chunks(micro).enumerate() {
-                effects.push(feed(
+        let run = &mut self.clusters[c];
+        run.reset();
+        let idx: Vec<usize> = ((c * n / clusters)..((c + 1) * n / clusters)).collect();
+        idx.chunks(micro)
+            .enumerate()
+            .map(|(m, chunk)| {
+                feed(
                     &self.graph_input,
                     test,
                     run,
@@ -862,10 +1473,9 @@ impl JobRun {
                     m as u32,
                     chunk.len(),
                     chunk,
-                ));
-            }
-        }
-        Some(effects)
+                )
+            })
+            .collect()
     }
 
     fn finish_eval(&mut self, epoch: u64) -> Vec<Effect> {
@@ -988,6 +1598,13 @@ fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
     }
 }
 
+fn weight(name: &str, v: &ParamValue) -> WeightTensor {
+    match v.dtype {
+        DType::F32 => WeightTensor::f32(name, v.shape.clone(), v.values.clone()),
+        DType::I64 => WeightTensor::i64(name, v.shape.clone(), v.values.clone()),
+    }
+}
+
 fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
     WireTensor::from_f32(name, &v.shape, &v.values, on_wire(v.dtype, WireDType::F32))
 }
@@ -1102,8 +1719,17 @@ units = 3
             &ids,
             data(8 * clusters),
             None,
+            None,
         )
         .unwrap()
+    }
+
+    /// Puts `run` at the sync of step 1, every cluster at the barrier.
+    fn syncing(run: &mut JobRun) {
+        run.state = State::Syncing { step_done: 1 };
+        for cluster in &mut run.clusters {
+            cluster.state = ClusterState::Idle;
+        }
     }
 
     fn faults(effects: &[Effect]) -> Vec<(u64, &str, bool)> {
@@ -1315,8 +1941,12 @@ units = 3
         let sets = sends(&last);
         assert_eq!(
             (sets.len(), last.len()),
-            (8, 9),
-            "4 SetParams, 4 forwards, a checkpoint"
+            (8, 10),
+            "4 SetParams, 4 forwards, a checkpoint and its resume point"
+        );
+        assert!(
+            last.iter()
+                .any(|e| matches!(e, Effect::ResumePoint(r) if r.step == 1))
         );
         for (_, m) in sets.iter().take(4) {
             let ToProvider::SetParams(set) = m else {
@@ -1419,7 +2049,7 @@ units = 3
         ];
         for (rule, want, counted) in cases {
             let (mut run, _) = started_with(4, rule);
-            run.state = State::Syncing { step_done: 1 };
+            syncing(&mut run);
             let values = [1.0, 1.2, 1.1, 1e4];
             let effects = upload_all(&mut run, |c| values[c]);
             for (name, p) in &run.params {
@@ -1455,7 +2085,7 @@ units = 3
     fn honest_clusters_under_robust_aggregation_are_not_counted() {
         for rule in [Aggregation::Median, Aggregation::CenteredClip] {
             let (mut run, _) = started_with(3, rule);
-            run.state = State::Syncing { step_done: 1 };
+            syncing(&mut run);
             let effects = upload_all(&mut run, |c| 1.0 + 0.01 * c as f32);
             assert!(faults(&effects).is_empty(), "{rule:?}");
         }
@@ -1479,5 +2109,493 @@ units = 3
         );
         assert!(matches!(&failed[..], [Effect::Failed(m)] if m.contains("out of memory")));
         assert!(run.is_over());
+    }
+
+    /// A stand-in for the providers: each answers the server's frames as a
+    /// stage would, with values that depend on the data it is fed (the loss
+    /// of a micro-batch is the sum of its inputs' first features) and on the
+    /// steps trained since its `Assign` (each step adds 1 to every parameter,
+    /// and the optimizer's `momentum_buffer` counts updates), so a replay on
+    /// other batches or from other values would show.
+    #[derive(Default)]
+    struct Sim {
+        /// Provider id -> its stage; providers not in it are gone.
+        stages: BTreeMap<u64, FakeStage>,
+        alive: std::collections::BTreeSet<u64>,
+        queue: std::collections::VecDeque<(u64, ToProvider)>,
+        /// Every effect that is not a frame, in order.
+        out: Vec<Effect>,
+        /// Every Assign sent, to whom.
+        assigns: Vec<(u64, Assignment)>,
+    }
+
+    struct FakeStage {
+        stage: u32,
+        stages: u32,
+        params: Vec<(String, Vec<usize>, Vec<f32>)>,
+        optimizer: BTreeMap<String, u64>,
+        outputs: Vec<String>,
+        micro_batches: u32,
+        /// Backward passes done in the current step.
+        done: u32,
+        slow: f64,
+    }
+
+    impl Sim {
+        fn new(providers: impl IntoIterator<Item = u64>) -> Self {
+            Sim {
+                alive: providers.into_iter().collect(),
+                ..Sim::default()
+            }
+        }
+
+        fn push(&mut self, effects: Vec<Effect>) {
+            for e in effects {
+                match e {
+                    Effect::Send(p, m) => self.queue.push_back((p, m)),
+                    other => self.out.push(other),
+                }
+            }
+        }
+
+        /// Delivers frames until `stop` holds or nothing is left to deliver.
+        fn run_until(&mut self, run: &mut JobRun, stop: impl Fn(&JobRun) -> bool) {
+            while !stop(run) {
+                let Some((p, m)) = self.queue.pop_front() else {
+                    return;
+                };
+                if !self.alive.contains(&p) {
+                    continue;
+                }
+                for reply in self.answer(p, m) {
+                    let effects = run.on_message(p, reply);
+                    self.push(effects);
+                }
+            }
+        }
+
+        fn kill(&mut self, run: &mut JobRun, p: u64) {
+            self.alive.remove(&p);
+            self.stages.remove(&p);
+            let effects = run.stage_lost(p, "killed").expect("a provider of the job");
+            self.push(effects);
+        }
+
+        fn steps(&self) -> Vec<(u64, f64)> {
+            self.out
+                .iter()
+                .filter_map(|e| match e {
+                    Effect::Step(r) => Some((r.step, r.loss)),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        fn completed(&self) -> Option<&Vec<WeightTensor>> {
+            self.out.iter().find_map(|e| match e {
+                Effect::Completed(w) => Some(w),
+                _ => None,
+            })
+        }
+
+        fn answer(&mut self, p: u64, m: ToProvider) -> Vec<ToServer> {
+            let job_id = 1;
+            if let ToProvider::Assign(a) = m {
+                self.assigns.push((p, (*a).clone()));
+                let params = a
+                    .params
+                    .iter()
+                    .map(|t| (t.name.clone(), t.shape_usize(), t.to_f32().unwrap()))
+                    .collect();
+                let optimizer = a
+                    .optimizer_state
+                    .iter()
+                    .map(|o| (o.name.clone(), o.steps))
+                    .collect();
+                let slow = self.stages.get(&p).map_or(1.0, |s| s.slow);
+                self.stages.insert(
+                    p,
+                    FakeStage {
+                        stage: a.stage,
+                        stages: a.stages,
+                        params,
+                        optimizer,
+                        outputs: a.outputs.clone(),
+                        micro_batches: a.micro_batches,
+                        done: 0,
+                        slow,
+                    },
+                );
+                return vec![ToServer::Ready { job_id }];
+            }
+            let Some(st) = self.stages.get_mut(&p) else {
+                return Vec::new();
+            };
+            let leaf = st.stage + 1 == st.stages;
+            let mut out = Vec::new();
+            let step_over = |st: &mut FakeStage, step: u64, out: &mut Vec<ToServer>| {
+                st.done += 1;
+                if st.done == st.micro_batches {
+                    st.done = 0;
+                    for (name, _, values) in &mut st.params {
+                        values.iter_mut().for_each(|v| *v += 1.0);
+                        *st.optimizer.entry(name.clone()).or_default() += 1;
+                    }
+                    out.push(ToServer::StepDone(StepDone {
+                        job_id,
+                        step,
+                        compute_ms: 10.0 * st.slow,
+                    }));
+                }
+            };
+            match m {
+                ToProvider::Forward(f) => {
+                    let x = f.inputs[0].to_f32().unwrap();
+                    let n = f.inputs[0].shape[0] as usize;
+                    let width = x.len() / n.max(1);
+                    let first: Vec<f32> = (0..n).map(|i| x[i * width]).collect();
+                    if !leaf {
+                        let values: Vec<f32> = first
+                            .iter()
+                            .flat_map(|v| std::iter::repeat_n(*v, 8))
+                            .collect();
+                        out.push(ToServer::Activations(Activations {
+                            job_id,
+                            phase: f.phase,
+                            micro: f.micro,
+                            outputs: vec![WireTensor::from_f32(
+                                st.outputs[0].clone(),
+                                &[n, 8],
+                                &values,
+                                WireDType::F32,
+                            )],
+                            compute_ms: 1.0,
+                        }));
+                        return out;
+                    }
+                    out.push(ToServer::LeafLoss(LeafLoss {
+                        job_id,
+                        phase: f.phase,
+                        micro: f.micro,
+                        loss_sum: first.iter().map(|v| f64::from(*v)).sum(),
+                        correct: 0,
+                        samples: n as u32,
+                    }));
+                    if let Phase::Train { step } = f.phase {
+                        if st.stage > 0 {
+                            out.push(ToServer::Gradients(Gradients {
+                                job_id,
+                                step,
+                                micro: f.micro,
+                                grads: vec![WireTensor::from_f32(
+                                    f.inputs[0].name.clone(),
+                                    &[n, 8],
+                                    &vec![0.0; n * 8],
+                                    WireDType::F32,
+                                )],
+                                compute_ms: 1.0,
+                            }));
+                        }
+                        step_over(st, step, &mut out);
+                    }
+                }
+                ToProvider::Backward(b) => step_over(st, b.step, &mut out),
+                ToProvider::UploadParams { step, .. } => {
+                    out.push(ToServer::OptimizerState(OptimizerState {
+                        job_id,
+                        step,
+                        params: st
+                            .optimizer
+                            .iter()
+                            .map(|(name, &steps)| {
+                                let shape = &st.params.iter().find(|p| &p.0 == name).unwrap().1;
+                                let len = shape.iter().product();
+                                ParamOptimState {
+                                    name: name.clone(),
+                                    steps,
+                                    slots: vec![WireTensor::from_f32(
+                                        "momentum_buffer",
+                                        shape,
+                                        &vec![steps as f32; len],
+                                        WireDType::F32,
+                                    )],
+                                }
+                            })
+                            .collect(),
+                    }));
+                    out.push(ToServer::Params(ParamSet {
+                        job_id,
+                        step,
+                        params: st
+                            .params
+                            .iter()
+                            .map(|(n, shape, v)| WireTensor::from_f32(n, shape, v, WireDType::F32))
+                            .collect(),
+                    }));
+                }
+                ToProvider::SetParams(set) => {
+                    for t in set.params {
+                        if let Some(p) = st.params.iter_mut().find(|p| p.0 == t.name) {
+                            p.2 = t.to_f32().unwrap();
+                        }
+                    }
+                }
+                _ => {}
+            }
+            out
+        }
+    }
+
+    /// 2 clusters of Root -> Leaf on providers 10..14, 32 samples in batches
+    /// of 4: 4 steps per epoch, 2 epochs, a sync every 2 steps, and a test set.
+    fn recovery_run(resume: Option<ResumePoint>) -> (JobRun, Vec<Effect>) {
+        let graph = rookery_model::from_toml(MLP).unwrap();
+        let mut spec = spec();
+        spec.training.epochs = 2;
+        spec.training.sync_every = 2;
+        spec.training.optimizer = OptimizerConfig::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        };
+        let providers: Vec<ProviderSpec> = (10..14)
+            .map(|i| ProviderSpec {
+                id: i.to_string(),
+                kind: ProviderKind::Native,
+                memory_bytes: 1 << 30,
+                gflops: 10.0,
+                bandwidth_mbps: 1000.0,
+            })
+            .collect();
+        let options = PlanOptions {
+            micro_batch: 2,
+            clusters: ClusterCount::Fixed(2),
+            stages_per_cluster: Some(2),
+            ..PlanOptions::default()
+        };
+        let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
+        let ids = (10..14).map(|i| (i.to_string(), i)).collect();
+        let analysis = graph.analyze().unwrap();
+        let test = Some(data(6));
+        JobRun::start(
+            1,
+            spec,
+            &graph,
+            &analysis,
+            &plan,
+            &ids,
+            data(32),
+            test,
+            resume,
+        )
+        .unwrap()
+    }
+
+    fn undisturbed() -> Sim {
+        let (mut run, effects) = recovery_run(None);
+        let mut sim = Sim::new(10..14);
+        sim.push(effects);
+        sim.run_until(&mut run, JobRun::is_over);
+        sim
+    }
+
+    fn cluster_step(run: &JobRun, c: usize) -> Option<u64> {
+        match run.clusters[c].state {
+            ClusterState::Training { step } => Some(step),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn an_undisturbed_run_records_every_step_once_and_syncs_at_each_barrier() {
+        let sim = undisturbed();
+        let steps: Vec<u64> = sim.steps().iter().map(|s| s.0).collect();
+        assert_eq!(steps, (0..8).collect::<Vec<_>>());
+        let resumes: Vec<u64> = sim
+            .out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::ResumePoint(r) => Some(r.step),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(resumes, [2, 4, 6, 8]);
+        let epochs = sim
+            .out
+            .iter()
+            .filter(|e| matches!(e, Effect::Epoch(_)))
+            .count();
+        assert_eq!(epochs, 2);
+        assert!(sim.completed().is_some());
+    }
+
+    #[test]
+    fn providers_killed_mid_step_and_mid_sync_cost_only_a_replay_from_the_last_checkpoint() {
+        let reference = undisturbed();
+        let (mut run, effects) = recovery_run(None);
+        let mut sim = Sim::new(10..16);
+        sim.push(effects);
+        let [[_, _], [root1, leaf1]] = roles(&run);
+
+        // Cluster 1's Leaf dies in the middle of step 3 (the last sync was at 2).
+        sim.run_until(&mut run, |r| {
+            cluster_step(r, 1) == Some(3) && r.clusters[1].reported.len() == 1
+        });
+        assert_eq!(run.synced, 2);
+        sim.kill(&mut run, leaf1);
+        assert_eq!(
+            run.vacancies(),
+            [Vacancy {
+                cluster: 1,
+                stage: 1,
+                memory_bytes: run.clusters[1].stages[1].memory_bytes
+            }]
+        );
+        assert!(run.providers().iter().all(|&p| p != leaf1));
+        // Cluster 0 trains on to the barrier at step 4 and waits there.
+        sim.run_until(&mut run, |_| false);
+        assert_eq!(run.clusters[0].state, ClusterState::Idle);
+        assert_eq!(run.clusters[1].state, ClusterState::Waiting);
+        assert_eq!(run.state, State::Training);
+        assert!(
+            sim.steps().iter().all(|s| s.0 < 3),
+            "step 3 waits for cluster 1"
+        );
+
+        // A standby takes the stage: the whole cluster restarts from step 2.
+        let effects = run.fill(1, 1, 14);
+        assert!(effects.iter().any(|e| matches!(
+            e,
+            Effect::Log {
+                kind: "stage_reassigned",
+                ..
+            }
+        )));
+        let rebuilt: Vec<(u64, &Assignment)> = sends(&effects)
+            .into_iter()
+            .filter_map(|(p, m)| match m {
+                ToProvider::Assign(a) => Some((p, &**a)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(rebuilt.len(), 2);
+        for (p, a) in &rebuilt {
+            assert!([root1, 14].contains(p));
+            assert_eq!((a.cluster, a.start_step), (1, 2));
+            // The checkpoint's momentum, taken after 2 updates.
+            assert!(!a.optimizer_state.is_empty());
+            assert!(a.optimizer_state.iter().all(|o| o.steps == 2));
+        }
+        sim.push(effects);
+
+        // Then cluster 0's Root dies during the sync at step 4.
+        sim.run_until(&mut run, |r| matches!(r.state, State::Syncing { .. }));
+        assert_eq!(run.synced, 2);
+        let root0 = run.clusters[0].stages[0].provider;
+        sim.kill(&mut run, root0);
+        assert_eq!(run.state, State::Training, "the sync is abandoned");
+        sim.push(run.fill(0, 0, 15));
+        sim.run_until(&mut run, JobRun::is_over);
+
+        // Every step recorded once, in order, with the undisturbed run's losses
+        // (so the same batches), and the same final weights.
+        assert_eq!(sim.steps(), reference.steps());
+        let epochs = |s: &Sim| {
+            s.out
+                .iter()
+                .filter_map(|e| match e {
+                    Effect::Epoch(r) => Some((r.epoch, r.test_loss, r.samples)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(epochs(&sim), epochs(&reference));
+        assert_eq!(sim.completed(), reference.completed());
+        let logs: Vec<&str> = sim
+            .out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Log { kind, .. } => Some(*kind),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            logs,
+            [
+                "stage_lost",
+                "stage_reassigned",
+                "stage_lost",
+                "stage_reassigned"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_stage_lost_during_evaluation_is_rebuilt_and_its_share_evaluated_again() {
+        let reference = undisturbed();
+        let (mut run, effects) = recovery_run(None);
+        let mut sim = Sim::new(10..15);
+        sim.push(effects);
+        sim.run_until(&mut run, |r| {
+            matches!(r.state, State::Evaluating { .. }) && r.clusters[0].reported.len() == 1
+        });
+        let leaf0 = run.clusters[0].stages[1].provider;
+        sim.kill(&mut run, leaf0);
+        sim.push(run.fill(0, 1, 14));
+        sim.run_until(&mut run, JobRun::is_over);
+        assert_eq!(sim.steps(), reference.steps());
+        assert_eq!(sim.completed(), reference.completed());
+    }
+
+    #[test]
+    fn a_run_resumed_from_a_resume_point_finishes_as_the_undisturbed_one() {
+        let reference = undisturbed();
+        let point = reference
+            .out
+            .iter()
+            .find_map(|e| match e {
+                Effect::ResumePoint(r) if r.step == 4 => Some((**r).clone()),
+                _ => None,
+            })
+            .unwrap();
+        let (mut run, effects) = recovery_run(Some(point));
+        let mut sim = Sim::new(10..14);
+        sim.push(effects);
+        assert!(sim.assigns.is_empty());
+        sim.run_until(&mut run, JobRun::is_over);
+        assert!(sim.assigns.iter().all(|(_, a)| a.start_step == 4));
+        // Step 4 ended epoch 0: its evaluation runs again, then steps 4.. follow.
+        assert_eq!(sim.steps(), reference.steps()[4..]);
+        assert_eq!(sim.completed(), reference.completed());
+    }
+
+    #[test]
+    fn a_stage_far_slower_than_the_others_is_flagged_and_replaced_from_the_checkpoint() {
+        let (mut run, effects) = recovery_run(None);
+        let mut sim = Sim::new(10..15);
+        sim.push(effects);
+        let slow = run.clusters[1].stages[0].provider;
+        sim.run_until(&mut run, |r| r.synced == 2);
+        // From now on cluster 1's Root takes 10 times as long per step.
+        sim.stages.get_mut(&slow).unwrap().slow = 10.0;
+        sim.run_until(&mut run, |r| !r.stragglers().is_empty());
+        let [straggler] = run.stragglers()[..] else {
+            panic!("{:?}", run.stragglers())
+        };
+        assert_eq!(
+            (straggler.cluster, straggler.stage, straggler.provider),
+            (1, 0, slow)
+        );
+        assert!(straggler.slowness > STRAGGLER_FACTOR, "{straggler:?}");
+        let effects = run.replace(1, 0, 14, "too slow");
+        assert!(matches!(&effects[0], Effect::Send(p, ToProvider::Release { .. }) if *p == slow));
+        sim.push(effects);
+        sim.run_until(&mut run, JobRun::is_over);
+        assert!(run.stragglers().is_empty());
+        let steps: Vec<u64> = sim.steps().iter().map(|s| s.0).collect();
+        assert_eq!(steps, (0..8).collect::<Vec<_>>());
+        assert_eq!(sim.completed(), undisturbed().completed());
     }
 }

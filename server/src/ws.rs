@@ -599,6 +599,7 @@ fn message_name(message: &ToServer) -> &'static str {
         ToServer::Params(_) => "Params",
         ToServer::JobFailed { .. } => "JobFailed",
         ToServer::ProbeAck { .. } => "ProbeAck",
+        ToServer::OptimizerState(_) => "OptimizerState",
     }
 }
 

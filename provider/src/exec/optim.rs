@@ -32,6 +32,39 @@ struct ParamState {
     grad_avg: Option<Tensor>,
 }
 
+/// The state slots' names, as `torch.optim` names them in a `state_dict`.
+pub use rookery_proto::train::OPTIMIZER_SLOTS as SLOTS;
+
+impl ParamState {
+    fn slot(&self, name: &str) -> Option<&Tensor> {
+        match name {
+            "momentum_buffer" => self.momentum_buffer.as_ref(),
+            "exp_avg" => self.exp_avg.as_ref(),
+            "exp_avg_sq" => self.exp_avg_sq.as_ref(),
+            "max_exp_avg_sq" => self.max_exp_avg_sq.as_ref(),
+            "square_avg" => self.square_avg.as_ref(),
+            "grad_avg" => self.grad_avg.as_ref(),
+            _ => None,
+        }
+    }
+
+    fn slot_mut(&mut self, name: &str) -> Option<&mut Option<Tensor>> {
+        Some(match name {
+            "momentum_buffer" => &mut self.momentum_buffer,
+            "exp_avg" => &mut self.exp_avg,
+            "exp_avg_sq" => &mut self.exp_avg_sq,
+            "max_exp_avg_sq" => &mut self.max_exp_avg_sq,
+            "square_avg" => &mut self.square_avg,
+            "grad_avg" => &mut self.grad_avg,
+            _ => return None,
+        })
+    }
+}
+
+/// One parameter's exported state: its name, step count and state tensors
+/// by slot name.
+pub type ExportedState<'a> = (String, u64, Vec<(&'static str, &'a Tensor)>);
+
 /// An optimizer with per-parameter state, keyed by parameter name.
 #[derive(Debug)]
 pub struct Optimizer {
@@ -73,6 +106,47 @@ impl Optimizer {
         }
         config.validate().map_err(ExecError::Optimizer)?;
         self.config = config;
+        Ok(())
+    }
+
+    /// The state of every parameter updated so far, by name: its step count
+    /// and its state tensors by slot name (as `torch.optim`'s `state_dict`).
+    pub fn export(&self) -> Vec<ExportedState<'_>> {
+        self.state
+            .iter()
+            .map(|(name, s)| {
+                let slots = SLOTS
+                    .iter()
+                    .filter_map(|&slot| s.slot(slot).map(|t| (slot, t)))
+                    .collect();
+                (name.clone(), s.step, slots)
+            })
+            .collect()
+    }
+
+    /// Replaces the state of parameter `name` (what [`Optimizer::export`]
+    /// gave), so the next update continues exactly where the exported one
+    /// left off. Unknown slot names are refused; tensors are taken as given
+    /// (the caller puts them on the parameter's device).
+    pub fn import(
+        &mut self,
+        name: &str,
+        steps: u64,
+        slots: Vec<(String, Tensor)>,
+    ) -> Result<(), ExecError> {
+        let mut state = ParamState {
+            step: steps,
+            ..ParamState::default()
+        };
+        for (slot, t) in slots {
+            let place = state.slot_mut(&slot).ok_or_else(|| {
+                ExecError::Optimizer(format!(
+                    "`{slot}` is not an optimizer state slot (known: {SLOTS:?})"
+                ))
+            })?;
+            *place = Some(t);
+        }
+        self.state.insert(name.to_string(), state);
         Ok(())
     }
 

@@ -10,7 +10,8 @@ use std::ops::Range;
 
 use rookery_model::{Graph, Loss, OptimizerConfig};
 use rookery_proto::{
-    Assignment, Backward, Forward, ParamSet, Phase, ToProvider, ToServer, WireDType, WireTensor,
+    Assignment, Backward, Forward, ParamOptimState, ParamSet, Phase, ToProvider, ToServer,
+    WireDType, WireTensor,
 };
 use rookery_provider::exec::stage_boundary;
 use rookery_provider::worker::{StageWorker, tensor_to_wire, wire_loss, wire_optimizer};
@@ -78,6 +79,7 @@ pub fn assignment(
         wire_dtype: job.wire_dtype,
         seed: job.seed,
         start_step: 0,
+        optimizer_state: Vec::new(),
     }
 }
 
@@ -251,19 +253,66 @@ impl Chain {
 
     /// Each stage's parameters, from `UploadParams`.
     pub fn upload(&mut self, step: u64) -> Vec<Vec<WireTensor>> {
+        self.upload_with_state(step)
+            .into_iter()
+            .map(|(_, params)| params)
+            .collect()
+    }
+
+    /// Each stage's optimizer state and parameters, from `UploadParams`
+    /// (which answers with both, the state first).
+    pub fn upload_with_state(&mut self, step: u64) -> Vec<(Vec<ParamOptimState>, Vec<WireTensor>)> {
         let job_id = self.job.job_id;
         self.workers
             .iter_mut()
             .map(
                 |w| match &w.handle(ToProvider::UploadParams { job_id, step })[..] {
-                    [ToServer::Params(p)] => {
+                    [ToServer::OptimizerState(o), ToServer::Params(p)] => {
                         assert_eq!((p.job_id, p.step), (job_id, step));
-                        p.params.clone()
+                        assert_eq!((o.job_id, o.step), (job_id, step));
+                        (o.params.clone(), p.params.clone())
                     }
                     other => panic!("UploadParams answered {other:?}"),
                 },
             )
             .collect()
+    }
+
+    /// A chain whose stages are assigned afresh, each from its own uploaded
+    /// parameters and optimizer state, `start_step` steps into the job: how
+    /// the server rebuilds a cluster from its checkpoint.
+    pub fn rebuilt(
+        g: &Graph,
+        cuts: &[Range<usize>],
+        job: JobConfig,
+        uploaded: &[(Vec<ParamOptimState>, Vec<WireTensor>)],
+        start_step: u64,
+    ) -> Self {
+        let workers = uploaded
+            .iter()
+            .enumerate()
+            .map(|(k, (state, params))| {
+                let mut w = StageWorker::new(Device::Cpu);
+                let a = Assignment {
+                    params: params.clone(),
+                    optimizer_state: state.clone(),
+                    start_step,
+                    ..assignment(g, cuts, k, 0, &BTreeMap::new(), &job)
+                };
+                let replies = w.handle(ToProvider::Assign(Box::new(a)));
+                assert_eq!(
+                    replies,
+                    [ToServer::Ready { job_id: job.job_id }],
+                    "stage {k}"
+                );
+                w
+            })
+            .collect();
+        Self {
+            workers,
+            job,
+            input: g.inputs[0].name.clone(),
+        }
     }
 
     /// Sends each stage the values of its own parameters from `values`.
