@@ -111,13 +111,15 @@ impl Ending {
 
     /// Whether the peer broke the protocol (a malformed, oversized or
     /// unexpected frame, or a bad payload), which counts as a fault against it.
+    /// A transport error (a reset connection) is no fault: networks do that.
     fn is_fault(&self) -> bool {
         matches!(
             self,
             Ending::Rejected {
                 code: ErrorCode::BadFrame | ErrorCode::FrameTooLarge | ErrorCode::UnexpectedMessage,
+                close_code,
                 ..
-            }
+            } if *close_code != close_code::PROTOCOL
         )
     }
 }
