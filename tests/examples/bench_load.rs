@@ -50,7 +50,8 @@ const CONNECT_AT_ONCE: usize = 25;
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let clients = flag(&args, "--clients")?.unwrap_or(500);
-    let steps = flag(&args, "--steps")?.unwrap_or(150);
+    // The demo's MNIST subset has 8,000 training digits: 125 steps of 64.
+    let steps = flag(&args, "--steps")?.unwrap_or(120);
     let dir = tempfile::tempdir()?;
     let job = write_job(dir.path(), steps)?;
     let limit = (clients + 100).to_string();
