@@ -828,12 +828,12 @@ impl Actor {
             let Some(id) = self.standby(straggler.memory_bytes) else {
                 continue;
             };
-            // Its own claim is all a standby has to show; one that claims less
-            // than the straggler is not expected to do better.
-            let faster = self
-                .providers
-                .get(&id)
-                .is_some_and(|p| p.hello.gflops >= slow_gflops);
+            // A standby has only its claim to show: at the job's typical
+            // ratio of measured to planned time, its claimed GFLOP/s must
+            // promise at least twice the straggler's measured speed.
+            let faster = self.providers.get(&id).is_some_and(|p| {
+                straggler.slowness * p.hello.gflops >= 2.0 * slow_gflops.max(f64::MIN_POSITIVE)
+            });
             if !faster {
                 continue;
             }
