@@ -27,6 +27,11 @@ const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
 /// Live events a slow subscriber may fall behind by before it is told it
 /// lagged (and reloads what it shows).
 const EVENT_BUFFER: usize = 4096;
+/// A job that syncs every step would rewrite its resume file (parameters and
+/// optimizer state, fsynced) every step; it is rewritten at most this often
+/// per job. A restarted server then replays at most this long of training;
+/// a lost provider's rollback uses the in-memory checkpoint of the last sync.
+const RESUME_EVERY_MS: u64 = 5_000;
 /// A job that syncs every step would write a log line per step; sync lines
 /// are written at most this often per job, counting the syncs in between.
 const SYNC_LOG_EVERY_MS: u64 = 2_000;
@@ -124,6 +129,7 @@ impl Coordinator {
                 micro_batches: HashMap::new(),
                 sync_log: HashMap::new(),
                 short: HashMap::new(),
+                resume_written: HashMap::new(),
             }
             .run(rx),
         );
@@ -198,6 +204,8 @@ struct Actor {
     sync_log: HashMap<u64, (u64, u64)>,
     /// Per running job: the stages it last said it waits for a provider for.
     short: HashMap<u64, Option<String>>,
+    /// Per running job: when its resume file was last written.
+    resume_written: HashMap<u64, u64>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -693,6 +701,12 @@ impl Actor {
                     }
                 }
                 Effect::ResumePoint(point) => {
+                    let now = now_ms();
+                    let last = self.resume_written.entry(job_id).or_insert(0);
+                    if now.saturating_sub(*last) < RESUME_EVERY_MS {
+                        continue;
+                    }
+                    *last = now;
                     let dir = job_dir(&self.data_dir, job_id);
                     let written =
                         tokio::task::spawn_blocking(move || crate::resume::write(&dir, &point))
@@ -876,6 +890,7 @@ impl Actor {
         self.micro_batches.remove(&job_id);
         self.sync_log.remove(&job_id);
         self.short.remove(&job_id);
+        self.resume_written.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {
