@@ -27,6 +27,11 @@ const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
 /// Live events a slow subscriber may fall behind by before it is told it
 /// lagged (and reloads what it shows).
 const EVENT_BUFFER: usize = 4096;
+/// A job that syncs every step would rewrite its resume file (parameters and
+/// optimizer state, fsynced) every step; it is rewritten at most this often
+/// per job. A restarted server then replays at most this long of training;
+/// a lost provider's rollback uses the in-memory checkpoint of the last sync.
+const RESUME_EVERY_MS: u64 = 5_000;
 /// A job that syncs every step would write a log line per step; sync lines
 /// are written at most this often per job, counting the syncs in between.
 const SYNC_LOG_EVERY_MS: u64 = 2_000;
@@ -134,6 +139,7 @@ impl Coordinator {
                 faults: HashMap::new(),
                 bans: HashMap::new(),
                 short: HashMap::new(),
+                resume_written: HashMap::new(),
             }
             .run(rx),
         );
@@ -218,6 +224,8 @@ struct Actor {
     bans: HashMap<u64, Vec<jobs::Ban>>,
     /// Per running job: the stages it last said it waits for a provider for.
     short: HashMap<u64, Option<String>>,
+    /// Per running job: when its resume file was last written.
+    resume_written: HashMap<u64, u64>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -719,6 +727,12 @@ impl Actor {
                     }
                 }
                 Effect::ResumePoint(point) => {
+                    let now = now_ms();
+                    let last = self.resume_written.entry(job_id).or_insert(0);
+                    if now.saturating_sub(*last) < RESUME_EVERY_MS {
+                        continue;
+                    }
+                    *last = now;
                     let dir = job_dir(&self.data_dir, job_id);
                     let written =
                         tokio::task::spawn_blocking(move || crate::resume::write(&dir, &point))
@@ -869,7 +883,7 @@ impl Actor {
         }
         let detail = (!waiting.is_empty())
             .then(|| format!("waiting for a provider for {}", waiting.join("; ")));
-        if self.short.get(&job_id) != Some(&detail) {
+        if self.short.get(&job_id).cloned().flatten() != detail {
             if let Some(detail) = &detail {
                 self.log(job_id, "waiting", detail.clone()).await;
             }
@@ -929,12 +943,12 @@ impl Actor {
             let Some(id) = self.standby(job_id, straggler.memory_bytes) else {
                 continue;
             };
-            // Its own claim is all a standby has to show; one that claims less
-            // than the straggler is not expected to do better.
-            let faster = self
-                .providers
-                .get(&id)
-                .is_some_and(|p| p.hello.gflops >= slow_gflops);
+            // A standby has only its claim to show: at the job's typical
+            // ratio of measured to planned time, its claimed GFLOP/s must
+            // promise at least twice the straggler's measured speed.
+            let faster = self.providers.get(&id).is_some_and(|p| {
+                straggler.slowness * p.hello.gflops >= 2.0 * slow_gflops.max(f64::MIN_POSITIVE)
+            });
             if !faster {
                 continue;
             }
@@ -979,6 +993,7 @@ impl Actor {
         self.faults.retain(|(job, _), _| *job != job_id);
         self.bans.remove(&job_id);
         self.short.remove(&job_id);
+        self.resume_written.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {

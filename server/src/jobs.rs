@@ -435,11 +435,12 @@ pub async fn log(db: &Db, id: u64, limit: usize) -> Result<Vec<LogRecord>, DbErr
 }
 
 /// A restarted server has lost every running job's providers: such jobs go
-/// back to the queue and start again when providers are there.
+/// back to the queue and resume from their last checkpoint (the resume file
+/// in their folder) when providers are there.
 pub async fn requeue_interrupted(db: &Db) -> Result<usize, DbError> {
     db.call(|conn| {
         conn.execute(
-            "UPDATE jobs SET status = 'queued', detail = 'the server restarted; waiting for providers'
+            "UPDATE jobs SET status = 'queued', detail = 'the server restarted; the job resumes from its last checkpoint when providers connect'
              WHERE status IN ('planning', 'running')",
             [],
         )

@@ -44,8 +44,11 @@ use crate::jobs::{EpochRecord, StageTime, StepRecord};
 /// A stage is a straggler once its compute time per step has been more than
 /// this many times the job's typical ratio of measured to planned time ...
 pub const STRAGGLER_FACTOR: f64 = 3.0;
-/// ... for this many consecutive steps.
+/// ... for this many consecutive steps ...
 pub const STRAGGLER_STEPS: u32 = 3;
+/// ... computing at least this long per step: below it, fixed per-message
+/// costs swamp the plan's estimate, and the stage cannot stall much anyway.
+pub const STRAGGLER_MIN_MS: f64 = 20.0;
 
 /// What the coordinator must do on the job's behalf, in order.
 #[derive(Debug)]
@@ -670,7 +673,7 @@ impl JobRun {
 
     /// Stages that have been [`STRAGGLER_FACTOR`] times slower than the
     /// job's typical stage (each against its plan) for [`STRAGGLER_STEPS`]
-    /// steps in a row.
+    /// steps in a row, computing at least [`STRAGGLER_MIN_MS`] a step.
     pub fn stragglers(&self) -> Vec<Straggler> {
         let typical = self.typical_slowness();
         self.clusters
@@ -1118,7 +1121,11 @@ impl JobRun {
         let typical = self.typical_slowness();
         for stage in &mut self.clusters[c].stages {
             match stage.slowness {
-                Some(v) if v > STRAGGLER_FACTOR * typical => stage.slow_steps += 1,
+                Some(v)
+                    if v > STRAGGLER_FACTOR * typical && stage.compute_ms >= STRAGGLER_MIN_MS =>
+                {
+                    stage.slow_steps += 1
+                }
                 _ => stage.slow_steps = 0,
             }
         }
@@ -2127,6 +2134,8 @@ units = 3
         out: Vec<Effect>,
         /// Every Assign sent, to whom.
         assigns: Vec<(u64, Assignment)>,
+        /// Each stage's compute per step, times its `slow`.
+        step_ms: f64,
     }
 
     struct FakeStage {
@@ -2145,6 +2154,7 @@ units = 3
         fn new(providers: impl IntoIterator<Item = u64>) -> Self {
             Sim {
                 alive: providers.into_iter().collect(),
+                step_ms: 10.0,
                 ..Sim::default()
             }
         }
@@ -2232,6 +2242,7 @@ units = 3
                 return Vec::new();
             };
             let leaf = st.stage + 1 == st.stages;
+            let step_ms = self.step_ms;
             let mut out = Vec::new();
             let step_over = |st: &mut FakeStage, step: u64, out: &mut Vec<ToServer>| {
                 st.done += 1;
@@ -2244,7 +2255,7 @@ units = 3
                     out.push(ToServer::StepDone(StepDone {
                         job_id,
                         step,
-                        compute_ms: 10.0 * st.slow,
+                        compute_ms: step_ms * st.slow,
                     }));
                 }
             };
@@ -2569,6 +2580,36 @@ units = 3
         // Step 4 ended epoch 0: its evaluation runs again, then steps 4.. follow.
         assert_eq!(sim.steps(), reference.steps()[4..]);
         assert_eq!(sim.completed(), reference.completed());
+    }
+
+    #[test]
+    fn a_stage_slower_only_by_a_few_milliseconds_is_no_straggler() {
+        let (mut run, effects) = recovery_run(None);
+        let mut sim = Sim::new(10..14);
+        sim.step_ms = 1.0;
+        sim.push(effects);
+        let slow = run.clusters[1].stages[0].provider;
+        sim.stages.insert(
+            slow,
+            FakeStage {
+                stage: 0,
+                stages: 2,
+                params: Vec::new(),
+                optimizer: BTreeMap::new(),
+                outputs: Vec::new(),
+                micro_batches: 2,
+                done: 0,
+                slow: 10.0,
+            },
+        );
+        let mut flagged = false;
+        while !run.is_over() && !sim.queue.is_empty() {
+            let steps = sim.steps().len();
+            sim.run_until(&mut run, |r| r.recorded > steps as u64 || r.is_over());
+            flagged |= !run.stragglers().is_empty();
+        }
+        assert!(run.is_over());
+        assert!(!flagged, "10 ms a step stalls nothing");
     }
 
     #[test]

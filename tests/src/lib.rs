@@ -61,6 +61,20 @@ impl Process {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+
+    /// SIGTERM, and waits for the process to end: a provider then closes
+    /// its socket with a close frame, as a browser does for a closed tab.
+    pub fn terminate(&mut self) -> anyhow::Result<()> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .context("running kill -TERM")?;
+        if !status.success() {
+            bail!("kill -TERM {} failed: {status}", self.0.id());
+        }
+        self.0.wait().context("waiting for the process to end")?;
+        Ok(())
+    }
 }
 
 impl Drop for Process {
@@ -84,10 +98,50 @@ impl Server {
 
     /// [`Server::start`] with more `rookery serve` arguments.
     pub fn start_with(heartbeat_timeout_ms: u64, extra: &[&str]) -> anyhow::Result<Self> {
-        let data_dir = tempfile::tempdir()?;
+        Self::start_in(
+            tempfile::tempdir()?,
+            "127.0.0.1:0",
+            heartbeat_timeout_ms,
+            extra,
+        )
+    }
+
+    /// SIGKILLs the server and starts a new one on the same data dir and
+    /// address (so providers find it again), as after a crash and a restart.
+    pub fn kill_and_restart(self, heartbeat_timeout_ms: u64) -> anyhow::Result<Self> {
+        let Server {
+            addr,
+            _process: mut process,
+            _data_dir: data_dir,
+        } = self;
+        process.kill();
+        let addr = addr.to_string();
+        // The port may linger for a moment after the kill.
+        let started = Instant::now();
+        loop {
+            match std::net::TcpListener::bind(&addr) {
+                Ok(probe) => {
+                    drop(probe);
+                    break;
+                }
+                Err(error) if started.elapsed() > Duration::from_secs(10) => {
+                    bail!("port {addr} stays taken after the kill: {error}")
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+        Self::start_in(data_dir, &addr, heartbeat_timeout_ms, &[])
+    }
+
+    fn start_in(
+        data_dir: tempfile::TempDir,
+        addr: &str,
+        heartbeat_timeout_ms: u64,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         let web_dir = dir_from_env("ROOKERY_WEB_DIR", "target/web");
         let mut child = Command::new(binary("rookery")?)
-            .args(["serve", "--addr", "127.0.0.1:0", "--data-dir"])
+            .args(["serve", "--addr", addr, "--data-dir"])
             .arg(data_dir.path())
             .arg("--web-dir")
             .arg(&web_dir)
