@@ -217,8 +217,8 @@ pub struct PlanPreview {
 pub struct LogEntry {
     pub at_ms: u64,
     /// `submitted`, `planned`, `provider_joined`, `provider_left`,
-    /// `stage_assigned`, `running`, `sync`, `checkpoint`, `epoch`,
-    /// `completed`, `failed` or `cancelled`.
+    /// `provider_fault`, `provider_banned`, `stage_assigned`, `running`,
+    /// `sync`, `checkpoint`, `epoch`, `completed`, `failed` or `cancelled`.
     pub kind: String,
     pub message: String,
 }

@@ -94,6 +94,28 @@ pub enum TensorError {
     },
 }
 
+fn encode_f32(values: &[f32], dtype: WireDType) -> Vec<u8> {
+    match dtype {
+        WireDType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        WireDType::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        WireDType::Bf16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        WireDType::I64 => values
+            .iter()
+            .flat_map(|v| (*v as i64).to_le_bytes())
+            .collect(),
+    }
+}
+
+fn encode_i64(values: &[i64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
 impl WireTensor {
     /// Encodes f32 values as `dtype` (f32, f16 or bf16; i64 rounds toward zero).
     pub fn from_f32(
@@ -102,27 +124,13 @@ impl WireTensor {
         values: &[f32],
         dtype: WireDType,
     ) -> Self {
-        let data = match dtype {
-            WireDType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            WireDType::F16 => values
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            WireDType::Bf16 => values
-                .iter()
-                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-            WireDType::I64 => values
-                .iter()
-                .flat_map(|v| (*v as i64).to_le_bytes())
-                .collect(),
-        };
-        Self::raw(name, shape, dtype, data)
+        // The loops live in functions that are not generic, so they are
+        // compiled here, with this crate's optimisation, not in every caller.
+        Self::raw(name, shape, dtype, encode_f32(values, dtype))
     }
 
     pub fn from_i64(name: impl Into<String>, shape: &[usize], values: &[i64]) -> Self {
-        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Self::raw(name, shape, WireDType::I64, data)
+        Self::raw(name, shape, WireDType::I64, encode_i64(values))
     }
 
     fn raw(name: impl Into<String>, shape: &[usize], dtype: WireDType, data: Vec<u8>) -> Self {

@@ -200,8 +200,14 @@ where
     Si: Sink<Message> + Unpin,
     Si::Error: Display,
 {
+    #[cfg(feature = "fault-injection")]
+    let tampered = crate::fault::tamper(message);
+    #[cfg(feature = "fault-injection")]
+    let message = tampered.as_ref().unwrap_or(message);
     let frames = stream::encode_streamed(message)
         .map_err(|error| SessionEnd::Fatal(format!("cannot encode {message:?}: {error}")))?;
+    #[cfg(feature = "fault-injection")]
+    let frames = crate::fault::tamper_frames(message, frames);
     // Each frame is flushed on its own so the server relays the first
     // payload while the next is still being written.
     for frame in frames {

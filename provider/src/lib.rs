@@ -8,6 +8,9 @@ pub mod connection;
 /// Runs model stages with libtorch: forward, backward, losses, optimizers.
 #[cfg(feature = "torch")]
 pub mod exec;
+/// Test-only misbehaviour for the server's fault tests.
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod own;
 pub mod trainer;
 /// Runs the stage the server assigns: training messages in, replies out.

@@ -31,6 +31,10 @@ struct Cli {
     /// Intel and Apple GPUs can donate without CUDA.
     #[arg(long, value_enum, default_value = "torch")]
     backend: BackendChoice,
+    /// Test only: misbehave in this one way (see `rookery_provider::fault`).
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, value_enum, hide = true)]
+    fault: Option<rookery_provider::fault::Fault>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -82,6 +86,14 @@ async fn run() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
+    #[cfg(feature = "fault-injection")]
+    if let Some(fault) = cli.fault {
+        tracing::warn!(
+            ?fault,
+            "fault injection: this provider will send wrong data"
+        );
+        rookery_provider::fault::set(fault);
+    }
 
     let name = cli.name.unwrap_or_else(default_name);
     let (hello, make_trainer) = match cli.backend {

@@ -27,9 +27,16 @@ const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
 /// Live events a slow subscriber may fall behind by before it is told it
 /// lagged (and reloads what it shows).
 const EVENT_BUFFER: usize = 4096;
+/// A job that syncs every step would rewrite its resume file (parameters and
+/// optimizer state, fsynced) every step; it is rewritten at most this often
+/// per job. A restarted server then replays at most this long of training;
+/// a lost provider's rollback uses the in-memory checkpoint of the last sync.
+const RESUME_EVERY_MS: u64 = 5_000;
 /// A job that syncs every step would write a log line per step; sync lines
 /// are written at most this often per job, counting the syncs in between.
 const SYNC_LOG_EVERY_MS: u64 = 2_000;
+/// Faults a provider may commit on one job; the last of them bans it from the job.
+pub const BAN_AFTER_FAULTS: u32 = 3;
 
 /// What the coordinator hears about.
 #[derive(Debug)]
@@ -47,6 +54,12 @@ pub enum Event {
     Message {
         id: u64,
         message: ToServer,
+    },
+    /// The provider broke the protocol (a malformed frame, a bad payload) and
+    /// its socket loop is dropping it; sent just before `Disconnected`.
+    Fault {
+        id: u64,
+        reason: String,
     },
     /// Tensor bytes that follow a streamed message, already checked against
     /// what that message announced (the socket loop does that).
@@ -128,7 +141,10 @@ impl Coordinator {
                 events: events.clone(),
                 micro_batches: HashMap::new(),
                 sync_log: HashMap::new(),
+                faults: HashMap::new(),
+                bans: HashMap::new(),
                 short: HashMap::new(),
+                resume_written: HashMap::new(),
             }
             .run(rx),
         );
@@ -165,6 +181,10 @@ pub enum Outgoing {
     Message(ToProvider),
     /// A payload frame passed on exactly as it arrived.
     Payload(Bytes),
+    /// Drop the provider: send it an `Error` with `reason` and close.
+    Close {
+        reason: String,
+    },
 }
 
 struct Live {
@@ -201,8 +221,16 @@ struct Actor {
     micro_batches: HashMap<u64, u64>,
     /// Per job: when the last sync line was written and syncs since.
     sync_log: HashMap<u64, (u64, u64)>,
+    /// Faults per (job, provider name): by name, so that reconnecting (which
+    /// gives a new id) does not wipe a provider's record on the job.
+    faults: HashMap<(u64, String), u32>,
+    /// The bans of running and queued jobs as last read from or written to
+    /// the database (which is the source of truth, across restarts).
+    bans: HashMap<u64, Vec<jobs::Ban>>,
     /// Per running job: the stages it last said it waits for a provider for.
     short: HashMap<u64, Option<String>>,
+    /// Per running job: when its resume file was last written.
+    resume_written: HashMap<u64, u64>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -385,6 +413,12 @@ impl Actor {
                 }
             }
             Event::Payload { id, payload } => self.relay_payload(id, payload),
+            Event::Fault { id, reason } => {
+                if let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) {
+                    // Its socket loop is already dropping it.
+                    self.on_fault(job_id, id, reason, false).await;
+                }
+            }
             Event::Measured { id, bandwidth_mbps } => {
                 if let Some(live) = self.providers.get_mut(&id) {
                     live.bandwidth_mbps = Some(bandwidth_mbps);
@@ -434,7 +468,7 @@ impl Actor {
             if self.runs.contains_key(&job.id) {
                 continue;
             }
-            let live = self.snapshot();
+            let live = self.without_banned(job.id, self.snapshot()).await;
             let specs: Vec<ProviderSpec> =
                 live.iter().filter_map(LiveProvider::candidate).collect();
             if specs.is_empty() {
@@ -698,6 +732,12 @@ impl Actor {
                     }
                 }
                 Effect::ResumePoint(point) => {
+                    let now = now_ms();
+                    let last = self.resume_written.entry(job_id).or_insert(0);
+                    if now.saturating_sub(*last) < RESUME_EVERY_MS {
+                        continue;
+                    }
+                    *last = now;
                     let dir = job_dir(&self.data_dir, job_id);
                     let written =
                         tokio::task::spawn_blocking(move || crate::resume::write(&dir, &point))
@@ -729,8 +769,81 @@ impl Actor {
                     self.fail(job_id, reason).await;
                     return;
                 }
+                Effect::Fault {
+                    provider,
+                    reason,
+                    frame_dropped,
+                } => self.on_fault(job_id, provider, reason, frame_dropped).await,
             }
         }
+    }
+
+    /// Counts a fault against `provider` on `job_id`. The last allowed fault
+    /// bans it from the job: recorded, logged, dropped, never planned onto the
+    /// job again. Before that, a fault whose frame was dropped also drops the
+    /// provider (`drop_now`): its stage cannot finish the step without the
+    /// frame, so the stage is lost; a fault the job absorbed (far-off
+    /// parameters that robust aggregation outvoted) only counts.
+    async fn on_fault(&mut self, job_id: u64, provider: u64, reason: String, drop_now: bool) {
+        let Some(live) = self.providers.get(&provider) else {
+            return;
+        };
+        let name = live.hello.display_name.clone();
+        let count = self.faults.entry((job_id, name.clone())).or_insert(0);
+        *count += 1;
+        let count = *count;
+        tracing::warn!(job = job_id, provider, %name, count, %reason, "provider fault");
+        self.log(
+            job_id,
+            "provider_fault",
+            format!("provider {provider} ({name}) fault {count} of {BAN_AFTER_FAULTS}: {reason}"),
+        )
+        .await;
+        let close = match fault_action(count, drop_now) {
+            FaultAction::Count => return,
+            FaultAction::Drop => format!("dropped from job {job_id}: {reason}"),
+            FaultAction::Ban => {
+                let ban = jobs::Ban {
+                    provider_id: provider,
+                    provider_name: name,
+                    at_ms: now_ms(),
+                    reason: reason.clone(),
+                };
+                self.bans.entry(job_id).or_default().push(ban.clone());
+                if let Err(error) = jobs::ban(&self.db, job_id, ban).await {
+                    tracing::error!(job = job_id, provider, %error, "cannot record a ban");
+                }
+                self.log(
+                    job_id,
+                    "provider_banned",
+                    format!("provider {provider} banned: {reason}"),
+                )
+                .await;
+                format!("banned from job {job_id} after {count} faults: {reason}")
+            }
+        };
+        // Gone from the coordinator at once, so that nothing more it sends
+        // counts and it is nobody's standby; its socket loop closes the
+        // connection (and its `Disconnected` finds nothing left to do).
+        if let Some(live) = self.providers.remove(&provider) {
+            let _ = live.tx.send(Outgoing::Close { reason: close });
+        }
+        // Boxed: losing a stage applies effects, which may hold faults.
+        Box::pin(self.stage_lost(job_id, provider, &reason)).await;
+    }
+
+    /// `live` less the providers banned from `job_id` (by id or by name).
+    async fn without_banned(&mut self, job_id: u64, live: Vec<LiveProvider>) -> Vec<LiveProvider> {
+        let bans = match jobs::bans(&self.db, job_id).await {
+            Ok(bans) => bans,
+            Err(error) => {
+                tracing::error!(job = job_id, %error, "cannot read a job's bans");
+                return Vec::new();
+            }
+        };
+        let live = live.into_iter().filter(|p| !is_banned(&bans, p)).collect();
+        self.bans.insert(job_id, bans);
+        live
     }
 
     /// A provider of a running job is gone: its cluster rolls back to the
@@ -759,7 +872,7 @@ impl Actor {
         };
         let mut waiting = Vec::new();
         for vacancy in vacancies {
-            let Some(id) = self.standby(vacancy.memory_bytes) else {
+            let Some(id) = self.standby(job_id, vacancy.memory_bytes) else {
                 waiting.push(format!(
                     "cluster {}, stage {}",
                     vacancy.cluster, vacancy.stage
@@ -785,9 +898,11 @@ impl Actor {
     }
 
     /// The idle provider with the most GFLOP/s and at least `memory_bytes`.
-    fn standby(&self, memory_bytes: u64) -> Option<u64> {
+    fn standby(&self, job_id: u64, memory_bytes: u64) -> Option<u64> {
+        let bans = self.bans.get(&job_id).map_or(&[][..], Vec::as_slice);
         self.snapshot()
             .iter()
+            .filter(|p| !is_banned(bans, p))
             .filter_map(|p| p.candidate().map(|spec| (p.id, spec)))
             .filter(|(_, spec)| spec.memory_bytes >= memory_bytes)
             .max_by(|a, b| a.1.gflops.total_cmp(&b.1.gflops))
@@ -830,15 +945,15 @@ impl Actor {
                 .providers
                 .get(&straggler.provider)
                 .map_or(0.0, |p| p.hello.gflops);
-            let Some(id) = self.standby(straggler.memory_bytes) else {
+            let Some(id) = self.standby(job_id, straggler.memory_bytes) else {
                 continue;
             };
-            // Its own claim is all a standby has to show; one that claims less
-            // than the straggler is not expected to do better.
-            let faster = self
-                .providers
-                .get(&id)
-                .is_some_and(|p| p.hello.gflops >= slow_gflops);
+            // A standby has only its claim to show: at the job's typical
+            // ratio of measured to planned time, its claimed GFLOP/s must
+            // promise at least twice the straggler's measured speed.
+            let faster = self.providers.get(&id).is_some_and(|p| {
+                straggler.slowness * p.hello.gflops >= 2.0 * slow_gflops.max(f64::MIN_POSITIVE)
+            });
             if !faster {
                 continue;
             }
@@ -880,7 +995,10 @@ impl Actor {
         }
         self.micro_batches.remove(&job_id);
         self.sync_log.remove(&job_id);
+        self.faults.retain(|(job, _), _| *job != job_id);
+        self.bans.remove(&job_id);
         self.short.remove(&job_id);
+        self.resume_written.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {
@@ -955,6 +1073,37 @@ impl Actor {
     }
 }
 
+/// What a provider's fault on a job costs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultAction {
+    /// Counted only: the job absorbed it.
+    Count,
+    /// Dropped from the job (its connection closed): the step needs the
+    /// frame that was turned down.
+    Drop,
+    /// Banned from the job: dropped and never planned onto it again.
+    Ban,
+}
+
+/// The policy: the [`BAN_AFTER_FAULTS`]th fault on a job bans; before that, a
+/// dropped frame drops the provider and an absorbed fault only counts.
+pub fn fault_action(count: u32, frame_dropped: bool) -> FaultAction {
+    if count >= BAN_AFTER_FAULTS {
+        FaultAction::Ban
+    } else if frame_dropped {
+        FaultAction::Drop
+    } else {
+        FaultAction::Count
+    }
+}
+
+/// Whether `provider` is one of `bans` (the same connection, or the same
+/// name: a reconnection gets a new id).
+pub fn is_banned(bans: &[jobs::Ban], provider: &LiveProvider) -> bool {
+    bans.iter()
+        .any(|b| b.provider_id == provider.id || b.provider_name == provider.hello.display_name)
+}
+
 /// Connected providers by the ids plans name them with.
 pub fn by_plan_id(live: Vec<LiveProvider>) -> HashMap<String, (u64, Hello)> {
     live.into_iter()
@@ -1002,4 +1151,60 @@ async fn write_weights(path: PathBuf, weights: Vec<WeightTensor>) -> std::io::Re
     })
     .await
     .map_err(std::io::Error::other)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_third_fault_on_a_job_bans_and_earlier_dropped_frames_drop() {
+        // (faults so far, was a frame dropped, action)
+        let cases = [
+            (1, false, FaultAction::Count),
+            (2, false, FaultAction::Count),
+            (1, true, FaultAction::Drop),
+            (2, true, FaultAction::Drop),
+            (3, false, FaultAction::Ban),
+            (3, true, FaultAction::Ban),
+            (4, true, FaultAction::Ban),
+        ];
+        for (count, dropped, want) in cases {
+            assert_eq!(fault_action(count, dropped), want, "{count} {dropped}");
+        }
+    }
+
+    #[test]
+    fn a_ban_covers_the_same_connection_and_a_reconnection_under_the_same_name() {
+        let hello = |name: &str| Hello {
+            protocol_version: rookery_proto::PROTOCOL_VERSION,
+            kind: rookery_proto::ProviderKind::Native,
+            device: "cpu".into(),
+            memory_bytes: 1 << 30,
+            gflops: 1.0,
+            display_name: name.into(),
+            max_buffer_bytes: None,
+        };
+        let live = |id, name| LiveProvider {
+            id,
+            hello: hello(name),
+            work: None,
+            bandwidth_mbps: Some(100.0),
+        };
+        let bans = [jobs::Ban {
+            provider_id: 4,
+            provider_name: "liar".into(),
+            at_ms: 0,
+            reason: "NaN".into(),
+        }];
+        // (provider, banned)
+        let cases = [
+            (live(4, "renamed"), true),
+            (live(9, "liar"), true),
+            (live(5, "honest"), false),
+        ];
+        for (p, want) in cases {
+            assert_eq!(is_banned(&bans, &p), want, "{p:?}");
+        }
+    }
 }

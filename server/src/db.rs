@@ -81,6 +81,16 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     );
     ALTER TABLE jobs ADD COLUMN owner INTEGER REFERENCES requesters(id);
     CREATE INDEX jobs_by_owner ON jobs (owner, id);",
+    // Providers a job will not be planned onto again, by connection id and
+    // by the name they gave (a reconnection gets a new id).
+    "CREATE TABLE job_bans (
+        job_id          INTEGER NOT NULL REFERENCES jobs(id),
+        provider_id     INTEGER NOT NULL,
+        provider_name   TEXT    NOT NULL,
+        at_ms           INTEGER NOT NULL,
+        reason          TEXT    NOT NULL,
+        PRIMARY KEY (job_id, provider_id)
+    );",
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -367,6 +367,53 @@ pub async fn append_log(db: &Db, id: u64, record: LogRecord) -> Result<(), DbErr
     .await
 }
 
+/// A provider banned from a job after repeated faults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ban {
+    pub provider_id: u64,
+    pub provider_name: String,
+    pub at_ms: u64,
+    pub reason: String,
+}
+
+pub async fn ban(db: &Db, job_id: u64, ban: Ban) -> Result<(), DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "INSERT OR REPLACE INTO job_bans (job_id, provider_id, provider_name, at_ms, reason)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                job_id as i64,
+                ban.provider_id as i64,
+                ban.provider_name,
+                ban.at_ms as i64,
+                ban.reason
+            ],
+        )
+        .map(drop)
+    })
+    .await
+}
+
+/// The providers banned from a job, oldest first.
+pub async fn bans(db: &Db, job_id: u64) -> Result<Vec<Ban>, DbError> {
+    db.call(move |conn| {
+        let mut statement = conn.prepare(
+            "SELECT provider_id, provider_name, at_ms, reason FROM job_bans
+             WHERE job_id = ?1 ORDER BY at_ms, provider_id",
+        )?;
+        let rows = statement.query_map(params![job_id as i64], |row| {
+            Ok(Ban {
+                provider_id: row.get::<_, i64>(0)? as u64,
+                provider_name: row.get(1)?,
+                at_ms: row.get::<_, i64>(2)? as u64,
+                reason: row.get(3)?,
+            })
+        })?;
+        rows.collect()
+    })
+    .await
+}
+
 /// The last `limit` lines of a job's log, oldest first.
 pub async fn log(db: &Db, id: u64, limit: usize) -> Result<Vec<LogRecord>, DbError> {
     db.call(move |conn| {
@@ -388,11 +435,12 @@ pub async fn log(db: &Db, id: u64, limit: usize) -> Result<Vec<LogRecord>, DbErr
 }
 
 /// A restarted server has lost every running job's providers: such jobs go
-/// back to the queue and start again when providers are there.
+/// back to the queue and resume from their last checkpoint (the resume file
+/// in their folder) when providers are there.
 pub async fn requeue_interrupted(db: &Db) -> Result<usize, DbError> {
     db.call(|conn| {
         conn.execute(
-            "UPDATE jobs SET status = 'queued', detail = 'the server restarted; waiting for providers'
+            "UPDATE jobs SET status = 'queued', detail = 'the server restarted; the job resumes from its last checkpoint when providers connect'
              WHERE status IN ('planning', 'running')",
             [],
         )
@@ -536,5 +584,30 @@ mod tests {
             get(&db, b).await.unwrap().unwrap().status,
             JobStatus::Completed
         );
+    }
+
+    #[tokio::test]
+    async fn bans_are_kept_per_job_and_a_repeated_ban_replaces_the_first() {
+        let db = db_with_requester().await;
+        let a = insert(&db, 1, "a".into(), "{}".into(), "a".into(), 1)
+            .await
+            .unwrap();
+        let b = insert(&db, 1, "b".into(), "{}".into(), "b".into(), 1)
+            .await
+            .unwrap();
+        let banned = |id, at_ms, reason: &str| Ban {
+            provider_id: id,
+            provider_name: format!("p{id}"),
+            at_ms,
+            reason: reason.into(),
+        };
+        ban(&db, a, banned(3, 10, "NaN")).await.unwrap();
+        ban(&db, a, banned(5, 20, "shape")).await.unwrap();
+        ban(&db, a, banned(3, 30, "NaN again")).await.unwrap();
+        assert_eq!(
+            bans(&db, a).await.unwrap(),
+            [banned(5, 20, "shape"), banned(3, 30, "NaN again")]
+        );
+        assert!(bans(&db, b).await.unwrap().is_empty());
     }
 }

@@ -7,6 +7,7 @@
 //! libtorch or a GPU API: the server only coordinates and relays.
 
 pub mod admission;
+pub mod aggregate;
 pub mod auth;
 pub mod client;
 pub mod coordinator;

@@ -28,7 +28,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use rookery_job::weights::WeightTensor;
-use rookery_job::{Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges};
+use rookery_job::{
+    Aggregation, Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges,
+};
 use rookery_model::{Analysis, DType, Graph, Init, ParamKind, Plan};
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
@@ -36,13 +38,17 @@ use rookery_proto::{
     train::OPTIMIZER_SLOTS,
 };
 
+use crate::aggregate;
 use crate::jobs::{EpochRecord, StageTime, StepRecord};
 
 /// A stage is a straggler once its compute time per step has been more than
 /// this many times the job's typical ratio of measured to planned time ...
 pub const STRAGGLER_FACTOR: f64 = 3.0;
-/// ... for this many consecutive steps.
+/// ... for this many consecutive steps ...
 pub const STRAGGLER_STEPS: u32 = 3;
+/// ... computing at least this long per step: below it, fixed per-message
+/// costs swamp the plan's estimate, and the stage cannot stall much anyway.
+pub const STRAGGLER_MIN_MS: f64 = 20.0;
 
 /// What the coordinator must do on the job's behalf, in order.
 #[derive(Debug)]
@@ -64,6 +70,35 @@ pub enum Effect {
     /// Training is over; these are the trained weights.
     Completed(Vec<WeightTensor>),
     Failed(String),
+    /// The provider sent something wrong: counts against it.
+    Fault {
+        provider: u64,
+        reason: String,
+        /// Whether a frame the step needs was dropped (rather than outvoted
+        /// at a sync), so the provider's stage cannot finish the step.
+        frame_dropped: bool,
+    },
+}
+
+/// Why a frame was turned down.
+#[derive(Debug)]
+enum Rejected {
+    /// Out of order or late (as around a rollback): dropped, nobody's fault.
+    Stale(String),
+    /// Wrong data: another job's, another stage's, misshapen, non-finite.
+    Fault(String),
+}
+
+impl From<String> for Rejected {
+    fn from(reason: String) -> Self {
+        Rejected::Stale(reason)
+    }
+}
+
+impl From<&str> for Rejected {
+    fn from(reason: &str) -> Self {
+        Rejected::Stale(reason.to_string())
+    }
 }
 
 /// A sync point's whole state: enough to rebuild every stage of every
@@ -221,8 +256,8 @@ pub struct JobRun {
     perm_epoch: Option<u64>,
     clusters: Vec<ClusterRun>,
     params: BTreeMap<String, ParamValue>,
-    /// Params uploaded at the current sync: name -> one value per cluster.
-    uploads: BTreeMap<String, Vec<Vec<f32>>>,
+    /// Params uploaded at the current sync: name -> (cluster, value) per cluster.
+    uploads: BTreeMap<String, Vec<(usize, Vec<f32>)>>,
     state: State,
     /// Steps done at the last sync: the checkpoint every rebuild starts from.
     synced: u64,
@@ -638,7 +673,7 @@ impl JobRun {
 
     /// Stages that have been [`STRAGGLER_FACTOR`] times slower than the
     /// job's typical stage (each against its plan) for [`STRAGGLER_STEPS`]
-    /// steps in a row.
+    /// steps in a row, computing at least [`STRAGGLER_MIN_MS`] a step.
     pub fn stragglers(&self) -> Vec<Straggler> {
         let typical = self.typical_slowness();
         self.clusters
@@ -677,7 +712,8 @@ impl JobRun {
     }
 
     /// A provider of this job sent `message`. Frames that break the protocol
-    /// are dropped with a logged reason; a provider's own failure fails the job.
+    /// are dropped with a logged reason (and an [`Effect::Fault`] when the
+    /// data was wrong rather than late); a provider's own failure fails the job.
     pub fn on_message(&mut self, provider: u64, message: ToServer) -> Vec<Effect> {
         let Some((c, s)) = self.locate(provider) else {
             tracing::warn!(
@@ -734,17 +770,31 @@ impl JobRun {
             | ToServer::Error(_)
             | ToServer::ProbeAck { .. } => Ok(Vec::new()),
         };
-        result.unwrap_or_else(|reason| {
-            tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");
-            Vec::new()
-        })
+        match result {
+            Ok(effects) => effects,
+            Err(Rejected::Stale(reason)) => {
+                tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");
+                Vec::new()
+            }
+            Err(Rejected::Fault(reason)) => {
+                tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a faulty frame");
+                vec![Effect::Fault {
+                    provider,
+                    reason: format!("cluster {c}, stage {s}: {reason}"),
+                    frame_dropped: true,
+                }]
+            }
+        }
     }
 
-    fn check_job(&self, job_id: u64) -> Result<(), String> {
+    fn check_job(&self, job_id: u64) -> Result<(), Rejected> {
         if job_id == self.job_id {
             Ok(())
         } else {
-            Err(format!("it is for job {job_id}, not {}", self.job_id))
+            Err(Rejected::Fault(format!(
+                "a frame for job {job_id}, not {}",
+                self.job_id
+            )))
         }
     }
 
@@ -897,12 +947,14 @@ impl JobRun {
         c: usize,
         s: usize,
         a: Activations,
-    ) -> Result<Vec<Effect>, String> {
+    ) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, a.phase)?;
         let run = &mut self.clusters[c];
         let last = run.stages.len() - 1;
         if s == last {
-            return Err("the Leaf sends losses, not activations".into());
+            return Err(Rejected::Fault(
+                "the Leaf sends losses, not activations".into(),
+            ));
         }
         let samples = *run
             .micro_samples
@@ -913,7 +965,8 @@ impl JobRun {
             &run.stages[s].outputs,
             samples,
             wire_dtype(self.spec.training.wire_dtype),
-        )?;
+        )
+        .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += a.compute_ms.max(0.0);
         self.bytes_relayed += a.outputs.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let labels = if s + 1 == last {
@@ -939,10 +992,12 @@ impl JobRun {
         )])
     }
 
-    fn on_gradients(&mut self, c: usize, s: usize, g: Gradients) -> Result<Vec<Effect>, String> {
+    fn on_gradients(&mut self, c: usize, s: usize, g: Gradients) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, Phase::Train { step: g.step })?;
         if s == 0 {
-            return Err("the Root has no one to send gradients to".into());
+            return Err(Rejected::Fault(
+                "the Root has no one to send gradients to".into(),
+            ));
         }
         let run = &mut self.clusters[c];
         let samples = *run
@@ -963,7 +1018,8 @@ impl JobRun {
             &expected,
             samples,
             wire_dtype(self.spec.training.wire_dtype),
-        )?;
+        )
+        .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
         self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let prev = run.stages[s - 1].provider;
@@ -978,30 +1034,27 @@ impl JobRun {
         )])
     }
 
-    fn on_leaf_loss(&mut self, c: usize, s: usize, l: LeafLoss) -> Result<Vec<Effect>, String> {
+    fn on_leaf_loss(&mut self, c: usize, s: usize, l: LeafLoss) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, l.phase)?;
         let run = &mut self.clusters[c];
         if s + 1 != run.stages.len() {
-            return Err("only the Leaf reports losses".into());
+            return Err(Rejected::Fault("only the Leaf reports losses".into()));
         }
         let samples = *run
             .micro_samples
             .get(&(l.phase, l.micro))
             .ok_or_else(|| format!("micro-batch {} is not in flight", l.micro))?;
         if !run.reported.insert((l.phase, l.micro)) {
-            return Err(format!(
-                "micro-batch {}'s loss was already reported",
-                l.micro
-            ));
+            return Err(format!("micro-batch {}'s loss was already reported", l.micro).into());
         }
         if samples != l.samples as usize
             || !l.loss_sum.is_finite()
             || l.correct > u64::from(l.samples)
         {
-            return Err(format!(
+            return Err(Rejected::Fault(format!(
                 "implausible loss report: {} samples (expected {samples}), loss {}, {} correct",
                 l.samples, l.loss_sum, l.correct
-            ));
+            )));
         }
         run.loss_sum += l.loss_sum;
         run.correct += l.correct;
@@ -1015,11 +1068,11 @@ impl JobRun {
         Ok(Vec::new())
     }
 
-    fn on_step_done(&mut self, c: usize, s: usize, d: StepDone) -> Result<Vec<Effect>, String> {
+    fn on_step_done(&mut self, c: usize, s: usize, d: StepDone) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, Phase::Train { step: d.step })?;
         let stage = &mut self.clusters[c].stages[s];
         if stage.step_done {
-            return Err(format!("step {} was already reported done", d.step));
+            return Err(format!("step {} was already reported done", d.step).into());
         }
         stage.step_done = true;
         // The provider's total is authoritative; what the relays counted was partial.
@@ -1068,7 +1121,11 @@ impl JobRun {
         let typical = self.typical_slowness();
         for stage in &mut self.clusters[c].stages {
             match stage.slowness {
-                Some(v) if v > STRAGGLER_FACTOR * typical => stage.slow_steps += 1,
+                Some(v)
+                    if v > STRAGGLER_FACTOR * typical && stage.compute_ms >= STRAGGLER_MIN_MS =>
+                {
+                    stage.slow_steps += 1
+                }
                 _ => stage.slow_steps = 0,
             }
         }
@@ -1154,7 +1211,7 @@ impl JobRun {
         c: usize,
         s: usize,
         o: OptimizerState,
-    ) -> Result<Vec<Effect>, String> {
+    ) -> Result<Vec<Effect>, Rejected> {
         let State::Syncing { step_done } = self.state else {
             return Err("optimizer state arrived outside a sync".into());
         };
@@ -1162,7 +1219,8 @@ impl JobRun {
             return Err(format!(
                 "optimizer state of step {} during the sync of step {step_done}",
                 o.step
-            ));
+            )
+            .into());
         }
         let stage = &self.clusters[c].stages[s];
         if stage.uploaded {
@@ -1170,7 +1228,10 @@ impl JobRun {
         }
         for p in &o.params {
             if !stage.params.contains(&p.name) {
-                return Err(format!("parameter `{}` is not one of the stage's", p.name));
+                return Err(Rejected::Fault(format!(
+                    "parameter `{}` is not one of the stage's",
+                    p.name
+                )));
             }
             let shape = self
                 .params
@@ -1179,18 +1240,21 @@ impl JobRun {
                 .unwrap_or_default();
             for t in &p.slots {
                 if !OPTIMIZER_SLOTS.contains(&t.name.as_str()) {
-                    return Err(format!("`{}` is not an optimizer state slot", t.name));
+                    return Err(Rejected::Fault(format!(
+                        "`{}` is not an optimizer state slot",
+                        t.name
+                    )));
                 }
                 if t.shape_usize() != shape || t.dtype != WireDType::F32 {
-                    return Err(format!(
+                    return Err(Rejected::Fault(format!(
                         "optimizer state `{}` of `{}` is {:?} {}, expected {shape:?} f32",
                         t.name,
                         p.name,
                         t.shape,
                         t.dtype.as_str()
-                    ));
+                    )));
                 }
-                t.check().map_err(|e| e.to_string())?;
+                t.check().map_err(|e| Rejected::Fault(e.to_string()))?;
             }
         }
         let pending = &mut self.clusters[c].pending_optimizer;
@@ -1217,7 +1281,8 @@ impl JobRun {
                 .collect(),
         }))
     }
-    fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, String> {
+
+    fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, Rejected> {
         let State::Syncing { step_done } = self.state else {
             return Err("parameters arrived outside a sync".into());
         };
@@ -1225,7 +1290,8 @@ impl JobRun {
             return Err(format!(
                 "parameters of step {} during the sync of step {step_done}",
                 p.step
-            ));
+            )
+            .into());
         }
         let stage = &self.clusters[c].stages[s];
         if stage.uploaded {
@@ -1233,27 +1299,34 @@ impl JobRun {
         }
         let mut values = Vec::with_capacity(p.params.len());
         for t in &p.params {
+            let fault = |reason: String| Rejected::Fault(reason);
             if !stage.params.contains(&t.name) {
-                return Err(format!("parameter `{}` is not one of the stage's", t.name));
+                return Err(fault(format!(
+                    "parameter `{}` is not one of the stage's",
+                    t.name
+                )));
             }
             let Some(current) = self.params.get(&t.name) else {
-                return Err(format!("unknown parameter `{}`", t.name));
+                return Err(fault(format!("unknown parameter `{}`", t.name)));
             };
             if t.shape_usize() != current.shape {
-                return Err(format!(
+                return Err(fault(format!(
                     "parameter `{}` has shape {:?}, expected {:?}",
                     t.name, t.shape, current.shape
-                ));
+                )));
             }
-            t.check().map_err(|e| e.to_string())?;
-            values.push((t.name.clone(), t.to_f32().map_err(|e| e.to_string())?));
+            t.check().map_err(|e| fault(e.to_string()))?;
+            values.push((
+                t.name.clone(),
+                t.to_f32().map_err(|e| fault(e.to_string()))?,
+            ));
         }
         let clusters = self.clusters.len();
         for (name, v) in values {
             self.uploads
                 .entry(name)
                 .or_insert_with(|| Vec::with_capacity(clusters))
-                .push(v);
+                .push((c, v));
         }
         self.clusters[c].stages[s].uploaded = true;
         let all = self
@@ -1267,17 +1340,60 @@ impl JobRun {
     }
 
     fn finish_sync(&mut self, step_done: u64) -> Vec<Effect> {
+        let rule = self.spec.training.aggregation;
+        // Each cluster's squared distance to the aggregate, and the aggregate's
+        // squared norm, over every float parameter: to spot a far-off cluster.
+        let mut squared_distances = vec![0.0f64; self.clusters.len()];
+        let mut squared_norm = 0.0f64;
         for (name, copies) in std::mem::take(&mut self.uploads) {
             let Some(target) = self.params.get_mut(&name) else {
                 continue;
             };
             target.values = match target.dtype {
                 // Counters (BatchNorm's num_batches_tracked) agree across clusters.
-                DType::I64 => copies.into_iter().next().unwrap_or_default(),
-                DType::F32 => average(&copies),
+                DType::I64 => copies
+                    .into_iter()
+                    .next()
+                    .map(|(_, v)| v)
+                    .unwrap_or_default(),
+                DType::F32 => {
+                    let slices: Vec<&[f32]> = copies.iter().map(|(_, v)| v.as_slice()).collect();
+                    let value = aggregate::aggregate(rule, &slices);
+                    if rule != Aggregation::Mean {
+                        for (c, copy) in &copies {
+                            squared_distances[*c] += aggregate::distance(copy, &value).powi(2);
+                        }
+                        squared_norm += value.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
+                    }
+                    value
+                }
             };
         }
         let mut effects = Vec::new();
+        // Counted after the sync's own effects: the sync completes either way.
+        let mut faults = Vec::new();
+        if rule != Aggregation::Mean {
+            for c in aggregate::far_off(&squared_distances, squared_norm) {
+                let typical = squared_distances
+                    .iter()
+                    .map(|d| d.sqrt())
+                    .fold(f64::INFINITY, f64::min);
+                for stage in &self.clusters[c].stages {
+                    faults.push(Effect::Fault {
+                        provider: stage.provider,
+                        reason: format!(
+                            "cluster {c}'s parameters at the sync of step {step_done} are {:.3e} away from the {} of the clusters' (the closest cluster: {typical:.3e})",
+                            squared_distances[c].sqrt(),
+                            match rule {
+                                Aggregation::Median => "median",
+                                _ => "centered clip",
+                            },
+                        ),
+                        frame_dropped: false,
+                    });
+                }
+            }
+        }
         if self.clusters.len() > 1 {
             for run in &self.clusters {
                 for stage in &run.stages {
@@ -1304,9 +1420,11 @@ impl JobRun {
             && let Some(eval) = self.start_eval(step_done / spe - 1)
         {
             effects.extend(eval);
+            effects.extend(faults);
             return effects;
         }
         effects.extend(self.next_or_finish(step_done));
+        effects.extend(faults);
         effects
     }
 
@@ -1478,16 +1596,6 @@ fn check_tensors(
     Ok(())
 }
 
-fn average(copies: &[Vec<f32>]) -> Vec<f32> {
-    let Some(first) = copies.first() else {
-        return Vec::new();
-    };
-    let n = copies.len() as f64;
-    (0..first.len())
-        .map(|i| (copies.iter().map(|c| f64::from(c[i])).sum::<f64>() / n) as f32)
-        .collect()
-}
-
 /// How a tensor of the graph's `dtype` travels: floats as `floats`
 /// (the job's wire dtype, or f32 for data and parameters), integers as i64.
 fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
@@ -1563,6 +1671,7 @@ units = 3
                 shuffle: true,
                 seed: 7,
                 wire_dtype: rookery_job::WireDType::F32,
+                aggregation: Aggregation::Mean,
             },
         }
     }
@@ -1578,9 +1687,19 @@ units = 3
     /// A run over 4 providers (ids 10..14): 2 clusters of Root -> Leaf, 16
     /// samples, so 2 steps; and the `Assign` frames it starts with.
     fn started() -> (JobRun, Vec<Effect>) {
+        started_with(2, Aggregation::Mean)
+    }
+
+    /// `clusters` clusters of Root -> Leaf (providers 10, 11, ...) that sync
+    /// with `aggregation`.
+    fn started_with(clusters: usize, aggregation: Aggregation) -> (JobRun, Vec<Effect>) {
         let graph = rookery_model::from_toml(MLP).unwrap();
-        let spec = spec();
-        let providers: Vec<ProviderSpec> = (10..14)
+        let mut spec = spec();
+        spec.training.clusters = ClusterCount::Fixed(clusters);
+        spec.training.aggregation = aggregation;
+        let ids = 10..10 + 2 * clusters as u64;
+        let providers: Vec<ProviderSpec> = ids
+            .clone()
             .map(|i| ProviderSpec {
                 id: i.to_string(),
                 kind: ProviderKind::Native,
@@ -1592,12 +1711,12 @@ units = 3
             .collect();
         let options = PlanOptions {
             micro_batch: 2,
-            clusters: ClusterCount::Fixed(2),
+            clusters: ClusterCount::Fixed(clusters),
             stages_per_cluster: Some(2),
             ..PlanOptions::default()
         };
         let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
-        let ids = (10..14).map(|i| (i.to_string(), i)).collect();
+        let ids = ids.map(|i| (i.to_string(), i)).collect();
         let analysis = graph.analyze().unwrap();
         JobRun::start(
             1,
@@ -1606,11 +1725,67 @@ units = 3
             &analysis,
             &plan,
             &ids,
-            data(16),
+            data(8 * clusters),
             None,
             None,
         )
         .unwrap()
+    }
+
+    /// Puts `run` at the sync of step 1, every cluster at the barrier.
+    fn syncing(run: &mut JobRun) {
+        run.state = State::Syncing { step_done: 1 };
+        for cluster in &mut run.clusters {
+            cluster.state = ClusterState::Idle;
+        }
+    }
+
+    fn faults(effects: &[Effect]) -> Vec<(u64, &str, bool)> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Fault {
+                    provider,
+                    reason,
+                    frame_dropped,
+                } => Some((*provider, reason.as_str(), *frame_dropped)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every stage of `run` uploads its parameters for the sync of step 1,
+    /// cluster `c`'s all equal to `value(c)`; the effects of the last upload.
+    fn upload_all(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
+        let mut last = Vec::new();
+        for c in 0..run.clusters.len() {
+            for stage in 0..run.clusters[c].stages.len() {
+                let params = run.clusters[c].stages[stage]
+                    .params
+                    .iter()
+                    .map(|n| {
+                        let shape = run.params[n].shape.clone();
+                        let len = shape.iter().product();
+                        WireTensor::from_f32(
+                            n.clone(),
+                            &shape,
+                            &vec![value(c); len],
+                            WireDType::F32,
+                        )
+                    })
+                    .collect();
+                let provider = run.clusters[c].stages[stage].provider;
+                last = run.on_message(
+                    provider,
+                    ToServer::Params(ParamSet {
+                        job_id: 1,
+                        step: 1,
+                        params,
+                    }),
+                );
+            }
+        }
+        last
     }
 
     fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {
@@ -1674,11 +1849,11 @@ units = 3
             assert!(f.labels.is_none(), "labels wait for the Leaf");
         }
 
-        // A wrongly shaped activation is dropped; a good one reaches the Leaf with its labels.
-        assert!(
-            run.on_message(root0, activations(0, 0, &[3, 8], &boundary))
-                .is_empty()
-        );
+        // A wrongly shaped activation is dropped (a fault); a good one reaches
+        // the Leaf with its labels.
+        let dropped = run.on_message(root0, activations(0, 0, &[3, 8], &boundary));
+        assert!(sends(&dropped).is_empty());
+        assert_eq!(faults(&dropped).len(), 1);
         assert!(
             run.on_message(root0, activations(1, 0, &[2, 8], &boundary))
                 .is_empty()
@@ -1800,14 +1975,137 @@ units = 3
     }
 
     #[test]
+    fn wrong_data_is_dropped_as_a_fault_of_its_sender_and_late_frames_are_not() {
+        let (mut run, _) = started();
+        let [[root0, leaf0], _] = roles(&run);
+        for p in run.providers() {
+            run.on_message(p, ToServer::Ready { job_id: 1 });
+        }
+        let boundary = run.clusters[0].stages[0].outputs[0].0.clone();
+        let input = run.graph_input.0.clone();
+        let nan = ToServer::Activations(Activations {
+            job_id: 1,
+            phase: Phase::Train { step: 0 },
+            micro: 0,
+            outputs: vec![WireTensor::from_f32(
+                &boundary,
+                &[2, 8],
+                &[f32::NAN; 16],
+                WireDType::F32,
+            )],
+            compute_ms: 1.0,
+        });
+        let mut other_job = activations(0, 0, &[2, 8], &boundary);
+        if let ToServer::Activations(a) = &mut other_job {
+            a.job_id = 2;
+        }
+        // (what, sender, frame, the reason names)
+        let faulty: [(&str, u64, ToServer, &str); 6] = [
+            ("another job's frame", root0, other_job, "job 2"),
+            (
+                "another job's Ready",
+                root0,
+                ToServer::Ready { job_id: 2 },
+                "job 2",
+            ),
+            (
+                "a wrong shape",
+                root0,
+                activations(0, 0, &[2, 9], &boundary),
+                "shape",
+            ),
+            (
+                "another stage's tensor",
+                root0,
+                activations(0, 0, &[2, 4], &input),
+                "expected",
+            ),
+            (
+                "the Leaf's activations",
+                leaf0,
+                activations(0, 0, &[2, 8], &boundary),
+                "Leaf",
+            ),
+            ("a NaN", root0, nan, "finite"),
+        ];
+        for (what, sender, frame, names) in faulty {
+            let effects = run.on_message(sender, frame);
+            let found = faults(&effects);
+            assert_eq!(found.len(), 1, "{what}: {effects:?}");
+            let (provider, reason, dropped) = found[0];
+            assert_eq!((provider, dropped), (sender, true), "{what}");
+            assert!(reason.contains(names), "{what}: {reason}");
+            assert_eq!(effects.len(), 1, "{what}: nothing is relayed");
+        }
+        // A late frame (a step that is not running) is dropped but no fault,
+        // and the good frame still goes through.
+        assert!(
+            run.on_message(root0, activations(1, 0, &[2, 8], &boundary))
+                .is_empty()
+        );
+        let relayed = run.on_message(root0, activations(0, 0, &[2, 8], &boundary));
+        assert!(matches!(sends(&relayed)[..], [(p, ToProvider::Forward(_))] if p == leaf0));
+    }
+
+    #[test]
+    fn robust_aggregation_outvotes_a_far_off_cluster_and_counts_it_against_its_providers() {
+        // (rule, expected aggregate, far-off cluster's providers faulted)
+        let cases = [
+            (Aggregation::Mean, (1.0 + 1.2 + 1.1 + 1e4) / 4.0, false),
+            (Aggregation::Median, 1.15, true),
+            (Aggregation::CenteredClip, 1.15, true),
+        ];
+        for (rule, want, counted) in cases {
+            let (mut run, _) = started_with(4, rule);
+            syncing(&mut run);
+            let values = [1.0, 1.2, 1.1, 1e4];
+            let effects = upload_all(&mut run, |c| values[c]);
+            for (name, p) in &run.params {
+                let worst = p
+                    .values
+                    .iter()
+                    .map(|v| ((v - want) / want).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(worst < 0.05, "{rule:?}: {name} is {:?}", &p.values[..2]);
+            }
+            let found = faults(&effects);
+            if counted {
+                let outlier: Vec<u64> = run.clusters[3].stages.iter().map(|s| s.provider).collect();
+                let blamed: Vec<u64> = found.iter().map(|f| f.0).collect();
+                assert_eq!(blamed, outlier, "{rule:?}");
+                assert!(found.iter().all(|f| !f.2 && f.1.contains("cluster 3")));
+            } else {
+                assert!(found.is_empty(), "{rule:?}: {found:?}");
+            }
+            // The sync finishes either way: everyone gets the aggregate.
+            assert_eq!(
+                sends(&effects)
+                    .iter()
+                    .filter(|(_, m)| matches!(m, ToProvider::SetParams(_)))
+                    .count(),
+                8,
+                "{rule:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn honest_clusters_under_robust_aggregation_are_not_counted() {
+        for rule in [Aggregation::Median, Aggregation::CenteredClip] {
+            let (mut run, _) = started_with(3, rule);
+            syncing(&mut run);
+            let effects = upload_all(&mut run, |c| 1.0 + 0.01 * c as f32);
+            assert!(faults(&effects).is_empty(), "{rule:?}");
+        }
+    }
+
+    #[test]
     fn frames_for_another_job_or_from_strangers_are_dropped() {
         let (mut run, _) = started();
         assert!(run.on_message(99, ToServer::Ready { job_id: 1 }).is_empty());
         let [[root0, ..], _] = roles(&run);
-        assert!(
-            run.on_message(root0, ToServer::Ready { job_id: 2 })
-                .is_empty()
-        );
+        let dropped = run.on_message(root0, ToServer::Ready { job_id: 2 });
+        assert!(matches!(&dropped[..], [Effect::Fault { .. }]));
         assert!(!run.clusters[0].stages[0].ready);
         // A provider's own failure ends the job.
         let failed = run.on_message(
@@ -1837,6 +2135,8 @@ units = 3
         out: Vec<Effect>,
         /// Every Assign sent, to whom.
         assigns: Vec<(u64, Assignment)>,
+        /// Each stage's compute per step, times its `slow`.
+        step_ms: f64,
     }
 
     struct FakeStage {
@@ -1855,6 +2155,7 @@ units = 3
         fn new(providers: impl IntoIterator<Item = u64>) -> Self {
             Sim {
                 alive: providers.into_iter().collect(),
+                step_ms: 10.0,
                 ..Sim::default()
             }
         }
@@ -1942,6 +2243,7 @@ units = 3
                 return Vec::new();
             };
             let leaf = st.stage + 1 == st.stages;
+            let step_ms = self.step_ms;
             let mut out = Vec::new();
             let step_over = |st: &mut FakeStage, step: u64, out: &mut Vec<ToServer>| {
                 st.done += 1;
@@ -1954,7 +2256,7 @@ units = 3
                     out.push(ToServer::StepDone(StepDone {
                         job_id,
                         step,
-                        compute_ms: 10.0 * st.slow,
+                        compute_ms: step_ms * st.slow,
                     }));
                 }
             };
@@ -2280,6 +2582,36 @@ units = 3
         // Step 4 ended epoch 0: its evaluation runs again, then steps 4.. follow.
         assert_eq!(sim.steps(), reference.steps()[4..]);
         assert_eq!(sim.completed(), reference.completed());
+    }
+
+    #[test]
+    fn a_stage_slower_only_by_a_few_milliseconds_is_no_straggler() {
+        let (mut run, effects) = recovery_run(None);
+        let mut sim = Sim::new(10..14);
+        sim.step_ms = 1.0;
+        sim.push(effects);
+        let slow = run.clusters[1].stages[0].provider;
+        sim.stages.insert(
+            slow,
+            FakeStage {
+                stage: 0,
+                stages: 2,
+                params: Vec::new(),
+                optimizer: BTreeMap::new(),
+                outputs: Vec::new(),
+                micro_batches: 2,
+                done: 0,
+                slow: 10.0,
+            },
+        );
+        let mut flagged = false;
+        while !run.is_over() && !sim.queue.is_empty() {
+            let steps = sim.steps().len();
+            sim.run_until(&mut run, |r| r.recorded > steps as u64 || r.is_over());
+            flagged |= !run.stragglers().is_empty();
+        }
+        assert!(run.is_over());
+        assert!(!flagged, "10 ms a step stalls nothing");
     }
 
     #[test]

@@ -77,6 +77,9 @@ enum Ending {
         close_code: u16,
         message: String,
     },
+    /// The coordinator dropped the peer for wrong data (or banned it from its
+    /// job); it is told why like a rejected peer.
+    Expelled(String),
 }
 
 impl Ending {
@@ -100,8 +103,24 @@ impl Ending {
     fn reason(&self) -> String {
         match self {
             Ending::Left(reason) => reason.clone(),
-            Ending::Rejected { message, .. } => format!("dropped: {message}"),
+            Ending::Rejected { message, .. } | Ending::Expelled(message) => {
+                format!("dropped: {message}")
+            }
         }
+    }
+
+    /// Whether the peer broke the protocol (a malformed, oversized or
+    /// unexpected frame, or a bad payload), which counts as a fault against it.
+    /// A transport error (a reset connection) is no fault: networks do that.
+    fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            Ending::Rejected {
+                code: ErrorCode::BadFrame | ErrorCode::FrameTooLarge | ErrorCode::UnexpectedMessage,
+                close_code,
+                ..
+            } if *close_code != close_code::PROTOCOL
+        )
     }
 }
 
@@ -246,6 +265,8 @@ where
                 let sent = match outgoing {
                     Outgoing::Message(message) => send(sink, &message).await,
                     Outgoing::Payload(frame) => send_frame(sink, frame).await,
+                    // The coordinator already counted the fault this answers.
+                    Outgoing::Close { reason } => Err(Ending::Expelled(reason)),
                 };
                 if let Err(ending) = sent {
                     break ending;
@@ -320,6 +341,13 @@ where
             Err(error) => break Ending::bad_frame(error),
         }
     };
+    if ending.is_fault() {
+        // Before `Disconnected`: the fault counts against the job it leaves.
+        state.coordinator.send(Event::Fault {
+            id,
+            reason: ending.reason(),
+        });
+    }
     state.coordinator.send(Event::Disconnected {
         id,
         reason: ending.reason(),
@@ -525,8 +553,16 @@ impl Owed {
 
 /// Tells a rejected peer why, then closes. Best effort: the peer may be gone.
 async fn say_goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
+    let ending = match ending {
+        Ending::Expelled(message) => Ending::Rejected {
+            code: ErrorCode::BadFrame,
+            close_code: close_code::POLICY,
+            message,
+        },
+        other => other,
+    };
     let (close_code, reason) = match ending {
-        Ending::Left(_) => (close_code::NORMAL, String::new()),
+        Ending::Left(_) | Ending::Expelled(_) => (close_code::NORMAL, String::new()),
         Ending::Rejected {
             code,
             close_code,

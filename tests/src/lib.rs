@@ -52,6 +52,10 @@ pub fn screenshot_dir() -> PathBuf {
 pub struct Process(Child);
 
 impl Process {
+    pub fn spawn(command: &mut Command) -> anyhow::Result<Self> {
+        Ok(Self(command.spawn().context("starting a process")?))
+    }
+
     /// SIGKILL, the way a crashed or unplugged machine leaves.
     pub fn kill(&mut self) {
         let _ = self.0.kill();
@@ -171,6 +175,11 @@ impl Server {
             _process: process,
             _data_dir: data_dir,
         })
+    }
+
+    /// The server process's id (for reading its memory in `/proc`).
+    pub fn pid(&self) -> u32 {
+        self._process.0.id()
     }
 
     /// The server's data dir (database, job folders, `datasets/`, the first

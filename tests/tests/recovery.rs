@@ -284,17 +284,13 @@ async fn providers_killed_mid_step_cost_a_replay_and_the_job_ends_as_an_undistur
         eprintln!("{}: {}", line.kind, line.message);
     }
     eprintln!("test accuracy {got} after the kills, {want} undisturbed");
-    let kinds = kinds(&log);
-    assert_eq!(
-        kinds.iter().filter(|k| **k == "stage_lost").count(),
-        3,
-        "{log:#?}"
-    );
-    assert_eq!(
-        kinds.iter().filter(|k| **k == "stage_reassigned").count(),
-        3,
-        "{log:#?}"
-    );
+    // Three providers left and three stages were reassigned; on a loaded
+    // machine a straggling stage may also have moved to a standby.
+    let left = log.iter().filter(|l| l.kind == "provider_left").count();
+    assert_eq!(left, 3, "{log:#?}");
+    let count = |kind: &str| log.iter().filter(|l| l.kind == kind).count();
+    assert!(count("stage_lost") >= 3, "{log:#?}");
+    assert_eq!(count("stage_lost"), count("stage_reassigned"), "{log:#?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

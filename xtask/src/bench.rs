@@ -39,6 +39,14 @@ const BENCHES: &[Bench] = &[
         checked: false,
     },
     Bench {
+        name: "load",
+        package: "rookery-e2e",
+        example: "bench_load",
+        features: &[],
+        needs_binaries: true,
+        checked: false,
+    },
+    Bench {
         name: "relay",
         package: "rookery-e2e",
         example: "bench_relay",

@@ -21,7 +21,8 @@ pub use data::{Dataset, Labels, Split, load_split, validate_against_model};
 pub use error::JobError;
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use spec::{
-    DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec, WireDType,
+    Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec,
+    WireDType,
 };
 pub use weights::{
     WeightDType, WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors,

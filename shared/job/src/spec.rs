@@ -27,7 +27,14 @@
 //! shuffle = true               # default true
 //! seed = 42                    # default 0
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16
+//! aggregation = "mean"         # mean (default) | median | centered_clip
 //! ```
+//!
+//! `aggregation` is how a sync combines the clusters' parameters: a plain
+//! mean (exactly C clusters' SGD = one process with C times the batch), or,
+//! against clusters that may lie, a coordinate-wise median or CenteredClip
+//! (Karimireddy et al., 2021), which a single far-off cluster cannot drag
+//! far once there are at least 3 clusters.
 //!
 //! Relative paths resolve against a base directory (the job file's folder).
 //! For `npz` and `safetensors`, a path may name one array of the file as
@@ -69,6 +76,20 @@ impl WireDType {
             WireDType::F16 | WireDType::Bf16 => 2,
         }
     }
+}
+
+/// How a sync combines the clusters' copies of each parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aggregation {
+    /// The arithmetic mean: exact, and what parity with one process needs.
+    #[default]
+    Mean,
+    /// The coordinate-wise median.
+    Median,
+    /// CenteredClip: start at the median, then average the clusters'
+    /// differences clipped to a radius, a few times.
+    CenteredClip,
 }
 
 /// How the data files are encoded.
@@ -194,6 +215,7 @@ pub struct TrainingSpec {
     pub shuffle: bool,
     pub seed: u64,
     pub wire_dtype: WireDType,
+    pub aggregation: Aggregation,
 }
 
 /// A whole job. Serializes as the JSON form of the job file (paths absolute
@@ -469,6 +491,7 @@ impl JobSpec {
             shuffle: t.shuffle.unwrap_or(true),
             seed: t.seed.unwrap_or(0),
             wire_dtype: t.wire_dtype.unwrap_or_default(),
+            aggregation: t.aggregation.unwrap_or_default(),
         };
         let spec = JobSpec {
             model: ModelSection {
@@ -669,6 +692,8 @@ struct TrainingFile {
     seed: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     wire_dtype: Option<WireDType>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    aggregation: Option<Aggregation>,
 }
 
 /// `torch.optim` parameter names, tagged by `name`.
@@ -972,6 +997,7 @@ impl From<JobSpec> for JobFile {
                 shuffle: Some(t.shuffle),
                 seed: Some(t.seed),
                 wire_dtype: Some(t.wire_dtype),
+                aggregation: Some(t.aggregation),
             },
         }
     }

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use rookery_job::{DataFormat, DataRef, JobError, JobSpec, ModelSource, WireDType};
+use rookery_job::{Aggregation, DataFormat, DataRef, JobError, JobSpec, ModelSource, WireDType};
 use rookery_model::{ClusterCount, Loss, OptimizerConfig};
 
 const EXAMPLE: &str = r#"
@@ -156,6 +156,7 @@ batch_size = 10
     assert_eq!(t.clusters, ClusterCount::Auto);
     assert!(t.shuffle);
     assert_eq!(t.wire_dtype, WireDType::F32);
+    assert_eq!(t.aggregation, Aggregation::Mean);
     assert_eq!(job.micro_batch_size(), 10);
 }
 
@@ -244,6 +245,22 @@ fn clusters_wire_dtype_and_loss_take_every_documented_value() {
         ),
         (4, 2, 2)
     );
+}
+
+#[test]
+fn aggregation_takes_every_documented_value_and_survives_json() {
+    let dir = base();
+    for (text, want) in [
+        ("mean", Aggregation::Mean),
+        ("median", Aggregation::Median),
+        ("centered_clip", Aggregation::CenteredClip),
+    ] {
+        let toml = example_with("seed = 42", &format!("seed = 42\naggregation = \"{text}\""));
+        let job = JobSpec::from_toml(&toml, dir.path()).unwrap();
+        assert_eq!(job.training.aggregation, want, "{text}");
+        let back = JobSpec::from_json(&job.to_json().unwrap(), dir.path()).unwrap();
+        assert_eq!(back.training.aggregation, want, "{text} through JSON");
+    }
 }
 
 #[test]
@@ -653,6 +670,12 @@ const INVALID: &[(&str, &str, &str, &[&str])] = &[
         "wire_dtype = \"f32\"",
         "wire_dtype = \"f8\"",
         &["training.wire_dtype", "f32", "f16", "bf16"],
+    ),
+    (
+        "unknown aggregation",
+        "seed = 42",
+        "seed = 42\naggregation = \"trimmed_mean\"",
+        &["training.aggregation", "mean", "median", "centered_clip"],
     ),
     (
         "unknown training field",

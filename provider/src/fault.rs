@@ -1,0 +1,173 @@
+//! A deliberately faulty provider, for tests of the server's defences only
+//! (feature `fault-injection`, hidden flag `--fault KIND`): the provider runs
+//! its stage honestly, then misbehaves in exactly one way in what it sends.
+//!
+//! Faults touch the messages that carry tensors (activations, gradients,
+//! parameters at a sync), every time, so a faulty provider keeps faulting
+//! after it reconnects, as a broken or malicious one would.
+
+use std::sync::OnceLock;
+
+use rookery_proto::{Bytes, ToServer, WireTensor};
+
+/// The one way a faulty provider misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fault {
+    /// Sends bytes that are no frame of the protocol instead of its tensors.
+    Malformed,
+    /// Tags its tensors with another job's id.
+    OtherJob,
+    /// Names its tensors for a stage it does not run.
+    OtherStage,
+    /// Sends its first tensor flattened: the right values, the wrong shape.
+    WrongShape,
+    /// Puts a NaN into its first tensor.
+    Nan,
+    /// Uploads parameters shifted far from every other cluster's at a sync.
+    FarParams,
+}
+
+static FAULT: OnceLock<Fault> = OnceLock::new();
+
+/// Makes this process misbehave with `fault` from now on.
+pub fn set(fault: Fault) {
+    let _ = FAULT.set(fault);
+}
+
+/// The fault this process injects, if any.
+pub fn current() -> Option<Fault> {
+    FAULT.get().copied()
+}
+
+/// `message` as the faulty provider sends it (`None`: unchanged).
+pub fn tamper(message: &ToServer) -> Option<ToServer> {
+    tamper_with(current()?, message)
+}
+
+/// The frames of `message` as the faulty provider sends them.
+pub fn tamper_frames(message: &ToServer, frames: Vec<Bytes>) -> Vec<Bytes> {
+    if current() == Some(Fault::Malformed) && carries_data(message) {
+        // Not a message (the tag byte is no variant) nor a payload frame.
+        vec![Bytes::from(vec![0xff; 64])]
+    } else {
+        frames
+    }
+}
+
+fn carries_data(message: &ToServer) -> bool {
+    matches!(
+        message,
+        ToServer::Activations(_) | ToServer::Gradients(_) | ToServer::Params(_)
+    )
+}
+
+pub fn tamper_with(fault: Fault, message: &ToServer) -> Option<ToServer> {
+    let mut message = message.clone();
+    match (&mut message, fault) {
+        (ToServer::Activations(a), Fault::OtherJob) => a.job_id += 1000,
+        (ToServer::Gradients(g), Fault::OtherJob) => g.job_id += 1000,
+        (ToServer::Params(p), Fault::OtherJob) => p.job_id += 1000,
+        (ToServer::Activations(a), Fault::OtherStage) => rename(&mut a.outputs),
+        (ToServer::Gradients(g), Fault::OtherStage) => rename(&mut g.grads),
+        (ToServer::Params(p), Fault::OtherStage) => rename(&mut p.params),
+        (ToServer::Activations(a), Fault::WrongShape) => flatten(a.outputs.first_mut()?),
+        (ToServer::Gradients(g), Fault::WrongShape) => flatten(g.grads.first_mut()?),
+        (ToServer::Activations(a), Fault::Nan) => poison(a.outputs.first_mut()?)?,
+        (ToServer::Gradients(g), Fault::Nan) => poison(g.grads.first_mut()?)?,
+        (ToServer::Params(p), Fault::FarParams) => {
+            for t in p.params.iter_mut().filter(|t| t.dtype.is_float()) {
+                let values: Vec<f32> = t.to_f32().ok()?.iter().map(|v| v + 1000.0).collect();
+                *t = WireTensor::from_f32(t.name.clone(), &t.shape_usize(), &values, t.dtype);
+            }
+        }
+        _ => return None,
+    }
+    Some(message)
+}
+
+fn rename(tensors: &mut [WireTensor]) {
+    for t in tensors {
+        t.name = format!("another-stage/{}", t.name);
+    }
+}
+
+fn flatten(t: &mut WireTensor) {
+    let numel = u32::try_from(t.numel()).unwrap_or(u32::MAX);
+    t.shape = if t.shape.len() == 1 {
+        vec![1, numel]
+    } else {
+        vec![numel]
+    };
+}
+
+fn poison(t: &mut WireTensor) -> Option<()> {
+    let mut values = t.to_f32().ok()?;
+    *values.first_mut()? = f32::NAN;
+    *t = WireTensor::from_f32(t.name.clone(), &t.shape_usize(), &values, t.dtype);
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_proto::{Activations, ParamSet, Phase, WireDType};
+
+    fn activations() -> ToServer {
+        ToServer::Activations(Activations {
+            job_id: 7,
+            phase: Phase::Train { step: 0 },
+            micro: 0,
+            outputs: vec![WireTensor::from_f32(
+                "h",
+                &[2, 3],
+                &[1.0; 6],
+                WireDType::F32,
+            )],
+            compute_ms: 1.0,
+        })
+    }
+
+    #[test]
+    fn each_fault_changes_exactly_what_it_names() {
+        let ToServer::Activations(honest) = activations() else {
+            unreachable!()
+        };
+        let faulty = |fault| match tamper_with(fault, &activations()) {
+            Some(ToServer::Activations(a)) => a,
+            other => panic!("{fault:?}: {other:?}"),
+        };
+        assert_eq!(faulty(Fault::OtherJob).job_id, 1007);
+        assert_eq!(faulty(Fault::OtherStage).outputs[0].name, "another-stage/h");
+        let flat = faulty(Fault::WrongShape);
+        assert_eq!(
+            (flat.outputs[0].shape.clone(), flat.outputs[0].data.clone()),
+            (vec![6], honest.outputs[0].data.clone())
+        );
+        let nan = faulty(Fault::Nan);
+        assert!(nan.outputs[0].check().is_err());
+        assert_eq!(nan.outputs[0].to_f32().unwrap()[1..], [1.0; 5]);
+        // Parameters move only with FarParams; activations never do.
+        assert!(tamper_with(Fault::FarParams, &activations()).is_none());
+        let params = ToServer::Params(ParamSet {
+            job_id: 7,
+            step: 1,
+            params: vec![WireTensor::from_f32(
+                "w",
+                &[2],
+                &[0.5, -0.5],
+                WireDType::F32,
+            )],
+        });
+        let Some(ToServer::Params(far)) = tamper_with(Fault::FarParams, &params) else {
+            panic!()
+        };
+        assert_eq!(far.params[0].to_f32().unwrap(), vec![1000.5, 999.5]);
+    }
+
+    #[test]
+    fn a_malformed_frame_is_no_frame_of_the_protocol() {
+        let garbage = Bytes::from(vec![0xff; 64]);
+        let read = rookery_proto::stream::read_frame::<ToServer>(&garbage, 1 << 20);
+        assert!(read.is_err(), "{read:?}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Combining the clusters' copies of a parameter at a sync, and spotting the
+//! cluster whose copy is far from the others'.
+//!
+//! The mean is exact (what parity with one process needs) but a single lying
+//! cluster moves it anywhere. The coordinate-wise median and CenteredClip
+//! (Karimireddy, He and Jaggi, "Learning from History for Byzantine Robust
+//! Optimization", 2021) bound what one cluster out of three or more can do:
+//! the median ignores it, CenteredClip lets it pull by at most the clip
+//! radius (the honest clusters' own spread) divided by the cluster count per
+//! iteration.
+
+use rookery_job::Aggregation;
+
+/// CenteredClip's iterations from the median; each moves the centre by at
+/// most the radius.
+const CLIP_ITERATIONS: usize = 3;
+/// A cluster is far off when its distance to the aggregate is more than this
+/// many times the clusters' median distance...
+pub const FAR_FACTOR: f64 = 10.0;
+/// ... and more than this fraction of the aggregate's norm (so that clusters
+/// which barely differ, like identical copies, never count as far).
+pub const FAR_FLOOR: f64 = 1e-2;
+
+/// One value per coordinate from `copies` (one slice per cluster, all of the
+/// same length).
+pub fn aggregate(rule: Aggregation, copies: &[&[f32]]) -> Vec<f32> {
+    match rule {
+        Aggregation::Mean => mean(copies),
+        Aggregation::Median => median(copies),
+        Aggregation::CenteredClip => centered_clip(copies),
+    }
+}
+
+pub fn mean(copies: &[&[f32]]) -> Vec<f32> {
+    let Some(first) = copies.first() else {
+        return Vec::new();
+    };
+    let n = copies.len() as f64;
+    (0..first.len())
+        .map(|i| (copies.iter().map(|c| f64::from(c[i])).sum::<f64>() / n) as f32)
+        .collect()
+}
+
+/// The coordinate-wise median; with an even count, the mean of the middle two.
+pub fn median(copies: &[&[f32]]) -> Vec<f32> {
+    let Some(first) = copies.first() else {
+        return Vec::new();
+    };
+    let n = copies.len();
+    let mut column = Vec::with_capacity(n);
+    (0..first.len())
+        .map(|i| {
+            column.clear();
+            column.extend(copies.iter().map(|c| c[i]));
+            column.sort_by(f32::total_cmp);
+            if n % 2 == 1 {
+                column[n / 2]
+            } else {
+                ((f64::from(column[n / 2 - 1]) + f64::from(column[n / 2])) / 2.0) as f32
+            }
+        })
+        .collect()
+}
+
+/// CenteredClip from the median, with the radius set to the median of the
+/// clusters' distances to the median: honest clusters sit inside it, a far
+/// one is clipped to it.
+pub fn centered_clip(copies: &[&[f32]]) -> Vec<f32> {
+    if copies.len() < 3 {
+        return mean(copies);
+    }
+    let mut centre: Vec<f64> = median(copies).into_iter().map(f64::from).collect();
+    let as_f32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+    let radius = median_of(
+        copies
+            .iter()
+            .map(|c| distance(c, &as_f32(&centre)))
+            .collect(),
+    );
+    let n = copies.len() as f64;
+    for _ in 0..CLIP_ITERATIONS {
+        let mut step = vec![0.0f64; centre.len()];
+        for copy in copies {
+            let d = distance(copy, &as_f32(&centre));
+            let scale = if d > radius { radius / d } else { 1.0 };
+            for (s, (&x, &c)) in step.iter_mut().zip(copy.iter().zip(&centre)) {
+                *s += (f64::from(x) - c) * scale;
+            }
+        }
+        for (c, s) in centre.iter_mut().zip(step) {
+            *c += s / n;
+        }
+    }
+    as_f32(&centre)
+}
+
+/// Euclidean distance between two equally long vectors, in f64.
+pub fn distance(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2))
+        .sum::<f64>()
+        .sqrt()
+}
+
+fn median_of(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// The clusters far from the aggregate, given each cluster's squared
+/// distance to it (summed over every parameter) and the aggregate's squared
+/// norm. Needs at least 3 clusters: with two, neither is "the other ones".
+pub fn far_off(squared_distances: &[f64], squared_norm: f64) -> Vec<usize> {
+    if squared_distances.len() < 3 {
+        return Vec::new();
+    }
+    let d: Vec<f64> = squared_distances.iter().map(|x| x.sqrt()).collect();
+    let typical = median_of(d.clone());
+    let floor = FAR_FLOOR * squared_norm.sqrt();
+    d.iter()
+        .enumerate()
+        .filter(|&(_, &x)| x > FAR_FACTOR * typical && x > floor)
+        .map(|(c, _)| c)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` honest copies spread by `spread` around 1.0 (deterministic), plus
+    /// optionally one planted copy at `outlier`.
+    fn copies(n: usize, len: usize, spread: f32, outlier: Option<f32>) -> Vec<Vec<f32>> {
+        let mut all: Vec<Vec<f32>> = (0..n)
+            .map(|c| {
+                (0..len)
+                    .map(|i| 1.0 + spread * (((c * 7 + i * 3) % 5) as f32 - 2.0) / 2.0)
+                    .collect()
+            })
+            .collect();
+        if let Some(v) = outlier {
+            all.push(vec![v; len]);
+        }
+        all
+    }
+
+    fn refs(v: &[Vec<f32>]) -> Vec<&[f32]> {
+        v.iter().map(Vec::as_slice).collect()
+    }
+
+    #[test]
+    fn every_rule_agrees_on_identical_copies_and_the_mean_is_exact() {
+        let same = vec![vec![0.5f32, -2.0, 3.25]; 4];
+        for rule in [
+            Aggregation::Mean,
+            Aggregation::Median,
+            Aggregation::CenteredClip,
+        ] {
+            assert_eq!(aggregate(rule, &refs(&same)), same[0], "{rule:?}");
+        }
+        let two = [vec![1.0f32, 2.0], vec![3.0, 6.0]];
+        assert_eq!(aggregate(Aggregation::Mean, &refs(&two)), vec![2.0, 4.0]);
+        assert_eq!(median(&refs(&[vec![3.0], vec![1.0], vec![2.0]])), vec![2.0]);
+        assert_eq!(median(&refs(&[vec![4.0], vec![1.0]])), vec![2.5]);
+    }
+
+    #[test]
+    fn one_planted_outlier_among_three_or_more_moves_robust_rules_little_and_the_mean_far() {
+        // (honest clusters, planted value): the robust result must stay within
+        // the honest clusters' spread of their mean; the mean must not.
+        for (honest, planted) in [(2, 1e6f32), (3, -1e4), (4, 1e3), (7, -5e5)] {
+            let spread = 0.1;
+            let all = copies(honest, 64, spread, Some(planted));
+            let honest_mean = mean(&refs(&all[..honest]));
+            for rule in [Aggregation::Median, Aggregation::CenteredClip] {
+                let got = aggregate(rule, &refs(&all));
+                let worst = got
+                    .iter()
+                    .zip(&honest_mean)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst <= spread,
+                    "{rule:?}, {honest} honest + {planted}: off by {worst}"
+                );
+            }
+            let plain = aggregate(Aggregation::Mean, &refs(&all));
+            assert!(
+                (plain[0] - honest_mean[0]).abs() > 100.0,
+                "the plain mean is dragged: {}",
+                plain[0]
+            );
+        }
+    }
+
+    #[test]
+    fn centered_clip_with_no_outlier_stays_near_the_mean() {
+        let all = copies(5, 32, 0.2, None);
+        let got = centered_clip(&refs(&all));
+        let want = mean(&refs(&all));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 0.1, "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn only_a_cluster_far_beyond_the_others_spread_is_far_off() {
+        let norm2 = 100.0;
+        // (squared distances, far-off clusters)
+        let cases: [(&[f64], &[usize]); 5] = [
+            (&[0.01, 0.02, 1e4], &[2]),
+            (&[0.01, 0.02, 0.03, 0.04], &[]),
+            (&[4.0, 1e6, 9.0, 1.0, 2.0], &[1]),
+            // Two clusters: neither is the odd one out.
+            (&[0.0, 1e6], &[]),
+            // Identical honest copies: tiny differences are under the floor.
+            (&[0.0, 0.0, 1e-6], &[]),
+        ];
+        for (d, want) in cases {
+            assert_eq!(far_off(d, norm2), want, "{d:?}");
+        }
+    }
+}

@@ -1,0 +1,383 @@
+//! Providers that send wrong data are caught, with the real binaries: a
+//! `rookery-provider` built with `fault-injection` and started with
+//! `--fault KIND` misbehaves in one way; the server notices, writes the
+//! fault to the job's log, drops the provider (or, for parameters that
+//! robust aggregation outvoted, counts them until the third fault bans it),
+//! and keeps serving: an honest job on other providers runs to completion
+//! beside all of it.
+#![cfg(feature = "torch")]
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use rookery_e2e::{NpyValues, Process, Server, provider_command, rookery, write_npy};
+use rookery_proto::api::{JobInfo, LogEntry, ProviderStatus};
+
+/// Generous: every libtorch provider measures itself at start, on all cores,
+/// and a shared machine must not turn that into heartbeat timeouts.
+const HEARTBEAT_TIMEOUT_MS: u64 = 30_000;
+
+const MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 16
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 3
+"#;
+
+/// A job on a synthetic 3-class dataset of `samples` samples, in its own folder.
+fn job(dir: &Path, name: &str, samples: usize, training: &str) -> PathBuf {
+    let dir = dir.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("model.toml"), MLP).unwrap();
+    let x: Vec<f32> = (0..samples * 6)
+        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+        .collect();
+    let y: Vec<i64> = (0..samples).map(|i| (i % 3) as i64).collect();
+    write_npy(&dir.join("x.npy"), &[samples, 6], NpyValues::F32(&x)).unwrap();
+    write_npy(&dir.join("y.npy"), &[samples], NpyValues::I64(&y)).unwrap();
+    let path = dir.join("job.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[model]\nspec = \"model.toml\"\ninput_shape = [6]\n\
+             [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
+             [training]\n{training}\n"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+struct Client<'a> {
+    server: &'a Server,
+    token: String,
+    http: reqwest::Client,
+}
+
+impl Client<'_> {
+    fn submit(&self, job: &Path) -> anyhow::Result<u64> {
+        let url = self.server.http_url("");
+        let job = job.display().to_string();
+        let (ok, id, stderr) =
+            rookery(&["submit", &job, "--server", &url, "--token", &self.token])?;
+        if !ok {
+            bail!("submit failed: {stderr}");
+        }
+        Ok(id.trim().parse()?)
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        Ok(self
+            .http
+            .get(self.server.http_url(path))
+            .bearer_auth(&self.token)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
+    async fn log(&self, job: u64) -> anyhow::Result<Vec<LogEntry>> {
+        self.get(&format!("/api/jobs/{job}/log")).await
+    }
+
+    /// Polls the job's log until `done` holds for it.
+    async fn wait_for_log(
+        &self,
+        job: u64,
+        what: &str,
+        done: impl Fn(&[LogEntry]) -> bool,
+    ) -> anyhow::Result<Vec<LogEntry>> {
+        let started = Instant::now();
+        loop {
+            let log = self.log(job).await?;
+            if done(&log) {
+                return Ok(log);
+            }
+            if started.elapsed() > Duration::from_secs(120) {
+                bail!("timed out waiting for {what} in job {job}'s log: {log:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn cancel(&self, job: u64) -> anyhow::Result<()> {
+        let url = self.server.http_url("");
+        let id = job.to_string();
+        rookery(&["cancel", &id, "--server", &url, "--token", &self.token])?;
+        Ok(())
+    }
+}
+
+fn provider(server: &Server, name: &str, fault: Option<&str>) -> anyhow::Result<Process> {
+    let extra: Vec<&str> = fault.map_or(Vec::new(), |f| vec!["--fault", f]);
+    Process::spawn(provider_command(server, name, &extra)?.env("RUST_LOG", "warn"))
+}
+
+fn faults_of<'a>(log: &'a [LogEntry], name: &str) -> Vec<&'a LogEntry> {
+    log.iter()
+        .filter(|l| l.kind == "provider_fault" && l.message.contains(&format!("({name})")))
+        .collect()
+}
+
+/// Starts the providers named (with their faults) and waits until the
+/// server has measured all of them, so the next job is planned onto them.
+async fn join(server: &Server, who: &[(&str, Option<&str>)]) -> anyhow::Result<Vec<Process>> {
+    let before = server.providers().await?.len();
+    let started: Vec<Process> = who
+        .iter()
+        .map(|(name, fault)| provider(server, name, *fault))
+        .collect::<anyhow::Result<_>>()?;
+    server
+        .wait_for_providers("the new providers", Duration::from_secs(120), |all| {
+            all[before.min(all.len())..]
+                .iter()
+                .filter(|p| p.bandwidth_mbps.is_some())
+                .count()
+                >= who.len()
+        })
+        .await?;
+    Ok(started)
+}
+
+async fn wait_for_status(client: &Client<'_>, id: u64, want: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        let info: JobInfo = client.get(&format!("/api/jobs/{id}")).await?;
+        if info.status == want {
+            return Ok(());
+        }
+        if matches!(info.status.as_str(), "completed" | "failed" | "cancelled")
+            || started.elapsed() > Duration::from_secs(180)
+        {
+            bail!("job {info:?}, not {want}: {:#?}", client.log(id).await?);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_kind_of_wrong_data_is_caught_and_its_sender_dropped_while_the_server_serves_on()
+-> anyhow::Result<()> {
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client {
+        server: &server,
+        token: server.api_token()?,
+        http: reqwest::Client::new(),
+    };
+    // (fault, what the fault line must say: any of these)
+    let dropped: [(&str, &[&str]); 5] = [
+        ("malformed", &["dropped:"]),
+        ("other-job", &["a frame for job"]),
+        ("other-stage", &["another-stage/", "tensors, expected"]),
+        ("wrong-shape", &["shape"]),
+        ("nan", &["finite"]),
+    ];
+    for (fault, says) in dropped {
+        let name = format!("faulty-{fault}");
+        let partner = format!("partner-{fault}");
+        // Only these two are idle, so the job runs on both.
+        let _pair = join(&server, &[(&partner, None), (&name, Some(fault))]).await?;
+        let id = client.submit(&job(
+            dir.path(),
+            fault,
+            64,
+            "batch_size = 8\nmicro_batches = 2\nclusters = 1\nstages = 2",
+        ))?;
+        let log = client
+            .wait_for_log(id, "the fault", |log| !faults_of(log, &name).is_empty())
+            .await?;
+        let line = &faults_of(&log, &name)[0].message;
+        assert!(
+            says.iter().any(|s| line.contains(s)),
+            "{fault}: {line}\n{log:#?}"
+        );
+        assert!(line.contains("fault 1 of 3"), "{fault}: {line}");
+        // Its connection is closed; the partner is still there.
+        let providers = server
+            .wait_for_providers(
+                "the faulty provider's first connection to close",
+                Duration::from_secs(30),
+                |all| {
+                    all.iter()
+                        .any(|p| p.name == name && p.status == ProviderStatus::Gone)
+                },
+            )
+            .await?;
+        let first = providers.iter().find(|p| p.name == name).unwrap();
+        assert!(
+            first
+                .gone_reason
+                .as_deref()
+                .is_some_and(|r| r.starts_with("dropped:")),
+            "{fault}: {first:?}"
+        );
+        assert!(
+            providers
+                .iter()
+                .any(|p| p.name == partner && p.status == ProviderStatus::Connected),
+            "{fault}: the partner was dropped too: {providers:#?}"
+        );
+        client.cancel(id)?;
+        wait_for_status(&client, id, "cancelled").await?;
+    }
+
+    // The server serves on: a job on honest providers trains to the end,
+    // and nothing counts against them.
+    let _honest = join(&server, &[("honest-a", None), ("honest-b", None)]).await?;
+    let id = client.submit(&job(
+        dir.path(),
+        "after",
+        64,
+        "batch_size = 8\nmicro_batches = 2\nclusters = 1\nstages = 2",
+    ))?;
+    wait_for_status(&client, id, "completed").await?;
+    let log = client.log(id).await?;
+    assert!(log.iter().all(|l| l.kind != "provider_fault"), "{log:#?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn far_off_parameters_are_outvoted_three_times_then_banned_and_a_standby_finishes_the_job()
+-> anyhow::Result<()> {
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client {
+        server: &server,
+        token: server.api_token()?,
+        http: reqwest::Client::new(),
+    };
+    let name = "faulty-far-params";
+    let _three = join(
+        &server,
+        &[("far-a", None), ("far-b", None), (name, Some("far-params"))],
+    )
+    .await?;
+    // Three single-stage clusters with the median: the job goes on while the
+    // faults count, and the third bans the provider.
+    let id = client.submit(&job(
+        dir.path(),
+        "far",
+        240,
+        "batch_size = 8\nclusters = 3\nstages = 1\nsync_every = 1\naggregation = \"median\"",
+    ))?;
+    let log = client
+        .wait_for_log(id, "the ban", |log| {
+            log.iter().any(|l| l.kind == "provider_banned")
+        })
+        .await?;
+    let counted = faults_of(&log, name);
+    assert_eq!(counted.len(), 3, "{log:#?}");
+    for (i, line) in counted.iter().enumerate() {
+        assert!(
+            line.message.contains(&format!("fault {} of 3", i + 1))
+                && line.message.contains("away from the median")
+                // One fault per sync: the job went on between them.
+                && line.message.contains(&format!("sync of step {}", i + 1)),
+            "{}",
+            line.message
+        );
+    }
+    let banned = log.iter().find(|l| l.kind == "provider_banned").unwrap();
+    assert!(
+        banned.message.starts_with("provider ") && banned.message.contains(" banned: "),
+        "{}",
+        banned.message
+    );
+    // The banned provider reconnects under its name and, idle and measured,
+    // is still not given the job's vacant stage...
+    server
+        .wait_for_providers("the banned provider back", Duration::from_secs(60), |all| {
+            all.iter().any(|p| {
+                p.name == name
+                    && p.status == ProviderStatus::Connected
+                    && p.bandwidth_mbps.is_some()
+            }) && all.iter().filter(|p| p.name == name).count() >= 2
+        })
+        .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let info: JobInfo = client.get(&format!("/api/jobs/{id}")).await?;
+    assert!(
+        info.detail
+            .as_deref()
+            .is_some_and(|d| d.contains("waiting for a provider")),
+        "{info:?}"
+    );
+    // ... a standby that joins now takes it, and the job completes.
+    let _standby = provider(&server, "standby", None)?;
+    wait_for_status(&client, id, "completed").await?;
+    let log = client.log(id).await?;
+    assert_eq!(faults_of(&log, name).len(), 3, "{log:#?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_provider_sends_nans_goes_on_on_a_standby_and_completes() -> anyhow::Result<()>
+{
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client {
+        server: &server,
+        token: server.api_token()?,
+        http: reqwest::Client::new(),
+    };
+    // The job is planned onto these two, so the faulty one runs a stage...
+    let mut running = vec![
+        provider(&server, "honest", None)?,
+        provider(&server, "faulty-nan", Some("nan"))?,
+    ];
+    server
+        .wait_for_providers("the first two providers", Duration::from_secs(120), |all| {
+            all.iter().filter(|p| p.bandwidth_mbps.is_some()).count() == 2
+        })
+        .await?;
+    let id = client.submit(&job(
+        dir.path(),
+        "nan",
+        96,
+        "batch_size = 8\nmicro_batches = 2\nclusters = 1\nstages = 2\nsync_every = 2",
+    ))?;
+    client
+        .wait_for_log(id, "the plan", |log| {
+            log.iter().any(|l| l.kind == "stage_assigned")
+        })
+        .await?;
+    // ... and the standby joins once the plan is made.
+    running.push(provider(&server, "standby", None)?);
+
+    let started = Instant::now();
+    loop {
+        let info: JobInfo = client.get(&format!("/api/jobs/{id}")).await?;
+        match info.status.as_str() {
+            "completed" => break,
+            "failed" | "cancelled" => bail!("job {info:?}: {:#?}", client.log(id).await?),
+            _ if started.elapsed() > Duration::from_secs(180) => {
+                bail!("job still {info:?}: {:#?}", client.log(id).await?)
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let log = client.log(id).await?;
+    let faults = faults_of(&log, "faulty-nan");
+    assert!(!faults.is_empty(), "{log:#?}");
+    assert!(
+        faults[0].message.contains("finite"),
+        "{}",
+        faults[0].message
+    );
+    // Every step was trained and recorded once, the rolled-back ones again.
+    let metrics: rookery_proto::api::JobMetrics =
+        client.get(&format!("/api/jobs/{id}/metrics")).await?;
+    let steps: Vec<u64> = metrics.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, (0..12).collect::<Vec<_>>(), "{log:#?}");
+    assert!(metrics.steps.iter().all(|s| s.loss.is_finite()));
+    Ok(())
+}
