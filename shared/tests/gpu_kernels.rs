@@ -97,7 +97,7 @@ proptest! {
     fn matmul_matches_reference_on_random_batched_shapes(
         m in 1usize..40, k in 1usize..40, n in 1usize..40,
         batch_a in prop::collection::vec(1usize..4, 0..3), b_lead in any::<bool>(),
-        tile in 1u32..=16, seed in any::<u64>()
+        tile in 1u32..=16, per_thread in 1u32..=4, seed in any::<u64>()
     ) {
         let mut a = batch_a.clone();
         a.extend([m, k]);
@@ -105,7 +105,7 @@ proptest! {
         // both operands' reductions are exercised.
         let mut b: Vec<usize> = if b_lead { batch_a.iter().skip(1).copied().collect() } else { batch_a.iter().map(|_| 1).collect() };
         b.extend([k, n]);
-        let check = checks::matmul(&a, &b, tile, seed).expect("valid shapes");
+        let check = checks::matmul(&a, &b, tile, per_thread, seed).expect("valid shapes");
         prop_assert_eq!(run(&check), Ok(()));
     }
 
@@ -174,7 +174,7 @@ proptest! {
         n in 1usize..3, cg in 1usize..4, og in 1usize..4, groups in 1usize..3,
         h in 1usize..12, w in 1usize..12, kh in 1usize..4, kw in 1usize..4,
         stride in (1usize..3, 1usize..3), padding in (0usize..2, 0usize..2), dilation in (1usize..3, 1usize..3),
-        bias in any::<bool>(), tile in prop::sample::select(vec![4u32, 8, 16]), seed in any::<u64>()
+        bias in any::<bool>(), tile in prop::sample::select(vec![4u32, 8, 16]), per_thread in 1u32..=4, seed in any::<u64>()
     ) {
         let conv = rookery_shared::kernels::conv::Conv2d::new(
             [n, cg * groups, h, w], og * groups, [kh, kw], [stride.0, stride.1],
@@ -183,6 +183,7 @@ proptest! {
         prop_assume!(conv.is_some());
         let mut conv = conv.unwrap();
         conv.tile = tile;
+        conv.per_thread = per_thread;
         prop_assert_eq!(run(&checks::conv2d(conv, seed)), Ok(()));
     }
 

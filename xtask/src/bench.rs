@@ -4,10 +4,13 @@
 //! times optimised code without a benchmarking framework. Benchmarks that run
 //! the real binaries get release builds of them first (`ROOKERY_BIN_DIR`).
 
-use anyhow::{Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
-use crate::setup;
-use crate::util::{run, target_dir};
+use anyhow::{Context, Result, bail};
+
+use crate::setup::{self, Env, WASM_TARGET};
+use crate::util::{probe, run, target_dir};
 
 struct Bench {
     name: &'static str,
@@ -19,6 +22,10 @@ struct Bench {
     /// Release build with overflow checks and debug assertions, as cargo-fuzz
     /// builds: an overflow on a hostile input must show up as a panic.
     checked: bool,
+    /// Also reports the web provider's wasm size as donors download it
+    /// (after wasm-bindgen and wasm-opt, gzip-compressed) against its 1 MiB
+    /// target.
+    wasm_size: bool,
 }
 
 const BENCHES: &[Bench] = &[
@@ -29,6 +36,7 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: false,
         checked: false,
+        wasm_size: false,
     },
     Bench {
         name: "pipeline",
@@ -37,6 +45,7 @@ const BENCHES: &[Bench] = &[
         features: &["rookery-e2e/torch"],
         needs_binaries: true,
         checked: false,
+        wasm_size: false,
     },
     Bench {
         name: "load",
@@ -45,6 +54,7 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: true,
         checked: false,
+        wasm_size: false,
     },
     Bench {
         name: "relay",
@@ -53,6 +63,7 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: false,
         checked: false,
+        wasm_size: false,
     },
     Bench {
         name: "fuzz",
@@ -61,6 +72,16 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: false,
         checked: true,
+        wasm_size: false,
+    },
+    Bench {
+        name: "kernels",
+        package: "rookery-e2e",
+        example: "bench_kernels",
+        features: &["rookery-e2e/torch"],
+        needs_binaries: false,
+        checked: false,
+        wasm_size: true,
     },
 ];
 
@@ -113,5 +134,118 @@ pub fn main(args: &[String]) -> Result<()> {
         cargo.arg("--").args(rest);
     }
     cargo.env("ROOKERY_BIN_DIR", target_dir().join("release"));
-    run(&mut cargo)
+    run(&mut cargo)?;
+    if bench.wasm_size {
+        wasm_size(&env)?;
+    }
+    Ok(())
+}
+
+/// The compressed-size target of the web provider's wasm.
+const WASM_TARGET_BYTES: u64 = 1 << 20;
+/// The binaryen release `wasm-opt` comes from (npm package `binaryen`).
+const BINARYEN_VERSION: &str = "132";
+
+/// Builds what a donor's browser downloads, the dashboard's wasm (the web
+/// provider is compiled into it: its own cdylib exports nothing to
+/// JavaScript, so on its own it shrinks to nothing), in release mode; runs
+/// wasm-bindgen and wasm-opt -Oz on it and prints raw and gzip -9 sizes
+/// against the target.
+fn wasm_size(env: &Env) -> Result<()> {
+    let mut cargo = env.cargo();
+    cargo.args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "rookery-frontend",
+        "--target",
+        WASM_TARGET,
+    ]);
+    run(&mut cargo)?;
+    let out = target_dir().join("bench-web-provider");
+    if out.exists() {
+        std::fs::remove_dir_all(&out)?;
+    }
+    let wasm = target_dir()
+        .join(WASM_TARGET)
+        .join("release")
+        .join("rookery-frontend.wasm");
+    let mut bindgen = env.command(env.wasm_bindgen());
+    bindgen
+        .args(["--target", "web", "--no-typescript", "--out-dir"])
+        .arg(&out)
+        .args(["--out-name", "rookery_frontend"])
+        .arg(&wasm);
+    run(&mut bindgen)?;
+    let bound = out.join("rookery_frontend_bg.wasm");
+    let (optimised, how) = match wasm_opt() {
+        Some(wasm_opt) => {
+            let opt = out.join("rookery_frontend_opt.wasm");
+            // -all: accept every feature rustc may have emitted.
+            let mut cmd = Command::new(&wasm_opt);
+            cmd.args(["-Oz", "-all"]).arg(&bound).arg("-o").arg(&opt);
+            run(&mut cmd)?;
+            (
+                opt,
+                format!("wasm-bindgen + wasm-opt -Oz (binaryen {BINARYEN_VERSION})"),
+            )
+        }
+        None => (
+            bound.clone(),
+            "wasm-bindgen only: no wasm-opt (binaryen) found or installable".to_string(),
+        ),
+    };
+    let raw = std::fs::metadata(&optimised)?.len();
+    let gz = gzip_size(&optimised)?;
+    println!("\nweb provider as donors download it, inside the dashboard's wasm ({how}):");
+    println!(
+        "  {:.1} KiB raw, {:.1} KiB gzip -9",
+        raw as f64 / 1024.0,
+        gz as f64 / 1024.0
+    );
+    println!(
+        "  target: under {} KiB compressed: {} ({:.0}% of it)",
+        WASM_TARGET_BYTES / 1024,
+        if gz < WASM_TARGET_BYTES {
+            "met"
+        } else {
+            "MISSED"
+        },
+        gz as f64 * 100.0 / WASM_TARGET_BYTES as f64
+    );
+    Ok(())
+}
+
+/// `wasm-opt` from npm's `binaryen` package in the cache folder, installed
+/// there with npm on first use; else one on PATH; else none.
+fn wasm_opt() -> Option<PathBuf> {
+    let prefix = setup::cache_dir()
+        .ok()?
+        .join(format!("binaryen-{BINARYEN_VERSION}"));
+    let bin = prefix.join("node_modules/.bin/wasm-opt");
+    if !bin.exists() {
+        let mut npm = Command::new("npm");
+        npm.args(["install", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&prefix)
+            .arg(format!("binaryen@{BINARYEN_VERSION}"));
+        probe(&mut npm);
+    }
+    if bin.exists() {
+        return Some(bin);
+    }
+    probe(Command::new("wasm-opt").arg("--version")).map(|_| PathBuf::from("wasm-opt"))
+}
+
+/// Bytes of `path` after `gzip -9`.
+fn gzip_size(path: &Path) -> Result<u64> {
+    let out = Command::new("gzip")
+        .args(["-9", "-c"])
+        .arg(path)
+        .output()
+        .context("could not run gzip")?;
+    if !out.status.success() {
+        bail!("gzip failed on {}", path.display());
+    }
+    Ok(out.stdout.len() as u64)
 }

@@ -305,9 +305,16 @@ pub fn dropout(p: f32, len: usize, seed: u64) -> Check {
 
 /// Matmul forward and both backwards, with the reductions over broadcast
 /// batch dimensions where there are any; `tile` is the GEMM tile side.
-pub fn matmul(a_shape: &[usize], b_shape: &[usize], tile: u32, seed: u64) -> Option<Check> {
+pub fn matmul(
+    a_shape: &[usize],
+    b_shape: &[usize],
+    tile: u32,
+    per_thread: u32,
+    seed: u64,
+) -> Option<Check> {
     let mut mm = MatMul::new(a_shape, b_shape)?;
     mm.tile = tile;
+    mm.per_thread = per_thread;
     let a = sample_matrix(numel(a_shape), seed);
     let b = sample_matrix(numel(b_shape), seed ^ 1);
     let out = mm.out_shape();
@@ -1116,8 +1123,8 @@ pub fn standard_checks() -> Vec<Check> {
         (&[33, 1], &[1, 47]),
     ];
     for (i, (a, b)) in matmuls.iter().enumerate() {
-        for tile in [16, 5] {
-            checks.extend(matmul(a, b, tile, i as u64));
+        for (tile, per_thread) in [(16, 4), (5, 3), (16, 1)] {
+            checks.extend(matmul(a, b, tile, per_thread, i as u64));
         }
     }
     for (i, (rows, inputs, outputs)) in [(1, 1, 1), (32, 784, 10), (7, 13, 29)]

@@ -10,7 +10,7 @@
 //! - weight gradient: `dw[o, (c,ky,kx)] = sum_(n,oy,ox) dy[n, o, oy, ox] x[..]`;
 //! - bias gradient: `dy` summed over batch and space.
 
-use super::gemm::{Gemm, MAX_GEMM_TILE, sum_to_shape};
+use super::gemm::{DEFAULT_PER_THREAD, Gemm, MAX_GEMM_TILE, sum_to_shape};
 use super::spec::{Binding, KernelSpec};
 
 /// A 2-D convolution of `x [n, c, h, w]` with `weight [o, c/groups, kh, kw]`.
@@ -29,6 +29,7 @@ pub struct Conv2d {
     pub groups: usize,
     pub bias: bool,
     pub tile: u32,
+    pub per_thread: u32,
 }
 
 impl Conv2d {
@@ -69,6 +70,7 @@ impl Conv2d {
             groups,
             bias,
             tile: MAX_GEMM_TILE,
+            per_thread: DEFAULT_PER_THREAD,
         };
         let span =
             |size: usize, p: usize, d: usize, k: usize| (size + 2 * p).checked_sub(d * (k - 1) + 1);
@@ -155,6 +157,7 @@ impl Conv2d {
         Gemm {
             label: "conv2d_fwd".into(),
             tile: self.tile,
+            per_thread: self.per_thread,
             batch: self.groups,
             m: og,
             n: self.n * oh * ow,
@@ -193,6 +196,7 @@ impl Conv2d {
         Gemm {
             label: "conv2d_bwd_input".into(),
             tile: self.tile,
+            per_thread: self.per_thread,
             batch: self.groups,
             m: cg,
             n: self.n * h * w,
@@ -235,6 +239,7 @@ impl Conv2d {
         Gemm {
             label: "conv2d_bwd_weight".into(),
             tile: self.tile,
+            per_thread: self.per_thread,
             batch: self.groups,
             m: og,
             n: kk_len,

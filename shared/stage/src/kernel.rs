@@ -524,7 +524,12 @@ fn widened(m: &MatMul, operand: &[usize]) -> MatMul {
     } else {
         (m.a.clone(), full)
     };
-    MatMul { a, b, tile: m.tile }
+    MatMul {
+        a,
+        b,
+        tile: m.tile,
+        per_thread: m.per_thread,
+    }
 }
 
 /// Per-row mean and `1 / sqrt(var + eps)` of rows of `cols`, as the
