@@ -25,6 +25,21 @@ pub enum Fault {
     Nan,
     /// Uploads parameters shifted far from every other cluster's at a sync.
     FarParams,
+    /// Sends only honest data, but computes every training forward
+    /// [`SLOW_MS`] slower than it could: a throttled or overloaded machine,
+    /// a straggler.
+    Slow,
+}
+
+/// What [`Fault::Slow`] adds to each training forward.
+pub const SLOW_MS: u64 = 150;
+
+/// Sleeps [`SLOW_MS`] when this process plays a straggler; the worker's own
+/// clock then counts it as compute time, as real slowness would be.
+pub fn slow_down() {
+    if current() == Some(Fault::Slow) {
+        std::thread::sleep(std::time::Duration::from_millis(SLOW_MS));
+    }
 }
 
 static FAULT: OnceLock<Fault> = OnceLock::new();
@@ -148,6 +163,8 @@ mod tests {
         assert_eq!(nan.outputs[0].to_f32().unwrap()[1..], [1.0; 5]);
         // Parameters move only with FarParams; activations never do.
         assert!(tamper_with(Fault::FarParams, &activations()).is_none());
+        // A straggler's data is honest.
+        assert!(tamper_with(Fault::Slow, &activations()).is_none());
         let params = ToServer::Params(ParamSet {
             job_id: 7,
             step: 1,

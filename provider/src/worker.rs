@@ -160,6 +160,8 @@ impl Backend for TorchStage {
         inputs: &[(String, Tensor)],
         offset: u64,
     ) -> Result<(MicroBatch, Vec<(String, Tensor)>), WorkerError> {
+        #[cfg(feature = "fault-injection")]
+        crate::fault::slow_down();
         let forward = self.exec.forward_at(inputs, true, offset)?;
         Ok((forward.micro_batch, forward.outputs))
     }

@@ -381,3 +381,60 @@ async fn a_job_whose_provider_sends_nans_goes_on_on_a_standby_and_completes() ->
     assert!(metrics.steps.iter().all(|s| s.loss.is_finite()));
     Ok(())
 }
+
+/// A provider far slower than the plan expects (one that sleeps in every
+/// forward, as an overloaded machine would) is a straggler: after a few slow
+/// steps its stage moves, at the next sync, to a standby, and the job
+/// completes with every step recorded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_straggler_stage_moves_to_a_standby_at_a_sync_and_the_job_completes() -> anyhow::Result<()>
+{
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client {
+        server: &server,
+        token: server.api_token()?,
+        http: reqwest::Client::new(),
+    };
+    let mut running = join(
+        &server,
+        &[("quick-a", None), ("quick-b", None), ("slow", Some("slow"))],
+    )
+    .await?;
+    let id = client.submit(&job(
+        dir.path(),
+        "straggler",
+        8 * 24,
+        "batch_size = 8\nmicro_batches = 2\nclusters = 1\nstages = 3\nsync_every = 2",
+    ))?;
+    client
+        .wait_for_log(id, "the plan", |log| {
+            log.iter().any(|l| l.kind == "stage_assigned")
+        })
+        .await?;
+    running.push(provider(&server, "standby", None)?);
+    let slow_id = server
+        .providers()
+        .await?
+        .iter()
+        .find(|p| p.name == "slow")
+        .map(|p| p.id)
+        .unwrap();
+    let log = client
+        .wait_for_log(id, "the straggler's stage moving", |log| {
+            log.iter().any(|l| {
+                l.kind == "stage_lost"
+                    && l.message.contains(&format!("provider {slow_id} left"))
+                    && l.message.contains("slower")
+            }) && log.iter().any(|l| l.kind == "stage_reassigned")
+        })
+        .await?;
+    wait_for_status(&client, id, "completed")
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}\n{log:#?}"))?;
+    let metrics: rookery_proto::api::JobMetrics =
+        client.get(&format!("/api/jobs/{id}/metrics")).await?;
+    let steps: Vec<u64> = metrics.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, (0..24).collect::<Vec<_>>());
+    Ok(())
+}

@@ -375,3 +375,100 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
     }
     Ok(())
 }
+
+/// A browser tab closed while it runs a stage is a provider that leaves: its
+/// stage goes to a standby, the cluster replays from the last checkpoint, and
+/// the job ends with the single-process losses still (recovery is exact).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browser_tab_closed_mid_job_hands_its_stage_to_a_standby_and_training_stays_exact()
+-> anyhow::Result<()> {
+    use std::time::{Duration, Instant};
+
+    use rookery_e2e::{Browser, Server, start_native_provider};
+    use rookery_proto::ProviderKind;
+    use rookery_proto::api::LogEntry;
+    use rookery_server::client::Client;
+
+    let dir = tempfile::tempdir()?;
+    let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
+        optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nsync_every = 4\nseed = 13";
+    let job_file = job(dir.path(), MLP, &[12], 40 * 16, training);
+    let server = Server::start(10_000)?;
+    let _a = start_native_provider(&server, "native-a")?;
+    let _b = start_native_provider(&server, "native-b")?;
+    let browser = Browser::start().await?;
+    browser.start_donating(&server).await?;
+    server
+        .wait_for_providers(
+            "two native and one browser provider",
+            Duration::from_secs(60),
+            |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
+        )
+        .await?;
+    let client = Client::new(&server.http_url(""), &server.api_token()?);
+    let id = client.submit(&job_file).await?.id;
+    // The standby joins once the tab has its stage, so the plan cannot skip the tab.
+    browser
+        .wait_for_attr(
+            "#donate-status",
+            "data-state",
+            "training",
+            Duration::from_secs(120),
+        )
+        .await?;
+    let _standby = start_native_provider(&server, "standby")?;
+    server
+        .wait_for_providers("the standby", Duration::from_secs(60), |all| {
+            all.iter()
+                .any(|p| p.name == "standby" && p.bandwidth_mbps.is_some())
+        })
+        .await?;
+    let started = Instant::now();
+    while client.job(id).await?.step < 6 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(120),
+            "the job stalled"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Close the donating tab, keeping the browser up with a second one.
+    let other = browser.client.new_window(true).await?;
+    browser.client.close_window().await?;
+    browser.client.switch_to_window(other.handle).await?;
+    let job = tokio::time::timeout(Duration::from_secs(300), client.watch(id)).await??;
+    assert_eq!(job.status, "completed", "{job:?}");
+    let log: Vec<LogEntry> = reqwest::Client::new()
+        .get(server.http_url(&format!("/api/jobs/{id}/log")))
+        .bearer_auth(server.api_token()?)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let has = |kind: &str| log.iter().any(|e| e.kind == kind);
+    assert!(has("stage_lost") && has("stage_reassigned"), "{log:#?}");
+    let providers = server.providers().await?;
+    assert!(
+        providers
+            .iter()
+            .any(|p| p.kind == ProviderKind::Browser && p.gone_since_ms.is_some()),
+        "{providers:#?}"
+    );
+    let got: Vec<f64> = client
+        .metrics(id)
+        .await?
+        .steps
+        .iter()
+        .map(|s| s.loss)
+        .collect();
+    let want = reference_losses(&job_file);
+    assert_eq!(got.len(), want.len());
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(1e-12);
+        assert!(
+            rel < 1e-4,
+            "step {step}: {g}, reference {w} (relative {rel:e})"
+        );
+    }
+    Ok(())
+}
