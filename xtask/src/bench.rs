@@ -137,8 +137,42 @@ pub fn main(args: &[String]) -> Result<()> {
     run(&mut cargo)?;
     if bench.wasm_size {
         wasm_size(&env)?;
+        donate_latency(&env)?;
     }
     Ok(())
+}
+
+/// The time from opening the Donate page to the tab's first micro-batch
+/// done, with release builds of the server, the providers and the dashboard.
+fn donate_latency(env: &Env) -> Result<()> {
+    let mut cargo = env.cargo();
+    cargo.args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "rookery-server",
+        "-p",
+        "rookery-provider",
+        "--features",
+        "rookery-provider/torch",
+    ]);
+    run(&mut cargo)?;
+    crate::web::build(env, true)?;
+    let mut cargo = env.cargo();
+    cargo.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "rookery-e2e",
+        "--example",
+        "bench_donate",
+    ]);
+    cargo
+        .env("ROOKERY_BIN_DIR", target_dir().join("release"))
+        .env("ROOKERY_WEB_DIR", target_dir().join("web"));
+    run(&mut cargo)
 }
 
 /// The compressed-size target of the web provider's wasm.
