@@ -238,6 +238,13 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
         optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 5";
     let job_file = job(dir.path(), MLP, &[12], 20 * 16, training);
+    // Evaluated after the epoch too (on the training samples: the test is
+    // that the tab's stage scores as libtorch's would).
+    let text = std::fs::read_to_string(&job_file)?.replace(
+        "train_labels = \"y.npy\"\n",
+        "train_labels = \"y.npy\"\ntest_inputs = \"x.npy\"\ntest_labels = \"y.npy\"\n",
+    );
+    std::fs::write(&job_file, text)?;
     let server = Server::start(10_000)?;
     let _root = start_native_provider(&server, "native-a")?;
     let _leaf = start_native_provider(&server, "native-b")?;
@@ -299,13 +306,8 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
         seen_training,
         "the Donate page never showed the stage training"
     );
-    let got: Vec<f64> = client
-        .metrics(id)
-        .await?
-        .steps
-        .iter()
-        .map(|s| s.loss)
-        .collect();
+    let metrics = client.metrics(id).await?;
+    let got: Vec<f64> = metrics.steps.iter().map(|s| s.loss).collect();
     let want = reference_losses(&job_file);
     assert_eq!(got.len(), want.len());
     for (step, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -316,6 +318,14 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
             browser_stages[0].role
         );
     }
+    // The same accuracy band as the job on three libtorch providers.
+    let native = rookery_train(&job_file, 3, &dir.path().join("native"))?;
+    let accuracy = |m: &rookery_proto::api::JobMetrics| m.epochs.last().map(|e| e.test_accuracy);
+    let (with_tab, all_native) = (accuracy(&metrics), accuracy(&native));
+    assert!(
+        matches!((with_tab, all_native), (Some(t), Some(n)) if (t - n).abs() <= 0.01),
+        "test accuracy with the tab {with_tab:?}, all native {all_native:?}"
+    );
     Ok(())
 }
 
