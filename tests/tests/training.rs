@@ -141,6 +141,20 @@ fn reference_losses(job_file: &Path) -> Vec<f64> {
     losses
 }
 
+/// `got` is the single-process reference's losses of `job_file` within
+/// `tolerance` (relative) on every step; `what` names the setup in failures.
+fn assert_matches_reference(job_file: &Path, got: &[f64], tolerance: f64, what: &str) {
+    let want = reference_losses(job_file);
+    assert_eq!(got.len(), want.len(), "{what}: step counts differ");
+    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(1e-12);
+        assert!(
+            rel < tolerance,
+            "{what}: step {step}: {g}, reference {w} (relative {rel:e})"
+        );
+    }
+}
+
 fn assert_same_losses(
     job_file: &Path,
     providers: usize,
@@ -151,15 +165,8 @@ fn assert_same_losses(
     let out = job_file.parent().unwrap().join("out");
     let metrics = rookery_train(job_file, providers, &out).unwrap();
     let got: Vec<f64> = metrics.steps.iter().map(|s| s.loss).collect();
-    let want = reference_losses(job_file);
-    assert_eq!((got.len(), want.len()), (steps, steps));
-    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(1e-12);
-        assert!(
-            rel < tolerance,
-            "step {step}: pipeline {g}, reference {w} (relative {rel:e})"
-        );
-    }
+    assert_eq!(got.len(), steps);
+    assert_matches_reference(job_file, &got, tolerance, "pipeline");
     if must_learn {
         let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
         assert!(mean(&got[steps - 5..]) < mean(&got[..5]), "{got:?}");
@@ -308,16 +315,8 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
     );
     let metrics = client.metrics(id).await?;
     let got: Vec<f64> = metrics.steps.iter().map(|s| s.loss).collect();
-    let want = reference_losses(&job_file);
-    assert_eq!(got.len(), want.len());
-    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(1e-12);
-        assert!(
-            rel < 1e-4,
-            "step {step}: with a browser {} stage {g}, reference {w} (relative {rel:e})",
-            browser_stages[0].role
-        );
-    }
+    let what = format!("with a browser {} stage", browser_stages[0].role);
+    assert_matches_reference(&job_file, &got, 1e-4, &what);
     // The same accuracy band as the job on three libtorch providers.
     let native = rookery_train(&job_file, 3, &dir.path().join("native"))?;
     let accuracy = |m: &rookery_proto::api::JobMetrics| m.epochs.last().map(|e| e.test_accuracy);
@@ -374,15 +373,7 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
         .iter()
         .map(|s| s.loss)
         .collect();
-    let want = reference_losses(&job_file);
-    assert_eq!(got.len(), want.len());
-    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(1e-12);
-        assert!(
-            rel < 1e-4,
-            "step {step}: {g}, reference {w} (relative {rel:e})"
-        );
-    }
+    assert_matches_reference(&job_file, &got, 1e-4, "with a wgpu stage");
     Ok(())
 }
 
@@ -471,14 +462,6 @@ async fn a_browser_tab_closed_mid_job_hands_its_stage_to_a_standby_and_training_
         .iter()
         .map(|s| s.loss)
         .collect();
-    let want = reference_losses(&job_file);
-    assert_eq!(got.len(), want.len());
-    for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(1e-12);
-        assert!(
-            rel < 1e-4,
-            "step {step}: {g}, reference {w} (relative {rel:e})"
-        );
-    }
+    assert_matches_reference(&job_file, &got, 1e-4, "after the tab closed");
     Ok(())
 }

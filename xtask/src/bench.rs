@@ -98,19 +98,7 @@ pub fn main(args: &[String]) -> Result<()> {
     };
     let env = setup::ensure()?;
     if bench.needs_binaries {
-        let mut cargo = env.cargo();
-        cargo.args([
-            "build",
-            "--release",
-            "--quiet",
-            "-p",
-            "rookery-server",
-            "-p",
-            "rookery-provider",
-            "--features",
-            "rookery-provider/torch",
-        ]);
-        run(&mut cargo)?;
+        build_release_binaries(&env)?;
     }
     let mut cargo = env.cargo();
     cargo.args([
@@ -142,9 +130,9 @@ pub fn main(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// The time from opening the Donate page to the tab's first micro-batch
-/// done, with release builds of the server, the providers and the dashboard.
-fn donate_latency(env: &Env) -> Result<()> {
+/// `rookery` and the libtorch `rookery-provider`, release builds, for the
+/// benchmarks that start them (`ROOKERY_BIN_DIR`).
+fn build_release_binaries(env: &Env) -> Result<()> {
     let mut cargo = env.cargo();
     cargo.args([
         "build",
@@ -157,7 +145,13 @@ fn donate_latency(env: &Env) -> Result<()> {
         "--features",
         "rookery-provider/torch",
     ]);
-    run(&mut cargo)?;
+    run(&mut cargo)
+}
+
+/// The time from opening the Donate page to the tab's first micro-batch
+/// done, with release builds of the server, the providers and the dashboard.
+fn donate_latency(env: &Env) -> Result<()> {
+    build_release_binaries(env)?;
     crate::web::build(env, true)?;
     let mut cargo = env.cargo();
     cargo.args([
