@@ -47,11 +47,18 @@ fn a_wrong_kernel_fails_its_check() {
 
 #[test]
 fn pipelines_are_cached_per_generated_source() {
-    let check = checks::unary(UNARIES[1], 77, 1);
-    run(&check).unwrap();
-    let before = gpu().cached_pipelines();
-    run(&checks::unary(UNARIES[1], 77, 2)).unwrap();
-    assert_eq!(gpu().cached_pipelines(), before);
+    // A context of its own: the shared one gains pipelines from the tests
+    // running beside this one.
+    let own = pollster::block_on(GpuContext::new()).expect("an adapter, as gpu() found");
+    let on_own = |check: &Check| pollster::block_on(checks::run(&own, check)).unwrap();
+    on_own(&checks::unary(UNARIES[1], 77, 1));
+    let before = own.cached_pipelines();
+    assert!(before > 0);
+    // The same kernel on other data compiles nothing new; another shape does.
+    on_own(&checks::unary(UNARIES[1], 77, 2));
+    assert_eq!(own.cached_pipelines(), before);
+    on_own(&checks::unary(UNARIES[1], 78, 2));
+    assert!(own.cached_pipelines() > before);
 }
 
 fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
