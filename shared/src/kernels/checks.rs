@@ -48,6 +48,18 @@ pub struct Expect {
     pub tol: Tol,
 }
 
+impl Expect {
+    /// Buffer `buffer` must hold `want` within `tol`; `what` names it in failures.
+    pub fn new(what: &'static str, buffer: usize, want: Vec<f32>, tol: Tol) -> Self {
+        Self {
+            what,
+            buffer,
+            want,
+            tol,
+        }
+    }
+}
+
 /// Why a check failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CheckError {
@@ -184,18 +196,8 @@ pub fn unary(op: Unary, len: usize, seed: u64) -> Check {
     Check {
         name: format!("{}[{len}]", op.name()),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 2,
-                want: op.reference(&x),
-                tol,
-            },
-            Expect {
-                what: "dx",
-                buffer: 3,
-                want: op.reference_backward(&x, &dy),
-                tol,
-            },
+            Expect::new("y", 2, op.reference(&x), tol),
+            Expect::new("dx", 3, op.reference_backward(&x, &dy), tol),
         ],
         buffers: vec![
             Init::F32(x),
@@ -235,24 +237,19 @@ pub fn binary(op: BinaryOp, a_shape: &[usize], b_shape: &[usize], seed: u64) -> 
             shape_name(b_shape)
         ),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 3,
-                want: op.reference(&s, &a, &b),
-                tol: fwd_tol,
-            },
-            Expect {
-                what: "da",
-                buffer: 4,
-                want: op.reference_backward(&s, &a, &b, &dy, Operand::A),
-                tol: bwd_tol,
-            },
-            Expect {
-                what: "db",
-                buffer: 5,
-                want: op.reference_backward(&s, &a, &b, &dy, Operand::B),
-                tol: bwd_tol,
-            },
+            Expect::new("y", 3, op.reference(&s, &a, &b), fwd_tol),
+            Expect::new(
+                "da",
+                4,
+                op.reference_backward(&s, &a, &b, &dy, Operand::A),
+                bwd_tol,
+            ),
+            Expect::new(
+                "db",
+                5,
+                op.reference_backward(&s, &a, &b, &dy, Operand::B),
+                bwd_tol,
+            ),
         ],
         steps: vec![
             (op.forward(&s), vec![0, 1, 3]),
@@ -279,18 +276,8 @@ pub fn dropout(p: f32, len: usize, seed: u64) -> Check {
     Check {
         name: format!("dropout(p={p})[{len}]"),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 3,
-                want: d.reference(seed, &x),
-                tol: tol::EXACT,
-            },
-            Expect {
-                what: "dx",
-                buffer: 4,
-                want: d.reference(seed, &dy),
-                tol: tol::EXACT,
-            },
+            Expect::new("y", 3, d.reference(seed, &x), tol::EXACT),
+            Expect::new("dx", 4, d.reference(seed, &dy), tol::EXACT),
         ],
         buffers: vec![
             Init::U32(uniform),
@@ -351,24 +338,9 @@ pub fn matmul(
             shape_name(b_shape)
         ),
         expect: vec![
-            Expect {
-                what: "c",
-                buffer: 3,
-                want: c,
-                tol: gemm_tol(k),
-            },
-            Expect {
-                what: "da",
-                buffer: 4,
-                want: da,
-                tol: gemm_tol(n * z_a),
-            },
-            Expect {
-                what: "db",
-                buffer: 5,
-                want: db,
-                tol: gemm_tol(m * z_b),
-            },
+            Expect::new("c", 3, c, gemm_tol(k)),
+            Expect::new("da", 4, da, gemm_tol(n * z_a)),
+            Expect::new("db", 5, db, gemm_tol(m * z_b)),
         ],
         buffers: vec![
             Init::F32(a.clone()),
@@ -399,24 +371,9 @@ pub fn linear(rows: usize, inputs: usize, outputs: usize, bias: bool, seed: u64)
         vec![0, 1, 4]
     };
     let mut expect = vec![
-        Expect {
-            what: "y",
-            buffer: 4,
-            want: y,
-            tol: gemm_tol(inputs),
-        },
-        Expect {
-            what: "dx",
-            buffer: 5,
-            want: dx,
-            tol: gemm_tol(outputs),
-        },
-        Expect {
-            what: "dw",
-            buffer: 6,
-            want: dw,
-            tol: gemm_tol(rows),
-        },
+        Expect::new("y", 4, y, gemm_tol(inputs)),
+        Expect::new("dx", 5, dx, gemm_tol(outputs)),
+        Expect::new("dw", 6, dw, gemm_tol(rows)),
     ];
     let mut steps = vec![
         (l.forward(), fwd),
@@ -425,12 +382,7 @@ pub fn linear(rows: usize, inputs: usize, outputs: usize, bias: bool, seed: u64)
     ];
     if bias {
         steps.push((l.backward_bias(), vec![3, 7]));
-        expect.push(Expect {
-            what: "db",
-            buffer: 7,
-            want: db,
-            tol: tol::BROADCAST_SUM,
-        });
+        expect.push(Expect::new("db", 7, db, tol::BROADCAST_SUM));
     }
     Check {
         name: format!("linear({rows}x{inputs}->{outputs}, bias {bias})"),
@@ -466,18 +418,8 @@ pub fn cross_entropy(n: usize, classes: usize, inner: usize, seed: u64) -> Check
     Check {
         name: format!("cross_entropy({n}x{classes}x{inner})"),
         expect: vec![
-            Expect {
-                what: "loss",
-                buffer: 3,
-                want: vec![loss],
-                tol: tol::LOSS,
-            },
-            Expect {
-                what: "dx",
-                buffer: 4,
-                want: dx,
-                tol: tol::LOSS,
-            },
+            Expect::new("loss", 3, vec![loss], tol::LOSS),
+            Expect::new("dx", 4, dx, tol::LOSS),
         ],
         buffers: vec![
             Init::F32(x),
@@ -502,18 +444,8 @@ pub fn mse(len: usize, seed: u64) -> Check {
     Check {
         name: format!("mse[{len}]"),
         expect: vec![
-            Expect {
-                what: "loss",
-                buffer: 3,
-                want: vec![loss],
-                tol: tol::LOSS,
-            },
-            Expect {
-                what: "dx",
-                buffer: 4,
-                want: dx,
-                tol: tol::ARITH,
-            },
+            Expect::new("loss", 3, vec![loss], tol::LOSS),
+            Expect::new("dx", 4, dx, tol::ARITH),
         ],
         buffers: vec![
             Init::F32(x),
@@ -554,12 +486,7 @@ pub fn optimizer(o: Optimizer, len: usize, seed: u64) -> Check {
         bound.extend(1..=states.len());
         steps.push((spec.clone(), bound));
     }
-    let mut expect = vec![Expect {
-        what: "param",
-        buffer: 0,
-        want: param,
-        tol: tol::OPTIM,
-    }];
+    let mut expect = vec![Expect::new("param", 0, param, tol::OPTIM)];
     for (i, (name, want)) in states.iter().zip(state).enumerate() {
         expect.push(Expect {
             what: name,
@@ -594,18 +521,8 @@ pub fn softmax(outer: usize, axis: usize, inner: usize, log: bool, seed: u64) ->
             if log { "log_softmax" } else { "softmax" }
         ),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 2,
-                want: y,
-                tol: tol::LOSS,
-            },
-            Expect {
-                what: "dx",
-                buffer: 3,
-                want: dx,
-                tol: tol::LOSS,
-            },
+            Expect::new("y", 2, y, tol::LOSS),
+            Expect::new("dx", 3, dx, tol::LOSS),
         ],
         buffers: vec![
             Init::F32(x),
@@ -636,30 +553,10 @@ pub fn layer_norm(rows: usize, cols: usize, seed: u64) -> Check {
     Check {
         name: format!("layer_norm({rows}x{cols})"),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 4,
-                want: y,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "dx",
-                buffer: 7,
-                want: dx,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "dw",
-                buffer: 8,
-                want: dw,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "db",
-                buffer: 9,
-                want: db,
-                tol: tol::BROADCAST_SUM,
-            },
+            Expect::new("y", 4, y, tol::NORM),
+            Expect::new("dx", 7, dx, tol::NORM),
+            Expect::new("dw", 8, dw, tol::NORM),
+            Expect::new("db", 9, db, tol::BROADCAST_SUM),
         ],
         buffers: vec![
             Init::F32(x),
@@ -711,48 +608,13 @@ pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check
     Check {
         name: format!("batch_norm({n}x{channels}x{spatial})"),
         expect: vec![
-            Expect {
-                what: "eval y",
-                buffer: 12,
-                want: eval,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "y",
-                buffer: 5,
-                want: y,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "running_mean",
-                buffer: 3,
-                want: rm2,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "running_var",
-                buffer: 4,
-                want: rv2,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "dx",
-                buffer: 9,
-                want: dx,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "dw",
-                buffer: 10,
-                want: dw,
-                tol: tol::NORM,
-            },
-            Expect {
-                what: "db",
-                buffer: 11,
-                want: db,
-                tol: tol::BROADCAST_SUM,
-            },
+            Expect::new("eval y", 12, eval, tol::NORM),
+            Expect::new("y", 5, y, tol::NORM),
+            Expect::new("running_mean", 3, rm2, tol::NORM),
+            Expect::new("running_var", 4, rv2, tol::NORM),
+            Expect::new("dx", 9, dx, tol::NORM),
+            Expect::new("dw", 10, dw, tol::NORM),
+            Expect::new("db", 11, db, tol::BROADCAST_SUM),
         ],
         buffers: vec![
             Init::F32(x),
@@ -788,18 +650,8 @@ pub fn transpose(shape: &[usize], perm: &[usize], seed: u64) -> Option<Check> {
     Some(Check {
         name: format!("transpose({} by {perm:?})", shape_name(shape)),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 2,
-                want: y,
-                tol: tol::EXACT,
-            },
-            Expect {
-                what: "dx",
-                buffer: 3,
-                want: dx,
-                tol: tol::EXACT,
-            },
+            Expect::new("y", 2, y, tol::EXACT),
+            Expect::new("dx", 3, dx, tol::EXACT),
         ],
         buffers: vec![
             Init::F32(x),
@@ -835,12 +687,7 @@ pub fn concat(outer: usize, sizes: &[usize], inner: usize, seed: u64) -> Check {
     let out = buffers.len();
     buffers.push(Init::Zeros(total));
     let mut steps = Vec::new();
-    let mut expect = vec![Expect {
-        what: "y",
-        buffer: out,
-        want: y,
-        tol: tol::EXACT,
-    }];
+    let mut expect = vec![Expect::new("y", out, y, tol::EXACT)];
     for i in 0..parts.len() {
         steps.push((c.forward(i), vec![i, out]));
     }
@@ -848,12 +695,7 @@ pub fn concat(outer: usize, sizes: &[usize], inner: usize, seed: u64) -> Check {
         let slot = buffers.len();
         buffers.push(Init::Zeros(p.len()));
         steps.push((c.backward(i), vec![out, slot]));
-        expect.push(Expect {
-            what: "dx part",
-            buffer: slot,
-            want: p,
-            tol: tol::EXACT,
-        });
+        expect.push(Expect::new("dx part", slot, p, tol::EXACT));
     }
     Check {
         name: format!("concat({outer}x{sizes:?}x{inner})"),
@@ -881,18 +723,8 @@ pub fn gather(outer: usize, axis: usize, inner: usize, count: usize, seed: u64) 
     Check {
         name: format!("gather({outer}x{axis}x{inner}, {count} indices)"),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 3,
-                want: y,
-                tol: tol::EXACT,
-            },
-            Expect {
-                what: "ddata",
-                buffer: 4,
-                want: dd,
-                tol: tol::BROADCAST_SUM,
-            },
+            Expect::new("y", 3, y, tol::EXACT),
+            Expect::new("ddata", 4, dd, tol::BROADCAST_SUM),
         ],
         buffers: vec![
             Init::F32(data.clone()),
@@ -932,33 +764,13 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         (conv.backward_weight(), vec![3, 0, 6]),
     ];
     let mut expect = vec![
-        Expect {
-            what: "y",
-            buffer: 4,
-            want: y,
-            tol: gemm_tol(k_fwd),
-        },
-        Expect {
-            what: "dx",
-            buffer: 5,
-            want: dx,
-            tol: gemm_tol(k_in),
-        },
-        Expect {
-            what: "dweight",
-            buffer: 6,
-            want: dw,
-            tol: gemm_tol(k_w),
-        },
+        Expect::new("y", 4, y, gemm_tol(k_fwd)),
+        Expect::new("dx", 5, dx, gemm_tol(k_in)),
+        Expect::new("dweight", 6, dw, gemm_tol(k_w)),
     ];
     if conv.bias {
         steps.push((conv.backward_bias(), vec![3, 7]));
-        expect.push(Expect {
-            what: "dbias",
-            buffer: 7,
-            want: db,
-            tol: gemm_tol(k_w),
-        });
+        expect.push(Expect::new("dbias", 7, db, gemm_tol(k_w)));
     }
     Check {
         name: format!("{conv:?}"),
@@ -989,36 +801,16 @@ pub fn pool2d(pool: Pool2d, seed: u64) -> Check {
     Check {
         name: format!("{pool:?}"),
         expect: vec![
-            Expect {
-                what: "max y",
-                buffer: 2,
-                want: my,
-                tol: tol::EXACT,
-            },
-            Expect {
-                what: "argmax",
-                buffer: 3,
-                want: arg.iter().map(|&v| f32::from_bits(v)).collect(),
-                tol: tol::EXACT,
-            },
-            Expect {
-                what: "max dx",
-                buffer: 4,
-                want: mdx,
-                tol: tol::BROADCAST_SUM,
-            },
-            Expect {
-                what: "avg y",
-                buffer: 5,
-                want: ay,
-                tol: avg_tol,
-            },
-            Expect {
-                what: "avg dx",
-                buffer: 6,
-                want: adx,
-                tol: avg_tol,
-            },
+            Expect::new("max y", 2, my, tol::EXACT),
+            Expect::new(
+                "argmax",
+                3,
+                arg.iter().map(|&v| f32::from_bits(v)).collect(),
+                tol::EXACT,
+            ),
+            Expect::new("max dx", 4, mdx, tol::BROADCAST_SUM),
+            Expect::new("avg y", 5, ay, avg_tol),
+            Expect::new("avg dx", 6, adx, avg_tol),
         ],
         buffers: vec![
             Init::F32(x.clone()),
@@ -1047,18 +839,8 @@ pub fn global_avg_pool(planes: usize, spatial: usize, seed: u64) -> Check {
     Check {
         name: format!("global_avg_pool({planes}x{spatial})"),
         expect: vec![
-            Expect {
-                what: "y",
-                buffer: 2,
-                want: y,
-                tol: tol::BROADCAST_SUM,
-            },
-            Expect {
-                what: "dx",
-                buffer: 3,
-                want: dx,
-                tol: tol::ARITH,
-            },
+            Expect::new("y", 2, y, tol::BROADCAST_SUM),
+            Expect::new("dx", 3, dx, tol::ARITH),
         ],
         buffers: vec![
             Init::F32(x),
