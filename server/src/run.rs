@@ -1204,6 +1204,20 @@ impl JobRun {
         effects
     }
 
+    /// The sync in progress, if an upload of `what` stamped `step` belongs
+    /// to it.
+    fn sync_step_of(&self, what: &str, step: u64) -> Result<u64, Rejected> {
+        let State::Syncing { step_done } = self.state else {
+            return Err(format!("{what} arrived outside a sync").into());
+        };
+        if step != step_done {
+            return Err(
+                format!("{what} of step {step} during the sync of step {step_done}").into(),
+            );
+        }
+        Ok(step_done)
+    }
+
     /// A stage's optimizer state, which it sends just before its parameters
     /// at a sync; kept per cluster for the checkpoint.
     fn on_optimizer_state(
@@ -1212,16 +1226,7 @@ impl JobRun {
         s: usize,
         o: OptimizerState,
     ) -> Result<Vec<Effect>, Rejected> {
-        let State::Syncing { step_done } = self.state else {
-            return Err("optimizer state arrived outside a sync".into());
-        };
-        if o.step != step_done {
-            return Err(format!(
-                "optimizer state of step {} during the sync of step {step_done}",
-                o.step
-            )
-            .into());
-        }
+        self.sync_step_of("optimizer state", o.step)?;
         let stage = &self.clusters[c].stages[s];
         if stage.uploaded {
             return Err("optimizer state after the stage's parameters".into());
@@ -1283,16 +1288,7 @@ impl JobRun {
     }
 
     fn on_params(&mut self, c: usize, s: usize, p: ParamSet) -> Result<Vec<Effect>, Rejected> {
-        let State::Syncing { step_done } = self.state else {
-            return Err("parameters arrived outside a sync".into());
-        };
-        if p.step != step_done {
-            return Err(format!(
-                "parameters of step {} during the sync of step {step_done}",
-                p.step
-            )
-            .into());
-        }
+        let step_done = self.sync_step_of("parameters", p.step)?;
         let stage = &self.clusters[c].stages[s];
         if stage.uploaded {
             return Err("parameters were already uploaded for this sync".into());

@@ -60,7 +60,16 @@ struct Client<'a> {
     http: reqwest::Client,
 }
 
-impl Client<'_> {
+impl<'a> Client<'a> {
+    /// A client of `server` with its first Requester's token.
+    fn new(server: &'a Server) -> anyhow::Result<Self> {
+        Ok(Self {
+            token: server.api_token()?,
+            server,
+            http: reqwest::Client::new(),
+        })
+    }
+
     fn submit(&self, job: &Path) -> anyhow::Result<u64> {
         let url = self.server.http_url("");
         let job = job.display().to_string();
@@ -168,11 +177,7 @@ async fn each_kind_of_wrong_data_is_caught_and_its_sender_dropped_while_the_serv
 -> anyhow::Result<()> {
     let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
     let dir = tempfile::tempdir()?;
-    let client = Client {
-        server: &server,
-        token: server.api_token()?,
-        http: reqwest::Client::new(),
-    };
+    let client = Client::new(&server)?;
     // (fault, what the fault line must say: any of these)
     let dropped: [(&str, &[&str]); 5] = [
         ("malformed", &["dropped:"]),
@@ -250,11 +255,7 @@ async fn far_off_parameters_are_outvoted_three_times_then_banned_and_a_standby_f
 -> anyhow::Result<()> {
     let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
     let dir = tempfile::tempdir()?;
-    let client = Client {
-        server: &server,
-        token: server.api_token()?,
-        http: reqwest::Client::new(),
-    };
+    let client = Client::new(&server)?;
     let name = "faulty-far-params";
     let _three = join(
         &server,
@@ -324,11 +325,7 @@ async fn a_job_whose_provider_sends_nans_goes_on_on_a_standby_and_completes() ->
 {
     let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
     let dir = tempfile::tempdir()?;
-    let client = Client {
-        server: &server,
-        token: server.api_token()?,
-        http: reqwest::Client::new(),
-    };
+    let client = Client::new(&server)?;
     // The job is planned onto these two, so the faulty one runs a stage...
     let mut running = vec![
         provider(&server, "honest", None)?,
@@ -353,18 +350,7 @@ async fn a_job_whose_provider_sends_nans_goes_on_on_a_standby_and_completes() ->
     // ... and the standby joins once the plan is made.
     running.push(provider(&server, "standby", None)?);
 
-    let started = Instant::now();
-    loop {
-        let info: JobInfo = client.get(&format!("/api/jobs/{id}")).await?;
-        match info.status.as_str() {
-            "completed" => break,
-            "failed" | "cancelled" => bail!("job {info:?}: {:#?}", client.log(id).await?),
-            _ if started.elapsed() > Duration::from_secs(180) => {
-                bail!("job still {info:?}: {:#?}", client.log(id).await?)
-            }
-            _ => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
-    }
+    wait_for_status(&client, id, "completed").await?;
     let log = client.log(id).await?;
     let faults = faults_of(&log, "faulty-nan");
     assert!(!faults.is_empty(), "{log:#?}");
@@ -391,11 +377,7 @@ async fn a_straggler_stage_moves_to_a_standby_at_a_sync_and_the_job_completes() 
 {
     let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
     let dir = tempfile::tempdir()?;
-    let client = Client {
-        server: &server,
-        token: server.api_token()?,
-        http: reqwest::Client::new(),
-    };
+    let client = Client::new(&server)?;
     let mut running = join(
         &server,
         &[("quick-a", None), ("quick-b", None), ("slow", Some("slow"))],
