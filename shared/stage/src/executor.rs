@@ -98,6 +98,9 @@ pub struct StageExecutor<D: Device> {
     next_micro_batch: u64,
     /// Prepared optimizer kernels by parameter length.
     optimizer_kernels: HashMap<usize, D::Prepared>,
+    /// The kernels that fold a micro-batch's parameter gradient into the
+    /// step's, by (whether the step has one yet, length), prepared once.
+    accumulate: HashMap<(bool, usize), (Kernel, D::Prepared)>,
 }
 
 impl<D: Device> StageExecutor<D> {
@@ -164,7 +167,23 @@ impl<D: Device> StageExecutor<D> {
                 count,
             });
         }
+        let mut accumulate = HashMap::new();
+        for (p, state) in layout.params.iter().zip(&states) {
+            if p.kind != ParamKind::Trainable {
+                continue;
+            }
+            let len = state.len;
+            for (has_grad, kernel) in [
+                (false, Kernel::Copy { len }),
+                (true, Kernel::AddInto { len }),
+            ] {
+                accumulate
+                    .entry((has_grad, len))
+                    .or_insert_with(|| (kernel.clone(), device.prepare(&kernel)));
+            }
+        }
         Ok(Self {
+            accumulate,
             device,
             graph: graph.clone(),
             layout,
@@ -428,26 +447,10 @@ impl<D: Device> StageExecutor<D> {
         }
         let mut calls = self.bind(&program.backward, batch, Some(acts))?;
         // This micro-batch's parameter gradients join the step's.
-        let mut accumulate = Vec::new();
         for &p in &program.params_with_grad {
             let state = &self.params[p];
-            let kernel = if state.has_grad {
-                Kernel::AddInto { len: state.len }
-            } else {
-                Kernel::Copy { len: state.len }
-            };
-            accumulate.push((kernel, p));
-        }
-        let prepared: Vec<D::Prepared> = accumulate
-            .iter()
-            .map(|(k, _)| self.device.prepare(k))
-            .collect();
-        for ((kernel, p), prep) in accumulate.iter().zip(&prepared) {
-            calls.push((
-                kernel,
-                prep,
-                vec![&scratch.param_grads[*p], &self.params[*p].grad],
-            ));
+            let (kernel, prepared) = &self.accumulate[&(state.has_grad, state.len)];
+            calls.push((kernel, prepared, vec![&scratch.param_grads[p], &state.grad]));
         }
         self.device.run(&calls).await?;
         drop(calls);
