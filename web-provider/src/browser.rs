@@ -3,7 +3,6 @@
 //! driving the platform-free logic in `session`.
 
 use std::rc::Rc;
-use std::sync::Arc;
 
 use futures_channel::mpsc;
 use futures_util::StreamExt;
@@ -97,7 +96,7 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
     // Browsers do not reveal how much memory their GPU has; the largest
     // buffer the adapter allows is the closest honest figure.
     let memory = gpu.max_buffer_size();
-    let device = Arc::new(GpuDevice::new(gpu));
+    let stages = OwnFactory::new(GpuDevice::new(gpu));
     serve(
         &server_ws_url,
         Donor {
@@ -106,7 +105,7 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
             memory,
             max_buffer: Some(max_buffer),
         },
-        device,
+        stages,
         on_status,
     )
     .await;
@@ -126,7 +125,7 @@ async fn donate_cpu(server_ws_url: String, on_status: Status) {
         memory: 1 << 30,
         max_buffer: None,
     };
-    serve(&server_ws_url, donor, CpuDevice, on_status).await;
+    serve(&server_ws_url, donor, OwnFactory::new(CpuDevice), on_status).await;
 }
 
 /// What this tab offers.
@@ -139,10 +138,11 @@ struct Donor {
 
 type Status = Rc<dyn Fn(DonateStatus)>;
 
-/// Connects, and reconnects after every drop, donating `device`.
-async fn serve<D>(server_ws_url: &str, donor: Donor, device: D, on_status: Status)
+/// Connects, and reconnects after every drop, donating the device of
+/// `stages` (each connection gets a fresh worker on it).
+async fn serve<D>(server_ws_url: &str, donor: Donor, stages: OwnFactory<D>, on_status: Status)
 where
-    D: Device + Clone + 'static,
+    D: Device + 'static,
 {
     let hello =
         match session::hello_frame(&donor.adapter, donor.memory, donor.gflops, donor.max_buffer) {
@@ -164,7 +164,7 @@ where
             server_ws_url,
             &hello,
             &donor,
-            device.clone(),
+            stages.clone(),
             &on_status,
             &mut backoff,
         )
@@ -215,12 +215,12 @@ async fn connect_once<D>(
     url: &str,
     hello: &[u8],
     donor: &Donor,
-    device: D,
+    stages: OwnFactory<D>,
     on_status: &Status,
     backoff: &mut Backoff,
 ) -> Reaction
 where
-    D: Device + Clone + 'static,
+    D: Device + 'static,
 {
     let (events, mut incoming) = mpsc::unbounded();
     let socket = match Socket::open(url, events.clone()) {
@@ -265,7 +265,7 @@ where
                             training = Some(to_worker);
                             wasm_bindgen_futures::spawn_local(train(
                                 from_session,
-                                StageWorker::new(OwnFactory::new(device.clone())),
+                                StageWorker::new(stages.clone()),
                                 socket.clone(),
                                 events.clone(),
                                 Progress {

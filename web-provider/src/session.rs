@@ -150,10 +150,8 @@ pub(crate) fn react(message: ToProvider) -> Reaction {
 
 /// The frames of a reply: large activations and gradients go as payload
 /// frames after their message, as native providers send them.
-pub(crate) fn reply_frames(message: &ToServer) -> Result<Vec<Vec<u8>>, String> {
-    stream::encode_streamed(message)
-        .map(|frames| frames.into_iter().map(|f| f.to_vec()).collect())
-        .map_err(|error| format!("cannot encode a reply: {error}"))
+pub(crate) fn reply_frames(message: &ToServer) -> Result<Vec<bytes::Bytes>, String> {
+    stream::encode_streamed(message).map_err(|error| format!("cannot encode a reply: {error}"))
 }
 
 fn answer(message: &ToServer) -> Reaction {

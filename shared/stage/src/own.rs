@@ -23,6 +23,15 @@ pub struct OwnFactory<D: Device> {
     device: Arc<D>,
 }
 
+// Not derived: the device itself need not be `Clone`, the `Arc` is.
+impl<D: Device> Clone for OwnFactory<D> {
+    fn clone(&self) -> Self {
+        Self {
+            device: self.device.clone(),
+        }
+    }
+}
+
 impl<D: Device> OwnFactory<D> {
     pub fn new(device: D) -> Self {
         Self {
