@@ -31,6 +31,12 @@ struct Cli {
     /// Intel and Apple GPUs can donate without CUDA.
     #[arg(long, value_enum, default_value = "torch")]
     backend: BackendChoice,
+    /// CPU threads for each libtorch operation (default: one per core).
+    /// Several providers sharing one machine should split its cores: two
+    /// threads of one operation wait for each other, so one of them
+    /// descheduled by a neighbour stalls both (`rookery train` splits them).
+    #[arg(long, env = "ROOKERY_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
     /// Test only: misbehave in this one way (see `rookery_provider::fault`).
     #[cfg(feature = "fault-injection")]
     #[arg(long, value_enum, hide = true)]
@@ -46,6 +52,10 @@ enum BackendChoice {
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
 fn main() -> std::process::ExitCode {
     keep_freed_memory();
+    let cli = Cli::parse();
+    if let Some(threads) = cli.threads {
+        limit_cpu_threads(threads);
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -53,12 +63,26 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run()) {
+    match runtime.block_on(run(cli)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// libtorch sizes its OpenMP and MKL thread pools from these variables when
+/// it first computes; `tch::set_num_threads` would reach only the thread
+/// that calls it, not the training thread.
+fn limit_cpu_threads(threads: u16) {
+    let threads = threads.to_string();
+    #[allow(unsafe_code)]
+    // SAFETY: no other thread exists yet (the runtime starts after this), so
+    // nothing reads the environment while it changes.
+    unsafe {
+        std::env::set_var("OMP_NUM_THREADS", &threads);
+        std::env::set_var("MKL_NUM_THREADS", &threads);
     }
 }
 
@@ -79,13 +103,12 @@ fn keep_freed_memory() {
     }
 }
 
-async fn run() -> anyhow::Result<()> {
+async fn run(cli: Cli) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    let cli = Cli::parse();
     #[cfg(feature = "fault-injection")]
     if let Some(fault) = cli.fault {
         tracing::warn!(

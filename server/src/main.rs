@@ -343,6 +343,11 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
         "embedded server on http://{addr}/, starting {} local providers",
         args.local_providers
     );
+    // Each provider gets its share of the cores: libtorch's threads of one
+    // operation wait for each other, and with more threads than cores a
+    // descheduled one stalls the whole operation.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / args.local_providers).max(1).to_string();
     let mut children = Vec::new();
     for i in 0..args.local_providers {
         let child = tokio::process::Command::new(&provider_bin)
@@ -351,6 +356,8 @@ async fn train(args: TrainArgs) -> anyhow::Result<()> {
                 &format!("ws://{addr}"),
                 "--name",
                 &format!("local-{i}"),
+                "--threads",
+                &threads,
             ])
             .env(
                 "RUST_LOG",

@@ -3,16 +3,17 @@
 //! clusters.
 //!
 //! Cost model, per micro-batch of `b` samples and stage = nodes `[i, j)`:
-//! - compute: (forward + backward FLOPs) * b / provider FLOP/s (backward is 2x
-//!   forward unless an op says otherwise, so usually 3x forward);
+//! - compute: (forward + backward FLOPs + a memory-traffic charge per output
+//!   byte, [`MEMORY_FLOPS_PER_OUTPUT_BYTE`]) * b / provider FLOP/s (backward is
+//!   2x forward unless an op says otherwise, so usually 3x forward);
 //! - transfer: the tensors crossing the stage's two cuts, activations forward and
 //!   their gradients back (the graph inputs only forward, the outputs stay on the
 //!   Leaf for the loss), over the provider's link;
 //! - memory: trainable bytes * (1 weights + 1 gradients + optimizer copies) +
 //!   buffers + in-flight micro-batches * b * (activations + incoming tensors).
 //!
-//! Time is compute + transfer (no overlap assumed, so the estimate is
-//! conservative). The objective is the slowest stage's time. For one ordering of
+//! Time is the larger of compute and transfer ([`stage_time`]): a pipeline
+//! sends one micro-batch while it computes the next. The objective is the slowest stage's time. For one ordering of
 //! providers a dynamic programme over (node prefix, provider prefix) finds the
 //! exact optimum among plans whose stages use providers in that order (providers
 //! may be skipped); a second pass then minimises the summed stage time under that
@@ -36,6 +37,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
 use crate::graph::{Analysis, DType, Graph};
+
+/// What moving one byte of a node's output costs, in FLOP-equivalents, per
+/// training micro-batch. Elementwise ops, normalisation, pooling and
+/// convolutions over few channels are bound by memory, not arithmetic: a
+/// BatchNorm or a ReLU does a handful of FLOPs per element but streams the
+/// tensor through memory several times (forward: read the input, write the
+/// output; backward: read the saved tensors and the incoming gradient, write
+/// the outgoing one), and devices move roughly a quarter as many bytes per
+/// second as they do FLOPs. Measured on libtorch CPU with the demo's CNN: a
+/// stage of conv (1 input channel), BatchNorm, ReLU and max-pool took 3.5x
+/// its FLOP estimate, the conv-heavy stage after it 0.6x; without this term
+/// the planner put both convolutions on one stage and left the others idle.
+pub const MEMORY_FLOPS_PER_OUTPUT_BYTE: f64 = 16.0;
 
 /// Group sizes up to which every provider ordering is tried (5! = 120 orderings).
 pub const EXACT_PERMUTATIONS_UP_TO: usize = 5;
@@ -231,8 +245,9 @@ impl Costs {
         let mut flops = vec![0.0; n + 1];
         for i in 0..n {
             let nd = &a.nodes[i];
-            flops[i + 1] =
-                flops[i] + (nd.forward_flops_per_sample + nd.backward_flops_per_sample) as f64;
+            flops[i + 1] = flops[i]
+                + (nd.forward_flops_per_sample + nd.backward_flops_per_sample) as f64
+                + MEMORY_FLOPS_PER_OUTPUT_BYTE * nd.activation_bytes_per_sample as f64;
         }
         let mut hold_diff = vec![0i128; n + 2];
         let mut cut_send = vec![0u64; n + 1];
@@ -344,7 +359,10 @@ impl Costs {
 
     /// No stage on `p` is faster than this.
     fn stage_floor_s(&self, p: &ProviderSpec) -> f64 {
-        self.min_node_flops * self.mb / (p.gflops * 1e9) + self.send_s(self.min_stage_send, p)
+        stage_time(
+            self.min_node_flops * self.mb / (p.gflops * 1e9),
+            self.send_s(self.min_stage_send, p),
+        )
     }
 
     /// No stage ending at `j` on `p` spends less than this on transfer.
@@ -365,8 +383,21 @@ impl Costs {
     /// only answers false when the exact floor (compute of the last node plus
     /// [`Self::transfer_floor_s`]) is above `v` too.
     fn may_end_within(&self, r: &Rates, j: usize, v: f64) -> bool {
-        r.per_flop * self.last_flops[j] + r.per_byte * self.least_send[j] <= v * (1.0 + 1e-9)
+        stage_time(
+            r.per_flop * self.last_flops[j],
+            r.per_byte * self.least_send[j],
+        ) <= v * (1.0 + 1e-9)
     }
+}
+
+/// A stage's time per micro-batch: the slower of its compute and its
+/// transfers, which overlap. A provider sends micro-batch m's outputs (and
+/// receives m+1's inputs) while it computes, and the server relays on its
+/// own, so in a running pipeline the slower of the two sets the pace. (Adding
+/// them, as this planner once did, made a 3.7 Gbit/s loopback link look
+/// slower than the convolutions and kept whole CNNs on one stage.)
+fn stage_time(compute_s: f64, transfer_s: f64) -> f64 {
+    compute_s.max(transfer_s)
 }
 
 /// A provider's seconds per FLOP and per byte at the micro-batch size.
@@ -572,13 +603,13 @@ fn bottleneck_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], bound: f64, w
                 // Starting earlier only adds compute, and no start sends less
                 // than `floor`: nothing further down can beat `best`.
                 let comp = c.compute_s(i, j, p);
-                if comp + floor >= best {
+                if stage_time(comp, floor) >= best {
                     break;
                 }
                 if prev[i] >= best || !c.fits(i, j, p) {
                     continue;
                 }
-                let v = prev[i].max(comp + c.transfer_s(i, j, p));
+                let v = prev[i].max(stage_time(comp, c.transfer_s(i, j, p)));
                 if v < best {
                     best = v;
                 }
@@ -630,14 +661,15 @@ fn min_sum_dp(c: &Costs, provs: &[ProviderSpec], ord: &[usize], cap: f64) -> Opt
                     break;
                 }
                 let comp = c.compute_s(i, j, p);
-                if comp + floor > cap || comp + floor >= best {
+                let least = stage_time(comp, floor);
+                if least > cap || least >= best {
                     break;
                 }
                 let before = g[at(k - 1, i)];
                 if before == INF || !c.fits(i, j, p) {
                     continue;
                 }
-                let t = comp + c.transfer_s(i, j, p);
+                let t = stage_time(comp, c.transfer_s(i, j, p));
                 if t <= cap && before + t < best {
                     best = before + t;
                     ch = i as u32 + 1;
@@ -952,7 +984,7 @@ fn exact_chain(c: &Costs, provs: &[ProviderSpec], ord: &[usize]) -> Option<(f64,
                 if best[k - 1][i] == INF || !c.fits(i, j, p) {
                     continue;
                 }
-                let t = best[k - 1][i].max(c.compute_s(i, j, p) + c.transfer_s(i, j, p));
+                let t = best[k - 1][i].max(stage_time(c.compute_s(i, j, p), c.transfer_s(i, j, p)));
                 if t < best[k][j] {
                     best[k][j] = t;
                     from[k][j] = i;
@@ -1219,7 +1251,7 @@ fn assemble(
                         memory_bytes: c.mem(i, j),
                         compute_s,
                         transfer_s,
-                        time_s: compute_s + transfer_s,
+                        time_s: stage_time(compute_s, transfer_s),
                     }
                 })
                 .collect();

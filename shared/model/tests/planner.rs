@@ -8,6 +8,7 @@
 use std::collections::BTreeSet;
 
 use proptest::prelude::*;
+use rookery_model::plan::MEMORY_FLOPS_PER_OUTPUT_BYTE;
 use rookery_model::{
     ClusterCount, Graph, PlanError, PlanOptions, ProviderKind, ProviderSpec, StageRole, clusterize,
     render, synthetic_chain, synthetic_providers,
@@ -91,7 +92,10 @@ impl Model {
             flops: a
                 .nodes
                 .iter()
-                .map(|nd| (nd.forward_flops_per_sample + nd.backward_flops_per_sample) as f64)
+                .map(|nd| {
+                    (nd.forward_flops_per_sample + nd.backward_flops_per_sample) as f64
+                        + MEMORY_FLOPS_PER_OUTPUT_BYTE * nd.activation_bytes_per_sample as f64
+                })
                 .collect(),
             train: a.nodes.iter().map(|nd| nd.param_bytes).collect(),
             buffer: a.nodes.iter().map(|nd| nd.buffer_bytes).collect(),
@@ -144,7 +148,8 @@ impl Model {
         let compute = self.flops[i..j].iter().sum::<f64>() * mb as f64 / (p.gflops * 1e9);
         let transfer =
             (self.send(i) + self.send(j)) as f64 * mb as f64 / (p.bandwidth_mbps * 1e6 / 8.0);
-        Some(compute + transfer)
+        // Transfers overlap compute in a running pipeline.
+        Some(compute.max(transfer))
     }
 
     /// Minimum bottleneck over all cut points and injective provider assignments.
@@ -520,23 +525,25 @@ fn optimised_planner_is_not_worse_than_before() {
     use ClusterCount::{Auto, Fixed};
     /// Nodes, providers, seed, micro-batch, in-flight micro-batches, clusters.
     type Case = (usize, usize, u64, usize, u32, ClusterCount);
-    // Bottlenecks and cluster counts the planner reached before its search was
-    // pruned and sped up, recorded with the straightforward DP. The pruning is
-    // meant to leave plans unchanged; this holds it to at least never doing worse.
+    // Bottlenecks and cluster counts the planner reached, recorded when the
+    // cost model last changed (memory traffic, overlapping transfers), with
+    // the pruned search `dp_matches_brute_force` holds to the exhaustive one.
+    // Speed-ups of the search are meant to leave plans unchanged; this holds
+    // them to at least never doing worse.
     let recorded: &[(Case, f64, usize)] = &[
-        ((40, 60, 3, 8, 1, Fixed(1)), 6.488847980569731e-4, 1),
-        ((40, 60, 3, 8, 1, Fixed(3)), 7.590027804867021e-4, 3),
-        ((40, 60, 3, 8, 1, Auto), 1.232916743871945e-3, 13),
-        ((64, 120, 7, 32, 1, Fixed(1)), 2.6593630876263407e-3, 1),
-        ((64, 120, 7, 32, 1, Fixed(4)), 3.575225338914789e-3, 4),
-        ((64, 120, 7, 32, 1, Auto), 5.2060118643208735e-3, 13),
-        ((96, 200, 11, 16, 1, Fixed(1)), 1.3759066616212084e-3, 1),
-        ((96, 200, 11, 16, 1, Fixed(10)), 2.122498764831611e-3, 10),
-        ((96, 200, 11, 16, 1, Auto), 2.56573140077426e-3, 14),
-        ((24, 20, 5, 4, 1, Fixed(4)), 3.11912299416605e-4, 4),
-        ((24, 20, 5, 4, 1, Auto), 3.11912299416605e-4, 4),
-        ((48, 80, 9, 64, 4, Fixed(2)), 5.741741338950337e-3, 2),
-        ((48, 80, 9, 64, 4, Auto), 1.0153108556083488e-2, 17),
+        ((40, 60, 3, 8, 1, Fixed(1)), 0.0004255779278809246, 1),
+        ((40, 60, 3, 8, 1, Fixed(3)), 0.0004861713297900833, 3),
+        ((40, 60, 3, 8, 1, Auto), 0.000825245561662267, 13),
+        ((64, 120, 7, 32, 1, Fixed(1)), 0.0017914764999110895, 1),
+        ((64, 120, 7, 32, 1, Fixed(4)), 0.0022711640612957827, 4),
+        ((64, 120, 7, 32, 1, Auto), 0.003543040122914733, 12),
+        ((96, 200, 11, 16, 1, Fixed(1)), 0.0010733558538015412, 1),
+        ((96, 200, 11, 16, 1, Fixed(10)), 0.0013247204103176632, 10),
+        ((96, 200, 11, 16, 1, Auto), 0.0018555796462507974, 19),
+        ((24, 20, 5, 4, 1, Fixed(4)), 0.00023993243861627076, 4),
+        ((24, 20, 5, 4, 1, Auto), 0.00023993243861627076, 4),
+        ((48, 80, 9, 64, 4, Fixed(2)), 0.003472127136293271, 2),
+        ((48, 80, 9, 64, 4, Auto), 0.006122668736842152, 16),
     ];
     for &((nodes, count, seed, micro_batch, in_flight, clusters), before, before_clusters) in
         recorded
