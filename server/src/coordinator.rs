@@ -17,6 +17,7 @@ use rookery_proto::stream::{self, Payload};
 use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
+use crate::checkpoints::CheckpointWriter;
 use crate::db::Db;
 use crate::jobs::{self, JobStatus, LogRecord};
 use crate::now_ms;
@@ -145,6 +146,7 @@ impl Coordinator {
                 bans: HashMap::new(),
                 short: HashMap::new(),
                 resume_written: HashMap::new(),
+                checkpoints: HashMap::new(),
             }
             .run(rx),
         );
@@ -231,6 +233,8 @@ struct Actor {
     short: HashMap<u64, Option<String>>,
     /// Per running job: when its resume file was last written.
     resume_written: HashMap<u64, u64>,
+    /// Per running job: the task writing its checkpoint file.
+    checkpoints: HashMap<u64, CheckpointWriter>,
 }
 
 /// Everything a job needs before any provider is touched.
@@ -670,7 +674,15 @@ impl Actor {
     }
 
     async fn apply(&mut self, job_id: u64, effects: Vec<Effect>) {
-        for effect in effects {
+        // Providers get their work before the coordinator awaits its own
+        // bookkeeping (database rows, checkpoint files): a step's first
+        // micro-batches must not wait for the previous step's record. Sends
+        // keep their order among themselves, which is all the protocol needs.
+        let (sends, rest): (Vec<Effect>, Vec<Effect>) = effects
+            .into_iter()
+            .partition(|e| matches!(e, Effect::Send(..)));
+        self.apply_sends(sends);
+        for effect in rest {
             match effect {
                 Effect::Send(provider, message) => self.send(provider, message),
                 Effect::Running => self.set_status(job_id, JobStatus::Running, None).await,
@@ -723,13 +735,14 @@ impl Actor {
                     self.log(job_id, "epoch", message).await;
                 }
                 Effect::Checkpoint(weights) => {
-                    let path = checkpoint_path(&self.data_dir, job_id);
-                    match write_weights(path, weights).await {
-                        Ok(()) => self.log_sync(job_id).await,
-                        Err(error) => {
-                            tracing::error!(job = job_id, %error, "cannot write the checkpoint")
-                        }
-                    }
+                    let data_dir = &self.data_dir;
+                    self.checkpoints
+                        .entry(job_id)
+                        .or_insert_with(|| {
+                            CheckpointWriter::spawn(job_id, checkpoint_path(data_dir, job_id))
+                        })
+                        .save(weights);
+                    self.log_sync(job_id).await;
                 }
                 Effect::ResumePoint(point) => {
                     let now = now_ms();
@@ -999,6 +1012,7 @@ impl Actor {
         self.bans.remove(&job_id);
         self.short.remove(&job_id);
         self.resume_written.remove(&job_id);
+        self.checkpoints.remove(&job_id);
     }
 
     async fn set_status(&self, job_id: u64, status: JobStatus, detail: Option<String>) {
@@ -1064,8 +1078,8 @@ impl Actor {
             return;
         }
         let message = match *count {
-            1 => "parameters averaged across clusters; checkpoint written".to_string(),
-            n => format!("{n} syncs averaged parameters across clusters; checkpoint written"),
+            1 => "parameters averaged across clusters; checkpoint taken".to_string(),
+            n => format!("{n} syncs averaged parameters across clusters; checkpoint taken"),
         };
         *last = now;
         *count = 0;

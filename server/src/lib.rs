@@ -9,6 +9,7 @@
 pub mod admission;
 pub mod aggregate;
 pub mod auth;
+pub mod checkpoints;
 pub mod client;
 pub mod coordinator;
 pub mod datasets;

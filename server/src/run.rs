@@ -9,8 +9,10 @@
 //! batches are its own shard); every `sync_every` steps (and at each epoch's
 //! end) every cluster waits at the barrier and parameters are averaged by
 //! name, which is what makes C clusters with SGD equal one process with C
-//! times the batch. A step's metrics are recorded once every cluster has
-//! done it.
+//! times the batch. A single cluster has nothing to average, so its syncs
+//! (checkpoints only) run beside its next step instead of draining the
+//! pipeline, except at epoch ends and the last step. A step's metrics are
+//! recorded once every cluster has done it.
 //!
 //! Recovery: each sync is a checkpoint holding the averaged parameters and,
 //! per cluster, every stage's optimizer state as it stood (not averaged: in
@@ -261,6 +263,9 @@ pub struct JobRun {
     state: State,
     /// Steps done at the last sync: the checkpoint every rebuild starts from.
     synced: u64,
+    /// A sync whose uploads are still coming in while its only cluster trains
+    /// on (see [`JobRun::syncs_in_background`]): the steps it was taken at.
+    background_sync: Option<u64>,
     /// Steps whose record went out (every cluster did them).
     recorded: u64,
     /// When the current step's clock started: the previous record (so syncs
@@ -431,6 +436,7 @@ impl JobRun {
             uploads: BTreeMap::new(),
             state: State::Assigning,
             synced,
+            background_sync: None,
             recorded: synced,
             step_started: Instant::now(),
             bytes_relayed: 0,
@@ -577,7 +583,7 @@ impl JobRun {
                 self.synced
             ),
         }];
-        if let State::Syncing { .. } = self.state {
+        if matches!(self.state, State::Syncing { .. }) || self.background_sync.is_some() {
             // The sync needs this cluster's values at the barrier, which it must
             // replay to reach again; every cluster uploads afresh then.
             self.abandon_sync();
@@ -588,6 +594,7 @@ impl JobRun {
 
     fn abandon_sync(&mut self) {
         self.state = State::Training;
+        self.background_sync = None;
         self.uploads.clear();
         for run in &mut self.clusters {
             run.pending_optimizer.clear();
@@ -851,21 +858,46 @@ impl JobRun {
     fn barrier(&self) -> u64 {
         let spe = self.schedule.steps_per_epoch as u64;
         let every = self.spec.training.sync_every.max(1);
-        let next = |m: u64| (self.synced / m + 1) * m;
+        let last = self.background_sync.unwrap_or(self.synced);
+        let next = |m: u64| (last / m + 1) * m;
         next(every)
             .min(next(spe))
-            .min(self.total_steps.max(self.synced + 1))
+            .min(self.total_steps.max(last + 1))
     }
 
-    /// Starts the sync once every cluster waits at the barrier.
+    /// Starts the sync once every cluster waits at the barrier (and the one
+    /// before it is complete).
     fn at_barrier(&mut self) -> Vec<Effect> {
-        if self.state == State::Training
-            && self.clusters.iter().all(|r| r.state == ClusterState::Idle)
+        if self.state != State::Training
+            || self.background_sync.is_some()
+            || !self.clusters.iter().all(|r| r.state == ClusterState::Idle)
         {
-            self.start_sync(self.barrier())
-        } else {
-            Vec::new()
+            return Vec::new();
         }
+        let step_done = self.barrier();
+        if self.syncs_in_background(step_done) {
+            self.background_sync = Some(step_done);
+            let mut effects = self.request_uploads(step_done);
+            effects.extend(self.start_step(step_done));
+            effects
+        } else {
+            self.state = State::Syncing { step_done };
+            self.request_uploads(step_done)
+        }
+    }
+
+    /// Whether the sync at `step_done` may run while training goes on. With
+    /// one cluster there is nothing to average, so the next step needs no
+    /// new parameters: the sync only takes the checkpoint. Each stage
+    /// handles its messages in order, so `UploadParams` sent before the next
+    /// step's micro-batches uploads exactly the values after `step_done`
+    /// steps, and the pipeline does not drain and wait for a round trip of
+    /// uploads every step. Not at an epoch's end (the evaluation must see
+    /// the checkpoint) nor at the last step (the job's weights are the
+    /// checkpoint's).
+    fn syncs_in_background(&self, step_done: u64) -> bool {
+        let spe = self.schedule.steps_per_epoch as u64;
+        self.clusters.len() == 1 && !step_done.is_multiple_of(spe) && step_done < self.total_steps
     }
 
     fn current_phase_ok(&self, c: usize, phase: Phase) -> Result<(), String> {
@@ -1184,8 +1216,9 @@ impl JobRun {
         }
     }
 
-    fn start_sync(&mut self, step_done: u64) -> Vec<Effect> {
-        self.state = State::Syncing { step_done };
+    /// Asks every stage for its parameters (and optimizer state) after
+    /// `step_done` steps.
+    fn request_uploads(&mut self, step_done: u64) -> Vec<Effect> {
         self.uploads.clear();
         let mut effects = Vec::new();
         for run in &mut self.clusters {
@@ -1207,8 +1240,9 @@ impl JobRun {
     /// The sync in progress, if an upload of `what` stamped `step` belongs
     /// to it.
     fn sync_step_of(&self, what: &str, step: u64) -> Result<u64, Rejected> {
-        let State::Syncing { step_done } = self.state else {
-            return Err(format!("{what} arrived outside a sync").into());
+        let step_done = match (self.state, self.background_sync) {
+            (State::Syncing { step_done }, _) | (State::Training, Some(step_done)) => step_done,
+            _ => return Err(format!("{what} arrived outside a sync").into()),
         };
         if step != step_done {
             return Err(
@@ -1411,6 +1445,12 @@ impl JobRun {
         }
         effects.push(Effect::Checkpoint(self.weights()));
         effects.push(self.commit_sync(step_done));
+        if self.background_sync.take().is_some() {
+            // Training went on; the cluster may already wait at the next barrier.
+            effects.extend(self.at_barrier());
+            effects.extend(faults);
+            return effects;
+        }
         let spe = self.schedule.steps_per_epoch as u64;
         if step_done.is_multiple_of(spe)
             && let Some(eval) = self.start_eval(step_done / spe - 1)
@@ -2357,6 +2397,13 @@ units = 3
     /// 2 clusters of Root -> Leaf on providers 10..14, 32 samples in batches
     /// of 4: 4 steps per epoch, 2 epochs, a sync every 2 steps, and a test set.
     fn recovery_run(resume: Option<ResumePoint>) -> (JobRun, Vec<Effect>) {
+        recovery_run_with(2, resume)
+    }
+
+    /// As [`recovery_run`], with `clusters` clusters on providers 10.. (one
+    /// cluster: 8 steps per epoch).
+    fn recovery_run_with(clusters: usize, resume: Option<ResumePoint>) -> (JobRun, Vec<Effect>) {
+        let providers_end = 10 + 2 * clusters as u64;
         let graph = rookery_model::from_toml(MLP).unwrap();
         let mut spec = spec();
         spec.training.epochs = 2;
@@ -2368,7 +2415,7 @@ units = 3
             nesterov: false,
             weight_decay: 0.0,
         };
-        let providers: Vec<ProviderSpec> = (10..14)
+        let providers: Vec<ProviderSpec> = (10..providers_end)
             .map(|i| ProviderSpec {
                 id: i.to_string(),
                 kind: ProviderKind::Native,
@@ -2380,12 +2427,12 @@ units = 3
             .collect();
         let options = PlanOptions {
             micro_batch: 2,
-            clusters: ClusterCount::Fixed(2),
+            clusters: ClusterCount::Fixed(clusters),
             stages_per_cluster: Some(2),
             ..PlanOptions::default()
         };
         let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
-        let ids = (10..14).map(|i| (i.to_string(), i)).collect();
+        let ids = (10..providers_end).map(|i| (i.to_string(), i)).collect();
         let analysis = graph.analyze().unwrap();
         let test = Some(data(6));
         JobRun::start(
@@ -2438,6 +2485,75 @@ units = 3
             .count();
         assert_eq!(epochs, 2);
         assert!(sim.completed().is_some());
+    }
+
+    #[test]
+    fn a_single_cluster_trains_on_during_its_syncs_and_a_stage_lost_mid_sync_replays_from_the_one_before()
+     {
+        let single = |kill_during: Option<u64>| {
+            let (mut run, effects) = recovery_run_with(1, None);
+            let initial: BTreeMap<String, Vec<f32>> = run
+                .params
+                .iter()
+                .map(|(n, v)| (n.clone(), v.values.clone()))
+                .collect();
+            let mut sim = Sim::new(10..13);
+            sim.push(effects);
+            let mut overlapped = Vec::new();
+            while !run.is_over() {
+                sim.run_until(&mut run, |r| {
+                    r.background_sync.is_some_and(|s| !overlapped.contains(&s)) || r.is_over()
+                });
+                let Some(step) = run.background_sync else {
+                    break;
+                };
+                // The next step is under way while the sync's uploads are out.
+                assert_eq!(cluster_step(&run, 0), Some(step));
+                overlapped.push(step);
+                if kill_during == Some(step) {
+                    let leaf = run.clusters[0].stages[1].provider;
+                    sim.kill(&mut run, leaf);
+                    assert_eq!(run.background_sync, None, "the sync is abandoned");
+                    assert_eq!(run.synced, step - 2, "back to the sync before");
+                    sim.push(run.fill(0, 1, 12));
+                }
+            }
+            sim.run_until(&mut run, JobRun::is_over);
+            (sim, initial, overlapped)
+        };
+        let (reference, initial, overlapped) = single(None);
+        // 8 steps an epoch, a sync every 2: those at epoch ends block (the
+        // evaluation needs them), the others run beside the next step.
+        assert_eq!(overlapped, [2, 4, 6, 10, 12, 14]);
+        let steps: Vec<u64> = reference.steps().iter().map(|s| s.0).collect();
+        assert_eq!(steps, (0..16).collect::<Vec<_>>());
+        let resumes: Vec<&ResumePoint> = reference
+            .out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::ResumePoint(r) => Some(&**r),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            resumes.iter().map(|r| r.step).collect::<Vec<_>>(),
+            [2, 4, 6, 8, 10, 12, 14, 16]
+        );
+        // Each checkpoint holds the values after exactly its steps (the fake
+        // stages add 1 per step), not some of the next step's.
+        for point in &resumes {
+            for w in &point.params {
+                let expected: Vec<f32> = initial[&w.name]
+                    .iter()
+                    .map(|&v| (0..point.step).fold(v, |x, _| x + 1.0))
+                    .collect();
+                assert_eq!(w.values, expected, "`{}` at step {}", w.name, point.step);
+            }
+        }
+
+        let (disturbed, _, _) = single(Some(4));
+        assert_eq!(disturbed.steps(), reference.steps());
+        assert_eq!(disturbed.completed(), reference.completed());
     }
 
     #[test]

@@ -1,0 +1,89 @@
+//! Checkpoint files written off the coordinator's path. A job that syncs
+//! every step takes a checkpoint every step; writing it (and fsyncing it)
+//! inside the coordinator would hold up every relay behind the disk. Each
+//! job gets a writer task instead that always writes the newest checkpoint
+//! handed to it: checkpoints are written in order, and one superseded before
+//! its turn is skipped, so a slow disk costs freshness, never the training.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rookery_job::weights::{WeightTensor, write_safetensors};
+use tokio::sync::watch;
+
+/// The writer of one job's checkpoint file. Dropping it lets the task write
+/// what it was last given and end.
+pub struct CheckpointWriter {
+    latest: watch::Sender<Option<Arc<Vec<WeightTensor>>>>,
+}
+
+impl CheckpointWriter {
+    /// Starts the writer task of the checkpoint at `path` on the current
+    /// tokio runtime.
+    pub fn spawn(job_id: u64, path: PathBuf) -> Self {
+        let (latest, mut newest) = watch::channel(None::<Arc<Vec<WeightTensor>>>);
+        tokio::spawn(async move {
+            // `changed` sees a value sent just before the sender was dropped
+            // before it reports the channel closed.
+            while newest.changed().await.is_ok() {
+                let Some(weights) = newest.borrow_and_update().clone() else {
+                    continue;
+                };
+                let path = path.clone();
+                let written = tokio::task::spawn_blocking(move || {
+                    if let Some(dir) = path.parent() {
+                        std::fs::create_dir_all(dir)?;
+                    }
+                    write_safetensors(&path, &weights)
+                })
+                .await
+                .map_err(std::io::Error::other)
+                .and_then(|r| r);
+                if let Err(error) = written {
+                    tracing::error!(job = job_id, %error, "cannot write the checkpoint");
+                }
+            }
+        });
+        Self { latest }
+    }
+
+    /// Hands over the newest checkpoint; returns at once.
+    pub fn save(&self, weights: Vec<WeightTensor>) {
+        self.latest.send_replace(Some(Arc::new(weights)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_job::weights::read_safetensors;
+
+    fn weights(value: f32) -> Vec<WeightTensor> {
+        vec![WeightTensor::f32("w", vec![2], vec![value, value])]
+    }
+
+    #[tokio::test]
+    async fn the_file_ends_up_holding_the_newest_checkpoint_even_when_the_writer_is_dropped_at_once()
+     {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("job-1").join("checkpoint.safetensors");
+        let writer = CheckpointWriter::spawn(1, path.clone());
+        for step in 0..50 {
+            writer.save(weights(step as f32));
+        }
+        drop(writer);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            if let Ok(read) = read_safetensors(&path)
+                && read == weights(49.0)
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the newest checkpoint was never written"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+}
