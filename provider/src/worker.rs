@@ -291,18 +291,18 @@ fn restore_optimizer(
 /// and non-finite floats are refused.
 pub fn tensor_from_wire(t: &WireTensor) -> Result<Tensor, WorkerError> {
     let shape: Vec<i64> = t.shape.iter().map(|&d| i64::from(d)).collect();
+    if t.dtype == WireDType::F32 && cfg!(target_endian = "little") {
+        // Checked on the bytes and copied once: activations and gradients
+        // arrive for every micro-batch, and a pass over them costs as much as
+        // a small layer.
+        t.check()?;
+        return Ok(Tensor::f_from_data_size(&t.data, &shape, Kind::Float)?);
+    }
     let flat = match t.dtype {
         WireDType::I64 => Tensor::f_from_slice(&t.to_i64()?)?,
         WireDType::F32 | WireDType::F16 | WireDType::Bf16 => {
-            let values = t.to_f32()?;
-            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
-                return Err(TensorError::NotFinite {
-                    name: t.name.clone(),
-                    index,
-                }
-                .into());
-            }
-            Tensor::f_from_slice(&values)?
+            t.check()?;
+            Tensor::f_from_slice(&t.to_f32()?)?
         }
     };
     Ok(flat.f_reshape(shape.as_slice())?)
@@ -322,6 +322,17 @@ pub fn tensor_to_wire(name: &str, t: &Tensor, dtype: WireDType) -> Result<WireTe
             )));
         }
         let t = t.f_to_kind(Kind::Float)?.f_contiguous()?;
+        if dtype == WireDType::F32 && cfg!(target_endian = "little") {
+            // Straight into the wire bytes, one copy.
+            let mut bytes = vec![0u8; numel * 4];
+            t.f_copy_data_u8(&mut bytes, numel)?;
+            return Ok(WireTensor {
+                name: name.to_string(),
+                dtype,
+                shape: shape.iter().map(|&d| d as u32).collect(),
+                data: bytes.into(),
+            });
+        }
         let mut values = vec![0f32; numel];
         t.f_copy_data(&mut values, numel)?;
         Ok(WireTensor::from_f32(name, &shape, &values, dtype))

@@ -432,19 +432,25 @@ async fn send_frame<Si: Sink<Message> + Unpin>(
 /// Measures a provider's link once, right after `Welcome`: an empty probe
 /// times the round trip, then a [`LinkProbe::BYTES`] probe times the round
 /// trip plus the transfer; the difference gives the bandwidth the planner
-/// weighs boundary tensors with.
+/// weighs boundary tensors with. Up to [`LinkProbe::ROUNDS`] such pairs are
+/// timed, while they fit in [`LinkProbe::BUDGET`], and the quickest of each
+/// kind counts: a provider connects while it (and its neighbours) are still
+/// starting, and other work can only make a probe slower. (Differences of
+/// single rounds are no good: one slow empty probe makes the link look
+/// boundless.)
 #[derive(Debug, Default)]
-enum LinkProbe {
-    #[default]
-    NotStarted,
-    Empty {
-        sent: tokio::time::Instant,
-    },
-    Full {
-        sent: tokio::time::Instant,
-        round_trip: std::time::Duration,
-    },
-    Done,
+struct LinkProbe {
+    began: Option<tokio::time::Instant>,
+    awaiting: Option<AwaitedProbe>,
+    quickest_empty: Option<std::time::Duration>,
+    quickest_full: Option<std::time::Duration>,
+}
+
+#[derive(Debug)]
+struct AwaitedProbe {
+    /// Even: an empty probe; odd: the full one of the same round.
+    seq: u32,
+    sent: tokio::time::Instant,
 }
 
 enum ProbeNext {
@@ -460,38 +466,53 @@ impl LinkProbe {
     /// What a measurement is clamped to, in Mbit/s: timer resolution makes
     /// loopback look unboundedly fast.
     const RANGE: (f64, f64) = (1.0, 100_000.0);
+    const ROUNDS: u32 = 3;
+    /// No round starts after probing has taken this long (a slow link is
+    /// timed once).
+    const BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
     fn start(&mut self) -> ToProvider {
-        *self = LinkProbe::Empty {
-            sent: tokio::time::Instant::now(),
+        let now = tokio::time::Instant::now();
+        self.began = Some(now);
+        self.send(0, now)
+    }
+
+    fn send(&mut self, seq: u32, now: tokio::time::Instant) -> ToProvider {
+        self.awaiting = Some(AwaitedProbe { seq, sent: now });
+        let padding = if !seq.is_multiple_of(2) {
+            vec![0; Self::BYTES].into()
+        } else {
+            Default::default()
         };
-        ToProvider::Probe {
-            seq: 0,
-            padding: Default::default(),
-        }
+        ToProvider::Probe { seq, padding }
     }
 
     fn acknowledged(&mut self, seq: u32) -> ProbeNext {
         let now = tokio::time::Instant::now();
-        match (&*self, seq) {
-            (LinkProbe::Empty { sent }, 0) => {
-                *self = LinkProbe::Full {
-                    sent: now,
-                    round_trip: now - *sent,
-                };
-                ProbeNext::Send(ToProvider::Probe {
-                    seq: 1,
-                    padding: vec![0; Self::BYTES].into(),
-                })
-            }
-            (LinkProbe::Full { sent, round_trip }, 1) => {
-                let transfer = (now - *sent).saturating_sub(*round_trip).as_secs_f64();
-                let mbps = (Self::BYTES * 8) as f64 / transfer.max(1e-9) / 1e6;
-                *self = LinkProbe::Done;
-                ProbeNext::Measured(mbps.clamp(Self::RANGE.0, Self::RANGE.1))
-            }
-            _ => ProbeNext::Ignore,
+        let Some(awaited) = self.awaiting.take_if(|a| a.seq == seq) else {
+            return ProbeNext::Ignore;
+        };
+        let took = now - awaited.sent;
+        let quickest = if seq.is_multiple_of(2) {
+            &mut self.quickest_empty
+        } else {
+            &mut self.quickest_full
+        };
+        *quickest = Some(quickest.map_or(took, |q| q.min(took)));
+        if seq.is_multiple_of(2) {
+            return ProbeNext::Send(self.send(seq + 1, now));
         }
+        let rounds = seq / 2 + 1;
+        let within_budget = self.began.is_some_and(|b| now - b < Self::BUDGET);
+        if rounds < Self::ROUNDS && within_budget {
+            return ProbeNext::Send(self.send(seq + 1, now));
+        }
+        let (Some(empty), Some(full)) = (self.quickest_empty, self.quickest_full) else {
+            return ProbeNext::Ignore;
+        };
+        let transfer = full.saturating_sub(empty).as_secs_f64();
+        let mbps = (Self::BYTES * 8) as f64 / transfer.max(1e-9) / 1e6;
+        ProbeNext::Measured(mbps.clamp(Self::RANGE.0, Self::RANGE.1))
     }
 }
 
@@ -694,7 +715,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_link_is_probed_once_and_its_bandwidth_recorded() {
+    async fn the_link_is_probed_in_rounds_and_its_best_bandwidth_recorded() {
         let state = state();
         let replies = run_all(
             &state,
@@ -704,7 +725,14 @@ mod tests {
                 binary(&ToServer::ProbeAck { seq: 7 }),
                 binary(&ToServer::ProbeAck { seq: 0 }),
                 binary(&ToServer::ProbeAck { seq: 1 }),
+                // A repeated answer is ignored too.
                 binary(&ToServer::ProbeAck { seq: 1 }),
+                binary(&ToServer::ProbeAck { seq: 2 }),
+                binary(&ToServer::ProbeAck { seq: 3 }),
+                binary(&ToServer::ProbeAck { seq: 4 }),
+                binary(&ToServer::ProbeAck { seq: 5 }),
+                // Three rounds are all there is.
+                binary(&ToServer::ProbeAck { seq: 6 }),
                 Ok(Message::Close(None)),
             ],
         )
@@ -719,7 +747,11 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(probes, vec![(0, 0), (1, LinkProbe::BYTES)]);
+        let round = [(0, 0), (1, LinkProbe::BYTES)];
+        let rounds: Vec<(u32, usize)> = (0..LinkProbe::ROUNDS)
+            .flat_map(|r| round.map(|(seq, len)| (seq + 2 * r, len)))
+            .collect();
+        assert_eq!(probes, rounds);
         let record = providers::get(&state.db, 1).await.unwrap().unwrap();
         let mbps = record.bandwidth_mbps.expect("measured");
         assert!(

@@ -4,8 +4,10 @@
 //!
 //! Cost model, per micro-batch of `b` samples and stage = nodes `[i, j)`:
 //! - compute: (forward + backward FLOPs + a memory-traffic charge per output
-//!   byte, [`MEMORY_FLOPS_PER_OUTPUT_BYTE`]) * b / provider FLOP/s (backward is
-//!   2x forward unless an op says otherwise, so usually 3x forward);
+//!   byte, [`MEMORY_FLOPS_PER_OUTPUT_BYTE`], + the CPU cost of the bytes
+//!   crossing the stage's cuts, [`WIRE_FLOPS_PER_BYTE`]) * b / provider
+//!   FLOP/s (backward is 2x forward unless an op says otherwise, so usually
+//!   3x forward);
 //! - transfer: the tensors crossing the stage's two cuts, activations forward and
 //!   their gradients back (the graph inputs only forward, the outputs stay on the
 //!   Leaf for the loss), over the provider's link;
@@ -50,6 +52,17 @@ use crate::graph::{Analysis, DType, Graph};
 /// its FLOP estimate, the conv-heavy stage after it 0.6x; without this term
 /// the planner put both convolutions on one stage and left the others idle.
 pub const MEMORY_FLOPS_PER_OUTPUT_BYTE: f64 = 16.0;
+
+/// What one byte crossing a cut costs each of the two stages beside it, in
+/// FLOP-equivalents of their own CPU, per micro-batch: the sender copies
+/// the tensor into wire bytes and frames (and, as a WebSocket client, masks)
+/// them; the receiver reads, checks and copies them into a tensor. Measured
+/// with libtorch on the CPU: about 0.4 ns a byte for both sides together,
+/// some 40 FLOPs at the 100 GFLOP/s a core measures. This is CPU, not link
+/// time, so it adds to compute rather than overlapping it; without it the
+/// planner cut the demo's CNN where tensors were largest and relayed 4.8 MB
+/// a step to save less compute than the copies cost.
+pub const WIRE_FLOPS_PER_BYTE: f64 = 20.0;
 
 /// Group sizes up to which every provider ordering is tried (5! = 120 orderings).
 pub const EXACT_PERMUTATIONS_UP_TO: usize = 5;
@@ -342,7 +355,8 @@ impl Costs {
     }
 
     fn compute_s(&self, i: usize, j: usize, p: &ProviderSpec) -> f64 {
-        (self.flops[j] - self.flops[i]) * self.mb / (p.gflops * 1e9)
+        let wire = WIRE_FLOPS_PER_BYTE * (self.cut_send[i] + self.cut_send[j]) as f64;
+        (self.flops[j] - self.flops[i] + wire) * self.mb / (p.gflops * 1e9)
     }
 
     fn transfer_s(&self, i: usize, j: usize, p: &ProviderSpec) -> f64 {
