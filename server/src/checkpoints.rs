@@ -2,14 +2,22 @@
 //! every step takes a checkpoint every step; writing it (and fsyncing it)
 //! inside the coordinator would hold up every relay behind the disk. Each
 //! job gets a writer task instead that always writes the newest checkpoint
-//! handed to it: checkpoints are written in order, and one superseded before
-//! its turn is skipped, so a slow disk costs freshness, never the training.
+//! handed to it, at most every [`WRITE_EVERY`]: checkpoints are written in
+//! order, and one superseded before its turn is skipped, so a slow disk costs
+//! freshness, never the training. (Recovery does not read this file: a lost
+//! provider's cluster restarts from the checkpoint in memory, a restarted
+//! server from the resume file.)
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use rookery_job::weights::{WeightTensor, write_safetensors};
 use tokio::sync::watch;
+
+/// The least time between the starts of two writes of one job's file: a
+/// job that syncs every few milliseconds would otherwise keep a core busy
+/// serialising and fsyncing copies nobody reads.
+pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_millis(1000);
 
 /// The writer of one job's checkpoint file. Dropping it lets the task write
 /// what it was last given and end.
@@ -29,6 +37,7 @@ impl CheckpointWriter {
                 let Some(weights) = newest.borrow_and_update().clone() else {
                     continue;
                 };
+                let started = tokio::time::Instant::now();
                 let path = path.clone();
                 let written = tokio::task::spawn_blocking(move || {
                     if let Some(dir) = path.parent() {
@@ -42,6 +51,7 @@ impl CheckpointWriter {
                 if let Err(error) = written {
                     tracing::error!(job = job_id, %error, "cannot write the checkpoint");
                 }
+                tokio::time::sleep_until(started + WRITE_EVERY).await;
             }
         });
         Self { latest }
