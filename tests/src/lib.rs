@@ -8,6 +8,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -80,6 +81,20 @@ impl Process {
 impl Drop for Process {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A child that leads a process group of its own; the whole group dies with
+/// the handle.
+#[derive(Debug)]
+pub struct ProcessGroup(Process);
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.0.0.id())])
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
@@ -350,7 +365,7 @@ pub const CHROMIUM_FLAGS: &[&str] = &[
 #[derive(Debug)]
 pub struct Browser {
     pub client: fantoccini::Client,
-    _driver: Process,
+    _driver: ProcessGroup,
     _profile: tempfile::TempDir,
 }
 
@@ -375,16 +390,19 @@ impl Browser {
         let chromium =
             std::env::var("ROOKERY_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
         let port = free_port()?;
-        let driver = Process(
+        let driver = ProcessGroup(Process(
             Command::new(&chromedriver)
                 .arg(format!("--port={port}"))
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
+                // Chromium is chromedriver's child: a test that fails before
+                // closing its session must not leave it running.
+                .process_group(0)
                 .spawn()
                 .with_context(|| {
                     format!("starting {chromedriver} (cargo xtask setup installs it)")
                 })?,
-        );
+        ));
         let profile = tempfile::tempdir()?;
         let mut args: Vec<String> = CHROMIUM_FLAGS
             .iter()
