@@ -354,14 +354,16 @@ fn planner_boundary_sets_drive_the_executors() {
             max_buffer_bytes: None,
         })
         .collect();
+    // Three stages asked for: the cuts, not whether cutting pays, are under test.
     let opts = PlanOptions {
         micro_batch: 4,
         clusters: ClusterCount::Fixed(1),
+        stages_per_cluster: Some(3),
         ..PlanOptions::default()
     };
     let plan = clusterize(&g, &provs, &opts).unwrap();
     let stages = &plan.clusters[0].stages;
-    assert!(stages.len() > 1, "{stages:?}");
+    assert_eq!(stages.len(), 3, "{stages:?}");
     let params = init_params(&g, 0);
     for s in stages {
         let outs: Vec<String> = s.outputs.iter().map(|b| b.name.clone()).collect();
