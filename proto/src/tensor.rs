@@ -126,14 +126,21 @@ impl WireTensor {
     ) -> Self {
         // The loops live in functions that are not generic, so they are
         // compiled here, with this crate's optimisation, not in every caller.
-        Self::raw(name, shape, dtype, encode_f32(values, dtype))
+        Self::from_le_bytes(name, shape, dtype, encode_f32(values, dtype))
     }
 
     pub fn from_i64(name: impl Into<String>, shape: &[usize], values: &[i64]) -> Self {
-        Self::raw(name, shape, WireDType::I64, encode_i64(values))
+        Self::from_le_bytes(name, shape, WireDType::I64, encode_i64(values))
     }
 
-    fn raw(name: impl Into<String>, shape: &[usize], dtype: WireDType, data: Vec<u8>) -> Self {
+    /// A tensor whose elements are already `dtype`'s little-endian bytes
+    /// (copied out of a device tensor, say); not checked against the shape.
+    pub fn from_le_bytes(
+        name: impl Into<String>,
+        shape: &[usize],
+        dtype: WireDType,
+        data: Vec<u8>,
+    ) -> Self {
         WireTensor {
             name: name.into(),
             dtype,

@@ -326,12 +326,7 @@ pub fn tensor_to_wire(name: &str, t: &Tensor, dtype: WireDType) -> Result<WireTe
             // Straight into the wire bytes, one copy.
             let mut bytes = vec![0u8; numel * 4];
             t.f_copy_data_u8(&mut bytes, numel)?;
-            return Ok(WireTensor {
-                name: name.to_string(),
-                dtype,
-                shape: shape.iter().map(|&d| d as u32).collect(),
-                data: bytes.into(),
-            });
+            return Ok(WireTensor::from_le_bytes(name, &shape, dtype, bytes));
         }
         let mut values = vec![0f32; numel];
         t.f_copy_data(&mut values, numel)?;

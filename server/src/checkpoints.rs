@@ -22,14 +22,14 @@ pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_millis(10
 /// The writer of one job's checkpoint file. Dropping it lets the task write
 /// what it was last given and end.
 pub struct CheckpointWriter {
-    latest: watch::Sender<Option<Arc<Vec<WeightTensor>>>>,
+    latest: watch::Sender<Option<Arc<[WeightTensor]>>>,
 }
 
 impl CheckpointWriter {
     /// Starts the writer task of the checkpoint at `path` on the current
     /// tokio runtime.
     pub fn spawn(job_id: u64, path: PathBuf) -> Self {
-        let (latest, mut newest) = watch::channel(None::<Arc<Vec<WeightTensor>>>);
+        let (latest, mut newest) = watch::channel(None::<Arc<[WeightTensor]>>);
         tokio::spawn(async move {
             // `changed` sees a value sent just before the sender was dropped
             // before it reports the channel closed.
@@ -38,17 +38,7 @@ impl CheckpointWriter {
                     continue;
                 };
                 let started = tokio::time::Instant::now();
-                let path = path.clone();
-                let written = tokio::task::spawn_blocking(move || {
-                    if let Some(dir) = path.parent() {
-                        std::fs::create_dir_all(dir)?;
-                    }
-                    write_safetensors(&path, &weights)
-                })
-                .await
-                .map_err(std::io::Error::other)
-                .and_then(|r| r);
-                if let Err(error) = written {
+                if let Err(error) = write_weights(path.clone(), weights).await {
                     tracing::error!(job = job_id, %error, "cannot write the checkpoint");
                 }
                 tokio::time::sleep_until(started + WRITE_EVERY).await;
@@ -59,8 +49,24 @@ impl CheckpointWriter {
 
     /// Hands over the newest checkpoint; returns at once.
     pub fn save(&self, weights: Vec<WeightTensor>) {
-        self.latest.send_replace(Some(Arc::new(weights)));
+        self.latest.send_replace(Some(Arc::from(weights)));
     }
+}
+
+/// Writes `weights` as a safetensors file at `path` (atomically, creating
+/// its folder) on a blocking thread.
+pub async fn write_weights(
+    path: PathBuf,
+    weights: impl AsRef<[WeightTensor]> + Send + 'static,
+) -> std::io::Result<()> {
+    tokio::task::spawn_blocking(move || {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        write_safetensors(&path, weights.as_ref())
+    })
+    .await
+    .map_err(std::io::Error::other)?
 }
 
 #[cfg(test)]

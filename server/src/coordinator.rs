@@ -10,14 +10,13 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rookery_job::JobSpec;
-use rookery_job::weights::{WeightTensor, write_safetensors};
 use rookery_model::{PlanOptions, ProviderKind, ProviderSpec};
 use rookery_proto::api::{EpochMetric, JobEvent, JobEventBody, LogEntry, ProviderWork};
 use rookery_proto::stream::{self, Payload};
 use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::checkpoints::CheckpointWriter;
+use crate::checkpoints::{CheckpointWriter, write_weights};
 use crate::db::Db;
 use crate::jobs::{self, JobStatus, LogRecord};
 use crate::now_ms;
@@ -1154,17 +1153,6 @@ pub fn checkpoint_path(data_dir: &Path, job_id: u64) -> PathBuf {
 
 pub fn weights_path(data_dir: &Path, job_id: u64) -> PathBuf {
     job_dir(data_dir, job_id).join("weights.safetensors")
-}
-
-async fn write_weights(path: PathBuf, weights: Vec<WeightTensor>) -> std::io::Result<()> {
-    tokio::task::spawn_blocking(move || {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        write_safetensors(&path, &weights)
-    })
-    .await
-    .map_err(std::io::Error::other)?
 }
 
 #[cfg(test)]
