@@ -38,8 +38,10 @@ pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
 /// The WebSocket path providers connect to.
 pub const PROVIDER_WS_PATH: &str = "/ws/provider";
 
-/// What kind of machine a provider is.
+/// What kind of machine a provider is (the planner weighs browsers' usually
+/// smaller memory and speed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ProviderKind {
     /// A `rookery-provider` process (libtorch on CPU or CUDA).
     Native,

@@ -95,7 +95,7 @@ pub fn host_memory_bytes() -> u64 {
         .unwrap_or(0)
 }
 
-/// The plain-Rust CPU reference kernels from `rookery-shared`: slow, but
+/// The plain-Rust CPU reference kernels from `rookery-kernels`: slow, but
 /// available everywhere, so a build without libtorch still runs.
 #[derive(Debug)]
 pub struct ReferenceBackend;
@@ -106,10 +106,10 @@ impl Backend for ReferenceBackend {
         let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32).collect();
         let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32).collect();
         let gflops = measure_gflops(
-            rookery_shared::kernels::matmul_flops(n, n, n),
+            rookery_kernels::matmul_flops(n, n, n),
             Duration::from_millis(200),
             || {
-                std::hint::black_box(rookery_shared::kernels::matmul_reference(&a, &b, n, n, n));
+                std::hint::black_box(rookery_kernels::matmul_reference(&a, &b, n, n, n));
             },
         )?;
         Ok(DeviceProfile {
@@ -183,7 +183,7 @@ pub mod torch {
             let b = Tensor::randn([n, n], options);
             let device = self.device;
             let gflops = measure_gflops(
-                rookery_shared::kernels::matmul_flops(n as usize, n as usize, n as usize),
+                rookery_kernels::matmul_flops(n as usize, n as usize, n as usize),
                 Duration::from_millis(300),
                 || {
                     let c = a.matmul(&b);

@@ -1,4 +1,4 @@
-//! The kernels' CPU references (`rookery_shared::kernels`), which the GPU
+//! The kernels' CPU references (`rookery_kernels`), which the GPU
 //! kernels are checked against natively and in the browser, checked in turn
 //! against libtorch: forward values and autograd gradients on random shapes
 //! with odd sizes, and the optimizers against this crate's torch.optim port.
@@ -13,20 +13,18 @@
 #![allow(clippy::unwrap_used)]
 
 use proptest::prelude::*;
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Operand, UNARIES, Unary};
+use rookery_kernels::gemm::{Linear, MatMul};
+use rookery_kernels::loss::{CrossEntropy, Mse};
+use rookery_kernels::norm::{BatchNorm, LayerNorm};
+use rookery_kernels::optim::{Optimizer, optimizer_cases};
+use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
+use rookery_kernels::reduce::Softmax;
+use rookery_kernels::sample_matrix;
+use rookery_kernels::shape::{Concat, Gather, Transpose};
 use rookery_model::OptimizerConfig;
 use rookery_provider::exec::Optimizer as TorchOptimizer;
-use rookery_shared::kernels::conv::Conv2d;
-use rookery_shared::kernels::elementwise::{
-    BINARY_OPS, BinaryOp, Broadcast, Operand, UNARIES, Unary,
-};
-use rookery_shared::kernels::gemm::{Linear, MatMul};
-use rookery_shared::kernels::loss::{CrossEntropy, Mse};
-use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
-use rookery_shared::kernels::optim::{Optimizer, optimizer_cases};
-use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
-use rookery_shared::kernels::reduce::Softmax;
-use rookery_shared::kernels::sample_matrix;
-use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
 use tch::{Kind, Reduction, Tensor};
 
 /// One f32 rounding of a handful of operations, relative to max(1, |want|).

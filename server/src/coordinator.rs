@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rookery_job::JobSpec;
-use rookery_model::{PlanOptions, ProviderKind, ProviderSpec};
+use rookery_plan::{PlanOptions, ProviderSpec};
 use rookery_proto::api::{EpochMetric, JobEvent, JobEventBody, LogEntry, ProviderWork};
 use rookery_proto::stream::{self, Payload};
 use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
@@ -106,10 +106,7 @@ impl LiveProvider {
         }
         Some(ProviderSpec {
             id: self.id.to_string(),
-            kind: match self.hello.kind {
-                rookery_proto::ProviderKind::Native => ProviderKind::Native,
-                rookery_proto::ProviderKind::Browser => ProviderKind::Browser,
-            },
+            kind: self.hello.kind,
             memory_bytes: self.hello.memory_bytes,
             gflops: self.hello.gflops,
             bandwidth_mbps: self.bandwidth_mbps?,
@@ -523,7 +520,7 @@ impl Actor {
                 // job keeps it; the stages may be cut differently.
                 options.clusters = rookery_model::ClusterCount::Fixed(resume.optimizer.len());
             }
-            let plan = match rookery_model::clusterize(&prepared.graph, &specs, &options) {
+            let plan = match rookery_plan::clusterize(&prepared.graph, &specs, &options) {
                 Ok(plan) => plan,
                 Err(error) => {
                     self.wait(job.id, format!("waiting for providers: {error}"))

@@ -514,7 +514,7 @@ pub async fn plan(
         ));
     }
     let options = coordinator::plan_options(&prepared.spec);
-    let plan = rookery_model::clusterize(&prepared.graph, &specs, &options).map_err(|e| {
+    let plan = rookery_plan::clusterize(&prepared.graph, &specs, &options).map_err(|e| {
         AppError::Conflict(format!(
             "the {} idle providers cannot take this job now: {e}",
             specs.len()

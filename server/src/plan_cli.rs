@@ -4,7 +4,8 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use rookery_model::{ClusterCount, Graph, PlanOptions, ProviderKind, ProviderSpec};
+use rookery_model::{ClusterCount, Graph};
+use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec};
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -21,11 +22,11 @@ pub enum PlanCliError {
     /// The planner's own message says which constraint failed; it is shown
     /// inline rather than as a `source` so error chains print it once.
     #[error("no plan fits: {0}")]
-    Plan(rookery_model::PlanError),
+    Plan(rookery_plan::PlanError),
 }
 
-impl From<rookery_model::PlanError> for PlanCliError {
-    fn from(error: rookery_model::PlanError) -> Self {
+impl From<rookery_plan::PlanError> for PlanCliError {
+    fn from(error: rookery_plan::PlanError) -> Self {
         PlanCliError::Plan(error)
     }
 }
@@ -176,12 +177,12 @@ pub fn plan(
         clusters,
         ..PlanOptions::default()
     };
-    let plan = rookery_model::clusterize(&graph, &providers, &options)?;
+    let plan = rookery_plan::clusterize(&graph, &providers, &options)?;
     Ok(if json {
         // The plan is plain data; serialising it cannot fail.
         plan.to_json().unwrap_or_default()
     } else {
-        rookery_model::render(&plan)
+        rookery_plan::render(&plan)
     })
 }
 

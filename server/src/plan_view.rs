@@ -4,10 +4,10 @@
 
 use std::collections::HashMap;
 
-use rookery_model::plan::{Plan, StageRole};
 use rookery_model::{Graph, ParamKind};
+use rookery_plan::{Plan, StageRole};
+use rookery_proto::Hello;
 use rookery_proto::api::{ClusterView, PlanView, StageView};
-use rookery_proto::{Hello, ProviderKind};
 
 pub fn role_word(role: StageRole) -> &'static str {
     match role {
@@ -43,10 +43,7 @@ pub fn plan_view(plan: &Plan, graph: &Graph, who: &HashMap<String, (u64, Hello)>
                         provider_name: hello
                             .map(|h| h.display_name.clone())
                             .unwrap_or_else(|| stage.provider.clone()),
-                        provider_kind: match stage.provider_kind {
-                            rookery_model::ProviderKind::Native => ProviderKind::Native,
-                            rookery_model::ProviderKind::Browser => ProviderKind::Browser,
-                        },
+                        provider_kind: stage.provider_kind,
                         device: hello.map(|h| h.device.clone()).unwrap_or_default(),
                         provider_memory_bytes: stage.provider_memory_bytes,
                         nodes: stage.nodes.len() as u64,

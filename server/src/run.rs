@@ -33,7 +33,8 @@ use rookery_job::weights::WeightTensor;
 use rookery_job::{
     Aggregation, Dataset, JobSpec, Labels, Schedule, epoch_permutation, micro_batch_ranges,
 };
-use rookery_model::{Analysis, DType, Graph, Init, ParamKind, Plan};
+use rookery_model::{Analysis, DType, Graph, Init, ParamKind};
+use rookery_plan::Plan;
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
     ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType, WireTensor,
@@ -1664,9 +1665,8 @@ fn wire_dtype(d: rookery_job::WireDType) -> WireDType {
 mod tests {
     use super::*;
     use rookery_job::{DataFormat, DataRef, DataSpec, ModelSection, ModelSource, TrainingSpec};
-    use rookery_model::{
-        ClusterCount, Loss, OptimizerConfig, PlanOptions, ProviderKind, ProviderSpec,
-    };
+    use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+    use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec};
 
     const MLP: &str = r#"
 input_shape = [4]
@@ -1751,7 +1751,7 @@ units = 3
             stages_per_cluster: Some(2),
             ..PlanOptions::default()
         };
-        let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
+        let plan = rookery_plan::clusterize(&graph, &providers, &options).unwrap();
         let ids = ids.map(|i| (i.to_string(), i)).collect();
         let analysis = graph.analyze().unwrap();
         JobRun::start(
@@ -2431,7 +2431,7 @@ units = 3
             stages_per_cluster: Some(2),
             ..PlanOptions::default()
         };
-        let plan = rookery_model::clusterize(&graph, &providers, &options).unwrap();
+        let plan = rookery_plan::clusterize(&graph, &providers, &options).unwrap();
         let ids = (10..providers_end).map(|i| (i.to_string(), i)).collect();
         let analysis = graph.analyze().unwrap();
         let test = Some(data(6));

@@ -16,9 +16,9 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use rookery_shared::kernels::conv::Conv2d;
-use rookery_shared::kernels::gemm::{DEFAULT_PER_THREAD, Linear, MatMul};
-use rookery_shared::kernels::{GpuBuffer, GpuContext, KernelSpec, sample_matrix};
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::gemm::{DEFAULT_PER_THREAD, Linear, MatMul};
+use rookery_kernels::{GpuBuffer, GpuContext, KernelSpec, sample_matrix};
 use tch::{Device, Kind, Tensor};
 
 /// Target seconds of timed work per measurement.

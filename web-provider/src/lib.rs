@@ -1,5 +1,5 @@
 //! Rookery's browser provider: finds a WebGPU adapter through wgpu, measures it
-//! with the matmul kernel from `rookery-shared`, and joins the server over the
+//! with the matmul kernel from `rookery-kernels`, and joins the server over the
 //! same WebSocket protocol as native providers. Compiled to wasm32 and used by
 //! the dashboard's Donate page.
 //!

@@ -5,13 +5,11 @@
 // Natively only the tests call most of this; the browser glue is wasm-only.
 #![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
 
+use rookery_kernels::{GpuContext, GpuError, MATMUL_REL_TOLERANCE, check_matmul, sample_matrix};
 use rookery_proto::stream::{self, Assembler};
 use rookery_proto::{
     DEFAULT_MAX_FRAME_BYTES, EncodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION,
     PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer,
-};
-use rookery_shared::kernels::{
-    GpuContext, GpuError, MATMUL_REL_TOLERANCE, check_matmul, sample_matrix,
 };
 
 /// Side of the benchmark matmul: big enough to keep a GPU busy, small enough
@@ -214,7 +212,7 @@ pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
         }
         Err(error) => return Err(error),
     };
-    let flops = rookery_shared::kernels::matmul_flops(
+    let flops = rookery_kernels::matmul_flops(
         BENCHMARK_N as usize,
         BENCHMARK_N as usize,
         BENCHMARK_N as usize,
@@ -236,12 +234,12 @@ pub(crate) fn measure_cpu_gflops(now_ms: impl Fn() -> f64) -> f64 {
     const N: usize = 96;
     let a = sample_matrix(N * N, 1);
     let b = sample_matrix(N * N, 2);
-    let flops = rookery_shared::kernels::matmul_flops(N, N, N);
+    let flops = rookery_kernels::matmul_flops(N, N, N);
     let started = now_ms();
     let mut runs = 0u32;
     // At least 50 ms, so a coarse clock still measures something.
     while runs < 2 || now_ms() - started < 50.0 {
-        std::hint::black_box(rookery_shared::kernels::matmul_reference(&a, &b, N, N, N));
+        std::hint::black_box(rookery_kernels::matmul_reference(&a, &b, N, N, N));
         runs += 1;
     }
     let seconds = ((now_ms() - started) / 1e3).max(1e-6);

@@ -1,4 +1,4 @@
-//! Browser tests: the matmul kernel of `rookery-shared` on real WebGPU
+//! Browser tests: the matmul kernel of `rookery-kernels` on real WebGPU
 //! (headless Chromium, SwiftShader) against the CPU reference, and the
 //! donation flow up to the WebSocket. They fail, not skip, without a WebGPU
 //! adapter. Run from `web-provider/` with
@@ -15,7 +15,7 @@ use std::rc::Rc;
 
 use futures_util::future::{Either, select};
 use gloo_timers::future::TimeoutFuture;
-use rookery_shared::kernels::{
+use rookery_kernels::{
     GpuContext, MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul,
     sample_matrix,
 };

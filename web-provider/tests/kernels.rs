@@ -1,15 +1,15 @@
-//! Every kernel of `rookery_shared::kernels` on real WebGPU (headless
+//! Every kernel of `rookery_kernels` on real WebGPU (headless
 //! Chromium) against its CPU reference: the same [`checks::standard_checks`]
-//! the native harness (`shared/tests/gpu_kernels.rs`) runs on lavapipe, so
+//! the native harness (`shared/kernels/tests/gpu_kernels.rs`) runs on lavapipe, so
 //! the browser and native backends pass the very same cases. Fails, not
 //! skips, without a WebGPU adapter. Run like `browser.rs` (see there).
 #![cfg(target_arch = "wasm32")]
 // Clippy's test exemption only knows `#[test]`, not `#[wasm_bindgen_test]`.
 #![allow(clippy::unwrap_used)]
 
-use rookery_shared::kernels::GpuContext;
-use rookery_shared::kernels::checks;
-use rookery_shared::kernels::elementwise::Unary;
+use rookery_kernels::GpuContext;
+use rookery_kernels::checks;
+use rookery_kernels::elementwise::Unary;
 use wasm_bindgen_test::{console_log, wasm_bindgen_test, wasm_bindgen_test_configure};
 
 wasm_bindgen_test_configure!(run_in_browser);

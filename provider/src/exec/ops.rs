@@ -4,8 +4,8 @@
 //! (see [`dropout_noise`]) so that any split of a batch into stages and
 //! micro-batches draws the same mask as one pass over the whole batch.
 
+use rookery_kernels::dropout;
 use rookery_model::Op;
-use rookery_shared::kernels::dropout;
 use tch::{Kind, Tensor};
 
 /// Why one op failed; the executor adds the node name and op.
@@ -294,7 +294,7 @@ fn gather(data: &Tensor, indices: &Tensor, a: i64) -> OpResult {
 
 /// The dropout multiplier (0 or `1 / (1 - p)`, as ATen's `input * noise`), drawn
 /// so a pipeline and a single process agree, by the rules of
-/// `rookery_shared::kernels::dropout` (which our WGSL kernel follows too);
+/// `rookery_kernels::dropout` (which our WGSL kernel follows too);
 /// dimension 0 is the batch.
 pub(crate) fn dropout_noise(x: &Tensor, p: f32, ctx: &OpContext<'_>) -> OpResult {
     let size = x.size();

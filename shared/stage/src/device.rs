@@ -120,7 +120,7 @@ pub use gpu::GpuDevice;
 
 #[cfg(feature = "gpu")]
 mod gpu {
-    use rookery_shared::kernels::{GpuBuffer, GpuContext, KernelSpec};
+    use rookery_kernels::{GpuBuffer, GpuContext, KernelSpec};
 
     use super::{BoundCall, Device};
     use crate::StageError;
@@ -147,7 +147,7 @@ mod gpu {
         }
     }
 
-    fn gpu_error(e: rookery_shared::kernels::GpuError) -> StageError {
+    fn gpu_error(e: rookery_kernels::GpuError) -> StageError {
         StageError::Device(e.to_string())
     }
 

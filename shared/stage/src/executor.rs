@@ -13,10 +13,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
+use rookery_kernels::dropout;
+use rookery_kernels::optim::Optimizer;
+use rookery_kernels::spec::numel;
 use rookery_model::{DType, Graph, ParamKind, Source, StageLayout};
-use rookery_shared::kernels::dropout;
-use rookery_shared::kernels::optim::Optimizer;
-use rookery_shared::kernels::spec::numel;
 
 use crate::device::{BoundCall, Device};
 use crate::kernel::Kernel;

@@ -6,17 +6,17 @@
 //! The few kernels the executor needs for its own bookkeeping (copy, add into,
 //! fill) are generated here with the kernel crate's 1-D helper.
 
-use rookery_shared::kernels::KernelSpec;
-use rookery_shared::kernels::conv::Conv2d;
-use rookery_shared::kernels::dropout::DropoutMask;
-use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
-use rookery_shared::kernels::gemm::{Linear, MatMul, sum_to_shape};
-use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
-use rookery_shared::kernels::optim::Optimizer;
-use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
-use rookery_shared::kernels::reduce::Softmax;
-use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
-use rookery_shared::kernels::spec::{Binding, DEFAULT_WORKGROUP, f32_lit, numel, one_d};
+use rookery_kernels::KernelSpec;
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::dropout::DropoutMask;
+use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
+use rookery_kernels::gemm::{Linear, MatMul, sum_to_shape};
+use rookery_kernels::norm::{BatchNorm, LayerNorm};
+use rookery_kernels::optim::Optimizer;
+use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
+use rookery_kernels::reduce::Softmax;
+use rookery_kernels::shape::{Concat, Gather, Transpose};
+use rookery_kernels::spec::{Binding, DEFAULT_WORKGROUP, f32_lit, numel, one_d};
 
 /// A kernel with every shape fixed. Binding orders are those of the kernel
 /// crate's generators, documented there.

@@ -1,6 +1,6 @@
 //! Rookery's own stage executor: one pipeline stage of a model graph run
 //! forward and backward, with gradient accumulation and optimizer steps, on
-//! the kernels of `rookery_shared::kernels`. The same executor runs on a GPU
+//! the kernels of `rookery_kernels`. The same executor runs on a GPU
 //! through wgpu ([`GpuDevice`], feature `gpu`: WebGPU in a browser tab,
 //! Vulkan/Metal/DX12 natively) and on the kernels' CPU references
 //! ([`CpuDevice`]: browsers without WebGPU, and tests).
@@ -24,7 +24,7 @@ pub use device::{CpuBuffer, CpuDevice, Device};
 pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
 pub use own::OwnFactory;
-pub use rookery_shared::kernels::optim::Optimizer;
+pub use rookery_kernels::optim::Optimizer;
 pub use worker::{Backend, BackendFactory, StageWorker, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.

@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use rookery_kernels::loss::{CrossEntropy, Mse};
 use rookery_model::Loss;
 use rookery_proto::WireTensor;
-use rookery_shared::kernels::loss::{CrossEntropy, Mse};
 
 use crate::device::{BoundCall, Device};
 use crate::executor::{MicroBatch, ParamOptimizerState, StageExecutor};

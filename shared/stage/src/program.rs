@@ -11,16 +11,16 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::dropout::{self, DropoutMask};
+use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
+use rookery_kernels::gemm::{Linear, MatMul};
+use rookery_kernels::norm::{BatchNorm, LayerNorm};
+use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
+use rookery_kernels::reduce::{Softmax, split_at_axis};
+use rookery_kernels::shape::{Concat, Gather, Transpose};
+use rookery_kernels::spec::numel;
 use rookery_model::{DType, Graph, Op, ParamKind, Source, StageLayout};
-use rookery_shared::kernels::conv::Conv2d;
-use rookery_shared::kernels::dropout::{self, DropoutMask};
-use rookery_shared::kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
-use rookery_shared::kernels::gemm::{Linear, MatMul};
-use rookery_shared::kernels::norm::{BatchNorm, LayerNorm};
-use rookery_shared::kernels::pool::{GlobalAvgPool, Pool2d};
-use rookery_shared::kernels::reduce::{Softmax, split_at_axis};
-use rookery_shared::kernels::shape::{Concat, Gather, Transpose};
-use rookery_shared::kernels::spec::numel;
 
 use crate::StageError;
 use crate::kernel::Kernel;

@@ -1,5 +1,5 @@
 //! The kernel checks every harness runs, natively on lavapipe
-//! (`shared/tests/gpu_kernels.rs`) and in headless Chromium
+//! (`shared/kernels/tests/gpu_kernels.rs`) and in headless Chromium
 //! (`web-provider/tests/browser.rs`): each [`Check`] names its buffers'
 //! initial contents, the kernels to dispatch in order, and which buffers must
 //! then equal the CPU reference within the tolerance stated for that op.

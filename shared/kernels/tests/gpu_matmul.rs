@@ -1,11 +1,11 @@
 //! The matmul kernel run through wgpu on a real adapter (lavapipe, Mesa's
 //! software Vulkan, on CI) against the CPU reference. These tests fail, not
 //! skip, when there is no adapter: a machine without one cannot vouch for the
-//! kernel. Run with `cargo test -p rookery-shared --features gpu`.
+//! kernel. Run with `cargo test -p rookery-kernels --features gpu`.
 #![cfg(feature = "gpu")]
 
 use proptest::prelude::*;
-use rookery_shared::kernels::{
+use rookery_kernels::{
     GpuContext, GpuError, KernelError, MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel,
     check_matmul, matmul_reference, sample_matrix,
 };

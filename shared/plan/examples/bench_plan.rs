@@ -4,7 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use rookery_model::{ClusterCount, PlanOptions, clusterize, synthetic_chain, synthetic_providers};
+use rookery_model::ClusterCount;
+use rookery_plan::{PlanOptions, clusterize, synthetic_chain, synthetic_providers};
 
 const NODES: usize = 200;
 const PROVIDERS: usize = 1000;

@@ -2,15 +2,15 @@
 //! natively) against its CPU reference: the fixed spread of
 //! [`checks::standard_checks`] (the same cases the browser harness runs) and
 //! property tests over random shapes, odd sizes included. Fails, not skips,
-//! without an adapter. Run with `cargo test -p rookery-shared --features gpu`.
+//! without an adapter. Run with `cargo test -p rookery-kernels --features gpu`.
 #![cfg(feature = "gpu")]
 
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use rookery_shared::kernels::GpuContext;
-use rookery_shared::kernels::checks::{self, Check};
-use rookery_shared::kernels::elementwise::{BINARY_OPS, UNARIES};
+use rookery_kernels::GpuContext;
+use rookery_kernels::checks::{self, Check};
+use rookery_kernels::elementwise::{BINARY_OPS, UNARIES};
 
 fn gpu() -> &'static GpuContext {
     static GPU: OnceLock<GpuContext> = OnceLock::new();
@@ -41,7 +41,7 @@ fn a_wrong_kernel_fails_its_check() {
     // The harness itself must be able to fail: swap relu's forward for
     // identity and the check must catch it.
     let mut check = checks::unary(UNARIES[0], 100, 3);
-    check.steps[0].0 = rookery_shared::kernels::elementwise::Unary::Identity.forward(100);
+    check.steps[0].0 = rookery_kernels::elementwise::Unary::Identity.forward(100);
     assert!(run(&check).is_err());
 }
 
@@ -135,7 +135,7 @@ proptest! {
     fn optimizers_match_reference_on_random_lengths(
         case in 0usize..12, len in 1usize..3000, seed in any::<u64>()
     ) {
-        let o = rookery_shared::kernels::optim::optimizer_cases()[case];
+        let o = rookery_kernels::optim::optimizer_cases()[case];
         prop_assert_eq!(run(&checks::optimizer(o, len, seed)), Ok(()));
     }
 }
@@ -183,7 +183,7 @@ proptest! {
         stride in (1usize..3, 1usize..3), padding in (0usize..2, 0usize..2), dilation in (1usize..3, 1usize..3),
         bias in any::<bool>(), tile in prop::sample::select(vec![4u32, 8, 16]), per_thread in 1u32..=4, seed in any::<u64>()
     ) {
-        let conv = rookery_shared::kernels::conv::Conv2d::new(
+        let conv = rookery_kernels::conv::Conv2d::new(
             [n, cg * groups, h, w], og * groups, [kh, kw], [stride.0, stride.1],
             [padding.0, padding.1], [dilation.0, dilation.1], groups, bias,
         );
@@ -199,7 +199,7 @@ proptest! {
         planes in 1usize..5, h in 1usize..15, w in 1usize..15, k in (1usize..4, 1usize..4),
         s in (1usize..4, 1usize..4), p in (0usize..2, 0usize..2), seed in any::<u64>()
     ) {
-        let pool = rookery_shared::kernels::pool::Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1]);
+        let pool = rookery_kernels::pool::Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1]);
         prop_assume!(pool.is_some());
         prop_assert_eq!(run(&checks::pool2d(pool.unwrap(), seed)), Ok(()));
         prop_assert_eq!(run(&checks::global_avg_pool(planes, h * w, seed)), Ok(()));

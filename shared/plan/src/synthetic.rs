@@ -5,10 +5,9 @@
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 
-use crate::graph::{DType, Graph, Input, Node, Param, ParamKind};
-use crate::init::Init;
-use crate::ops::Op;
-use crate::plan::{ProviderKind, ProviderSpec};
+use rookery_model::{DType, Graph, Init, Input, Node, Op, Param, ParamKind};
+
+use crate::{ProviderKind, ProviderSpec};
 
 const WIDTH: usize = 512;
 

@@ -8,10 +8,10 @@
 use std::collections::BTreeSet;
 
 use proptest::prelude::*;
-use rookery_model::plan::{MEMORY_FLOPS_PER_OUTPUT_BYTE, WIRE_FLOPS_PER_BYTE};
-use rookery_model::{
-    ClusterCount, Graph, PlanError, PlanOptions, ProviderKind, ProviderSpec, StageRole, clusterize,
-    render, synthetic_chain, synthetic_providers,
+use rookery_model::{ClusterCount, Graph};
+use rookery_plan::{
+    MEMORY_FLOPS_PER_OUTPUT_BYTE, PlanError, PlanOptions, ProviderKind, ProviderSpec, StageRole,
+    WIRE_FLOPS_PER_BYTE, clusterize, render, synthetic_chain, synthetic_providers,
 };
 
 const MIB: u64 = 1 << 20;
@@ -190,7 +190,7 @@ impl Model {
 }
 
 /// Checks every structural invariant of a plan.
-fn check_plan(g: &Graph, provs: &[ProviderSpec], plan: &rookery_model::Plan) {
+fn check_plan(g: &Graph, provs: &[ProviderSpec], plan: &rookery_plan::Plan) {
     let a = g.analyze().unwrap();
     let model = Model::new(g);
     let params: BTreeSet<&str> = g.params.iter().map(|p| p.name.as_str()).collect();
@@ -315,7 +315,7 @@ proptest! {
                     prop_assert_eq!(plan.clusters.len(), k);
                 }
                 // serde_json may round the last bit of an f64: compare structure exactly, times closely.
-                let back: rookery_model::Plan = serde_json::from_str(&plan.to_json().unwrap()).unwrap();
+                let back: rookery_plan::Plan = serde_json::from_str(&plan.to_json().unwrap()).unwrap();
                 prop_assert_eq!(&back.standbys, &plan.standbys);
                 for (b, p) in back.clusters.iter().zip(&plan.clusters) {
                     prop_assert!((b.bottleneck_s - p.bottleneck_s).abs() <= 1e-12 * p.bottleneck_s);

@@ -37,8 +37,14 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::PlanError;
-use crate::graph::{Analysis, DType, Graph};
+use rookery_model::{Analysis, ClusterCount, DType, Graph};
+pub use rookery_proto::ProviderKind;
+
+mod error;
+mod synthetic;
+
+pub use error::PlanError;
+pub use synthetic::{synthetic_chain, synthetic_providers};
 
 /// What moving one byte of a node's output costs, in FLOP-equivalents, per
 /// training micro-batch. Elementwise ops, normalisation, pooling and
@@ -67,14 +73,6 @@ pub const WIRE_FLOPS_PER_BYTE: f64 = 20.0;
 /// Group sizes up to which every provider ordering is tried (5! = 120 orderings).
 pub const EXACT_PERMUTATIONS_UP_TO: usize = 5;
 
-/// Where a provider runs; browsers usually report less memory and speed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ProviderKind {
-    Native,
-    Browser,
-}
-
 /// What a provider reported about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProviderSpec {
@@ -91,15 +89,6 @@ pub struct ProviderSpec {
     /// `None` for libtorch providers, whose tensors are bounded by memory only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_buffer_bytes: Option<u64>,
-}
-
-/// How many data-parallel clusters to form.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ClusterCount {
-    Fixed(usize),
-    /// As many as possible whose bottleneck stays within `auto_factor` of the best single cluster.
-    Auto,
 }
 
 /// Planner knobs.
