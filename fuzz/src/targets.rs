@@ -17,7 +17,7 @@ use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
     Gradients, Hello, LeafLoss, PROTOCOL_VERSION, ParamSet, Phase, ProviderKind, StepDone,
-    ToProvider, ToServer, WireLoss, WireOptimizer,
+    ToProvider, ToServer,
 };
 
 /// Whether an input parsed (a panic is neither).
@@ -205,14 +205,14 @@ fn protocol_to_provider() -> io::Result<Target> {
             end: 5,
             outputs: vec!["relu_1".into()],
             params: vec![tensor("conv.weight", &[2, 1, 3, 3], WireDType::F32)],
-            optimizer: WireOptimizer::Sgd {
+            optimizer: rookery_model::OptimizerConfig::Sgd {
                 lr: 0.1,
                 momentum: 0.9,
                 dampening: 0.0,
                 nesterov: false,
                 weight_decay: 0.0,
             },
-            loss: WireLoss::CrossEntropy,
+            loss: rookery_model::Loss::CrossEntropy,
             batch_size: 32,
             micro_batches: 2,
             wire_dtype: WireDType::F32,

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 pub use tensor::{TensorError, WireDType, WireTensor};
 pub use train::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
-    ParamOptimState, ParamSet, Phase, StepDone, WireLoss, WireOptimizer,
+    ParamOptimState, ParamSet, Phase, StepDone,
 };
 
 /// Bumped on every incompatible change to [`ToServer`] or [`ToProvider`].
@@ -374,7 +374,7 @@ mod tests {
                 end: 7,
                 outputs: vec!["fc2".into()],
                 params: vec![tensor()],
-                optimizer: WireOptimizer::Adam {
+                optimizer: rookery_model::OptimizerConfig::Adam {
                     lr: 1e-3,
                     beta1: 0.9,
                     beta2: 0.999,
@@ -382,7 +382,7 @@ mod tests {
                     weight_decay: 0.0,
                     amsgrad: false,
                 },
-                loss: WireLoss::CrossEntropy,
+                loss: rookery_model::Loss::CrossEntropy,
                 batch_size: 64,
                 micro_batches: 4,
                 wire_dtype: WireDType::F16,

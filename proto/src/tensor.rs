@@ -5,8 +5,11 @@
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-/// Element type of a [`WireTensor`].
+/// Element type of a [`WireTensor`]; also the job file's `wire_dtype`
+/// setting (activations and gradients, float types only), spelled in
+/// lowercase there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum WireDType {
     F32,
     F16,

@@ -33,49 +33,6 @@ pub enum Phase {
     Eval { epoch: u32 },
 }
 
-/// A stage's loss function; the Leaf's business.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum WireLoss {
-    CrossEntropy,
-    Mse,
-}
-
-/// Optimizer hyper-parameters, named as in `torch.optim`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum WireOptimizer {
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        dampening: f64,
-        nesterov: bool,
-        weight_decay: f64,
-    },
-    Adam {
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
-    },
-    AdamW {
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
-    },
-    RmsProp {
-        lr: f64,
-        alpha: f64,
-        eps: f64,
-        weight_decay: f64,
-        momentum: f64,
-        centered: bool,
-    },
-}
-
 /// What a provider runs for a job: one stage of one cluster.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Assignment {
@@ -93,8 +50,9 @@ pub struct Assignment {
     pub outputs: Vec<String>,
     /// Current values of the stage's parameters and buffers.
     pub params: Vec<WireTensor>,
-    pub optimizer: WireOptimizer,
-    pub loss: WireLoss,
+    pub optimizer: OptimizerConfig,
+    /// The Leaf's loss function.
+    pub loss: Loss,
     /// Samples per cluster per step, and how many micro-batches they split into.
     pub batch_size: u32,
     pub micro_batches: u32,
@@ -216,150 +174,4 @@ pub struct ParamSet {
     /// Steps done when the values were taken.
     pub step: u64,
     pub params: Vec<WireTensor>,
-}
-
-// The edge between job configuration (rookery-model) and its wire twins;
-// server and providers both convert here.
-
-/// The executor's optimizer configuration for the wire's (same fields, same
-/// `torch.optim` meaning).
-pub fn optimizer_config(wire: WireOptimizer) -> OptimizerConfig {
-    match wire {
-        WireOptimizer::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        } => OptimizerConfig::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        },
-        WireOptimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => OptimizerConfig::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        WireOptimizer::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => OptimizerConfig::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        WireOptimizer::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        } => OptimizerConfig::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        },
-    }
-}
-
-/// The inverse of [`optimizer_config`].
-pub fn wire_optimizer(config: OptimizerConfig) -> WireOptimizer {
-    match config {
-        OptimizerConfig::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        } => WireOptimizer::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        },
-        OptimizerConfig::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => WireOptimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        OptimizerConfig::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => WireOptimizer::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        },
-        OptimizerConfig::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        } => WireOptimizer::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        },
-    }
-}
-
-pub fn loss_from_wire(wire: WireLoss) -> Loss {
-    match wire {
-        WireLoss::CrossEntropy => Loss::CrossEntropy,
-        WireLoss::Mse => Loss::Mse,
-    }
-}
-
-pub fn wire_loss(loss: Loss) -> WireLoss {
-    match loss {
-        Loss::CrossEntropy => WireLoss::CrossEntropy,
-        Loss::Mse => WireLoss::Mse,
-    }
 }

@@ -22,7 +22,6 @@ use crate::exec::{ExecError, MicroBatch, Optimizer, StageExecutor, is_float};
 use crate::trainer::Trainer;
 
 pub use crate::trainer::step_seed;
-pub use rookery_proto::train::{loss_from_wire, optimizer_config, wire_loss, wire_optimizer};
 
 /// Why a message could not be carried out; its text goes into `JobFailed`.
 #[derive(Debug, thiserror::Error)]

@@ -11,9 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use exec_common::*;
-use rookery_model::{
-    ClusterCount, Graph, Loss, Op, PlanOptions, ProviderKind, ProviderSpec, clusterize, from_toml,
-};
+use rookery_model::{ClusterCount, Graph, Loss, Op, from_toml};
+use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec, clusterize};
 use rookery_provider::exec::reference::{pipeline_train_step, train_step};
 use rookery_provider::exec::{
     Forward, Optimizer, OptimizerConfig, StageExecutor, micro_batch_loss, stage_boundary,

@@ -18,12 +18,11 @@ use rookery_kernels::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Operand, UNA
 use rookery_kernels::gemm::{Linear, MatMul};
 use rookery_kernels::loss::{CrossEntropy, Mse};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
-use rookery_kernels::optim::{Optimizer, optimizer_cases};
+use rookery_kernels::optim::optimizer_cases;
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::Softmax;
 use rookery_kernels::sample_matrix;
 use rookery_kernels::shape::{Concat, Gather, Transpose};
-use rookery_model::OptimizerConfig;
 use rookery_provider::exec::Optimizer as TorchOptimizer;
 use tch::{Kind, Reduction, Tensor};
 
@@ -365,12 +364,7 @@ proptest! {
     #[test]
     fn optimizer_references_match_the_torch_optim_port(case in 0usize..12, len in 1usize..200, seed in any::<u64>()) {
         let o = optimizer_cases()[case];
-        let config = match o {
-            Optimizer::Sgd { lr, momentum, dampening, nesterov, weight_decay } => OptimizerConfig::Sgd { lr, momentum, dampening, nesterov, weight_decay },
-            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled: false } => OptimizerConfig::Adam { lr, beta1, beta2, eps, weight_decay, amsgrad },
-            Optimizer::Adam { lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled: true } => OptimizerConfig::AdamW { lr, beta1, beta2, eps, weight_decay, amsgrad },
-            Optimizer::RmsProp { lr, alpha, eps, weight_decay, momentum, centered } => OptimizerConfig::RmsProp { lr, alpha, eps, weight_decay, momentum, centered },
-        };
+        let config = o;
         let mut torch = TorchOptimizer::new(config).unwrap();
         let mut mine = sample_matrix(len, seed);
         let param = plain(&mine, &[len]);

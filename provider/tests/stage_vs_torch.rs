@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use exec_common::*;
 use rookery_model::{DType, Graph, Init, Op, OptimizerConfig, from_toml};
 use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
-use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor, optimizer_for};
+use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor};
 use tch::{Device as TorchDevice, Kind, Tensor};
 
 const MLP: &str = r#"
@@ -183,15 +183,9 @@ fn same_as_torch<D: Device>(
     )
     .unwrap();
     let mut torch_opt = Optimizer::new(config).unwrap();
-    let mut ours = rookery_stage::StageExecutor::new(
-        device,
-        graph,
-        range.clone(),
-        &outputs,
-        &values,
-        optimizer_for(&config),
-    )
-    .unwrap();
+    let mut ours =
+        rookery_stage::StageExecutor::new(device, graph, range.clone(), &outputs, &values, config)
+            .unwrap();
     assert_eq!(ours.input_names(), torch.input_names(), "{what}");
     assert_eq!(ours.grad_input_names(), torch.grad_input_names(), "{what}");
     let analysis = graph.analyze().unwrap();
@@ -503,7 +497,7 @@ fn out_of_range_and_fractional_indices_are_refused_before_any_kernel_runs() {
         0..5,
         &["out".to_string()],
         &values,
-        optimizer_for(&adam()),
+        adam(),
     )
     .unwrap();
     for (bad, words) in [

@@ -8,7 +8,7 @@ use futures_channel::mpsc;
 use futures_util::StreamExt;
 use rookery_proto::{
     Assignment, Forward, LeafLoss, PROTOCOL_VERSION, Phase, ProviderKind, StepDone, ToProvider,
-    ToServer, WireDType, WireLoss, WireOptimizer, WireTensor,
+    ToServer, WireDType, WireTensor,
 };
 use rookery_provider::connection::{SessionEnd, run_session};
 use rookery_provider::trainer::{NoTorch, Trainer};
@@ -51,14 +51,14 @@ fn assignment(graph_json: String) -> Assignment {
         end: 2,
         outputs: vec!["1".into()],
         params: vec![],
-        optimizer: WireOptimizer::Sgd {
+        optimizer: rookery_model::OptimizerConfig::Sgd {
             lr: 0.1,
             momentum: 0.0,
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
         },
-        loss: WireLoss::CrossEntropy,
+        loss: rookery_model::Loss::CrossEntropy,
         batch_size: 4,
         micro_batches: 1,
         wire_dtype: WireDType::F32,

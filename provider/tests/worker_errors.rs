@@ -228,7 +228,7 @@ fn impossible_assignments_fail_with_the_reason() {
         ),
         (
             Assignment {
-                optimizer: rookery_provider::worker::wire_optimizer(OptimizerConfig::sgd(-1.0)),
+                optimizer: OptimizerConfig::sgd(-1.0),
                 ..assign(0)
             },
             "learning rate",

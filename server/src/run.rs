@@ -522,11 +522,11 @@ impl JobRun {
                 .iter()
                 .filter_map(|n| self.params.get(n).map(|v| param_tensor(n, v)))
                 .collect(),
-            optimizer: rookery_proto::train::wire_optimizer(t.optimizer),
-            loss: rookery_proto::train::wire_loss(t.loss),
+            optimizer: t.optimizer,
+            loss: t.loss,
             batch_size: t.batch_size as u32,
             micro_batches: t.micro_batches as u32,
-            wire_dtype: wire_dtype(t.wire_dtype),
+            wire_dtype: t.wire_dtype,
             seed: t.seed,
             start_step: self.synced,
             optimizer_state: stage
@@ -997,7 +997,7 @@ impl JobRun {
             &a.outputs,
             &run.stages[s].outputs,
             samples,
-            wire_dtype(self.spec.training.wire_dtype),
+            self.spec.training.wire_dtype,
         )
         .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += a.compute_ms.max(0.0);
@@ -1046,13 +1046,8 @@ impl JobRun {
             })
             .cloned()
             .collect();
-        check_tensors(
-            &g.grads,
-            &expected,
-            samples,
-            wire_dtype(self.spec.training.wire_dtype),
-        )
-        .map_err(Rejected::Fault)?;
+        check_tensors(&g.grads, &expected, samples, self.spec.training.wire_dtype)
+            .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
         self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let prev = run.stages[s - 1].provider;
@@ -1653,14 +1648,6 @@ fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
     WireTensor::from_f32(name, &v.shape, &v.values, on_wire(v.dtype, WireDType::F32))
 }
 
-fn wire_dtype(d: rookery_job::WireDType) -> WireDType {
-    match d {
-        rookery_job::WireDType::F32 => WireDType::F32,
-        rookery_job::WireDType::F16 => WireDType::F16,
-        rookery_job::WireDType::Bf16 => WireDType::Bf16,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1706,7 +1693,7 @@ units = 3
                 stages: Some(2),
                 shuffle: true,
                 seed: 7,
-                wire_dtype: rookery_job::WireDType::F32,
+                wire_dtype: WireDType::F32,
                 aggregation: Aggregation::Mean,
             },
         }

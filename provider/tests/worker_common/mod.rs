@@ -15,7 +15,7 @@ use rookery_proto::{
 };
 use rookery_provider::exec::stage_boundary;
 use rookery_provider::trainer::Trainer;
-use rookery_provider::worker::{StageWorker, tensor_to_wire, wire_loss, wire_optimizer};
+use rookery_provider::worker::{StageWorker, tensor_to_wire};
 use tch::{Device, Kind, Tensor};
 
 /// What a job's assignments share.
@@ -73,8 +73,8 @@ pub fn assignment(
         end: cuts[k].end as u32,
         outputs: stage_boundary(g, cuts[k].end).unwrap(),
         params: wire_params(params),
-        optimizer: wire_optimizer(job.optimizer),
-        loss: wire_loss(job.loss),
+        optimizer: job.optimizer,
+        loss: job.loss,
         batch_size: job.batch_size,
         micro_batches: job.micro_batches,
         wire_dtype: job.wire_dtype,

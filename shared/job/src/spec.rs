@@ -56,27 +56,9 @@ use rookery_model::{ClusterCount, Loss, OptimizerConfig};
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+pub use rookery_proto::WireDType;
+
 use crate::error::JobError;
-
-/// Element type of activations and gradients between providers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WireDType {
-    #[default]
-    F32,
-    F16,
-    Bf16,
-}
-
-impl WireDType {
-    /// Bytes per value on the wire.
-    pub fn size(self) -> usize {
-        match self {
-            WireDType::F32 => 4,
-            WireDType::F16 | WireDType::Bf16 => 2,
-        }
-    }
-}
 
 /// How a sync combines the clusters' copies of each parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -490,7 +472,18 @@ impl JobSpec {
             stages: t.stages,
             shuffle: t.shuffle.unwrap_or(true),
             seed: t.seed.unwrap_or(0),
-            wire_dtype: t.wire_dtype.unwrap_or_default(),
+            wire_dtype: match t.wire_dtype.unwrap_or(WireDType::F32) {
+                d if d.is_float() => d,
+                d => {
+                    return Err(JobError::field(
+                        "training.wire_dtype",
+                        format!(
+                            "activations and gradients travel as f32, f16 or bf16, not {}",
+                            d.as_str()
+                        ),
+                    ));
+                }
+            },
             aggregation: t.aggregation.unwrap_or_default(),
         };
         let spec = JobSpec {

@@ -248,6 +248,18 @@ fn clusters_wire_dtype_and_loss_take_every_documented_value() {
 }
 
 #[test]
+fn an_integer_wire_dtype_is_refused_naming_the_field() {
+    let dir = base();
+    let text = example_with("wire_dtype = \"f32\"", "wire_dtype = \"i64\"");
+    let error = JobSpec::from_toml(&text, dir.path()).unwrap_err();
+    assert!(
+        matches!(&error, JobError::Field { field, .. } if field == "training.wire_dtype"),
+        "{error}"
+    );
+    assert!(error.to_string().contains("not i64"), "{error}");
+}
+
+#[test]
 fn aggregation_takes_every_documented_value_and_survives_json() {
     let dir = base();
     for (text, want) in [

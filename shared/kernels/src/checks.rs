@@ -14,7 +14,8 @@ use super::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Dropout, Operand, UNAR
 use super::gemm::{Linear, MatMul, gemm_tol};
 use super::loss::{CrossEntropy, Mse};
 use super::norm::{BatchNorm, LayerNorm};
-use super::optim::{Optimizer, optimizer_cases};
+use super::optim::optimizer_cases;
+use super::optimizer::OptimizerConfig;
 use super::pool::{GlobalAvgPool, Pool2d};
 use super::reduce::Softmax;
 use super::sample_matrix;
@@ -463,7 +464,7 @@ pub fn mse(len: usize, seed: u64) -> Check {
 
 /// Three steps of an optimizer over `len` parameters, each with its own
 /// gradient and uniform, against the reference's parameters and state.
-pub fn optimizer(o: Optimizer, len: usize, seed: u64) -> Check {
+pub fn optimizer(o: OptimizerConfig, len: usize, seed: u64) -> Check {
     const STEPS: u64 = 3;
     let mut param = sample_matrix(len, seed);
     let states = o.state_names();

@@ -6,7 +6,9 @@
 //! One file per family: [`spec`] (what a generated kernel is, shared
 //! helpers), [`elementwise`] (activations, broadcast binary ops, dropout),
 //! [`gemm`] (the tiled GEMM template: MatMul, Linear), [`loss`]
-//! (cross-entropy, MSE), [`optim`] (SGD, Adam/AdamW, RMSprop), [`reduce`]
+//! (cross-entropy, MSE), [`optimizer`] (the one optimizer settings type,
+//! [`OptimizerConfig`], as data), [`optim`] (its steps: SGD, Adam/AdamW,
+//! RMSprop), [`reduce`]
 //! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
 //! (transpose, concat, gather), [`conv`] (Conv2d as implicit GEMM), [`pool`]
 //! (max, average, global average), `matmul`
@@ -26,6 +28,7 @@ pub mod loss;
 mod matmul;
 pub mod norm;
 pub mod optim;
+pub mod optimizer;
 pub mod pool;
 pub mod reduce;
 pub mod shape;
@@ -38,6 +41,7 @@ pub use matmul::{
     MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, matmul_flops,
     matmul_reference, sample_matrix, try_matmul_reference,
 };
+pub use optimizer::OptimizerConfig;
 pub use spec::{Binding, KernelSpec, Tol};
 
 #[cfg(feature = "gpu")]

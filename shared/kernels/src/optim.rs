@@ -5,39 +5,10 @@
 //! (momentum, centered). Structural choices (Nesterov, AMSGrad, centered,
 //! momentum or not) are baked into the source; the scalars, including the
 //! per-step bias corrections computed in f64 as Python does, travel in a
-//! uniform written each step ([`Optimizer::uniform`]).
+//! uniform written each step ([`OptimizerConfig::uniform`]).
 
-use super::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, one_d};
-
-/// An optimizer and its hyperparameters, as `rookery_model::OptimizerConfig`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Optimizer {
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        dampening: f64,
-        nesterov: bool,
-        weight_decay: f64,
-    },
-    /// `decoupled` is AdamW.
-    Adam {
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        amsgrad: bool,
-        decoupled: bool,
-    },
-    RmsProp {
-        lr: f64,
-        alpha: f64,
-        eps: f64,
-        weight_decay: f64,
-        momentum: f64,
-        centered: bool,
-    },
-}
+use crate::optimizer::OptimizerConfig;
+use crate::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, one_d};
 
 /// torch's `lerp` with a scalar weight (ATen's two-branch formula).
 const LERP: &str = r"
@@ -58,26 +29,26 @@ fn lerp(a: f32, b: f32, w: f32) -> f32 {
     }
 }
 
-impl Optimizer {
+impl OptimizerConfig {
     /// State buffers per parameter, each shaped like it, in binding order
     /// after `param` and `grad`.
     pub fn state_names(&self) -> Vec<&'static str> {
         match *self {
-            Optimizer::Sgd { momentum, .. } => {
+            OptimizerConfig::Sgd { momentum, .. } => {
                 if momentum != 0.0 {
                     vec!["momentum_buffer"]
                 } else {
                     vec![]
                 }
             }
-            Optimizer::Adam { amsgrad, .. } => {
+            OptimizerConfig::Adam { amsgrad, .. } | OptimizerConfig::AdamW { amsgrad, .. } => {
                 let mut v = vec!["exp_avg", "exp_avg_sq"];
                 if amsgrad {
                     v.push("max_exp_avg_sq");
                 }
                 v
             }
-            Optimizer::RmsProp {
+            OptimizerConfig::RmsProp {
                 momentum, centered, ..
             } => {
                 let mut v = vec!["square_avg"];
@@ -95,7 +66,7 @@ impl Optimizer {
     /// The uniform of step `step` (1 for the first update): eight f32s.
     pub fn uniform(&self, step: u64) -> Vec<u32> {
         let v: [f64; 8] = match *self {
-            Optimizer::Sgd {
+            OptimizerConfig::Sgd {
                 lr,
                 momentum,
                 dampening,
@@ -111,7 +82,15 @@ impl Optimizer {
                 0.0,
                 0.0,
             ],
-            Optimizer::Adam {
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            }
+            | OptimizerConfig::AdamW {
                 lr,
                 beta1,
                 beta2,
@@ -133,7 +112,7 @@ impl Optimizer {
                     1.0 - lr * weight_decay,
                 ]
             }
-            Optimizer::RmsProp {
+            OptimizerConfig::RmsProp {
                 lr,
                 alpha,
                 eps,
@@ -164,8 +143,9 @@ impl Optimizer {
             ("grad", Binding::Read, "f32"),
         ];
         bindings.extend(states.iter().map(|&s| (s, Binding::ReadWrite, "f32")));
+        let decoupled = matches!(self, OptimizerConfig::AdamW { .. });
         let body = match *self {
-            Optimizer::Sgd {
+            OptimizerConfig::Sgd {
                 momentum, nesterov, ..
             } => {
                 let mut b = String::from(
@@ -181,10 +161,14 @@ impl Optimizer {
                 }
                 b + "    param[i] = p + d_p * -lr;"
             }
-            Optimizer::Adam {
+            OptimizerConfig::Adam {
                 weight_decay,
                 amsgrad,
-                decoupled,
+                ..
+            }
+            | OptimizerConfig::AdamW {
+                weight_decay,
+                amsgrad,
                 ..
             } => {
                 let mut b = String::from("    var p = param[i];\n    var g = grad[i];\n");
@@ -204,7 +188,7 @@ impl Optimizer {
                 }
                 b + "    let denom = sqrt(second) / u.v1.z + u.v1.x;\n    param[i] = p + m / denom * -u.v0.x;"
             }
-            Optimizer::RmsProp {
+            OptimizerConfig::RmsProp {
                 momentum, centered, ..
             } => {
                 let mut b = String::from(
@@ -223,12 +207,10 @@ impl Optimizer {
             }
         };
         let name = match self {
-            Optimizer::Sgd { .. } => "sgd_step",
-            Optimizer::Adam {
-                decoupled: true, ..
-            } => "adamw_step",
-            Optimizer::Adam { .. } => "adam_step",
-            Optimizer::RmsProp { .. } => "rmsprop_step",
+            OptimizerConfig::Sgd { .. } => "sgd_step",
+            OptimizerConfig::AdamW { .. } => "adamw_step",
+            OptimizerConfig::Adam { .. } => "adam_step",
+            OptimizerConfig::RmsProp { .. } => "rmsprop_step",
         };
         one_d(name, &bindings, LERP, len, DEFAULT_WORKGROUP, &body)
     }
@@ -243,10 +225,11 @@ impl Optimizer {
         state: &mut [Vec<f32>],
     ) {
         let u: Vec<f32> = self.uniform(step).into_iter().map(f32::from_bits).collect();
+        let decoupled = matches!(self, OptimizerConfig::AdamW { .. });
         for i in 0..param.len() {
             let p = param[i];
             match *self {
-                Optimizer::Sgd {
+                OptimizerConfig::Sgd {
                     momentum, nesterov, ..
                 } => {
                     let mut d_p = grad[i] + p * u[3];
@@ -261,10 +244,14 @@ impl Optimizer {
                     }
                     param[i] = p + d_p * -u[0];
                 }
-                Optimizer::Adam {
+                OptimizerConfig::Adam {
                     weight_decay,
                     amsgrad,
-                    decoupled,
+                    ..
+                }
+                | OptimizerConfig::AdamW {
+                    weight_decay,
+                    amsgrad,
                     ..
                 } => {
                     let (mut p, mut g) = (p, grad[i]);
@@ -289,7 +276,7 @@ impl Optimizer {
                     let denom = second.sqrt() / u[6] + u[4];
                     param[i] = p + m / denom * -u[0];
                 }
-                Optimizer::RmsProp {
+                OptimizerConfig::RmsProp {
                     momentum, centered, ..
                 } => {
                     let g = grad[i] + p * u[4];
@@ -317,7 +304,7 @@ impl Optimizer {
 }
 
 /// Every optimizer configuration the checks cover: each structural branch.
-pub fn optimizer_cases() -> Vec<Optimizer> {
+pub fn optimizer_cases() -> Vec<OptimizerConfig> {
     let mut v = Vec::new();
     for (momentum, dampening, nesterov, weight_decay) in [
         (0.0, 0.0, false, 0.0),
@@ -325,7 +312,7 @@ pub fn optimizer_cases() -> Vec<Optimizer> {
         (0.9, 0.1, false, 1e-2),
         (0.9, 0.0, true, 1e-3),
     ] {
-        v.push(Optimizer::Sgd {
+        v.push(OptimizerConfig::Sgd {
             lr: 0.1,
             momentum,
             dampening,
@@ -339,14 +326,25 @@ pub fn optimizer_cases() -> Vec<Optimizer> {
         (1e-2, false, true),
         (0.0, true, true),
     ] {
-        v.push(Optimizer::Adam {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay,
-            amsgrad,
-            decoupled,
+        let (lr, beta1, beta2, eps) = (1e-3, 0.9, 0.999, 1e-8);
+        v.push(if decoupled {
+            OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            }
+        } else {
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            }
         });
     }
     for (weight_decay, momentum, centered) in [
@@ -355,7 +353,7 @@ pub fn optimizer_cases() -> Vec<Optimizer> {
         (0.0, 0.5, false),
         (0.0, 0.0, true),
     ] {
-        v.push(Optimizer::RmsProp {
+        v.push(OptimizerConfig::RmsProp {
             lr: 1e-2,
             alpha: 0.99,
             eps: 1e-8,
@@ -385,7 +383,7 @@ mod tests {
 
     #[test]
     fn plain_sgd_is_p_minus_lr_g() {
-        let o = Optimizer::Sgd {
+        let o = OptimizerConfig::Sgd {
             lr: 0.5,
             momentum: 0.0,
             dampening: 0.0,

@@ -16,7 +16,6 @@ pub mod layout;
 pub mod load;
 pub mod onnx;
 pub mod ops;
-pub mod optim;
 pub mod spec;
 
 pub use clusters::ClusterCount;
@@ -26,6 +25,8 @@ pub use init::Init;
 pub use layout::{LayoutError, Source, StageLayout};
 pub use onnx::Imported;
 pub use ops::Op;
-pub use optim::OptimizerConfig;
+/// The optimizer settings of a job: defined beside the kernels that step
+/// them, so every crate names the same type.
+pub use rookery_kernels::OptimizerConfig;
 
 pub use spec::{LayerSpec, ModelSpec, from_toml};

@@ -13,8 +13,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
+use rookery_kernels::OptimizerConfig;
 use rookery_kernels::dropout;
-use rookery_kernels::optim::Optimizer;
 use rookery_kernels::spec::numel;
 use rookery_model::{DType, Graph, ParamKind, Source, StageLayout};
 
@@ -88,7 +88,7 @@ pub struct StageExecutor<D: Device> {
     layout: StageLayout,
     local_dtypes: Vec<DType>,
     params: Vec<ParamState<D::Buffer>>,
-    optimizer: Optimizer,
+    optimizer: OptimizerConfig,
     programs: HashMap<Key, Program<D::Prepared>>,
     free: HashMap<Key, Vec<Activations<D::Buffer>>>,
     scratch: HashMap<usize, Scratch<D::Buffer>>,
@@ -113,7 +113,7 @@ impl<D: Device> StageExecutor<D> {
         range: Range<usize>,
         outputs: &[String],
         params: &BTreeMap<String, Vec<f32>>,
-        optimizer: Optimizer,
+        optimizer: OptimizerConfig,
     ) -> Result<Self, StageError> {
         let analysis = graph
             .analyze()

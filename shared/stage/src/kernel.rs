@@ -7,12 +7,12 @@
 //! fill) are generated here with the kernel crate's 1-D helper.
 
 use rookery_kernels::KernelSpec;
+use rookery_kernels::OptimizerConfig;
 use rookery_kernels::conv::Conv2d;
 use rookery_kernels::dropout::DropoutMask;
 use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_kernels::gemm::{Linear, MatMul, sum_to_shape};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
-use rookery_kernels::optim::Optimizer;
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::Softmax;
 use rookery_kernels::shape::{Concat, Gather, Transpose};
@@ -104,7 +104,7 @@ pub enum Kernel {
     /// `u` (the uniform of `step`), `param`, `grad`, then the optimizer's
     /// state buffers. `step` is 1 for a parameter's first update.
     OptimizerStep {
-        optimizer: Optimizer,
+        optimizer: OptimizerConfig,
         len: usize,
         step: u64,
     },

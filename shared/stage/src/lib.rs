@@ -24,7 +24,6 @@ pub use device::{CpuBuffer, CpuDevice, Device};
 pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
 pub use own::OwnFactory;
-pub use rookery_kernels::optim::Optimizer;
 pub use worker::{Backend, BackendFactory, StageWorker, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.
@@ -62,64 +61,4 @@ pub enum StageError {
     Device(String),
     #[error("internal error: {0}")]
     Internal(String),
-}
-
-/// The kernels' optimizer for a job's optimizer settings (the same
-/// hyper-parameters; AdamW is Adam with decoupled weight decay).
-pub fn optimizer_for(config: &rookery_model::OptimizerConfig) -> Optimizer {
-    use rookery_model::OptimizerConfig as C;
-    match *config {
-        C::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        } => Optimizer::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-        },
-        C::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        }
-        | C::AdamW {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-        } => Optimizer::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            amsgrad,
-            decoupled: matches!(config, C::AdamW { .. }),
-        },
-        C::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        } => Optimizer::RmsProp {
-            lr,
-            alpha,
-            eps,
-            weight_decay,
-            momentum,
-            centered,
-        },
-    }
 }

@@ -15,7 +15,7 @@ use crate::executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 use rookery_proto::{ParamOptimState, WireDType};
 
 use crate::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, WorkerError};
-use crate::{HostTensor, StageError, optimizer_for};
+use crate::{HostTensor, StageError};
 
 /// Builds [`StageExecutor`]s on one device, shared by every stage this
 /// provider is assigned over time.
@@ -97,7 +97,7 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
             spec.range,
             spec.outputs,
             &params,
-            optimizer_for(&spec.optimizer),
+            spec.optimizer,
         )
         .map_err(|e| e.to_string())?;
         if !spec.optimizer_state.is_empty() {

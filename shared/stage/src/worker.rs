@@ -27,7 +27,6 @@ use std::fmt::Display;
 use std::future::Future;
 
 use rookery_model::{Graph, Loss, OptimizerConfig};
-use rookery_proto::train::{loss_from_wire, optimizer_config};
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
     ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType, WireTensor,
@@ -384,7 +383,7 @@ impl<B: Backend> Stage<B> {
                 range: a.first as usize..a.end as usize,
                 outputs: &a.outputs,
                 params: &a.params,
-                optimizer: optimizer_config(a.optimizer),
+                optimizer: a.optimizer,
                 optimizer_state: &a.optimizer_state,
             })
             .map_err(WorkerError)?;
@@ -396,7 +395,7 @@ impl<B: Backend> Stage<B> {
             first: a.first,
             end: a.end,
             exec,
-            loss: loss_from_wire(a.loss),
+            loss: a.loss,
             wire_dtype: a.wire_dtype,
             seed: a.seed,
             // As the server's `micro_batch_ranges`: 0 means the batch is not split.

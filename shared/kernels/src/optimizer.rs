@@ -1,6 +1,8 @@
-//! Optimizer hyper-parameters, as job configuration: data only, named and
-//! defaulted as in `torch.optim`, validated with `torch.optim`'s own wording.
-//! The providers' executors implement the maths.
+//! Optimizer hyper-parameters: data only, named and defaulted as in
+//! `torch.optim`, validated with `torch.optim`'s own wording. The one type
+//! for them everywhere: job files, the wire (`Assign`), and the executors
+//! (our kernels in [`crate::optim`], libtorch's port in `rookery-torch`).
+//! It lives here, the lowest crate, so nothing converts it.
 
 use serde::{Deserialize, Serialize};
 
