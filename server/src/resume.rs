@@ -11,7 +11,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rookery_job::weights::{WeightDType, WeightTensor, read_safetensors, write_safetensors};
+use rookery_job::weights::{WeightTensor, read_safetensors, write_safetensors};
+use rookery_model::DType;
 use rookery_proto::{ParamOptimState, WireDType, WireTensor};
 
 use crate::run::ResumePoint;
@@ -110,7 +111,7 @@ pub fn from_tensors(tensors: Vec<WeightTensor>) -> Result<ResumePoint, String> {
             let (param, slot) = rest
                 .rsplit_once('/')
                 .ok_or_else(|| format!("`{name}` names no slot"))?;
-            if t.dtype != WeightDType::F32 {
+            if t.dtype != DType::F32 {
                 return Err(format!("`{name}` is not f32"));
             }
             let entry = optimizer[cluster_of(c)?]

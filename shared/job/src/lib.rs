@@ -24,6 +24,4 @@ pub use spec::{
     Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec,
     WireDType,
 };
-pub use weights::{
-    WeightDType, WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors,
-};
+pub use weights::{WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors};

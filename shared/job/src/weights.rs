@@ -11,25 +11,17 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::Path;
 
+use rookery_model::DType;
 use safetensors::SafeTensors;
 
 use crate::error::JobError;
-
-/// Element type a weight is stored as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum WeightDType {
-    #[default]
-    F32,
-    /// Integral values (counters such as `num_batches_tracked`), written as int64.
-    I64,
-}
 
 /// One `state_dict` entry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WeightTensor {
     pub name: String,
     pub shape: Vec<usize>,
-    pub dtype: WeightDType,
+    pub dtype: DType,
     /// Row-major, `prod(shape)` values (for I64, integral values).
     pub values: Vec<f32>,
 }
@@ -39,14 +31,14 @@ impl WeightTensor {
         WeightTensor {
             name: name.into(),
             shape,
-            dtype: WeightDType::F32,
+            dtype: DType::F32,
             values,
         }
     }
 
     pub fn i64(name: impl Into<String>, shape: Vec<usize>, values: Vec<f32>) -> Self {
         WeightTensor {
-            dtype: WeightDType::I64,
+            dtype: DType::I64,
             ..WeightTensor::f32(name, shape, values)
         }
     }
@@ -87,8 +79,8 @@ pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
             )));
         }
         let (dtype, size) = match t.dtype {
-            WeightDType::F32 => ("F32", 4),
-            WeightDType::I64 => ("I64", 8),
+            DType::F32 => ("F32", 4),
+            DType::I64 => ("I64", 8),
         };
         let end = offset + numel * size;
         header.insert(
@@ -107,8 +99,8 @@ pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
     out.extend_from_slice(json.as_bytes());
     for t in tensors {
         match t.dtype {
-            WeightDType::F32 => t.values.iter().for_each(|v| out.extend(v.to_le_bytes())),
-            WeightDType::I64 => t
+            DType::F32 => t.values.iter().for_each(|v| out.extend(v.to_le_bytes())),
+            DType::I64 => t
                 .values
                 .iter()
                 .for_each(|v| out.extend((v.round() as i64).to_le_bytes())),
@@ -163,14 +155,14 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<WeightTensor>, JobError> {
         .map(|(name, view)| {
             let (dtype, values) = match view.dtype() {
                 safetensors::Dtype::F32 => (
-                    WeightDType::F32,
+                    DType::F32,
                     view.data()
                         .chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                         .collect(),
                 ),
                 safetensors::Dtype::I64 => (
-                    WeightDType::I64,
+                    DType::I64,
                     view.data()
                         .chunks_exact(8)
                         .map(|c| {

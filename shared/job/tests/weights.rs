@@ -4,9 +4,8 @@
 // Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
 #![allow(clippy::unwrap_used)]
 
-use rookery_job::{
-    WeightDType, WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors,
-};
+use rookery_job::{WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors};
+use rookery_model::DType;
 use safetensors::{Dtype, SafeTensors};
 
 fn state_dict() -> Vec<WeightTensor> {
@@ -119,5 +118,5 @@ fn bad_tensors_and_files_are_errors() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("absent.safetensors"), "{e}");
-    assert_eq!(WeightDType::default(), WeightDType::F32);
+    assert_eq!(WeightTensor::f32("x", vec![1], vec![0.0]).dtype, DType::F32);
 }
