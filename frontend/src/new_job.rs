@@ -20,8 +20,12 @@ use std::collections::BTreeMap;
 use leptos::html::Input;
 use leptos::prelude::*;
 use leptos_router::hooks::use_navigate;
+use rookery_job::{
+    Clusters, DataFile, DataFormat, JobFile, ModelFile, OptimizerFile, TrainingFile,
+};
+use rookery_model::ClusterCount;
 use rookery_proto::api::{DatasetInfo, JobCreated, PlanPreview};
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 use wasm_bindgen::JsCast;
 
 use crate::api::{self, use_auth};
@@ -129,13 +133,13 @@ fn optional_float(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Op
 }
 
 /// `auto` or a whole number of at least 1.
-fn auto_or_count(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<Value> {
+fn auto_or_count(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<ClusterCount> {
     let text = values.get(id);
     if text.is_empty() || text.eq_ignore_ascii_case("auto") {
-        return Some(json!("auto"));
+        return Some(ClusterCount::Auto);
     }
-    match text.parse::<u64>() {
-        Ok(n) if n > 0 => Some(json!(n)),
+    match text.parse::<usize>() {
+        Ok(n) if n > 0 => Some(ClusterCount::Fixed(n)),
         _ => {
             errors.insert(id.into(), "`auto` or a whole number of at least 1".into());
             None
@@ -143,19 +147,32 @@ fn auto_or_count(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Opt
     }
 }
 
-/// The job file (JSON form) for the form's values, or every error found
-/// before asking the server. File parts are named by their file names.
-pub fn build_job(values: &FormValues) -> Result<Value, FieldErrors> {
+/// A select's value as the job file's type for it (the type's own serde
+/// spelling, so the options and the server cannot disagree).
+fn choice<T: serde::de::DeserializeOwned>(
+    values: &FormValues,
+    id: &str,
+    errors: &mut FieldErrors,
+) -> Option<T> {
+    let text = values.get(id);
+    match serde_json::from_value(Value::String(text.to_string())) {
+        Ok(v) => Some(v),
+        Err(_) => {
+            errors.insert(id.into(), format!("`{text}` is not one of the choices"));
+            None
+        }
+    }
+}
+
+/// The job file for the form's values, or every error found before asking
+/// the server. File parts are named by their file names.
+pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
     let mut errors = FieldErrors::new();
     let file = |id: &str| values.files.get(id).cloned();
-    let mut model = Map::new();
+    let (mut onnx, mut spec) = (None, None);
     match file("model-file") {
-        Some(name) if name.ends_with(".onnx") => {
-            model.insert("onnx".into(), json!(name));
-        }
-        Some(name) if name.ends_with(".toml") => {
-            model.insert("spec".into(), json!(name));
-        }
+        Some(name) if name.ends_with(".onnx") => onnx = Some(name),
+        Some(name) if name.ends_with(".toml") => spec = Some(name),
         Some(_) => {
             errors.insert(
                 "model-file".into(),
@@ -166,110 +183,119 @@ pub fn build_job(values: &FormValues) -> Result<Value, FieldErrors> {
             errors.insert("model-file".into(), "choose the model file".into());
         }
     }
-    let shape: Result<Vec<u64>, _> = values
+    let shape: Result<Vec<usize>, _> = values
         .get("input-shape")
         .split([',', 'x', ' '])
         .filter(|s| !s.is_empty())
-        .map(str::parse::<u64>)
+        .map(str::parse::<usize>)
         .collect();
-    match shape {
-        Ok(shape) if !shape.is_empty() && shape.iter().all(|&d| d > 0) => {
-            model.insert("input_shape".into(), json!(shape));
-        }
+    let input_shape = match shape {
+        Ok(shape) if !shape.is_empty() && shape.iter().all(|&d| d > 0) => shape,
         _ => {
             errors.insert(
                 "input-shape".into(),
                 "one sample's shape, e.g. `1, 28, 28`".into(),
             );
+            Vec::new()
         }
-    }
+    };
 
-    let mut data = Map::new();
-    data.insert("format".into(), json!(values.get("data-format")));
-    for (id, key) in [
-        ("train-inputs", "train_inputs"),
-        ("train-labels", "train_labels"),
-    ] {
-        match file(id) {
-            Some(name) => {
-                data.insert(key.into(), json!(name));
-            }
-            None => {
-                errors.insert(id.into(), "choose the file".into());
-            }
-        }
-    }
-    match (file("test-inputs"), file("test-labels")) {
-        (Some(inputs), Some(labels)) => {
-            data.insert("test_inputs".into(), json!(inputs));
-            data.insert("test_labels".into(), json!(labels));
-        }
-        (None, None) => {}
+    let mut required = |id: &str| {
+        file(id).unwrap_or_else(|| {
+            errors.insert(id.into(), "choose the file".into());
+            String::new()
+        })
+    };
+    let (train_inputs, train_labels) = (required("train-inputs"), required("train-labels"));
+    let (test_inputs, test_labels) = match (file("test-inputs"), file("test-labels")) {
+        (Some(inputs), Some(labels)) => (Some(inputs), Some(labels)),
+        (None, None) => (None, None),
         (Some(_), None) => {
             errors.insert("test-labels".into(), "test inputs need their labels".into());
+            (None, None)
         }
         (None, Some(_)) => {
             errors.insert("test-inputs".into(), "test labels need their inputs".into());
+            (None, None)
         }
-    }
-    for (id, key) in [("scale", "scale"), ("mean", "mean"), ("std", "std")] {
-        if let Some(v) = optional_float(values, id, &mut errors) {
-            data.insert(key.into(), json!(v));
-        }
-    }
+    };
+    let format = choice(values, "data-format", &mut errors);
+    let scale = optional_float(values, "scale", &mut errors);
+    let mean = optional_float(values, "mean", &mut errors);
+    let std = optional_float(values, "std", &mut errors);
 
-    let mut optimizer = Map::new();
-    optimizer.insert("name".into(), json!(values.get("optimizer")));
-    match values.get("lr").parse::<f64>() {
-        Ok(lr) if lr.is_finite() && lr > 0.0 => {
-            optimizer.insert("lr".into(), json!(lr));
-        }
+    let lr = match values.get("lr").parse::<f64>() {
+        Ok(lr) if lr.is_finite() && lr > 0.0 => Some(lr),
         _ => {
             errors.insert("lr".into(), "a learning rate above 0".into());
+            None
         }
-    }
-    if let Some(m) = optional_float(values, "momentum", &mut errors) {
-        optimizer.insert("momentum".into(), json!(m));
-    }
-    if let Some(w) = optional_float(values, "weight-decay", &mut errors) {
-        optimizer.insert("weight_decay".into(), json!(w));
-    }
+    };
+    let optimizer = OptimizerFile {
+        name: values.get("optimizer").to_string(),
+        lr,
+        momentum: optional_float(values, "momentum", &mut errors),
+        weight_decay: optional_float(values, "weight-decay", &mut errors),
+        ..OptimizerFile::default()
+    };
 
-    let mut training = Map::new();
-    for (id, key) in [
-        ("epochs", "epochs"),
-        ("batch-size", "batch_size"),
-        ("micro-batches", "micro_batches"),
-        ("sync-every", "sync_every"),
-    ] {
-        if let Some(n) = positive(values, id, &mut errors) {
-            training.insert(key.into(), json!(n));
-        }
-    }
-    if let Some(c) = auto_or_count(values, "clusters", &mut errors) {
-        training.insert("clusters".into(), c);
-    }
+    let mut count = |id: &str| positive(values, id, &mut errors);
+    let (epochs, batch_size, micro_batches, sync_every) = (
+        count("epochs"),
+        count("batch-size"),
+        count("micro-batches"),
+        count("sync-every"),
+    );
+    let clusters = auto_or_count(values, "clusters", &mut errors);
     // No `stages` key lets the planner choose.
-    if let Some(Value::Number(n)) = auto_or_count(values, "stages", &mut errors) {
-        training.insert("stages".into(), Value::Number(n));
-    }
-    match values.get("seed").parse::<u64>() {
-        Ok(seed) => {
-            training.insert("seed".into(), json!(seed));
-        }
+    let stages = match auto_or_count(values, "stages", &mut errors) {
+        Some(ClusterCount::Fixed(n)) => Some(n),
+        _ => None,
+    };
+    let seed = match values.get("seed").parse::<u64>() {
+        Ok(seed) => Some(seed),
         Err(_) => {
             errors.insert("seed".into(), "a whole number".into());
+            None
         }
-    }
-    training.insert("loss".into(), json!(values.get("loss")));
-    training.insert("wire_dtype".into(), json!(values.get("wire-dtype")));
-    training.insert("optimizer".into(), Value::Object(optimizer));
+    };
+    let loss = choice(values, "loss", &mut errors);
+    let wire_dtype = choice(values, "wire-dtype", &mut errors);
 
-    if errors.is_empty() {
-        Ok(json!({ "model": model, "data": data, "training": training }))
-    } else {
-        Err(errors)
+    if !errors.is_empty() {
+        return Err(errors);
     }
+    Ok(JobFile {
+        model: ModelFile {
+            onnx,
+            spec,
+            input_shape,
+        },
+        data: DataFile {
+            format: format.unwrap_or(DataFormat::Idx),
+            train_inputs,
+            train_labels,
+            test_inputs,
+            test_labels,
+            scale,
+            mean,
+            std,
+        },
+        training: TrainingFile {
+            epochs,
+            batch_size: batch_size.unwrap_or(1) as usize,
+            micro_batches: micro_batches.map(|n| n as usize),
+            loss,
+            optimizer: Some(optimizer),
+            clusters: clusters.map(Clusters),
+            sync_every,
+            stages,
+            shuffle: None,
+            seed,
+            wire_dtype,
+            aggregation: None,
+        },
+    })
 }
 
 /// The job file's name, after the model file (`mnist.onnx` -> `mnist.json`),
@@ -409,7 +435,9 @@ pub fn NewJobPage() -> impl IntoView {
                 "this browser cannot build uploads".to_string(),
             )])
         })?;
-        let parts = js_sys::Array::of1(&job.to_string().into());
+        let job = serde_json::to_string(&job)
+            .map_err(|e| FieldErrors::from([("form".to_string(), format!("the job file: {e}"))]))?;
+        let parts = js_sys::Array::of1(&job.into());
         let options = web_sys::BlobPropertyBag::new();
         options.set_type("application/json");
         match web_sys::Blob::new_with_str_sequence_and_options(&parts, &options) {
@@ -849,6 +877,7 @@ fn PlanTable(preview: PlanPreview) -> impl IntoView {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn filled() -> FormValues {
         FormValues {
@@ -866,7 +895,7 @@ mod tests {
 
     #[test]
     fn a_filled_form_becomes_a_job_file() {
-        let job = build_job(&filled()).unwrap();
+        let job = serde_json::to_value(build_job(&filled()).unwrap()).unwrap();
         assert_eq!(job["model"]["onnx"], "mlp.onnx");
         assert_eq!(job["model"]["input_shape"], json!([1, 28, 28]));
         assert_eq!(job["data"]["train_labels"], "train-labels.gz");
@@ -880,7 +909,7 @@ mod tests {
         let mut spec = filled();
         spec.files.insert("model-file", "cnn.toml".into());
         spec.text.insert("stages", "3".into());
-        let job = build_job(&spec).unwrap();
+        let job = serde_json::to_value(build_job(&spec).unwrap()).unwrap();
         assert_eq!(job["model"]["spec"], "cnn.toml");
         assert_eq!(job["training"]["stages"], 3);
         assert_eq!(job_file_name(&spec), "cnn.json");

@@ -4,6 +4,8 @@
 //!
 //! - [`spec`]: the Requester's job file ([`JobSpec`], TOML or JSON): which model,
 //!   which data, how to train; parsed, defaulted and validated before anything runs.
+//! - [`file`]: the job file as written ([`JobFile`]), public so clients
+//!   build and serialise the same type the server reads.
 //! - [`data`]: dataset readers (IDX, `.npy`, `.npz`, safetensors, CSV) into a
 //!   preprocessed [`Dataset`], and the checks of a dataset against the model.
 //! - [`order`]: the data order the server owns (per-epoch permutation, sharding
@@ -13,12 +15,14 @@
 
 pub mod data;
 pub mod error;
+pub mod file;
 pub mod order;
 pub mod spec;
 pub mod weights;
 
 pub use data::{Dataset, Labels, Split, load_split, validate_against_model};
 pub use error::JobError;
+pub use file::{Clusters, DataFile, JobFile, ModelFile, OptimizerFile, TrainingFile};
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use spec::{
     Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec,

@@ -12,7 +12,6 @@ pub mod error;
 pub mod graph;
 pub mod init;
 pub mod layout;
-#[cfg(not(target_arch = "wasm32"))]
 pub mod load;
 pub mod onnx;
 pub mod ops;

@@ -83,7 +83,6 @@ pub fn import_named(
 }
 
 /// Imports an ONNX file, reading external data from files beside it.
-#[cfg(not(target_arch = "wasm32"))]
 pub fn import_file(
     path: impl AsRef<std::path::Path>,
     input_shape: &[usize],

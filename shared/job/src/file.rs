@@ -1,0 +1,386 @@
+//! The job file as it is written: TOML or JSON, every field named as in the
+//! README, optional ones `None`. [`JobFile`] is what serde reads before
+//! [`JobSpec`] resolves paths, fills defaults and validates, and what a
+//! client (the dashboard) fills in and serialises to submit a job, so the
+//! form and the server agree on one definition.
+
+use std::fmt;
+use std::path::Path;
+
+use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+use serde::de::{self, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::JobError;
+use crate::spec::{Aggregation, DataFormat, JobSpec, ModelSource, WireDType};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    pub model: ModelFile,
+    pub data: DataFile,
+    pub training: TrainingFile,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub onnx: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<String>,
+    pub input_shape: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataFile {
+    pub format: DataFormat,
+    pub train_inputs: String,
+    pub train_labels: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_inputs: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_labels: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub std: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u64>,
+    pub batch_size: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_batches: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<Loss>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<OptimizerFile>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clusters: Option<Clusters>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_every: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wire_dtype: Option<WireDType>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregation: Option<Aggregation>,
+}
+
+/// `torch.optim` parameter names, tagged by `name`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerFile {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dampening: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nesterov: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub betas: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eps: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amsgrad: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub centered: Option<bool>,
+}
+
+const SGD_PARAMS: &[&str] = &["lr", "momentum", "dampening", "nesterov", "weight_decay"];
+const ADAM_PARAMS: &[&str] = &["lr", "betas", "eps", "weight_decay", "amsgrad"];
+const RMSPROP_PARAMS: &[&str] = &["lr", "alpha", "eps", "weight_decay", "momentum", "centered"];
+
+impl OptimizerFile {
+    fn given(&self) -> [(&'static str, bool); 10] {
+        [
+            ("lr", self.lr.is_some()),
+            ("momentum", self.momentum.is_some()),
+            ("dampening", self.dampening.is_some()),
+            ("nesterov", self.nesterov.is_some()),
+            ("weight_decay", self.weight_decay.is_some()),
+            ("betas", self.betas.is_some()),
+            ("eps", self.eps.is_some()),
+            ("amsgrad", self.amsgrad.is_some()),
+            ("alpha", self.alpha.is_some()),
+            ("centered", self.centered.is_some()),
+        ]
+    }
+
+    pub(crate) fn into_config(self) -> Result<OptimizerConfig, JobError> {
+        let name = self.name.to_ascii_lowercase();
+        // torch.optim's default learning rates.
+        let (params, mut config) = match name.as_str() {
+            "sgd" => (SGD_PARAMS, OptimizerConfig::sgd(self.lr.unwrap_or(1e-3))),
+            "adam" => (ADAM_PARAMS, OptimizerConfig::adam(self.lr.unwrap_or(1e-3))),
+            "adamw" => (ADAM_PARAMS, OptimizerConfig::adamw(self.lr.unwrap_or(1e-3))),
+            "rmsprop" => (
+                RMSPROP_PARAMS,
+                OptimizerConfig::rmsprop(self.lr.unwrap_or(1e-2)),
+            ),
+            _ => {
+                return Err(JobError::field(
+                    "training.optimizer.name",
+                    format!(
+                        "unknown optimizer `{}`; expected one of sgd, adam, adamw, rmsprop",
+                        self.name
+                    ),
+                ));
+            }
+        };
+        if let Some((key, _)) = self
+            .given()
+            .into_iter()
+            .find(|(k, given)| *given && !params.contains(k))
+        {
+            return Err(JobError::field(
+                format!("training.optimizer.{key}"),
+                format!(
+                    "{name} has no parameter `{key}` (it takes {})",
+                    params.join(", ")
+                ),
+            ));
+        }
+        let set = |slot: &mut f64, v: Option<f64>| {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        };
+        match &mut config {
+            OptimizerConfig::Sgd {
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+                ..
+            } => {
+                set(momentum, self.momentum);
+                set(dampening, self.dampening);
+                set(weight_decay, self.weight_decay);
+                *nesterov = self.nesterov.unwrap_or(*nesterov);
+            }
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                ..
+            }
+            | OptimizerConfig::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                ..
+            } => {
+                match self.betas.as_deref() {
+                    None => {}
+                    Some(&[b1, b2]) => {
+                        *beta1 = b1;
+                        *beta2 = b2;
+                    }
+                    Some(other) => {
+                        return Err(JobError::field(
+                            "training.optimizer.betas",
+                            format!("expected two values [beta1, beta2], got {other:?}"),
+                        ));
+                    }
+                }
+                set(eps, self.eps);
+                set(weight_decay, self.weight_decay);
+                *amsgrad = self.amsgrad.unwrap_or(*amsgrad);
+            }
+            OptimizerConfig::RmsProp {
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+                ..
+            } => {
+                set(alpha, self.alpha);
+                set(eps, self.eps);
+                set(weight_decay, self.weight_decay);
+                set(momentum, self.momentum);
+                *centered = self.centered.unwrap_or(*centered);
+            }
+        }
+        Ok(config)
+    }
+}
+
+impl From<OptimizerConfig> for OptimizerFile {
+    fn from(c: OptimizerConfig) -> Self {
+        match c {
+            OptimizerConfig::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => OptimizerFile {
+                name: "sgd".into(),
+                lr: Some(lr),
+                momentum: Some(momentum),
+                dampening: Some(dampening),
+                nesterov: Some(nesterov),
+                weight_decay: Some(weight_decay),
+                ..OptimizerFile::default()
+            },
+            OptimizerConfig::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            }
+            | OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+            } => OptimizerFile {
+                name: if matches!(c, OptimizerConfig::Adam { .. }) {
+                    "adam".into()
+                } else {
+                    "adamw".into()
+                },
+                lr: Some(lr),
+                betas: Some(vec![beta1, beta2]),
+                eps: Some(eps),
+                weight_decay: Some(weight_decay),
+                amsgrad: Some(amsgrad),
+                ..OptimizerFile::default()
+            },
+            OptimizerConfig::RmsProp {
+                lr,
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+            } => OptimizerFile {
+                name: "rmsprop".into(),
+                lr: Some(lr),
+                alpha: Some(alpha),
+                eps: Some(eps),
+                weight_decay: Some(weight_decay),
+                momentum: Some(momentum),
+                centered: Some(centered),
+                ..OptimizerFile::default()
+            },
+        }
+    }
+}
+
+/// `clusters = "auto"` or `clusters = 3`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Clusters(pub ClusterCount);
+
+impl Serialize for Clusters {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            ClusterCount::Auto => s.serialize_str("auto"),
+            ClusterCount::Fixed(n) => s.serialize_u64(n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Clusters {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Clusters;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("\"auto\" or a number of clusters")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Clusters, E> {
+                if v == "auto" {
+                    Ok(Clusters(ClusterCount::Auto))
+                } else {
+                    Err(E::invalid_value(de::Unexpected::Str(v), &self))
+                }
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Clusters, E> {
+                usize::try_from(v)
+                    .map(|n| Clusters(ClusterCount::Fixed(n)))
+                    .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Clusters, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+                    .and_then(|v| self.visit_u64(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+impl From<JobSpec> for JobFile {
+    fn from(j: JobSpec) -> Self {
+        let (onnx, spec) = match &j.model.source {
+            ModelSource::Onnx(p) => (Some(path_string(p)), None),
+            ModelSource::Spec(p) => (None, Some(path_string(p))),
+        };
+        let d = j.data;
+        let t = j.training;
+        JobFile {
+            model: ModelFile {
+                onnx,
+                spec,
+                input_shape: j.model.input_shape,
+            },
+            data: DataFile {
+                format: d.format,
+                train_inputs: d.train_inputs.to_string(),
+                train_labels: d.train_labels.to_string(),
+                test_inputs: d.test_inputs.map(|r| r.to_string()),
+                test_labels: d.test_labels.map(|r| r.to_string()),
+                scale: d.scale,
+                mean: d.mean,
+                std: d.std,
+            },
+            training: TrainingFile {
+                epochs: Some(t.epochs),
+                batch_size: t.batch_size,
+                micro_batches: Some(t.micro_batches),
+                loss: Some(t.loss),
+                optimizer: Some(t.optimizer.into()),
+                clusters: Some(Clusters(t.clusters)),
+                sync_every: Some(t.sync_every),
+                stages: t.stages,
+                shuffle: Some(t.shuffle),
+                seed: Some(t.seed),
+                wire_dtype: Some(t.wire_dtype),
+                aggregation: Some(t.aggregation),
+            },
+        }
+    }
+}
