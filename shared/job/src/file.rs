@@ -5,14 +5,49 @@
 //! form and the server agree on one definition.
 
 use std::fmt;
-use std::path::Path;
 
 use rookery_model::{ClusterCount, Loss, OptimizerConfig};
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::JobError;
-use crate::spec::{Aggregation, DataFormat, JobSpec, ModelSource, WireDType};
+use rookery_proto::WireDType;
+
+/// How a sync combines the clusters' copies of each parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Aggregation {
+    /// The arithmetic mean: exact, and what parity with one process needs.
+    #[default]
+    Mean,
+    /// The coordinate-wise median.
+    Median,
+    /// CenteredClip: start at the median, then average the clusters'
+    /// differences clipped to a radius, a few times.
+    CenteredClip,
+}
+
+/// How the data files are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// MNIST's IDX files, optionally gzipped.
+    Idx,
+    /// NumPy `.npy`, optionally gzipped.
+    Npy,
+    /// NumPy `.npz` (a zip of `.npy` files, stored or deflated).
+    Npz,
+    Safetensors,
+    /// Comma-separated numbers, one sample a row, optional header row.
+    Csv,
+}
+
+impl DataFormat {
+    /// Whether a file holds several named arrays (`file:array` references).
+    pub fn has_members(self) -> bool {
+        matches!(self, DataFormat::Npz | DataFormat::Safetensors)
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -336,51 +371,5 @@ impl<'de> Deserialize<'de> for Clusters {
             }
         }
         d.deserialize_any(V)
-    }
-}
-
-fn path_string(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
-
-impl From<JobSpec> for JobFile {
-    fn from(j: JobSpec) -> Self {
-        let (onnx, spec) = match &j.model.source {
-            ModelSource::Onnx(p) => (Some(path_string(p)), None),
-            ModelSource::Spec(p) => (None, Some(path_string(p))),
-        };
-        let d = j.data;
-        let t = j.training;
-        JobFile {
-            model: ModelFile {
-                onnx,
-                spec,
-                input_shape: j.model.input_shape,
-            },
-            data: DataFile {
-                format: d.format,
-                train_inputs: d.train_inputs.to_string(),
-                train_labels: d.train_labels.to_string(),
-                test_inputs: d.test_inputs.map(|r| r.to_string()),
-                test_labels: d.test_labels.map(|r| r.to_string()),
-                scale: d.scale,
-                mean: d.mean,
-                std: d.std,
-            },
-            training: TrainingFile {
-                epochs: Some(t.epochs),
-                batch_size: t.batch_size,
-                micro_batches: Some(t.micro_batches),
-                loss: Some(t.loss),
-                optimizer: Some(t.optimizer.into()),
-                clusters: Some(Clusters(t.clusters)),
-                sync_every: Some(t.sync_every),
-                stages: t.stages,
-                shuffle: Some(t.shuffle),
-                seed: Some(t.seed),
-                wire_dtype: Some(t.wire_dtype),
-                aggregation: Some(t.aggregation),
-            },
-        }
     }
 }
