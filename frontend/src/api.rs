@@ -122,20 +122,20 @@ async fn check(response: Response) -> Result<Response, Failure> {
 }
 
 pub async fn get_json<T: DeserializeOwned>(token: &str, path: &str) -> Result<T, Failure> {
-    let response = authorized(Request::get(path), token)
-        .send()
-        .await
-        .map_err(Failure::network)?;
-    let response = check(response).await?;
-    response.json::<T>().await.map_err(|e| Failure {
-        status: 0,
-        message: format!("unexpected answer from {path} ({e})"),
-        field: None,
-    })
+    send_for_json(Request::get(path), token, path).await
 }
 
 pub async fn post_empty<T: DeserializeOwned>(token: &str, path: &str) -> Result<T, Failure> {
-    let response = authorized(Request::post(path), token)
+    send_for_json(Request::post(path), token, path).await
+}
+
+/// Sends a bodiless request with the token and reads the JSON answer.
+async fn send_for_json<T: DeserializeOwned>(
+    request: RequestBuilder,
+    token: &str,
+    path: &str,
+) -> Result<T, Failure> {
+    let response = authorized(request, token)
         .send()
         .await
         .map_err(Failure::network)?;
@@ -248,6 +248,44 @@ pub fn tick_clock(alive: std::sync::Arc<std::sync::atomic::AtomicBool>, now_ms: 
             }
         }
     });
+}
+
+/// A page's live view: follows `job`'s events (every job's for `None`),
+/// calling `reload` when the stream opens and after missed events and
+/// `on_event` for each event, and ticks `now_ms`, both while `alive`. A
+/// failure shows in `error` as paused live updates (and signs the Requester
+/// out when the server refused the token).
+#[allow(clippy::too_many_arguments)]
+pub fn watch_live(
+    auth: Auth,
+    token: String,
+    job: Option<u64>,
+    alive: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    now_ms: RwSignal<f64>,
+    error: RwSignal<Option<String>>,
+    reload: impl Fn() + 'static,
+    mut on_event: impl FnMut(&JobEvent) + 'static,
+) {
+    wasm_bindgen_futures::spawn_local({
+        let alive = alive.clone();
+        async move {
+            follow_events(
+                token,
+                job,
+                alive,
+                move |live| match live {
+                    Live::Open | Live::Lagged => reload(),
+                    Live::Event(event) => on_event(&event),
+                },
+                move |failure| {
+                    auth.check(&failure);
+                    error.set(Some(format!("live updates paused: {}", failure.message)));
+                },
+            )
+            .await;
+        }
+    });
+    tick_clock(alive, now_ms);
 }
 
 pub async fn follow_events(

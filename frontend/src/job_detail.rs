@@ -17,10 +17,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use leptos::prelude::*;
 use leptos_router::hooks::use_params_map;
 use rookery_proto::api::{
-    EpochMetric, JobEventBody, JobInfo, JobMetrics, LogEntry, PlanView, StepMetric,
+    EpochMetric, JobEvent, JobEventBody, JobInfo, JobMetrics, LogEntry, PlanView, StepMetric,
 };
 
-use crate::api::{self, Live, use_auth};
+use crate::api::{self, use_auth};
 use crate::chart::LineChart;
 use crate::format;
 use crate::jobs::{apply_to_job, is_finished, progress};
@@ -148,42 +148,30 @@ pub fn JobDetailPage() -> impl IntoView {
             });
         }
     };
-    wasm_bindgen_futures::spawn_local({
-        let alive = alive.clone();
-        let token = token.clone();
-        async move {
-            api::follow_events(
-                token,
-                Some(id),
-                alive,
-                move |live| match live {
-                    Live::Open | Live::Lagged => reload(),
-                    Live::Event(event) => match &event.body {
-                        JobEventBody::Log { entry } => log.update(|l| l.push(entry.clone())),
-                        JobEventBody::Job { .. } => job.update(|j| {
-                            if let Some(j) = j.as_mut() {
-                                apply_to_job(j, &event);
-                            }
-                        }),
-                        body => {
-                            metrics.update(|m| merge_metric(m, body));
-                            job.update(|j| {
-                                if let Some(j) = j.as_mut() {
-                                    apply_to_job(j, &event);
-                                }
-                            });
-                        }
-                    },
-                },
-                move |failure| {
-                    auth.check(&failure);
-                    error.set(Some(format!("live updates paused: {}", failure.message)));
-                },
-            )
-            .await;
-        }
-    });
-    api::tick_clock(alive.clone(), now_ms);
+    let update_job = move |event: &JobEvent| {
+        job.update(|j| {
+            if let Some(j) = j.as_mut() {
+                apply_to_job(j, event);
+            }
+        })
+    };
+    api::watch_live(
+        auth,
+        token.clone(),
+        Some(id),
+        alive.clone(),
+        now_ms,
+        error,
+        reload,
+        move |event| match &event.body {
+            JobEventBody::Log { entry } => log.update(|l| l.push(entry.clone())),
+            JobEventBody::Job { .. } => update_job(event),
+            body => {
+                metrics.update(|m| merge_metric(m, body));
+                update_job(event);
+            }
+        },
+    );
 
     let loss_points = Signal::derive(move || {
         metrics.with(|m| m.steps.iter().map(|s| (s.step as f64, s.loss)).collect())

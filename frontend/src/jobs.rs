@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use leptos::prelude::*;
 use rookery_proto::api::{JobEvent, JobEventBody, JobInfo, PlanView};
 
-use crate::api::{self, Live, use_auth};
+use crate::api::{self, use_auth};
 use crate::format;
 
 /// Whether a job can still change.
@@ -108,32 +108,22 @@ pub fn JobsPage() -> impl IntoView {
             });
         }
     };
-    wasm_bindgen_futures::spawn_local({
-        let alive = alive.clone();
-        let token = token.clone();
-        async move {
-            let events_alive = alive.clone();
-            api::follow_events(
-                token,
-                None,
-                events_alive,
-                move |live| match live {
-                    Live::Open | Live::Lagged => reload(),
-                    Live::Event(event) => jobs.update(|list| {
-                        if let Some(list) = list.as_mut() {
-                            apply_to_list(list, &event);
-                        }
-                    }),
-                },
-                move |failure| {
-                    auth.check(&failure);
-                    error.set(Some(format!("live updates paused: {}", failure.message)));
-                },
-            )
-            .await;
-        }
-    });
-    api::tick_clock(alive.clone(), now_ms);
+    api::watch_live(
+        auth,
+        token.clone(),
+        None,
+        alive.clone(),
+        now_ms,
+        error,
+        reload,
+        move |event| {
+            jobs.update(|list| {
+                if let Some(list) = list.as_mut() {
+                    apply_to_list(list, event);
+                }
+            })
+        },
+    );
 
     let cancel = move |id: u64| {
         let token = auth.token.get_untracked().unwrap_or_default();
