@@ -20,7 +20,6 @@ pub enum ProviderStatus {
 pub struct ProviderInfo {
     pub id: u64,
     pub name: String,
-    #[serde(with = "kind_as_str")]
     #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub kind: ProviderKind,
     pub device: String,
@@ -63,21 +62,6 @@ pub struct ApiError {
     /// `training.optimizer.lr`), so a form can show it next to that field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
-}
-
-mod kind_as_str {
-    use super::ProviderKind;
-    use serde::{Deserialize, Deserializer, Serializer, de::Error};
-
-    pub fn serialize<S: Serializer>(kind: &ProviderKind, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(kind.as_str())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ProviderKind, D::Error> {
-        let text = String::deserialize(d)?;
-        ProviderKind::parse(&text)
-            .ok_or_else(|| D::Error::custom(format!("unknown provider kind {text:?}")))
-    }
 }
 
 #[cfg(test)]
@@ -164,7 +148,6 @@ pub struct StageView {
     pub role: String,
     pub provider: u64,
     pub provider_name: String,
-    #[serde(with = "kind_as_str")]
     #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub provider_kind: ProviderKind,
     pub device: String,

@@ -44,8 +44,11 @@ pub const PROVIDER_WS_PATH: &str = "/ws/provider";
 #[serde(rename_all = "lowercase")]
 pub enum ProviderKind {
     /// A `rookery-provider` process (libtorch on CPU or CUDA).
+    // Plans stored before the planner shared this type spelled it capitalised.
+    #[serde(alias = "Native")]
     Native,
     /// A browser tab donating its GPU through WebGPU.
+    #[serde(alias = "Browser")]
     Browser,
 }
 
