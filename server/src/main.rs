@@ -97,14 +97,14 @@ async fn run() -> anyhow::Result<()> {
         )
         .init();
     match cli.command {
-        Command::Serve(args) => serve::serve(args).await,
+        Command::Serve(args) => serve::run(args).await,
         Command::Plan(args) => plan::run(args),
         Command::Submit { job, server } => remote::submit(job, server).await,
         Command::Jobs { server } => remote::jobs(server).await,
         Command::Watch { id, server } => remote::watch(id, server).await,
         Command::Download { id, out, server } => remote::download(id, out, server).await,
         Command::Cancel { id, server } => remote::cancel(id, server).await,
-        Command::Train(args) => train::train(args).await,
+        Command::Train(args) => train::run(args).await,
         Command::Token { action } => tokens::run(action).await,
     }
 }

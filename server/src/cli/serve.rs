@@ -46,7 +46,9 @@ pub struct ServeArgs {
     pub provider_token: Option<String>,
 }
 
-pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+/// `rookery serve`: prints the API token and the address, then serves
+/// until Ctrl-C or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let heartbeat_timeout = Duration::from_millis(args.heartbeat_timeout_ms.max(100));
     let limits = Limits {
         max_frame_bytes: args.max_frame_bytes,

@@ -26,7 +26,7 @@ pub struct TrainArgs {
 }
 
 /// `rookery train`: everything on this machine, on loopback.
-pub async fn train(args: TrainArgs) -> anyhow::Result<()> {
+pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
     if args.local_providers == 0 {
         anyhow::bail!("--local-providers must be at least 1");
     }

@@ -6,9 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use rookery_proto::api::ApiError;
 
-use super::upload::DATASET_PART;
 use crate::store::DbError;
-use crate::store::datasets::DatasetError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -33,18 +31,6 @@ pub enum AppError {
     Internal(String),
     #[error(transparent)]
     Db(#[from] DbError),
-}
-
-impl From<DatasetError> for AppError {
-    fn from(error: DatasetError) -> Self {
-        match error {
-            DatasetError::BadName(_) | DatasetError::Missing(_) => AppError::Field {
-                field: DATASET_PART.into(),
-                message: error.to_string(),
-            },
-            DatasetError::Copy { .. } => AppError::Internal(error.to_string()),
-        }
-    }
 }
 
 impl IntoResponse for AppError {

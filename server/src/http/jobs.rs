@@ -1,6 +1,6 @@
 //! The job endpoints once a job exists: list, inspect, metrics (JSON and
 //! CSV), the event log and the live event stream, cancel, and download the
-//! weights (uploads are in [`super::upload`]). Each Requester sees and
+//! weights (uploads are in the `upload` module). Each Requester sees and
 //! touches only their own jobs; another's job answers 404, as a missing one
 //! does.
 

@@ -17,8 +17,9 @@ use super::error::AppError;
 use super::jobs::log_line;
 use crate::coordinator::{self, Event};
 use crate::state::AppState;
+use crate::store::datasets::{self, DatasetError};
 use crate::store::requesters::Requester;
-use crate::store::{self, datasets, jobs};
+use crate::store::{self, jobs};
 use crate::{dto, now_ms};
 
 /// How a job upload is laid out, for the OpenAPI description.
@@ -30,6 +31,19 @@ pub const JOB_PART: &str = "job";
 
 /// The multipart part that names a server dataset.
 pub const DATASET_PART: &str = "dataset";
+
+/// A dataset that cannot join an upload is about the upload's dataset part.
+impl From<DatasetError> for AppError {
+    fn from(error: DatasetError) -> Self {
+        match error {
+            DatasetError::BadName(_) | DatasetError::Missing(_) => AppError::Field {
+                field: DATASET_PART.into(),
+                message: error.to_string(),
+            },
+            DatasetError::Copy { .. } => AppError::Internal(error.to_string()),
+        }
+    }
+}
 
 /// The upload endpoints (behind the Requester's token).
 pub fn routes() -> Router<AppState> {

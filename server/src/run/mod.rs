@@ -31,7 +31,8 @@
 //! `sync` runs the barriers, averages parameters and takes checkpoints;
 //! `eval` runs the test set after an epoch; `recovery` rebuilds a cluster
 //! that lost a provider; `stragglers` spots and replaces slow stages;
-//! `metrics` turns finished steps into records.
+//! `metrics` turns finished steps into records; `aggregate` holds the rules
+//! that combine the clusters' copies of a parameter.
 
 mod aggregate;
 mod eval;

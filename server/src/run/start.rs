@@ -19,7 +19,7 @@ use super::{
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The training data does not fill a step of the plan's clusters.
-    #[error("{0}")]
+    #[error(transparent)]
     Schedule(#[from] JobError),
     #[error("the model has no input")]
     NoInput,
@@ -36,7 +36,7 @@ pub enum StartError {
         model: Vec<usize>,
     },
     /// The graph providers get cannot be written as JSON.
-    #[error("{0}")]
+    #[error(transparent)]
     Graph(#[from] serde_json::Error),
     #[error("the plan names unknown provider {0}")]
     UnknownProvider(String),

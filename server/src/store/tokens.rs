@@ -1,7 +1,7 @@
 //! Requesters' API tokens: the first Requester's is created on the server's
 //! first start, kept in the data dir (readable by its owner only) and
 //! printed. The server keeps only SHA-256 digests of tokens in the database
-//! (see [`super::requesters`]).
+//! (see the `requesters` module).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
