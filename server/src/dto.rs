@@ -106,9 +106,7 @@ pub fn provider_info(record: ProviderRecord) -> ProviderInfo {
     }
 }
 
-/// The edge where the planner's [`Plan`] becomes the dashboard's
-/// [`PlanView`]: provider ids, names and devices instead of planner keys,
-/// parameter counts per stage, and the roles spelled as words.
+/// A stage's role as the dashboard spells it.
 pub fn role_word(role: StageRole) -> &'static str {
     match role {
         StageRole::Root => "root",
@@ -118,7 +116,10 @@ pub fn role_word(role: StageRole) -> &'static str {
     }
 }
 
-/// `who` maps the planner's provider keys (ids as text) to the provider.
+/// The edge where the planner's [`Plan`] becomes the dashboard's
+/// [`PlanView`]: provider ids, names and devices instead of planner keys,
+/// parameter counts per stage, and the roles spelled as words. `who` maps
+/// the planner's provider keys (ids as text) to the provider.
 pub fn plan_view(plan: &Plan, graph: &Graph, who: &HashMap<String, (u64, Hello)>) -> PlanView {
     let numel: HashMap<&str, u64> = graph
         .params

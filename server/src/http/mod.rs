@@ -7,15 +7,15 @@
 //!   dashboard; [`openapi`]: the API's description.
 //! - [`auth`]: the Requester's token on job endpoints; [`ws`]: one provider
 //!   connection end to end.
-//! - [`serve`](serve()): the accept loop; [`error`]: what handlers answer when
+//! - [`accept`]: the accept loop ([`serve`]); [`error`]: what handlers answer when
 //!   they fail.
 
+pub mod accept;
 pub mod auth;
 pub mod error;
 pub mod jobs;
 pub mod openapi;
 pub mod providers;
-pub mod serve;
 pub mod site;
 pub mod upload;
 pub mod ws;
@@ -25,7 +25,7 @@ use axum::extract::DefaultBodyLimit;
 use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::TraceLayer;
 
-pub use self::serve::serve;
+pub use self::accept::serve;
 use crate::state::AppState;
 
 /// The whole HTTP surface of the server.

@@ -15,7 +15,7 @@ use super::app;
 use crate::admission;
 use crate::state::AppState;
 
-/// Serves [`app`](super::app) on `listener` until `shutdown` completes, then lets
+/// Serves [`app`] on `listener` until `shutdown` completes, then lets
 /// requests in flight finish.
 ///
 /// Its own accept loop rather than `axum::serve`, which has no way to bound
