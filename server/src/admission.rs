@@ -2,16 +2,15 @@
 //! (checked as the server accepts), and for a provider WebSocket the join
 //! token (when the server requires one) and a cap on provider connections
 //! per IP, both checked before the upgrade so a refused peer costs one HTTP
-//! response.
+//! response. Plain data with no handlers, so the app state can hold it.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::http::HeaderMap;
-
-use crate::AppState;
-use crate::error::AppError;
+use axum::http::header::AUTHORIZATION;
+use sha2::{Digest, Sha256};
 
 /// Live provider connections per IP address.
 #[derive(Debug, Clone, Default)]
@@ -77,31 +76,78 @@ pub async fn refuse_connection(mut tcp: tokio::net::TcpStream, ip: IpAddr, max: 
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), write).await;
 }
 
-/// Checks a provider's upgrade request. `ip` is `None` when the server runs
-/// without connection info (in-process tests); such requests are not counted.
-pub fn admit(
-    state: &AppState,
-    ip: Option<IpAddr>,
-    headers: &HeaderMap,
-    query: Option<&str>,
-) -> Result<Option<Slot>, AppError> {
-    if let Some(token) = &state.provider_token
-        && !token.admits(headers, query)
-    {
-        return Err(AppError::Unauthorized(
-            "this server requires providers to present its join token (rookery-provider --token, or `?token=` on the WebSocket URL)",
-        ));
+/// The `Bearer` token of a request, if it has one.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// The join token providers must present, kept as its digest only.
+#[derive(Clone)]
+pub struct ProviderToken([u8; 32]);
+
+impl std::fmt::Debug for ProviderToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProviderToken(..)")
     }
-    let Some(ip) = ip else {
-        return Ok(None);
-    };
-    let max = state.limits.max_connections_per_ip;
-    match state.connections.take(ip, max) {
-        Some(slot) => Ok(Some(slot)),
-        None => Err(AppError::TooManyConnections(format!(
-            "too many provider connections from {ip} (at most {max})"
-        ))),
+}
+
+impl ProviderToken {
+    pub fn new(secret: &str) -> Self {
+        ProviderToken(Sha256::digest(secret.as_bytes()).into())
     }
+
+    /// Digests compared in constant time.
+    pub fn matches(&self, candidate: &str) -> bool {
+        let candidate: [u8; 32] = Sha256::digest(candidate.as_bytes()).into();
+        self.0
+            .iter()
+            .zip(candidate)
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+    }
+
+    /// Whether a WebSocket upgrade carries the token: as a `Bearer` header
+    /// (native providers) or as the `token` query parameter (browsers cannot
+    /// set headers on a WebSocket).
+    pub fn admits(&self, headers: &HeaderMap, query: Option<&str>) -> bool {
+        let from_query = query
+            .into_iter()
+            .flat_map(|q| q.split('&'))
+            .find_map(|pair| pair.strip_prefix("token=").map(percent_decode));
+        bearer(headers)
+            .map(str::to_string)
+            .into_iter()
+            .chain(from_query)
+            .any(|candidate| self.matches(&candidate))
+    }
+}
+
+/// Decodes `%XX` escapes and `+` of a query value; bad escapes stay as they are.
+fn percent_decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(hi), Some(lo)) => {
+                    out.push((hi * 16 + lo) as u8);
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -123,5 +169,33 @@ mod tests {
         drop((second, third, other));
         assert_eq!((counter.count(a), counter.count(b)), (0, 0));
         assert!(counter.0.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_join_token_is_accepted_from_a_header_or_the_query() {
+        let token = ProviderToken::new("join me");
+        let mut headers = HeaderMap::new();
+        let cases: [(Option<&str>, Option<&str>, bool); 8] = [
+            (None, None, false),
+            (Some("Bearer join me"), None, true),
+            (Some("Bearer join"), None, false),
+            (Some("join me"), None, false),
+            (None, Some("token=join%20me"), true),
+            (None, Some("name=x&token=join+me"), true),
+            (None, Some("token=join%2"), false),
+            (Some("Bearer wrong"), Some("token=wrong"), false),
+        ];
+        for (header, query, admitted) in cases {
+            headers.remove(AUTHORIZATION);
+            if let Some(value) = header {
+                headers.insert(AUTHORIZATION, value.parse().unwrap());
+            }
+            assert_eq!(
+                token.admits(&headers, query),
+                admitted,
+                "{header:?} {query:?}"
+            );
+        }
+        assert_eq!(format!("{token:?}"), "ProviderToken(..)");
     }
 }

@@ -7,9 +7,10 @@ use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use rookery_proto::api::{ApiError, ProviderInfo, ProviderStatus};
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
-use rookery_server::auth::Token;
-use rookery_server::db::Db;
-use rookery_server::{AppState, Limits, app, providers};
+use rookery_server::store::Db;
+use rookery_server::store::providers;
+use rookery_server::store::tokens::Token;
+use rookery_server::{AppState, Limits, app};
 use tower::ServiceExt;
 
 async fn get(state: &AppState, path: &str) -> (StatusCode, Vec<u8>) {

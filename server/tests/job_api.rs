@@ -15,9 +15,10 @@ use rookery_proto::api::{
     ApiError, JobCreated, JobEvent, JobEventBody, JobInfo, JobMetrics, LogEntry, PlanPreview,
 };
 use rookery_proto::{Hello, ProviderKind};
-use rookery_server::auth::Token;
-use rookery_server::db::Db;
-use rookery_server::{AppState, Limits, app, requesters};
+use rookery_server::store::Db;
+use rookery_server::store::requesters;
+use rookery_server::store::tokens::Token;
+use rookery_server::{AppState, Limits, app};
 use tower::ServiceExt;
 
 const TOKEN: &str = "secret-token";
@@ -576,7 +577,7 @@ async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(
         String::from_utf8(body).unwrap().trim_end(),
-        rookery_server::job_api::METRICS_CSV_HEADER
+        rookery_server::dto::METRICS_CSV_HEADER
     );
 }
 

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind, ToProvider, ToServer};
-use rookery_server::auth::Token;
-use rookery_server::db::Db;
+use rookery_server::store::Db;
+use rookery_server::store::tokens::Token;
 use rookery_server::{AppState, Limits};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use fantoccini::Locator;
 use rookery_e2e::{Browser, NpyValues, Server, start_native_provider, write_npy};
-use rookery_server::client::Client;
+use rookery_server::cli::client::Client;
 
 const MLP: &str = r#"
 input_shape = [12]

@@ -278,7 +278,7 @@ async fn relay_latencies() -> anyhow::Result<Vec<f64>> {
     let (stamps, mut stamped) = mpsc::unbounded_channel();
     let a = tokio::spawn(stage(join(&url, "a").await?, stamps.clone()));
     let b = tokio::spawn(stage(join(&url, "b").await?, stamps));
-    let client = rookery_server::client::Client::new(&addr.to_string(), &token);
+    let client = rookery_server::cli::client::Client::new(&addr.to_string(), &token);
     let created = client.submit(&dir.path().join("job.toml")).await?;
     let job = client.watch(created.id).await?;
     if job.status != "completed" {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use rookery_e2e::{NpyValues, Process, Server, rookery_train, start_native_provider, write_npy};
 use rookery_proto::api::{JobInfo, JobMetrics, LogEntry, ProviderStatus};
-use rookery_server::client::Client;
+use rookery_server::cli::client::Client;
 
 const HEARTBEAT_TIMEOUT_MS: u64 = 5_000;
 

@@ -239,7 +239,7 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
     use fantoccini::Locator;
     use rookery_e2e::{Browser, Server, start_native_provider};
     use rookery_proto::ProviderKind;
-    use rookery_server::client::Client;
+    use rookery_server::cli::client::Client;
 
     let dir = tempfile::tempdir()?;
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
@@ -337,7 +337,7 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
     use std::time::Duration;
 
     use rookery_e2e::{Process, Server, provider_command, start_native_provider};
-    use rookery_server::client::Client;
+    use rookery_server::cli::client::Client;
 
     let dir = tempfile::tempdir()?;
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
@@ -388,7 +388,7 @@ async fn a_browser_tab_closed_mid_job_hands_its_stage_to_a_standby_and_training_
     use rookery_e2e::{Browser, Server, start_native_provider};
     use rookery_proto::ProviderKind;
     use rookery_proto::api::LogEntry;
-    use rookery_server::client::Client;
+    use rookery_server::cli::client::Client;
 
     let dir = tempfile::tempdir()?;
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\

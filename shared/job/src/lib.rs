@@ -12,11 +12,14 @@
 //!   of each step's samples over clusters, micro-batch ranges), so a Root's inputs,
 //!   a Leaf's labels and the single-process reference all see the same batches.
 //! - [`weights`]: safetensors weights files that `torch`'s `load_state_dict` reads.
+//! - [`prepare`]: a job's model and data read and checked against each other
+//!   ([`Prepared`]), as the server does before accepting or planning a job.
 
 pub mod data;
 pub mod error;
 pub mod file;
 pub mod order;
+pub mod prepare;
 pub mod spec;
 pub mod weights;
 
@@ -24,6 +27,7 @@ pub use data::{Dataset, Labels, Split, load_split, validate_against_model};
 pub use error::JobError;
 pub use file::{Clusters, DataFile, JobFile, ModelFile, OptimizerFile, TrainingFile};
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
+pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{
     Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec,
     WireDType,

@@ -8,7 +8,7 @@
 //! provider's cluster restarts from the checkpoint in memory, a restarted
 //! server from the resume file.)
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rookery_job::weights::{WeightTensor, write_safetensors};
@@ -18,6 +18,16 @@ use tokio::sync::watch;
 /// job that syncs every few milliseconds would otherwise keep a core busy
 /// serialising and fsyncing copies nobody reads.
 pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_millis(1000);
+
+/// Where a job's latest checkpoint lives (the weights at its last sync).
+pub fn checkpoint_path(data_dir: &Path, job_id: u64) -> PathBuf {
+    super::job_dir(data_dir, job_id).join("checkpoint.safetensors")
+}
+
+/// Where a completed job's trained weights live.
+pub fn weights_path(data_dir: &Path, job_id: u64) -> PathBuf {
+    super::job_dir(data_dir, job_id).join("weights.safetensors")
+}
 
 /// The writer of one job's checkpoint file. Dropping it lets the task write
 /// what it was last given and end.

@@ -5,7 +5,8 @@
 use rusqlite::{OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
-use crate::db::{Db, DbError};
+use crate::run::{EpochRecord, StepRecord};
+use crate::store::db::{Db, DbError};
 
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,38 +77,6 @@ pub struct JobRecord {
     pub plan_json: Option<String>,
     /// The Requester who submitted it.
     pub owner: Option<u64>,
-}
-
-/// Time one stage spent on a step.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StageTime {
-    pub cluster: u32,
-    pub stage: u32,
-    pub provider: u64,
-    pub compute_ms: f64,
-    pub idle_ms: f64,
-}
-
-/// What one training step measured.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepRecord {
-    pub step: u64,
-    pub epoch: u64,
-    /// Mean loss over every cluster's batch.
-    pub loss: f64,
-    pub samples_per_s: f64,
-    pub elapsed_ms: f64,
-    pub bytes_relayed: u64,
-    pub stages: Vec<StageTime>,
-}
-
-/// Evaluation on the test set after an epoch.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EpochRecord {
-    pub epoch: u64,
-    pub test_loss: f64,
-    pub test_accuracy: f64,
-    pub samples: u64,
 }
 
 const JOB_COLUMNS: &str = "id, name, status, detail, spec_json, dir, created_ms, started_ms, finished_ms, step, total_steps, epoch, last_loss, samples_per_s, plan_json, owner";
@@ -463,11 +432,12 @@ pub async fn queued(db: &Db) -> Result<Vec<JobRecord>, DbError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run::StageTime;
 
     /// A database whose Requester 1 may own jobs.
     async fn db_with_requester() -> Db {
         let db = Db::open_in_memory().unwrap();
-        let (requester, _) = crate::requesters::create(&db, "r", 0).await.unwrap();
+        let (requester, _) = crate::store::requesters::create(&db, "r", 0).await.unwrap();
         assert_eq!(requester.id, 1);
         db
     }

@@ -129,7 +129,7 @@ impl Client {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "job.json".into());
         let mut form = reqwest::multipart::Form::new().part(
-            crate::job_api::JOB_PART,
+            crate::http::upload::JOB_PART,
             reqwest::multipart::Part::text(spec.to_json()?).file_name(job_name),
         );
         for (name, path) in files {

@@ -8,8 +8,8 @@
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::auth::Token;
-use crate::db::{Db, DbError};
+use crate::store::db::{Db, DbError};
+use crate::store::tokens::Token;
 
 /// The name of the Requester whose token lives in the data dir.
 pub const FIRST: &str = "default";
@@ -72,7 +72,7 @@ pub async fn create(db: &Db, name: &str, now_ms: u64) -> Result<(Requester, Toke
 /// The Requester a presented token belongs to, if any. Only digests are
 /// compared, so lookup time says nothing about the secret.
 pub async fn authenticate(db: &Db, presented: &str) -> Result<Option<Requester>, DbError> {
-    let digest = crate::auth::digest_hex(presented);
+    let digest = crate::store::tokens::digest_hex(presented);
     db.call(move |conn| {
         conn.query_row(
             "SELECT id, name FROM requesters WHERE token_sha256 = ?1",
@@ -201,7 +201,7 @@ mod tests {
         {
             // A data dir as the server left it before Requesters existed.
             let conn = Connection::open(dir.path().join("rookery.sqlite3")).unwrap();
-            for migration in &crate::db::MIGRATIONS[..2] {
+            for migration in &crate::store::db::MIGRATIONS[..2] {
                 conn.execute_batch(migration).unwrap();
             }
             conn.pragma_update(None, "user_version", 2).unwrap();
@@ -215,10 +215,13 @@ mod tests {
         let token = Token::generate();
         let first = db.call_now(|conn| ensure_first(conn, &token, 5)).unwrap();
         assert_eq!(first.name, FIRST);
-        let old = crate::jobs::get(&db, 1).await.unwrap().unwrap();
+        let old = crate::store::jobs::get(&db, 1).await.unwrap().unwrap();
         assert_eq!(old.owner, Some(first.id));
         assert_eq!(
-            crate::jobs::list_owned(&db, first.id).await.unwrap().len(),
+            crate::store::jobs::list_owned(&db, first.id)
+                .await
+                .unwrap()
+                .len(),
             1
         );
 

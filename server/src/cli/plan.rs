@@ -2,11 +2,53 @@
 //! Requester can see how a model would be split before submitting a job.
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use rookery_model::{ClusterCount, Graph};
 use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec};
 use serde::Deserialize;
+
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// The model: an ONNX export (`.onnx`) or a layer-spec `.toml` file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// One sample's shape, e.g. 1,28,28 (overrides the model file's own).
+    #[arg(long)]
+    pub input_shape: Option<String>,
+    /// JSON list of providers: id, kind (native|browser), memory_gb, gflops, bandwidth_mbps.
+    #[arg(long)]
+    pub providers: PathBuf,
+    /// Samples per micro-batch.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
+    pub micro_batch: u64,
+    /// Number of data-parallel clusters, or `auto`.
+    #[arg(long, default_value = "auto", value_parser = parse_clusters)]
+    pub clusters: ClusterCount,
+    /// Print the plan as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `rookery plan`: prints the plan of `args.model` over `args.providers`.
+pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    let input_shape = args
+        .input_shape
+        .as_deref()
+        .map(parse_shape)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let plan = plan(
+        &args.model,
+        input_shape.as_deref(),
+        &args.providers,
+        args.micro_batch as usize,
+        args.clusters,
+        args.json,
+    )?;
+    println!("{plan}");
+    Ok(())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanCliError {

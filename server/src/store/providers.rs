@@ -5,7 +5,7 @@
 use rookery_proto::{Hello, ProviderKind};
 use rusqlite::{OptionalExtension, params};
 
-use crate::db::{Db, DbError};
+use crate::store::db::{Db, DbError};
 
 /// A provider as the server remembers it. Times are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq)]

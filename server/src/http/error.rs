@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use rookery_proto::api::ApiError;
 
-use crate::db::DbError;
+use crate::store::DbError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {

@@ -1,20 +1,26 @@
 //! Datasets kept on the server: each folder under `<data dir>/datasets/`
 //! (put there by whoever runs the server) is a dataset a Requester can pick
-//! instead of uploading the files again. An upload names one in its
-//! `dataset` part; its files are linked into the job's folder before the job
-//! is checked, so the job file names them like uploaded files.
+//! instead of uploading the files again. An upload names one; its files are
+//! linked into the job's folder before the job is checked, so the job file
+//! names them like uploaded files.
 
 use std::path::{Component, Path, PathBuf};
 
-use axum::Json;
-use axum::extract::State;
-use rookery_proto::api::{ApiError, DatasetFile, DatasetInfo};
+use rookery_proto::api::{DatasetFile, DatasetInfo};
 
-use crate::AppState;
-use crate::error::AppError;
-
-/// The multipart part that names a server dataset.
-pub const DATASET_PART: &str = "dataset";
+/// Why a dataset cannot join an upload.
+#[derive(Debug, thiserror::Error)]
+pub enum DatasetError {
+    #[error("dataset `{0}`: a dataset is named by its folder name alone")]
+    BadName(String),
+    #[error("there is no dataset `{0}` on this server")]
+    Missing(String),
+    #[error("copying {path}: {source}")]
+    Copy {
+        path: String,
+        source: std::io::Error,
+    },
+}
 
 pub fn datasets_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("datasets")
@@ -66,7 +72,7 @@ pub fn list(data_dir: &Path) -> std::io::Result<Vec<DatasetInfo>> {
 }
 
 /// A dataset name is one plain, visible folder name.
-pub fn check_name(name: &str) -> Result<(), AppError> {
+pub fn check_name(name: &str) -> Result<(), DatasetError> {
     let mut components = Path::new(name).components();
     let plain = matches!(components.next(), Some(Component::Normal(_)))
         && components.next().is_none()
@@ -75,22 +81,16 @@ pub fn check_name(name: &str) -> Result<(), AppError> {
     if plain {
         Ok(())
     } else {
-        Err(AppError::Field {
-            field: DATASET_PART.into(),
-            message: format!("dataset `{name}`: a dataset is named by its folder name alone"),
-        })
+        Err(DatasetError::BadName(name.to_string()))
     }
 }
 
 /// Links (or, across file systems, copies) the dataset's files into `dest`,
 /// leaving files the upload carried itself alone.
-pub fn link_into(data_dir: &Path, name: &str, dest: &Path) -> Result<(), AppError> {
+pub fn link_into(data_dir: &Path, name: &str, dest: &Path) -> Result<(), DatasetError> {
     check_name(name)?;
     let dir = datasets_dir(data_dir).join(name);
-    let files = visible(&dir, false).map_err(|_| AppError::Field {
-        field: DATASET_PART.into(),
-        message: format!("there is no dataset `{name}` on this server"),
-    })?;
+    let files = visible(&dir, false).map_err(|_| DatasetError::Missing(name.to_string()))?;
     for (file, _) in files {
         let to = dest.join(&file);
         if to.exists() {
@@ -98,24 +98,11 @@ pub fn link_into(data_dir: &Path, name: &str, dest: &Path) -> Result<(), AppErro
         }
         let from = dir.join(&file);
         if std::fs::hard_link(&from, &to).is_err() {
-            std::fs::copy(&from, &to)
-                .map_err(|e| AppError::Internal(format!("copying {}: {e}", from.display())))?;
+            std::fs::copy(&from, &to).map_err(|source| DatasetError::Copy {
+                path: from.display().to_string(),
+                source,
+            })?;
         }
     }
     Ok(())
-}
-
-/// Datasets on the server, with their files.
-#[utoipa::path(get, path = "/api/datasets", tag = "jobs", security(("api_token" = [])),
-    responses((status = 200, description = "Every dataset under the data dir's datasets/ folder", body = Vec<DatasetInfo>),
-        (status = 401, description = "No or wrong API token", body = ApiError)))]
-pub async fn list_datasets(
-    State(state): State<AppState>,
-) -> Result<Json<Vec<DatasetInfo>>, AppError> {
-    let data_dir = state.data_dir.clone();
-    tokio::task::spawn_blocking(move || list(&data_dir))
-        .await
-        .map_err(|e| AppError::Internal(format!("listing datasets crashed: {e}")))?
-        .map(Json)
-        .map_err(|e| AppError::Internal(format!("listing datasets: {e}")))
 }

@@ -2,9 +2,12 @@
 //! `#[utoipa::path]` annotations and the DTOs of `rookery_proto::api`, so it
 //! cannot drift from the code. Served at `/api/openapi.json`.
 
-use axum::Json;
+use axum::routing::get;
+use axum::{Json, Router};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
+
+use crate::state::AppState;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -13,25 +16,29 @@ use utoipa::{Modify, OpenApi};
         description = "Jobs, plans, metrics and providers of a Rookery server. Job endpoints need the Requester's API token as `Authorization: Bearer <token>`."
     ),
     paths(
-        crate::http::health,
-        crate::http::list_providers,
-        crate::job_api::list,
-        crate::job_api::create,
-        crate::job_api::get,
-        crate::job_api::metrics,
-        crate::job_api::metrics_as_csv,
-        crate::job_api::log,
-        crate::job_api::cancel,
-        crate::job_api::weights,
-        crate::job_api::plan,
-        crate::job_api::events,
-        crate::datasets::list_datasets,
+        super::site::health,
+        super::providers::list_providers,
+        super::jobs::list,
+        super::upload::create,
+        super::jobs::get,
+        super::jobs::metrics,
+        super::jobs::metrics_as_csv,
+        super::jobs::log,
+        super::jobs::cancel,
+        super::jobs::weights,
+        super::upload::plan,
+        super::jobs::events,
+        super::upload::list_datasets,
         openapi_json,
     ),
     components(schemas(rookery_proto::api::JobEvent, rookery_proto::api::JobEventBody)),
     modifiers(&BearerToken)
 )]
 pub struct ApiDoc;
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/openapi.json", get(openapi_json))
+}
 
 struct BearerToken;
 

@@ -1,0 +1,123 @@
+//! `rookery serve`: the server on a data dir, until Ctrl-C or SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::http::site::is_dashboard;
+use crate::state::{AppState, Limits};
+use crate::store::tokens::token_path;
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on; port 0 picks a free port (printed at start).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub addr: SocketAddr,
+    /// Where the database and (later) checkpoints live; created on first start.
+    #[arg(long, default_value = "rookery-data")]
+    pub data_dir: PathBuf,
+    /// A built dashboard (`cargo xtask web` writes one to target/web).
+    #[arg(long, env = "ROOKERY_WEB_DIR", default_value = "target/web")]
+    pub web_dir: PathBuf,
+    /// Milliseconds of silence after which a provider is dropped.
+    #[arg(long, default_value_t = 4000)]
+    pub heartbeat_timeout_ms: u64,
+    /// Largest WebSocket frame accepted from a provider, in bytes.
+    #[arg(long, default_value_t = rookery_proto::DEFAULT_MAX_FRAME_BYTES)]
+    pub max_frame_bytes: usize,
+    /// Largest job upload (job file, model and data together), in bytes.
+    #[arg(long, default_value_t = Limits::default().max_upload_bytes)]
+    pub max_upload_bytes: usize,
+    /// Provider WebSockets one IP address may hold open at once.
+    #[arg(long, default_value_t = Limits::default().max_connections_per_ip)]
+    pub max_connections_per_ip: usize,
+    /// HTTP connections one IP address may hold open at once.
+    #[arg(long, default_value_t = Limits::default().max_http_connections_per_ip)]
+    pub max_http_connections_per_ip: usize,
+    /// Milliseconds a client may take to send a request's headers, or pause
+    /// in the middle of an upload, before it is dropped.
+    #[arg(long, default_value_t = 30_000)]
+    pub slow_client_timeout_ms: u64,
+    /// Providers must present this join token to connect (kept in memory as
+    /// its digest only).
+    #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
+    pub provider_token: Option<String>,
+}
+
+/// `rookery serve`: prints the API token and the address, then serves
+/// until Ctrl-C or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let heartbeat_timeout = Duration::from_millis(args.heartbeat_timeout_ms.max(100));
+    let limits = Limits {
+        max_frame_bytes: args.max_frame_bytes,
+        heartbeat_interval: heartbeat_timeout / 4,
+        heartbeat_timeout,
+        max_upload_bytes: args.max_upload_bytes,
+        max_connections_per_ip: args.max_connections_per_ip.max(1),
+        slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
+        max_http_connections_per_ip: args.max_http_connections_per_ip.max(1),
+    };
+    let web_dir = is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
+    if web_dir.is_none() {
+        tracing::warn!(
+            dir = %args.web_dir.display(),
+            "no built dashboard there; run `cargo xtask web` to build it"
+        );
+    }
+    let mut state = AppState::open(&args.data_dir, limits, web_dir)
+        .await
+        .with_context(|| format!("opening the data directory {}", args.data_dir.display()))?;
+    match args.provider_token.as_deref().map(str::trim) {
+        Some("") => anyhow::bail!("--provider-token is empty"),
+        Some(token) => {
+            state = state.with_provider_token(token);
+            println!("Providers must present the join token (--provider-token).");
+        }
+        None => {}
+    }
+    let listener = tokio::net::TcpListener::bind(args.addr)
+        .await
+        .with_context(|| format!("binding {}", args.addr))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    println!(
+        "API token (also in {}): {}",
+        token_path(&args.data_dir).display(),
+        state.api_token.secret()
+    );
+    // Tests and scripts read this line to learn the port when --addr used port 0.
+    println!(
+        "Rookery server listening on http://{addr}/ (providers: ws://{addr}{})",
+        rookery_proto::PROVIDER_WS_PATH
+    );
+    crate::serve(listener, state, shutdown_signal())
+        .await
+        .context("serving")?;
+    println!("Rookery server stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(error) = tokio::signal::ctrl_c().await {
+            tracing::error!(%error, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+}

@@ -1,0 +1,194 @@
+//! The coordinator task: its loop, and what each event does to the live
+//! providers and the jobs.
+
+use std::collections::VecDeque;
+
+use rookery_proto::stream::{self, Payload};
+use tokio::sync::mpsc;
+
+use super::{Actor, Event, JobEntry, Live, LiveProvider, Outgoing, Route, SCHEDULE_EVERY};
+use crate::run::{Effect, JobRun};
+use crate::store::jobs::JobStatus;
+
+impl Actor {
+    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
+        let mut ticker = tokio::time::interval(SCHEDULE_EVERY);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                event = rx.recv() => match event {
+                    Some(event) => self.on_event(event).await,
+                    None => return,
+                },
+                _ = ticker.tick() => self.schedule().await,
+            }
+        }
+    }
+
+    pub(super) fn snapshot(&self) -> Vec<LiveProvider> {
+        self.providers
+            .iter()
+            .map(|(id, p)| LiveProvider {
+                id: *id,
+                hello: p.hello.clone(),
+                work: p.work.clone(),
+                bandwidth_mbps: p.bandwidth_mbps,
+            })
+            .collect()
+    }
+
+    /// The run of `job_id`, if it has started.
+    pub(super) fn run_mut(&mut self, job_id: u64) -> Option<&mut JobRun> {
+        self.jobs.get_mut(&job_id).and_then(|job| job.run.as_mut())
+    }
+
+    pub(super) fn run_of(&self, job_id: u64) -> Option<&JobRun> {
+        self.jobs.get(&job_id).and_then(|job| job.run.as_ref())
+    }
+
+    async fn on_event(&mut self, event: Event) {
+        match event {
+            Event::Connected { id, hello, tx } => {
+                let message = format!(
+                    "provider {id} ({}, {} {}) connected",
+                    hello.display_name,
+                    hello.kind.as_str(),
+                    hello.device
+                );
+                self.providers.insert(
+                    id,
+                    Live {
+                        hello,
+                        tx,
+                        job: None,
+                        routes: VecDeque::new(),
+                        bandwidth_mbps: None,
+                        work: None,
+                    },
+                );
+                let waiting: Vec<u64> = self
+                    .jobs
+                    .iter()
+                    .filter(|(_, job)| job.waiting.is_some())
+                    .map(|(id, _)| *id)
+                    .collect();
+                for job_id in waiting {
+                    self.log(job_id, "provider_joined", message.clone()).await;
+                }
+            }
+            Event::Disconnected { id, reason } => {
+                let Some(live) = self.providers.remove(&id) else {
+                    return;
+                };
+                if let Some(job_id) = live.job {
+                    self.log(
+                        job_id,
+                        "provider_left",
+                        format!(
+                            "provider {id} ({}) disconnected: {reason}",
+                            live.hello.display_name
+                        ),
+                    )
+                    .await;
+                    self.stage_lost(job_id, id, &reason).await;
+                }
+            }
+            Event::Snapshot { reply } => {
+                let _ = reply.send(self.snapshot());
+            }
+            Event::Message { id, message } => {
+                let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) else {
+                    tracing::warn!(
+                        provider = id,
+                        "dropped a training frame from a provider without a job"
+                    );
+                    return;
+                };
+                let owed: usize = stream::following(&message).iter().sum();
+                let effects = match self.run_mut(job_id) {
+                    Some(run) => run.on_message(id, message),
+                    None => Vec::new(),
+                };
+                if owed > 0 {
+                    // The relayed message is the one whose tensors still follow.
+                    let to = effects.iter().find_map(|effect| match effect {
+                        Effect::Send(to, m) if !stream::following(m).is_empty() => Some(*to),
+                        _ => None,
+                    });
+                    if let Some(live) = self.providers.get_mut(&id) {
+                        live.routes.push_back(Route { to, left: owed });
+                    }
+                }
+                let synced = effects.iter().any(|e| matches!(e, Effect::ResumePoint(_)));
+                self.apply(job_id, effects).await;
+                if synced {
+                    self.replace_stragglers(job_id).await;
+                }
+            }
+            Event::Payload { id, payload } => self.relay_payload(id, payload),
+            Event::Fault { id, reason } => {
+                if let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) {
+                    // Its socket loop is already dropping it.
+                    self.on_fault(job_id, id, reason, false).await;
+                }
+            }
+            Event::Measured { id, bandwidth_mbps } => {
+                if let Some(live) = self.providers.get_mut(&id) {
+                    live.bandwidth_mbps = Some(bandwidth_mbps);
+                }
+            }
+            Event::Prepared { job_id, prepared } => {
+                let job = self.jobs.entry(job_id).or_default();
+                if job.run.is_none() {
+                    job.prepared = Some(*prepared);
+                }
+            }
+            Event::Cancel { job_id } => {
+                if let Some(mut run) = self.free(job_id).and_then(|job| job.run) {
+                    let effects = run.release();
+                    self.apply_sends(effects);
+                }
+                self.set_status(
+                    job_id,
+                    JobStatus::Cancelled,
+                    Some("cancelled by the Requester".into()),
+                )
+                .await;
+            }
+        }
+    }
+
+    /// Passes a payload frame on along its message's route.
+    pub(super) fn relay_payload(&mut self, id: u64, payload: Payload) {
+        let Some(live) = self.providers.get_mut(&id) else {
+            return;
+        };
+        let Some(route) = live.routes.front_mut() else {
+            tracing::warn!(
+                provider = id,
+                "dropped a payload frame that no message announced"
+            );
+            return;
+        };
+        let to = route.to;
+        route.left = route.left.saturating_sub(payload.data().len());
+        if route.left == 0 {
+            live.routes.pop_front();
+        }
+        if let Some(to) = to {
+            self.send_frame(to, Outgoing::Payload(payload.frame()));
+        }
+    }
+
+    /// Forgets a job that left (completed, failed or cancelled): its entry
+    /// goes and its providers are idle again. Returns what was kept of it.
+    pub(super) fn free(&mut self, job_id: u64) -> Option<JobEntry> {
+        for live in self.providers.values_mut() {
+            if live.job == Some(job_id) {
+                live.job = None;
+                live.work = None;
+            }
+        }
+        self.jobs.remove(&job_id)
+    }
+}

@@ -1,0 +1,247 @@
+//! The coordinator: one task that owns the live provider connections and the
+//! running jobs. Socket loops and HTTP handlers talk to it through
+//! [`Coordinator`]'s channel; it plans queued jobs onto idle providers, feeds
+//! provider frames to each job's [`JobRun`] and carries out the effects
+//! (frames, metrics, checkpoints, weights). One task means no locks around
+//! job state, and the order of events is the order they happened.
+//!
+//! - `actor`: the task's loop and what each [`Event`] does;
+//! - `schedule`: queued jobs onto idle providers, vacant stages onto
+//!   standbys, stragglers' stages onto faster providers;
+//! - `effects`: carrying out a run's effects (frames, database rows, files,
+//!   live events);
+//! - `faults`: what a provider's fault on a job costs it, and bans.
+
+mod actor;
+mod effects;
+mod faults;
+mod schedule;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rookery_job::Prepared;
+use rookery_plan::ProviderSpec;
+use rookery_proto::api::{JobEvent, ProviderWork};
+use rookery_proto::stream::Payload;
+use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+pub use self::faults::{BAN_AFTER_FAULTS, FaultAction, fault_action, is_banned};
+pub use self::schedule::{by_plan_id, plan_options};
+use crate::run::JobRun;
+use crate::store::Db;
+use crate::store::checkpoints::CheckpointWriter;
+use crate::store::jobs::Ban;
+
+/// How often queued jobs are matched against idle providers.
+const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
+/// Live events a slow subscriber may fall behind by before it is told it
+/// lagged (and reloads what it shows).
+const EVENT_BUFFER: usize = 4096;
+/// A job that syncs every step would rewrite its resume file (parameters and
+/// optimizer state, fsynced) every step; it is rewritten at most this often
+/// per job. A restarted server then replays at most this long of training;
+/// a lost provider's rollback uses the in-memory checkpoint of the last sync.
+const RESUME_EVERY_MS: u64 = 5_000;
+/// A job that syncs every step would write a log line per step; sync lines
+/// are written at most this often per job, counting the syncs in between.
+const SYNC_LOG_EVERY_MS: u64 = 2_000;
+
+/// What the coordinator hears about.
+#[derive(Debug)]
+pub enum Event {
+    Connected {
+        id: u64,
+        hello: Hello,
+        tx: mpsc::UnboundedSender<Outgoing>,
+    },
+    Disconnected {
+        id: u64,
+        /// Why the connection ended, for the job it leaves.
+        reason: String,
+    },
+    Message {
+        id: u64,
+        message: ToServer,
+    },
+    /// The provider broke the protocol (a malformed frame, a bad payload) and
+    /// its socket loop is dropping it; sent just before `Disconnected`.
+    Fault {
+        id: u64,
+        reason: String,
+    },
+    /// Tensor bytes that follow a streamed message, already checked against
+    /// what that message announced (the socket loop does that).
+    Payload {
+        id: u64,
+        payload: Payload,
+    },
+    Cancel {
+        job_id: u64,
+    },
+    /// The provider's link was measured.
+    Measured {
+        id: u64,
+        bandwidth_mbps: f64,
+    },
+    /// A job just accepted, with its model and data already read and checked.
+    Prepared {
+        job_id: u64,
+        prepared: Box<Prepared>,
+    },
+    /// Asks for the connected providers and what each is doing.
+    Snapshot {
+        reply: oneshot::Sender<Vec<LiveProvider>>,
+    },
+}
+
+/// A connected provider as the coordinator sees it.
+#[derive(Debug, Clone)]
+pub struct LiveProvider {
+    pub id: u64,
+    pub hello: Hello,
+    pub work: Option<ProviderWork>,
+    /// Measured after `Welcome`; `None` until the probe comes back.
+    pub bandwidth_mbps: Option<f64>,
+}
+
+impl LiveProvider {
+    /// What the planner knows of it, if a job may be planned onto it now:
+    /// idle and with its link measured. Browser tabs and `--backend wgpu`
+    /// providers run our own kernels, so their GPU's buffer limit comes along.
+    pub fn candidate(&self) -> Option<ProviderSpec> {
+        if self.work.is_some() {
+            return None;
+        }
+        Some(ProviderSpec {
+            id: self.id.to_string(),
+            kind: self.hello.kind,
+            memory_bytes: self.hello.memory_bytes,
+            gflops: self.hello.gflops,
+            bandwidth_mbps: self.bandwidth_mbps?,
+            max_buffer_bytes: self.hello.max_buffer_bytes,
+        })
+    }
+}
+
+/// A cheap handle to the coordinator task.
+#[derive(Debug, Clone)]
+pub struct Coordinator {
+    tx: mpsc::UnboundedSender<Event>,
+    events: broadcast::Sender<JobEvent>,
+}
+
+impl Coordinator {
+    /// Starts the coordinator on the current tokio runtime.
+    pub fn spawn(db: Db, data_dir: PathBuf) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (events, _) = broadcast::channel(EVENT_BUFFER);
+        tokio::spawn(
+            Actor {
+                db,
+                data_dir,
+                providers: BTreeMap::new(),
+                jobs: HashMap::new(),
+                events: events.clone(),
+            }
+            .run(rx),
+        );
+        Self { tx, events }
+    }
+
+    /// Best effort: when the coordinator is gone the server is shutting down.
+    pub fn send(&self, event: Event) {
+        let _ = self.tx.send(event);
+    }
+
+    /// Every job event from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<JobEvent> {
+        self.events.subscribe()
+    }
+
+    /// Tells live subscribers about a change made outside the coordinator
+    /// (a submitted or cancelled job).
+    pub fn publish(&self, event: JobEvent) {
+        let _ = self.events.send(event);
+    }
+
+    /// The connected providers; empty if the coordinator is gone.
+    pub async fn snapshot(&self) -> Vec<LiveProvider> {
+        let (reply, answer) = oneshot::channel();
+        self.send(Event::Snapshot { reply });
+        answer.await.unwrap_or_default()
+    }
+}
+
+/// A frame for a provider's socket loop to send.
+#[derive(Debug)]
+pub enum Outgoing {
+    Message(ToProvider),
+    /// A payload frame passed on exactly as it arrived.
+    Payload(Bytes),
+    /// Drop the provider: send it an `Error` with `reason` and close.
+    Close {
+        reason: String,
+    },
+}
+
+struct Live {
+    hello: Hello,
+    tx: mpsc::UnboundedSender<Outgoing>,
+    job: Option<u64>,
+    /// Where the payload frames this provider still owes go, in order.
+    routes: VecDeque<Route>,
+    /// Until its link is measured, a provider is not planned onto.
+    bandwidth_mbps: Option<f64>,
+    /// The stage it runs, for the dashboard.
+    work: Option<ProviderWork>,
+}
+
+/// The destination of the bytes that follow one streamed message: the
+/// provider its relayed message went to, or nowhere when the job dropped it.
+struct Route {
+    to: Option<u64>,
+    left: usize,
+}
+
+/// Everything the coordinator keeps about one job, from its first
+/// scheduling tick in the queue until it finishes; a job that leaves is
+/// forgotten by removing its entry.
+#[derive(Default)]
+struct JobEntry {
+    /// The run, once the job has started.
+    run: Option<JobRun>,
+    /// Read and checked while queued, so waiting for providers does not
+    /// reload the job's data on every scheduling tick.
+    prepared: Option<Prepared>,
+    /// The last reason the queued job gave for waiting, to write it only
+    /// when it changes.
+    waiting: Option<String>,
+    /// Micro-batches per step of the running job.
+    micro_batches: u64,
+    /// When the last sync line was written, and syncs since.
+    sync_log: (u64, u64),
+    /// Faults per provider name: by name, so that reconnecting (which gives
+    /// a new id) does not wipe a provider's record on the job.
+    faults: HashMap<String, u32>,
+    /// The job's bans as last read from or written to the database (which
+    /// is the source of truth, across restarts).
+    bans: Vec<Ban>,
+    /// The stages the running job last said it waits for a provider for.
+    short: Option<String>,
+    /// When the resume file was last written.
+    resume_written: u64,
+    /// The task writing the checkpoint file.
+    checkpoint: Option<CheckpointWriter>,
+}
+
+struct Actor {
+    db: Db,
+    data_dir: PathBuf,
+    providers: BTreeMap<u64, Live>,
+    /// Queued jobs the scheduler has looked at, and running jobs.
+    jobs: HashMap<u64, JobEntry>,
+    events: broadcast::Sender<JobEvent>,
+}

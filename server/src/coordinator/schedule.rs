@@ -1,0 +1,369 @@
+//! Scheduling: queued jobs onto idle providers (the planner cuts each
+//! model over them), a running job's vacant stages onto standbys, and
+//! stragglers' stages onto faster providers at a sync.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use rookery_job::{JobSpec, Prepared, prepare};
+use rookery_model::{ClusterCount, OptimizerConfig};
+use rookery_plan::{Plan, PlanOptions, ProviderSpec};
+use rookery_proto::Hello;
+use rookery_proto::api::ProviderWork;
+
+use super::faults::is_banned;
+use super::{Actor, LiveProvider};
+use crate::run::{JobRun, ResumePoint, STRAGGLER_STEPS};
+use crate::store::jobs::{self, JobRecord, JobStatus};
+use crate::store::{job_dir, resume};
+use crate::{dto, now_ms};
+
+impl Actor {
+    /// Fills running jobs' vacant stages, then starts the queued jobs that fit
+    /// on the idle providers, oldest first.
+    pub(super) async fn schedule(&mut self) {
+        let short: Vec<u64> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| {
+                job.run
+                    .as_ref()
+                    .is_some_and(|run| !run.vacancies().is_empty())
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for job_id in short {
+            self.fill_vacancies(job_id).await;
+        }
+        let queued = match jobs::queued(&self.db).await {
+            Ok(queued) => queued,
+            Err(error) => {
+                tracing::error!(%error, "cannot read the job queue");
+                return;
+            }
+        };
+        for job in queued {
+            if self.run_of(job.id).is_none() {
+                self.try_start(job).await;
+            }
+        }
+    }
+
+    /// Plans the queued `job` onto the idle providers it is not banned from
+    /// and starts it; or says what it waits for; or fails it when its files
+    /// or its resume point cannot be read.
+    async fn try_start(&mut self, job: JobRecord) {
+        let live = self.without_banned(job.id, self.snapshot()).await;
+        let specs: Vec<ProviderSpec> = live.iter().filter_map(LiveProvider::candidate).collect();
+        if specs.is_empty() {
+            self.wait(job.id, "waiting for providers to connect".into())
+                .await;
+            return;
+        }
+        let kept = self.jobs.get_mut(&job.id).and_then(|j| j.prepared.take());
+        let prepared = match kept {
+            Some(prepared) => prepared,
+            None => {
+                let dir = PathBuf::from(&job.dir);
+                let spec_json = job.spec_json.clone();
+                let read = tokio::task::spawn_blocking(move || {
+                    prepare(JobSpec::from_json(&spec_json, &dir)?)
+                })
+                .await
+                .unwrap_or_else(|error| Err(format!("preparing the job crashed: {error}").into()));
+                match read {
+                    Ok(prepared) => prepared,
+                    Err(reason) => return self.fail(job.id, reason.to_string()).await,
+                }
+            }
+        };
+        let dir = job_dir(&self.data_dir, job.id);
+        let resume = tokio::task::spawn_blocking(move || resume::read(&dir))
+            .await
+            .unwrap_or_else(|error| Err(format!("reading the resume point crashed: {error}")));
+        let resume = match resume {
+            Ok(resume) => resume,
+            Err(reason) => {
+                let reason = format!("cannot resume from the checkpoint: {reason}");
+                return self.fail(job.id, reason).await;
+            }
+        };
+        let mut options = plan_options(&prepared.spec);
+        if let Some(resume) = &resume {
+            // The data's sharding depends on the cluster count, so a resumed
+            // job keeps it; the stages may be cut differently.
+            options.clusters = ClusterCount::Fixed(resume.optimizer.len());
+        }
+        let plan = match rookery_plan::clusterize(&prepared.graph, &specs, &options) {
+            Ok(plan) => plan,
+            Err(error) => {
+                self.wait(job.id, format!("waiting for providers: {error}"))
+                    .await;
+                self.jobs.entry(job.id).or_default().prepared = Some(prepared);
+                return;
+            }
+        };
+        self.start(job.id, prepared, resume, &plan, live).await;
+    }
+
+    /// Starts `job_id` on `plan`: its providers get their stages, the plan
+    /// and the assignments are recorded, and the run's first frames go out.
+    async fn start(
+        &mut self,
+        job_id: u64,
+        prepared: Prepared,
+        resume: Option<ResumePoint>,
+        plan: &Plan,
+        live: Vec<LiveProvider>,
+    ) {
+        let who = by_plan_id(live);
+        let ids: HashMap<String, u64> = who
+            .iter()
+            .map(|(key, (id, _))| (key.clone(), *id))
+            .collect();
+        let view = dto::plan_view(plan, &prepared.graph, &who);
+        // Each stage carries its cluster's micro-batches every step.
+        let step_micro_batches = prepared.spec.training.micro_batches.max(1) as u64;
+        let Prepared {
+            spec,
+            graph,
+            analysis,
+            train,
+            test,
+            ..
+        } = prepared;
+        let resumed_at = resume.as_ref().map(|r| r.step);
+        let started = JobRun::start(
+            job_id, spec, &graph, &analysis, plan, &ids, train, test, resume,
+        );
+        let (run, effects) = match started {
+            Ok(started) => started,
+            Err(reason) => return self.fail(job_id, reason.to_string()).await,
+        };
+        for p in run.providers() {
+            if let Some(live) = self.providers.get_mut(&p) {
+                live.job = Some(job_id);
+            }
+        }
+        for (c, cluster) in view.clusters.iter().enumerate() {
+            for (s, stage) in cluster.stages.iter().enumerate() {
+                if let Some(live) = self.providers.get_mut(&stage.provider) {
+                    live.work = Some(ProviderWork {
+                        job_id,
+                        cluster: c as u32,
+                        stage: s as u32,
+                        role: stage.role.clone(),
+                        micro_batches_done: 0,
+                    });
+                }
+            }
+        }
+        self.jobs.entry(job_id).or_default().micro_batches = step_micro_batches;
+        let plan_json = serde_json::to_string(&view).unwrap_or_default();
+        if let Err(error) = jobs::set_plan(&self.db, job_id, plan_json, run.total_steps()).await {
+            tracing::error!(job = job_id, %error, "cannot store the plan");
+        }
+        for (c, cluster) in view.clusters.iter().enumerate() {
+            for stage in &cluster.stages {
+                let message = format!(
+                    "cluster {c}: {} stage ({} nodes, {} parameters) on provider {} ({}, {})",
+                    stage.role,
+                    stage.nodes,
+                    stage.param_count,
+                    stage.provider,
+                    stage.provider_name,
+                    stage.device
+                );
+                self.log(job_id, "stage_assigned", message).await;
+            }
+        }
+        self.jobs.entry(job_id).or_default().waiting = None;
+        let detail = match resumed_at {
+            Some(step) => {
+                format!("handing stages to providers; resuming from the checkpoint at step {step}")
+            }
+            None => "handing stages to providers".into(),
+        };
+        self.set_status(job_id, JobStatus::Planning, Some(detail))
+            .await;
+        tracing::info!(
+            job = job_id,
+            clusters = plan.clusters.len(),
+            steps = run.total_steps(),
+            "job starts"
+        );
+        self.jobs.entry(job_id).or_default().run = Some(run);
+        self.apply(job_id, effects).await;
+    }
+
+    pub(super) async fn wait(&mut self, job_id: u64, reason: String) {
+        let job = self.jobs.entry(job_id).or_default();
+        if job.waiting.as_ref() == Some(&reason) {
+            return;
+        }
+        job.waiting = Some(reason.clone());
+        match jobs::set_status(&self.db, job_id, JobStatus::Queued, Some(reason), now_ms()).await {
+            Ok(_) => self.publish_job(job_id).await,
+            Err(error) => tracing::error!(job = job_id, %error, "cannot record why a job waits"),
+        }
+    }
+
+    /// A provider of a running job is gone: its cluster rolls back to the
+    /// last checkpoint and its stage goes to a standby, or waits for one.
+    /// The one entry point for every way a provider leaves a job.
+    pub(super) async fn stage_lost(&mut self, job_id: u64, provider: u64, reason: &str) {
+        let Some(effects) = self
+            .run_mut(job_id)
+            .and_then(|run| run.stage_lost(provider, reason))
+        else {
+            return;
+        };
+        if let Some(live) = self.providers.get_mut(&provider) {
+            live.job = None;
+            live.work = None;
+        }
+        self.apply(job_id, effects).await;
+        self.fill_vacancies(job_id).await;
+    }
+
+    /// Gives each stage of `job_id` that has no provider the fastest idle
+    /// provider with the memory for it; says what the job waits for otherwise.
+    pub(super) async fn fill_vacancies(&mut self, job_id: u64) {
+        let Some(vacancies) = self.run_of(job_id).map(JobRun::vacancies) else {
+            return;
+        };
+        let mut waiting = Vec::new();
+        for vacancy in vacancies {
+            let Some(id) = self.standby(job_id, vacancy.memory_bytes) else {
+                waiting.push(format!(
+                    "cluster {}, stage {}",
+                    vacancy.cluster, vacancy.stage
+                ));
+                continue;
+            };
+            self.take(job_id, id, vacancy.cluster, vacancy.stage);
+            let effects = match self.run_mut(job_id) {
+                Some(run) => run.fill(vacancy.cluster, vacancy.stage, id),
+                None => return,
+            };
+            self.apply(job_id, effects).await;
+        }
+        let detail = (!waiting.is_empty())
+            .then(|| format!("waiting for a provider for {}", waiting.join("; ")));
+        // A job that failed while its stages were handed out is gone.
+        let Some(job) = self.jobs.get_mut(&job_id) else {
+            return;
+        };
+        if job.short != detail {
+            job.short = detail.clone();
+            if let Some(detail) = &detail {
+                self.log(job_id, "waiting", detail.clone()).await;
+            }
+            self.set_status(job_id, JobStatus::Running, detail).await;
+        }
+    }
+
+    /// The idle provider with the most GFLOP/s and at least `memory_bytes`.
+    pub(super) fn standby(&self, job_id: u64, memory_bytes: u64) -> Option<u64> {
+        let bans = self
+            .jobs
+            .get(&job_id)
+            .map_or(&[][..], |job| job.bans.as_slice());
+        self.snapshot()
+            .iter()
+            .filter(|p| !is_banned(bans, p))
+            .filter_map(|p| p.candidate().map(|spec| (p.id, spec)))
+            .filter(|(_, spec)| spec.memory_bytes >= memory_bytes)
+            .max_by(|a, b| a.1.gflops.total_cmp(&b.1.gflops))
+            .map(|(id, _)| id)
+    }
+
+    /// Marks `provider` as running stage `stage` of cluster `cluster`.
+    pub(super) fn take(&mut self, job_id: u64, provider: u64, cluster: usize, stage: usize) {
+        let stages = self
+            .run_of(job_id)
+            .map_or(1, |run| run.stage_count(cluster));
+        let role = match (stage, stages) {
+            (_, 1) => "single",
+            (0, _) => "root",
+            (s, n) if s + 1 == n => "leaf",
+            _ => "stem",
+        };
+        if let Some(live) = self.providers.get_mut(&provider) {
+            live.job = Some(job_id);
+            live.work = Some(ProviderWork {
+                job_id,
+                cluster: cluster as u32,
+                stage: stage as u32,
+                role: role.into(),
+                micro_batches_done: 0,
+            });
+        }
+    }
+
+    /// At a sync, moves stages whose providers straggle onto faster idle
+    /// providers (the checkpoint just taken is the cluster's state, so
+    /// nothing is replayed but the step just begun).
+    pub(super) async fn replace_stragglers(&mut self, job_id: u64) {
+        let Some(stragglers) = self.run_of(job_id).map(JobRun::stragglers) else {
+            return;
+        };
+        for straggler in stragglers {
+            let slow_gflops = self
+                .providers
+                .get(&straggler.provider)
+                .map_or(0.0, |p| p.hello.gflops);
+            let Some(id) = self.standby(job_id, straggler.memory_bytes) else {
+                continue;
+            };
+            // A standby has only its claim to show: at the job's typical
+            // ratio of measured to planned time, its claimed GFLOP/s must
+            // promise at least twice the straggler's measured speed.
+            let faster = self.providers.get(&id).is_some_and(|p| {
+                straggler.slowness * p.hello.gflops >= 2.0 * slow_gflops.max(f64::MIN_POSITIVE)
+            });
+            if !faster {
+                continue;
+            }
+            let why = format!(
+                "{:.1} times slower than the job's typical stage for {} steps",
+                straggler.slowness, STRAGGLER_STEPS
+            );
+            if let Some(live) = self.providers.get_mut(&straggler.provider) {
+                live.job = None;
+                live.work = None;
+            }
+            self.take(job_id, id, straggler.cluster, straggler.stage);
+            let effects = match self.run_mut(job_id) {
+                Some(run) => run.replace(straggler.cluster, straggler.stage, id, &why),
+                None => return,
+            };
+            self.apply(job_id, effects).await;
+        }
+    }
+}
+
+/// Connected providers by the ids plans name them with.
+pub fn by_plan_id(live: Vec<LiveProvider>) -> HashMap<String, (u64, Hello)> {
+    live.into_iter()
+        .map(|p| (p.id.to_string(), (p.id, p.hello)))
+        .collect()
+}
+
+/// The planner's knobs for a job: its micro-batch, cluster count, optimizer
+/// memory and the sync schedule's in-flight micro-batches.
+pub fn plan_options(spec: &JobSpec) -> PlanOptions {
+    let t = &spec.training;
+    PlanOptions {
+        micro_batch: spec.micro_batch_size().max(1),
+        clusters: t.clusters,
+        optimizer_copies: match t.optimizer {
+            OptimizerConfig::Sgd { momentum: 0.0, .. } => 0,
+            OptimizerConfig::Sgd { .. } | OptimizerConfig::RmsProp { .. } => 1,
+            _ => 2,
+        },
+        in_flight_micro_batches: t.micro_batches.max(1) as u32,
+        stages_per_cluster: t.stages,
+        ..PlanOptions::default()
+    }
+}

@@ -1,0 +1,151 @@
+//! Two things a provider connection keeps track of: the measurement of its
+//! link (bandwidth, by timed probes after `Welcome`) and the tensor bytes it
+//! announced and still owes in payload frames.
+
+use std::collections::VecDeque;
+
+use rookery_proto::stream::{Lane, Payload, Streamed};
+use rookery_proto::{ToProvider, ToServer, WireDType};
+
+/// Measures a provider's link once, right after `Welcome`: an empty probe
+/// times the round trip, then a [`LinkProbe::BYTES`] probe times the round
+/// trip plus the transfer; the difference gives the bandwidth the planner
+/// weighs boundary tensors with. Up to [`LinkProbe::ROUNDS`] such pairs are
+/// timed, while they fit in [`LinkProbe::BUDGET`], and the quickest of each
+/// kind counts: a provider connects while it (and its neighbours) are still
+/// starting, and other work can only make a probe slower. (Differences of
+/// single rounds are no good: one slow empty probe makes the link look
+/// boundless.)
+#[derive(Debug, Default)]
+pub(super) struct LinkProbe {
+    began: Option<tokio::time::Instant>,
+    awaiting: Option<AwaitedProbe>,
+    quickest_empty: Option<std::time::Duration>,
+    quickest_full: Option<std::time::Duration>,
+}
+
+#[derive(Debug)]
+struct AwaitedProbe {
+    /// Even: an empty probe; odd: the full one of the same round.
+    seq: u32,
+    sent: tokio::time::Instant,
+}
+
+pub(super) enum ProbeNext {
+    Send(ToProvider),
+    Measured(f64),
+    Ignore,
+}
+
+impl LinkProbe {
+    /// Large enough to time a fast link, small enough for a slow one (8 s
+    /// at 1 Mbit/s).
+    pub(super) const BYTES: usize = 1 << 20;
+    /// What a measurement is clamped to, in Mbit/s: timer resolution makes
+    /// loopback look unboundedly fast.
+    pub(super) const RANGE: (f64, f64) = (1.0, 100_000.0);
+    pub(super) const ROUNDS: u32 = 3;
+    /// No round starts after probing has taken this long (a slow link is
+    /// timed once).
+    pub(super) const BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
+
+    pub(super) fn start(&mut self) -> ToProvider {
+        let now = tokio::time::Instant::now();
+        self.began = Some(now);
+        self.send(0, now)
+    }
+
+    fn send(&mut self, seq: u32, now: tokio::time::Instant) -> ToProvider {
+        self.awaiting = Some(AwaitedProbe { seq, sent: now });
+        let padding = if !seq.is_multiple_of(2) {
+            vec![0; Self::BYTES].into()
+        } else {
+            Default::default()
+        };
+        ToProvider::Probe { seq, padding }
+    }
+
+    pub(super) fn acknowledged(&mut self, seq: u32) -> ProbeNext {
+        let now = tokio::time::Instant::now();
+        let Some(awaited) = self.awaiting.take_if(|a| a.seq == seq) else {
+            return ProbeNext::Ignore;
+        };
+        let took = now - awaited.sent;
+        let quickest = if seq.is_multiple_of(2) {
+            &mut self.quickest_empty
+        } else {
+            &mut self.quickest_full
+        };
+        *quickest = Some(quickest.map_or(took, |q| q.min(took)));
+        if seq.is_multiple_of(2) {
+            return ProbeNext::Send(self.send(seq + 1, now));
+        }
+        let rounds = seq / 2 + 1;
+        let within_budget = self.began.is_some_and(|b| now - b < Self::BUDGET);
+        if rounds < Self::ROUNDS && within_budget {
+            return ProbeNext::Send(self.send(seq + 1, now));
+        }
+        let (Some(empty), Some(full)) = (self.quickest_empty, self.quickest_full) else {
+            return ProbeNext::Ignore;
+        };
+        let transfer = full.saturating_sub(empty).as_secs_f64();
+        let mbps = (Self::BYTES * 8) as f64 / transfer.max(1e-9) / 1e6;
+        ProbeNext::Measured(mbps.clamp(Self::RANGE.0, Self::RANGE.1))
+    }
+}
+
+/// The tensor bytes a provider announced and has not sent yet, tensor by
+/// tensor in order. Each payload frame is checked here, in the provider's own
+/// task, before it is relayed: it must belong to the lane and fit the tensor
+/// it continues, and hold whole, finite elements of the tensor's type.
+#[derive(Debug, Default)]
+pub(super) struct Owed(VecDeque<(Lane, WireDType, usize)>);
+
+impl Owed {
+    /// Bound on announced-but-unsent tensors: a provider owes at most a few.
+    pub(super) const MAX_PENDING: usize = 1024;
+
+    pub(super) fn announce(&mut self, message: &ToServer) -> Result<(), String> {
+        let Some(lane) = message.lane() else {
+            return Ok(());
+        };
+        for tensor in message.streamed_tensors().iter().filter(|t| t.follows()) {
+            if self.0.len() >= Self::MAX_PENDING {
+                return Err("too many announced tensors outstanding".into());
+            }
+            let len = tensor.expected_len().unwrap_or(0);
+            self.0.push_back((lane, tensor.dtype, len));
+        }
+        Ok(())
+    }
+
+    pub(super) fn take(&mut self, payload: &Payload) -> Result<(), String> {
+        let Some((lane, dtype, left)) = self.0.front_mut() else {
+            return Err("a payload frame that no message announced".into());
+        };
+        let data = payload.data();
+        if payload.lane != *lane {
+            return Err(format!(
+                "a {:?} payload while {:?} bytes are owed",
+                payload.lane, lane
+            ));
+        }
+        if data.is_empty() || data.len() > *left || !data.len().is_multiple_of(dtype.size()) {
+            return Err(format!(
+                "a payload of {} bytes does not fit the {left} bytes of {} owed",
+                data.len(),
+                dtype.as_str()
+            ));
+        }
+        if let Some(index) = dtype.first_non_finite(data) {
+            return Err(format!(
+                "a payload with a non-finite value at element {index}"
+            ));
+        }
+        *left -= data.len();
+        if *left == 0 {
+            self.0.pop_front();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,538 @@
+//! The provider WebSocket: handshake, heartbeats, and dropping a peer that
+//! breaks the protocol without disturbing anyone else.
+//!
+//! The loop is generic over `Sink`/`Stream` so tests drive it with in-memory
+//! channels as well as real sockets.
+
+mod link;
+
+use std::fmt::Display;
+use std::net::{IpAddr, SocketAddr};
+
+use axum::Router;
+use axum::extract::ws::{CloseFrame, Message, WebSocketUpgrade};
+use axum::extract::{ConnectInfo, State};
+use axum::http::{Extensions, HeaderMap, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use futures_util::{Sink, SinkExt, Stream, StreamExt};
+use rookery_proto::stream::Incoming;
+use rookery_proto::{
+    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer,
+};
+
+use self::link::{LinkProbe, Owed, ProbeNext};
+use super::error::AppError;
+use crate::admission::Slot;
+use crate::coordinator::{Event, Outgoing};
+use crate::now_ms;
+use crate::state::AppState;
+use crate::store::providers;
+
+/// WebSocket close codes (RFC 6455, section 7.4.1).
+mod close_code {
+    pub const NORMAL: u16 = 1000;
+    pub const PROTOCOL: u16 = 1002;
+    pub const UNSUPPORTED: u16 = 1003;
+    pub const INVALID_PAYLOAD: u16 = 1007;
+    pub const POLICY: u16 = 1008;
+    pub const TOO_BIG: u16 = 1009;
+    pub const INTERNAL: u16 = 1011;
+}
+
+/// Longest close reason a control frame can carry (125 bytes less the code).
+const MAX_CLOSE_REASON: usize = 123;
+
+/// The provider WebSocket's route ([`rookery_proto::PROVIDER_WS_PATH`]).
+pub fn routes() -> Router<AppState> {
+    Router::new().route(rookery_proto::PROVIDER_WS_PATH, get(provider_socket))
+}
+
+pub async fn provider_socket(
+    ws: WebSocketUpgrade,
+    State(state): State<AppState>,
+    extensions: Extensions,
+    headers: HeaderMap,
+    uri: Uri,
+) -> Response {
+    let ip = extensions
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip());
+    let slot = match admit(&state, ip, &headers, uri.query()) {
+        Ok(slot) => slot,
+        Err(refusal) => {
+            tracing::info!(?ip, reason = %refusal, "provider connection refused");
+            return refusal.into_response();
+        }
+    };
+    // Let frames of up to twice our limit through the transport so that this
+    // module, not tungstenite, rejects an oversized frame and says why.
+    let transport_limit = state.limits.max_frame_bytes.saturating_mul(2);
+    ws.max_message_size(transport_limit)
+        .max_frame_size(transport_limit)
+        .on_upgrade(move |socket| {
+            let (sink, stream) = socket.split();
+            async move {
+                serve_provider(sink, stream, state).await;
+                drop(slot);
+            }
+        })
+}
+
+/// How a connection ended.
+#[derive(Debug)]
+enum Ending {
+    /// The peer closed or vanished; nothing to tell it.
+    Left(String),
+    /// The server drops the peer and tells it why.
+    Rejected {
+        code: ErrorCode,
+        close_code: u16,
+        message: String,
+    },
+    /// The coordinator dropped the peer for wrong data (or banned it from its
+    /// job); it is told why like a rejected peer.
+    Expelled(String),
+}
+
+impl Ending {
+    fn rejected(code: ErrorCode, close_code: u16, message: impl Into<String>) -> Self {
+        Ending::Rejected {
+            code,
+            close_code,
+            message: message.into(),
+        }
+    }
+
+    fn bad_frame(error: DecodeError) -> Self {
+        let close_code = match error {
+            DecodeError::TooLarge { .. } => close_code::TOO_BIG,
+            _ => close_code::INVALID_PAYLOAD,
+        };
+        Ending::rejected(error.code(), close_code, error.to_string())
+    }
+
+    /// What the registry records as the reason the provider is gone.
+    fn reason(&self) -> String {
+        match self {
+            Ending::Left(reason) => reason.clone(),
+            Ending::Rejected { message, .. } | Ending::Expelled(message) => {
+                format!("dropped: {message}")
+            }
+        }
+    }
+
+    /// Whether the peer broke the protocol (a malformed, oversized or
+    /// unexpected frame, or a bad payload), which counts as a fault against it.
+    /// A transport error (a reset connection) is no fault: networks do that.
+    fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            Ending::Rejected {
+                code: ErrorCode::BadFrame | ErrorCode::FrameTooLarge | ErrorCode::UnexpectedMessage,
+                close_code,
+                ..
+            } if *close_code != close_code::PROTOCOL
+        )
+    }
+}
+
+/// Serves one provider connection from its first frame to its last.
+pub async fn serve_provider<Si, St, E>(mut sink: Si, mut stream: St, state: AppState)
+where
+    Si: Sink<Message> + Unpin,
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let hello = match handshake(&mut stream, &state).await {
+        Ok(hello) => hello,
+        Err(ending) => {
+            tracing::info!(reason = %ending.reason(), "provider refused at handshake");
+            say_goodbye(&mut sink, ending).await;
+            return;
+        }
+    };
+    let name = hello.display_name.clone();
+    let id = match providers::register(&state.db, hello.clone(), now_ms()).await {
+        Ok(id) => id,
+        Err(error) => {
+            tracing::error!(%error, "cannot register provider");
+            let ending = Ending::rejected(
+                ErrorCode::Internal,
+                close_code::INTERNAL,
+                "the server cannot register providers right now; retry later",
+            );
+            say_goodbye(&mut sink, ending).await;
+            return;
+        }
+    };
+    tracing::info!(id, %name, "provider joined");
+
+    let ending = session(id, hello, &mut sink, &mut stream, &state).await;
+    let reason = ending.reason();
+    tracing::info!(id, %name, %reason, "provider gone");
+    if let Err(error) = providers::mark_gone(&state.db, id, now_ms(), reason).await {
+        tracing::error!(id, %error, "cannot record that a provider left");
+    }
+    say_goodbye(&mut sink, ending).await;
+}
+
+async fn handshake<St, E>(stream: &mut St, state: &AppState) -> Result<Hello, Ending>
+where
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+    let frame = next_frame(stream, state, deadline).await?;
+    if let Some(version) = rookery_proto::peek_hello_version(&frame)
+        && version != PROTOCOL_VERSION
+    {
+        return Err(Ending::rejected(
+            ErrorCode::VersionMismatch,
+            close_code::POLICY,
+            format!(
+                "this server speaks protocol version {PROTOCOL_VERSION}, the provider speaks {version}; upgrade the older side"
+            ),
+        ));
+    }
+    match rookery_proto::decode_frame::<ToServer>(&frame, state.limits.max_frame_bytes) {
+        Ok(ToServer::Hello(hello)) => validate_hello(hello),
+        Ok(other) => Err(Ending::rejected(
+            ErrorCode::UnexpectedMessage,
+            close_code::POLICY,
+            format!(
+                "the first frame must be Hello, got {}",
+                message_name(&other)
+            ),
+        )),
+        Err(error) => Err(Ending::bad_frame(error)),
+    }
+}
+
+/// A provider describes itself; nothing it says is trusted blindly.
+/// The smallest buffer limit a provider may report.
+const MIN_BUFFER_LIMIT: u64 = 1 << 20;
+
+fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
+    let problem = if hello.display_name.trim().is_empty() || hello.display_name.chars().count() > 64
+    {
+        Some("display name must have 1 to 64 characters")
+    } else if hello.device.chars().count() > 256 {
+        Some("device description must have at most 256 characters")
+    } else if !hello.gflops.is_finite() || hello.gflops <= 0.0 {
+        Some("measured GFLOP/s must be a positive finite number")
+    } else if hello.memory_bytes == 0 {
+        Some("memory must be more than 0 bytes")
+    } else if hello.max_buffer_bytes.is_some_and(|b| b < MIN_BUFFER_LIMIT) {
+        // WebGPU guarantees 128 MiB; a device claiming less than 1 MiB could
+        // take no stage anyway.
+        Some("the largest bindable buffer must be at least 1 MiB")
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(Ending::rejected(
+            ErrorCode::BadFrame,
+            close_code::POLICY,
+            format!("invalid Hello: {problem}"),
+        )),
+        None => Ok(hello),
+    }
+}
+
+async fn session<Si, St, E>(
+    id: u64,
+    hello: Hello,
+    sink: &mut Si,
+    stream: &mut St,
+    state: &AppState,
+) -> Ending
+where
+    Si: Sink<Message> + Unpin,
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let welcome = ToProvider::Welcome {
+        provider_id: id,
+        heartbeat_interval_ms: millis(state.limits.heartbeat_interval),
+        heartbeat_timeout_ms: millis(state.limits.heartbeat_timeout),
+    };
+    if let Err(ending) = send(sink, &welcome).await {
+        return ending;
+    }
+    let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel();
+    state.coordinator.send(Event::Connected { id, hello, tx });
+    let mut probe = LinkProbe::default();
+    if let Err(ending) = send(sink, &probe.start()).await {
+        return ending;
+    }
+    let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+    let mut owed = Owed::default();
+    let ending = loop {
+        // Frames the coordinator wants sent go out between incoming frames;
+        // the heartbeat deadline only moves when the provider speaks.
+        let frame = tokio::select! {
+            biased;
+            frame = next_frame(stream, state, deadline) => frame,
+            Some(outgoing) = outbox.recv() => {
+                let sent = match outgoing {
+                    Outgoing::Message(message) => send(sink, &message).await,
+                    Outgoing::Payload(frame) => send_frame(sink, frame).await,
+                    // The coordinator already counted the fault this answers.
+                    Outgoing::Close { reason } => Err(Ending::Expelled(reason)),
+                };
+                if let Err(ending) = sent {
+                    break ending;
+                }
+                continue;
+            }
+        };
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(ending) => break ending,
+        };
+        deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+        let message = match rookery_proto::stream::read_frame(&frame, state.limits.max_frame_bytes)
+        {
+            Ok(Incoming::Message(message)) => Ok(message),
+            Ok(Incoming::Payload(payload)) => {
+                match owed.take(&payload) {
+                    Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
+                    Err(problem) => {
+                        break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+                    }
+                }
+                continue;
+            }
+            Err(error) => Err(error),
+        };
+        match message {
+            Ok(ToServer::Heartbeat { seq }) => {
+                if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
+                    tracing::error!(id, %error, "cannot record a heartbeat");
+                }
+                if let Err(ending) = send(sink, &ToProvider::Heartbeat { seq }).await {
+                    break ending;
+                }
+            }
+            Ok(ToServer::Hello(_)) => {
+                break Ending::rejected(
+                    ErrorCode::UnexpectedMessage,
+                    close_code::POLICY,
+                    "Hello was already accepted on this connection",
+                );
+            }
+            Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
+                ProbeNext::Send(next) => {
+                    if let Err(ending) = send(sink, &next).await {
+                        break ending;
+                    }
+                }
+                ProbeNext::Measured(mbps) => {
+                    tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
+                    if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
+                        tracing::error!(id, %error, "cannot record a bandwidth");
+                    }
+                    state.coordinator.send(Event::Measured {
+                        id,
+                        bandwidth_mbps: mbps,
+                    });
+                }
+                ProbeNext::Ignore => {
+                    tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
+                }
+            },
+            Ok(ToServer::Error(ErrorMessage { code, message })) => {
+                break Ending::Left(format!("provider gave up ({code:?}): {message}"));
+            }
+            Ok(message) => {
+                if let Err(problem) = owed.announce(&message) {
+                    break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+                }
+                state.coordinator.send(Event::Message { id, message });
+            }
+            Err(error) => break Ending::bad_frame(error),
+        }
+    };
+    if ending.is_fault() {
+        // Before `Disconnected`: the fault counts against the job it leaves.
+        state.coordinator.send(Event::Fault {
+            id,
+            reason: ending.reason(),
+        });
+    }
+    state.coordinator.send(Event::Disconnected {
+        id,
+        reason: ending.reason(),
+    });
+    ending
+}
+
+/// Waits for the next binary frame until `deadline` (one heartbeat timeout
+/// after the peer last spoke).
+async fn next_frame<St, E>(
+    stream: &mut St,
+    state: &AppState,
+    deadline: tokio::time::Instant,
+) -> Result<axum::body::Bytes, Ending>
+where
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let timeout = state.limits.heartbeat_timeout;
+    loop {
+        let next = match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(next) => next,
+            Err(_) => {
+                return Err(Ending::rejected(
+                    ErrorCode::HeartbeatTimeout,
+                    close_code::POLICY,
+                    format!("heartbeat timeout: no frame for {} ms", timeout.as_millis()),
+                ));
+            }
+        };
+        match next {
+            Some(Ok(Message::Binary(bytes))) => {
+                let limit = state.limits.max_frame_bytes;
+                if bytes.len() > limit {
+                    return Err(Ending::bad_frame(DecodeError::TooLarge {
+                        len: bytes.len(),
+                        limit,
+                    }));
+                }
+                return Ok(bytes);
+            }
+            Some(Ok(Message::Text(_))) => {
+                return Err(Ending::rejected(
+                    ErrorCode::BadFrame,
+                    close_code::UNSUPPORTED,
+                    "text frames are not part of the protocol; send binary frames",
+                ));
+            }
+            Some(Ok(Message::Close(_))) => return Err(Ending::Left("closed".into())),
+            // Pings are answered by the transport; they still prove liveness.
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+            Some(Err(error)) => {
+                return Err(Ending::rejected(
+                    ErrorCode::BadFrame,
+                    close_code::PROTOCOL,
+                    format!("transport error: {error}"),
+                ));
+            }
+            None => return Err(Ending::Left("connection lost".into())),
+        }
+    }
+}
+
+async fn send<Si: Sink<Message> + Unpin>(
+    sink: &mut Si,
+    message: &ToProvider,
+) -> Result<(), Ending> {
+    let frame = rookery_proto::encode(message)
+        .map_err(|error| Ending::Left(format!("cannot encode a reply: {error}")))?;
+    send_frame(sink, frame.into()).await
+}
+
+async fn send_frame<Si: Sink<Message> + Unpin>(
+    sink: &mut Si,
+    frame: axum::body::Bytes,
+) -> Result<(), Ending> {
+    sink.send(Message::Binary(frame))
+        .await
+        .map_err(|_| Ending::Left("connection lost while sending".into()))
+}
+
+/// Tells a rejected peer why, then closes. Best effort: the peer may be gone.
+async fn say_goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
+    let ending = match ending {
+        Ending::Expelled(message) => Ending::Rejected {
+            code: ErrorCode::BadFrame,
+            close_code: close_code::POLICY,
+            message,
+        },
+        other => other,
+    };
+    let (close_code, reason) = match ending {
+        Ending::Left(_) | Ending::Expelled(_) => (close_code::NORMAL, String::new()),
+        Ending::Rejected {
+            code,
+            close_code,
+            message,
+        } => {
+            let error = ToProvider::Error(ErrorMessage {
+                code,
+                message: message.clone(),
+            });
+            let _ = send(sink, &error).await;
+            (close_code, message)
+        }
+    };
+    let frame = CloseFrame {
+        code: close_code,
+        reason: truncate_utf8(&reason, MAX_CLOSE_REASON).into(),
+    };
+    let _ = sink.send(Message::Close(Some(frame))).await;
+    let _ = sink.close().await;
+}
+
+fn truncate_utf8(text: &str, max_bytes: usize) -> &str {
+    if text.len() <= max_bytes {
+        return text;
+    }
+    let mut end = max_bytes;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+fn message_name(message: &ToServer) -> &'static str {
+    match message {
+        ToServer::Hello(_) => "Hello",
+        ToServer::Heartbeat { .. } => "Heartbeat",
+        ToServer::Error(_) => "Error",
+        ToServer::Ready { .. } => "Ready",
+        ToServer::Activations(_) => "Activations",
+        ToServer::Gradients(_) => "Gradients",
+        ToServer::LeafLoss(_) => "LeafLoss",
+        ToServer::StepDone(_) => "StepDone",
+        ToServer::Params(_) => "Params",
+        ToServer::JobFailed { .. } => "JobFailed",
+        ToServer::ProbeAck { .. } => "ProbeAck",
+        ToServer::OptimizerState(_) => "OptimizerState",
+    }
+}
+
+fn millis(duration: std::time::Duration) -> u32 {
+    u32::try_from(duration.as_millis()).unwrap_or(u32::MAX)
+}
+
+/// Checks a provider's upgrade request. `ip` is `None` when the server runs
+/// without connection info (in-process tests); such requests are not counted.
+fn admit(
+    state: &AppState,
+    ip: Option<IpAddr>,
+    headers: &HeaderMap,
+    query: Option<&str>,
+) -> Result<Option<Slot>, AppError> {
+    if let Some(token) = &state.provider_token
+        && !token.admits(headers, query)
+    {
+        return Err(AppError::Unauthorized(
+            "this server requires providers to present its join token (rookery-provider --token, or `?token=` on the WebSocket URL)",
+        ));
+    }
+    let Some(ip) = ip else {
+        return Ok(None);
+    };
+    let max = state.limits.max_connections_per_ip;
+    match state.connections.take(ip, max) {
+        Some(slot) => Ok(Some(slot)),
+        None => Err(AppError::TooManyConnections(format!(
+            "too many provider connections from {ip} (at most {max})"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,378 @@
+//! One provider connection over in-memory channels: handshake, heartbeats,
+//! link probes, payload accounting and every way a peer is dropped.
+
+use super::link::LinkProbe;
+use super::*;
+use crate::state::Limits;
+use crate::store::Db;
+use futures_channel::mpsc;
+use rookery_proto::stream::Lane;
+use rookery_proto::{ProviderKind, WireDType};
+use std::time::Duration;
+
+fn state() -> AppState {
+    AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits {
+            max_frame_bytes: 1024,
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_millis(300),
+            ..Limits::default()
+        },
+        None,
+        std::env::temp_dir(),
+        crate::store::tokens::Token::new("test-token"),
+    )
+}
+
+fn hello() -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ProviderKind::Native,
+        device: "test device".into(),
+        memory_bytes: 1 << 30,
+        gflops: 10.0,
+        display_name: "unit".into(),
+        max_buffer_bytes: None,
+    }
+}
+
+fn binary(message: &ToServer) -> Result<Message, std::convert::Infallible> {
+    Ok(Message::Binary(
+        rookery_proto::encode(message).unwrap().into(),
+    ))
+}
+
+fn decode_reply(message: Message) -> ToProvider {
+    match message {
+        Message::Binary(bytes) => rookery_proto::decode(&bytes, 1 << 21).unwrap(),
+        other => panic!("expected a binary frame, got {other:?}"),
+    }
+}
+
+/// Runs a connection over channels: `frames` in, every reply out but
+/// the link probes.
+async fn run(
+    state: &AppState,
+    frames: Vec<Result<Message, std::convert::Infallible>>,
+) -> Vec<Message> {
+    let is_probe = |m: &Message| {
+        matches!(m, Message::Binary(b) if matches!(
+            rookery_proto::decode(b, 1 << 21),
+            Ok(ToProvider::Probe { .. })
+        ))
+    };
+    run_all(state, frames)
+        .await
+        .into_iter()
+        .filter(|m| !is_probe(m))
+        .collect()
+}
+
+async fn run_all(
+    state: &AppState,
+    frames: Vec<Result<Message, std::convert::Infallible>>,
+) -> Vec<Message> {
+    let (out_tx, out_rx) = mpsc::unbounded();
+    let incoming = futures_util::stream::iter(frames);
+    serve_provider(out_tx, incoming, state.clone()).await;
+    out_rx.collect().await
+}
+
+#[tokio::test]
+async fn the_link_is_probed_in_rounds_and_its_best_bandwidth_recorded() {
+    let state = state();
+    let replies = run_all(
+        &state,
+        vec![
+            binary(&ToServer::Hello(hello())),
+            // An answer to a probe never sent is ignored.
+            binary(&ToServer::ProbeAck { seq: 7 }),
+            binary(&ToServer::ProbeAck { seq: 0 }),
+            binary(&ToServer::ProbeAck { seq: 1 }),
+            // A repeated answer is ignored too.
+            binary(&ToServer::ProbeAck { seq: 1 }),
+            binary(&ToServer::ProbeAck { seq: 2 }),
+            binary(&ToServer::ProbeAck { seq: 3 }),
+            binary(&ToServer::ProbeAck { seq: 4 }),
+            binary(&ToServer::ProbeAck { seq: 5 }),
+            // Three rounds are all there is.
+            binary(&ToServer::ProbeAck { seq: 6 }),
+            Ok(Message::Close(None)),
+        ],
+    )
+    .await;
+    let probes: Vec<(u32, usize)> = replies
+        .into_iter()
+        .filter_map(|m| match m {
+            Message::Binary(_) => match decode_reply(m) {
+                ToProvider::Probe { seq, padding } => Some((seq, padding.len())),
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    let round = [(0, 0), (1, LinkProbe::BYTES)];
+    let rounds: Vec<(u32, usize)> = (0..LinkProbe::ROUNDS)
+        .flat_map(|r| round.map(|(seq, len)| (seq + 2 * r, len)))
+        .collect();
+    assert_eq!(probes, rounds);
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    let mbps = record.bandwidth_mbps.expect("measured");
+    assert!(
+        (LinkProbe::RANGE.0..=LinkProbe::RANGE.1).contains(&mbps),
+        "{mbps}"
+    );
+}
+
+#[tokio::test]
+async fn hello_heartbeat_and_close_are_answered_and_recorded() {
+    let state = state();
+    let replies = run(
+        &state,
+        vec![
+            binary(&ToServer::Hello(hello())),
+            binary(&ToServer::Heartbeat { seq: 9 }),
+            Ok(Message::Close(None)),
+        ],
+    )
+    .await;
+    assert!(matches!(
+        decode_reply(replies[0].clone()),
+        ToProvider::Welcome { provider_id: 1, .. }
+    ));
+    assert_eq!(
+        decode_reply(replies[1].clone()),
+        ToProvider::Heartbeat { seq: 9 }
+    );
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    assert_eq!(record.gone.unwrap().reason, "closed");
+}
+
+#[tokio::test]
+async fn wrong_version_is_named_and_nobody_is_registered() {
+    let state = state();
+    let replies = run(
+        &state,
+        vec![binary(&ToServer::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION + 1,
+            ..hello()
+        }))],
+    )
+    .await;
+    match decode_reply(replies[0].clone()) {
+        ToProvider::Error(error) => {
+            assert_eq!(error.code, ErrorCode::VersionMismatch);
+            assert!(
+                error.message.contains("protocol version"),
+                "{}",
+                error.message
+            );
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    assert!(matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::POLICY));
+    assert!(providers::list(&state.db).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn invalid_hellos_are_refused_with_the_reason() {
+    let cases = [
+        (
+            Hello {
+                display_name: " ".into(),
+                ..hello()
+            },
+            "display name",
+        ),
+        (
+            Hello {
+                gflops: f64::NAN,
+                ..hello()
+            },
+            "GFLOP/s",
+        ),
+        (
+            Hello {
+                gflops: -1.0,
+                ..hello()
+            },
+            "GFLOP/s",
+        ),
+        (
+            Hello {
+                memory_bytes: 0,
+                ..hello()
+            },
+            "memory",
+        ),
+        (
+            Hello {
+                max_buffer_bytes: Some(4096),
+                ..hello()
+            },
+            "largest bindable buffer",
+        ),
+        (
+            Hello {
+                device: "x".repeat(300),
+                ..hello()
+            },
+            "device",
+        ),
+    ];
+    for (bad, expected) in cases {
+        let state = state();
+        let replies = run(&state, vec![binary(&ToServer::Hello(bad))]).await;
+        let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
+            panic!("expected an error for {expected}");
+        };
+        assert!(
+            error.message.contains(expected),
+            "{} lacks {expected}",
+            error.message
+        );
+    }
+}
+
+#[tokio::test]
+async fn garbage_after_hello_drops_the_provider_and_says_why() {
+    let state = state();
+    let replies = run(
+        &state,
+        vec![
+            binary(&ToServer::Hello(hello())),
+            Ok(Message::Binary(vec![0xff, 0xff, 0xff].into())),
+        ],
+    )
+    .await;
+    let ToProvider::Error(error) = decode_reply(replies[1].clone()) else {
+        panic!("expected an error");
+    };
+    assert_eq!(error.code, ErrorCode::BadFrame);
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    assert!(
+        record
+            .gone
+            .unwrap()
+            .reason
+            .starts_with("dropped: frame is not a valid message")
+    );
+}
+
+/// An `Activations` whose one tensor of 8 f32 follows in payload frames.
+fn announced() -> Result<Message, std::convert::Infallible> {
+    let mut tensor = rookery_proto::WireTensor::from_f32("h", &[2, 4], &[0.0; 8], WireDType::F32);
+    tensor.data = Default::default();
+    binary(&ToServer::Activations(rookery_proto::Activations {
+        job_id: 1,
+        phase: rookery_proto::Phase::Train { step: 0 },
+        micro: 0,
+        outputs: vec![tensor],
+        compute_ms: 0.0,
+    }))
+}
+
+fn payload(lane: Lane, values: &[f32]) -> Result<Message, std::convert::Infallible> {
+    let mut frame = vec![rookery_proto::stream::PAYLOAD_TAG, lane as u8];
+    frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    Ok(Message::Binary(frame.into()))
+}
+
+#[tokio::test]
+async fn payload_frames_must_fit_what_their_message_announced() {
+    let mut torn = payload(Lane::Forward, &[1.0; 2]).unwrap();
+    if let Message::Binary(bytes) = &mut torn {
+        *bytes = bytes.slice(..bytes.len() - 2);
+    }
+    let cases: Vec<(Vec<_>, Option<&str>)> = vec![
+        (
+            vec![
+                announced(),
+                payload(Lane::Forward, &[1.0; 4]),
+                payload(Lane::Forward, &[2.0; 4]),
+            ],
+            None,
+        ),
+        (
+            vec![payload(Lane::Forward, &[1.0; 8])],
+            Some("no message announced"),
+        ),
+        (
+            vec![announced(), payload(Lane::Backward, &[1.0; 8])],
+            Some("Backward payload while Forward"),
+        ),
+        (
+            vec![announced(), payload(Lane::Forward, &[1.0; 9])],
+            Some("does not fit"),
+        ),
+        (vec![announced(), Ok(torn)], Some("does not fit")),
+        (
+            vec![
+                announced(),
+                payload(Lane::Forward, &[1.0, 1.0, f32::NAN, 1.0]),
+            ],
+            Some("non-finite value at element 2"),
+        ),
+    ];
+    for (frames, problem) in cases {
+        let state = state();
+        let mut all = vec![binary(&ToServer::Hello(hello()))];
+        all.extend(frames);
+        all.push(binary(&ToServer::Heartbeat { seq: 1 }));
+        let replies = run(&state, all).await;
+        let last = decode_reply(replies[1].clone());
+        match problem {
+            None => assert_eq!(last, ToProvider::Heartbeat { seq: 1 }),
+            Some(problem) => {
+                let ToProvider::Error(error) = last else {
+                    panic!("expected an error for {problem}, got {last:?}");
+                };
+                assert_eq!(error.code, ErrorCode::BadFrame);
+                assert!(error.message.contains(problem), "{}", error.message);
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn frames_over_the_limit_close_with_too_big() {
+    let state = state();
+    let replies = run(&state, vec![Ok(Message::Binary(vec![0; 1025].into()))]).await;
+    let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
+        panic!("expected an error");
+    };
+    assert_eq!(error.code, ErrorCode::FrameTooLarge);
+    assert!(
+        matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::TOO_BIG)
+    );
+}
+
+#[tokio::test]
+async fn silence_after_hello_is_a_heartbeat_timeout() {
+    let state = state();
+    let (out_tx, out_rx) = mpsc::unbounded();
+    let (in_tx, in_rx) = mpsc::unbounded();
+    in_tx
+        .unbounded_send(binary(&ToServer::Hello(hello())))
+        .unwrap();
+    // Keep `in_tx` alive: the stream stays open but silent.
+    serve_provider(out_tx, in_rx, state.clone()).await;
+    drop(in_tx);
+    let replies: Vec<Message> = out_rx.collect().await;
+    // Welcome, the unanswered link probe, then the error.
+    let ToProvider::Error(error) = decode_reply(replies[2].clone()) else {
+        panic!("expected an error");
+    };
+    assert_eq!(error.code, ErrorCode::HeartbeatTimeout);
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    assert!(record.gone.unwrap().reason.contains("heartbeat timeout"));
+}
+
+#[test]
+fn close_reasons_are_cut_on_character_boundaries() {
+    let text = "é".repeat(100);
+    let cut = truncate_utf8(&text, MAX_CLOSE_REASON);
+    assert!(cut.len() <= MAX_CLOSE_REASON);
+    assert_eq!(cut.chars().count(), 61);
+}

@@ -1,0 +1,72 @@
+//! Evaluation after an epoch: the test set goes forward through every
+//! cluster, each its own share, and the Leaves' losses make the epoch's
+//! record.
+
+use rookery_proto::Phase;
+
+use super::step::feed;
+use super::{Effect, EpochRecord, JobRun, State};
+
+impl JobRun {
+    /// Sends the test set forward through every cluster, each its own share.
+    pub(super) fn start_eval(&mut self, epoch: u64) -> Option<Vec<Effect>> {
+        let test = self.test.as_ref()?;
+        if test.is_empty() {
+            return None;
+        }
+        self.state = State::Evaluating {
+            epoch,
+            expected: test.len() as u64,
+        };
+        let effects = (0..self.clusters.len())
+            .flat_map(|c| self.feed_eval(c, epoch))
+            .collect();
+        Some(effects)
+    }
+
+    /// Cluster `c`'s share of the test set, from its first micro-batch.
+    pub(super) fn feed_eval(&mut self, c: usize, epoch: u64) -> Vec<Effect> {
+        let Some(test) = self.test.as_ref() else {
+            return Vec::new();
+        };
+        let n = test.len();
+        let clusters = self.clusters.len();
+        let phase = Phase::Eval {
+            epoch: epoch as u32,
+        };
+        let micro = self.spec.micro_batch_size().max(1);
+        let run = &mut self.clusters[c];
+        run.reset();
+        let idx: Vec<usize> = ((c * n / clusters)..((c + 1) * n / clusters)).collect();
+        idx.chunks(micro)
+            .enumerate()
+            .map(|(m, chunk)| {
+                feed(
+                    &self.graph_input,
+                    test,
+                    run,
+                    self.job_id,
+                    phase,
+                    m as u32,
+                    chunk.len(),
+                    chunk,
+                )
+            })
+            .collect()
+    }
+
+    pub(super) fn finish_eval(&mut self, epoch: u64) -> Vec<Effect> {
+        let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
+        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / samples.max(1) as f64;
+        let correct: u64 = self.clusters.iter().map(|r| r.correct).sum();
+        let mut effects = vec![Effect::Epoch(EpochRecord {
+            epoch,
+            test_loss: loss,
+            test_accuracy: correct as f64 / samples.max(1) as f64,
+            samples,
+        })];
+        let spe = self.schedule.steps_per_epoch as u64;
+        effects.extend(self.next_or_finish((epoch + 1) * spe));
+        effects
+    }
+}

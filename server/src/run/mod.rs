@@ -1,0 +1,338 @@
+//! One running job as a state machine: it turns provider messages into
+//! [`Effect`]s (frames to send, metrics to store, checkpoints to write) and
+//! holds no sockets, database or files, so every rule is unit-testable.
+//!
+//! The server owns the data: [`JobRun`] picks each cluster's batch from the
+//! seeded permutation, cuts it into micro-batches, sends inputs to the Root
+//! and keeps the labels until the Leaf's forward, so inputs and labels always
+//! match. Between syncs each cluster runs its own steps at its own pace (its
+//! batches are its own shard); every `sync_every` steps (and at each epoch's
+//! end) every cluster waits at the barrier and parameters are averaged by
+//! name, which is what makes C clusters with SGD equal one process with C
+//! times the batch. A single cluster has nothing to average, so its syncs
+//! (checkpoints only) run beside its next step instead of draining the
+//! pipeline, except at epoch ends and the last step. A step's metrics are
+//! recorded once every cluster has done it.
+//!
+//! Recovery: each sync is a checkpoint holding the averaged parameters and,
+//! per cluster, every stage's optimizer state as it stood (not averaged: in
+//! an undisturbed run each cluster keeps its own moments across syncs, so
+//! keeping them per cluster is what makes a rebuilt cluster continue exactly
+//! as if nothing had happened). When a stage loses its provider
+//! ([`JobRun::stage_lost`]), its cluster is rebuilt from that checkpoint on
+//! the survivors plus a replacement ([`JobRun::fill`]) and replays the steps
+//! since, with the same batches (data order is a function of the seed and
+//! the step); the other clusters train on up to the next barrier and wait
+//! there. Replayed steps were already recorded, so they are not recorded
+//! again: step records stay one per step.
+//!
+//! The rooms: [`start`](JobRun::start) builds the run and its `Assign`
+//! frames; `step` relays a step's frames between stages and feeds Roots;
+//! `sync` runs the barriers, averages parameters and takes checkpoints;
+//! `eval` runs the test set after an epoch; `recovery` rebuilds a cluster
+//! that lost a provider; `stragglers` spots and replaces slow stages;
+//! `metrics` turns finished steps into records; `aggregate` holds the rules
+//! that combine the clusters' copies of a parameter.
+
+mod aggregate;
+mod eval;
+mod metrics;
+mod recovery;
+mod start;
+mod step;
+mod stragglers;
+mod sync;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use rookery_job::weights::WeightTensor;
+use rookery_job::{Dataset, JobSpec, Schedule};
+use rookery_model::{DType, ParamKind};
+use rookery_proto::{ParamOptimState, Phase, ToProvider, WireDType, WireTensor};
+
+pub use metrics::{EpochRecord, StageTime, StepRecord};
+pub use recovery::Vacancy;
+pub use start::StartError;
+pub use stragglers::{STRAGGLER_FACTOR, STRAGGLER_MIN_MS, STRAGGLER_STEPS, Straggler};
+
+/// What the coordinator must do on the job's behalf, in order.
+#[derive(Debug)]
+pub enum Effect {
+    Send(u64, ToProvider),
+    Running,
+    Step(StepRecord),
+    Epoch(EpochRecord),
+    /// The latest averaged parameters, to keep as the checkpoint.
+    Checkpoint(Vec<WeightTensor>),
+    /// Everything a restarted server needs to resume from the checkpoint just
+    /// taken (it follows [`Effect::Checkpoint`]).
+    ResumePoint(Box<ResumePoint>),
+    /// A line for the job's event log (`kind` is a short word).
+    Log {
+        kind: &'static str,
+        message: String,
+    },
+    /// Training is over; these are the trained weights.
+    Completed(Vec<WeightTensor>),
+    Failed(String),
+    /// The provider sent something wrong: counts against it.
+    Fault {
+        provider: u64,
+        reason: String,
+        /// Whether a frame the step needs was dropped (rather than outvoted
+        /// at a sync), so the provider's stage cannot finish the step.
+        frame_dropped: bool,
+    },
+}
+
+/// Why a frame was turned down.
+#[derive(Debug)]
+enum Rejected {
+    /// Out of order or late (as around a rollback): dropped, nobody's fault.
+    Stale(String),
+    /// Wrong data: another job's, another stage's, misshapen, non-finite.
+    Fault(String),
+}
+
+impl From<String> for Rejected {
+    fn from(reason: String) -> Self {
+        Rejected::Stale(reason)
+    }
+}
+
+impl From<&str> for Rejected {
+    fn from(reason: &str) -> Self {
+        Rejected::Stale(reason.to_string())
+    }
+}
+
+/// A sync point's whole state: enough to rebuild every stage of every
+/// cluster, on any providers, exactly as it stood.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResumePoint {
+    /// Steps done.
+    pub step: u64,
+    /// Every parameter and buffer (constants too), averaged.
+    pub params: Vec<WeightTensor>,
+    /// Per cluster: the optimizer state of each parameter its stages update.
+    pub optimizer: Vec<Vec<ParamOptimState>>,
+}
+
+/// A parameter's current (averaged) value.
+#[derive(Debug, Clone)]
+struct ParamValue {
+    shape: Vec<usize>,
+    dtype: DType,
+    kind: ParamKind,
+    values: Vec<f32>,
+}
+
+#[derive(Debug)]
+struct StageSlot {
+    provider: u64,
+    /// The provider left and no other has taken the stage yet.
+    vacant: bool,
+    /// Node range and boundary outputs, as the `Assign` carries them.
+    first: usize,
+    end: usize,
+    output_names: Vec<String>,
+    /// Boundary tensors in and out: (name, per-sample shape, dtype).
+    inputs: Vec<(String, Vec<usize>, DType)>,
+    outputs: Vec<(String, Vec<usize>, DType)>,
+    params: Vec<String>,
+    memory_bytes: u64,
+    /// The plan's compute estimate for one step (all its micro-batches), ms.
+    planned_ms: f64,
+    /// The last step's measured compute over `planned_ms`.
+    slowness: Option<f64>,
+    /// Consecutive steps this stage was a straggler.
+    slow_steps: u32,
+    ready: bool,
+    step_done: bool,
+    compute_ms: f64,
+    uploaded: bool,
+}
+
+/// Where one cluster stands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ClusterState {
+    /// `Assign` sent to every stage; waiting for each `Ready`.
+    Assigning,
+    /// A stage has no provider.
+    Waiting,
+    Training {
+        step: u64,
+    },
+    /// Ready and idle: at the sync barrier, syncing or evaluating.
+    Idle,
+}
+
+/// What one cluster measured in one training step.
+#[derive(Debug, Clone)]
+struct ClusterStep {
+    loss_sum: f64,
+    samples: u64,
+    /// (provider, compute ms) per stage.
+    stages: Vec<(u64, f64)>,
+}
+
+#[derive(Debug)]
+struct ClusterRun {
+    stages: Vec<StageSlot>,
+    state: ClusterState,
+    /// Steps done but not yet recorded (other clusters have not done them).
+    finished: BTreeMap<u64, ClusterStep>,
+    /// Optimizer state of the cluster's stages at the last sync, by parameter.
+    optimizer: BTreeMap<String, ParamOptimState>,
+    /// Optimizer state uploaded during the sync in progress.
+    pending_optimizer: BTreeMap<String, ParamOptimState>,
+    /// Labels waiting for the Leaf's forward, by (phase, micro-batch).
+    labels: HashMap<(Phase, u32), WireTensor>,
+    /// Samples in each micro-batch of the current step or evaluation, for shape checks.
+    micro_samples: HashMap<(Phase, u32), usize>,
+    /// Micro-batches whose loss the Leaf has reported.
+    reported: HashSet<(Phase, u32)>,
+    loss_sum: f64,
+    correct: u64,
+    samples: u64,
+}
+
+impl ClusterRun {
+    /// Forgets the previous step's or evaluation's micro-batches and totals.
+    fn reset(&mut self) {
+        self.labels.clear();
+        self.micro_samples.clear();
+        self.reported.clear();
+        self.loss_sum = 0.0;
+        self.correct = 0;
+        self.samples = 0;
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// Before the first step (or the first after a resume): every cluster's
+    /// stages are being assigned.
+    Assigning,
+    /// Clusters run steps, each at its own pace, up to the next barrier.
+    Training,
+    Syncing {
+        step_done: u64,
+    },
+    Evaluating {
+        epoch: u64,
+        expected: u64,
+    },
+    Over,
+}
+
+pub struct JobRun {
+    pub job_id: u64,
+    spec: JobSpec,
+    graph_input: (String, DType),
+    /// The model graph as providers get it (values travel as tensors).
+    graph_json: String,
+    train: Dataset,
+    test: Option<Dataset>,
+    schedule: Schedule,
+    total_steps: u64,
+    perm: Vec<usize>,
+    perm_epoch: Option<u64>,
+    clusters: Vec<ClusterRun>,
+    params: BTreeMap<String, ParamValue>,
+    /// Params uploaded at the current sync: name -> (cluster, value) per cluster.
+    uploads: BTreeMap<String, Vec<(usize, Vec<f32>)>>,
+    state: State,
+    /// Steps done at the last sync: the checkpoint every rebuild starts from.
+    synced: u64,
+    /// A sync whose uploads are still coming in while its only cluster trains
+    /// on (see [`JobRun::syncs_in_background`]): the steps it was taken at.
+    background_sync: Option<u64>,
+    /// Steps whose record went out (every cluster did them).
+    recorded: u64,
+    /// When the current step's clock started: the previous record (so syncs
+    /// and gaps between steps count), or the start of an epoch's first step
+    /// (evaluation does not count).
+    step_started: Instant,
+    bytes_relayed: u64,
+}
+
+impl JobRun {
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    /// Steps done at the last sync (the checkpoint a rebuild starts from).
+    pub fn synced_step(&self) -> u64 {
+        self.synced
+    }
+
+    /// Every provider the job uses.
+    pub fn providers(&self) -> Vec<u64> {
+        self.clusters
+            .iter()
+            .flat_map(|c| c.stages.iter().filter(|s| !s.vacant).map(|s| s.provider))
+            .collect()
+    }
+
+    pub fn is_over(&self) -> bool {
+        self.state == State::Over
+    }
+
+    /// Frames telling every provider the job is over for it.
+    pub fn release(&mut self) -> Vec<Effect> {
+        self.state = State::Over;
+        self.providers()
+            .into_iter()
+            .map(|p| {
+                Effect::Send(
+                    p,
+                    ToProvider::Release {
+                        job_id: self.job_id,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// The current parameters as `state_dict` entries (constants left out).
+    pub fn weights(&self) -> Vec<WeightTensor> {
+        self.params
+            .iter()
+            .filter(|(_, v)| v.kind != ParamKind::Constant)
+            .map(|(name, v)| weight(name, v))
+            .collect()
+    }
+
+    fn locate(&self, provider: u64) -> Option<(usize, usize)> {
+        self.clusters.iter().enumerate().find_map(|(c, run)| {
+            run.stages
+                .iter()
+                .position(|s| s.provider == provider && !s.vacant)
+                .map(|s| (c, s))
+        })
+    }
+}
+
+/// How a tensor of the graph's `dtype` travels: floats as `floats`
+/// (the job's wire dtype, or f32 for data and parameters), integers as i64.
+fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
+    match dtype {
+        DType::F32 => floats,
+        DType::I64 => WireDType::I64,
+    }
+}
+
+fn weight(name: &str, v: &ParamValue) -> WeightTensor {
+    match v.dtype {
+        DType::F32 => WeightTensor::f32(name, v.shape.clone(), v.values.clone()),
+        DType::I64 => WeightTensor::i64(name, v.shape.clone(), v.values.clone()),
+    }
+}
+
+fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
+    WireTensor::from_f32(name, &v.shape, &v.values, on_wire(v.dtype, WireDType::F32))
+}

@@ -1,0 +1,495 @@
+//! A training step's frames: each cluster's Root is fed its micro-batches,
+//! activations are relayed forward (the Leaf's with their labels), gradients
+//! back, and every frame is checked against the stage and step it claims
+//! before it is passed on. A cluster that has done its step goes on to the
+//! next or waits at the barrier.
+
+use std::time::Instant;
+
+use rookery_job::{Dataset, Labels, epoch_permutation, micro_batch_ranges};
+use rookery_model::DType;
+use rookery_proto::{
+    Activations, Backward, Forward, Gradients, LeafLoss, Phase, StepDone, ToProvider, ToServer,
+    WireDType, WireTensor,
+};
+
+use super::{ClusterRun, ClusterState, ClusterStep, Effect, JobRun, Rejected, State, on_wire};
+
+impl JobRun {
+    /// A provider of this job sent `message`. Frames that break the protocol
+    /// are dropped with a logged reason (and an [`Effect::Fault`] when the
+    /// data was wrong rather than late); a provider's own failure fails the job.
+    pub fn on_message(&mut self, provider: u64, message: ToServer) -> Vec<Effect> {
+        let Some((c, s)) = self.locate(provider) else {
+            tracing::warn!(
+                job = self.job_id,
+                provider,
+                "dropped a frame from a provider outside the job"
+            );
+            return Vec::new();
+        };
+        let rebuilding = matches!(
+            self.clusters[c].state,
+            ClusterState::Assigning | ClusterState::Waiting
+        );
+        let result = match message {
+            ToServer::Ready { job_id } => self.check_job(job_id).map(|()| self.on_ready(c, s)),
+            // Until its cluster is rebuilt, a stage's frames are left over from
+            // the steps being rolled back.
+            ToServer::Activations(_)
+            | ToServer::Gradients(_)
+            | ToServer::LeafLoss(_)
+            | ToServer::StepDone(_)
+            | ToServer::Params(_)
+            | ToServer::OptimizerState(_)
+                if rebuilding =>
+            {
+                Ok(Vec::new())
+            }
+            ToServer::Activations(a) => self
+                .check_job(a.job_id)
+                .and_then(|()| self.on_activations(c, s, a)),
+            ToServer::Gradients(g) => self
+                .check_job(g.job_id)
+                .and_then(|()| self.on_gradients(c, s, g)),
+            ToServer::LeafLoss(l) => self
+                .check_job(l.job_id)
+                .and_then(|()| self.on_leaf_loss(c, s, l)),
+            ToServer::StepDone(d) => self
+                .check_job(d.job_id)
+                .and_then(|()| self.on_step_done(c, s, d)),
+            ToServer::OptimizerState(o) => self
+                .check_job(o.job_id)
+                .and_then(|()| self.on_optimizer_state(c, s, o)),
+            ToServer::Params(p) => self
+                .check_job(p.job_id)
+                .and_then(|()| self.on_params(c, s, p)),
+            ToServer::JobFailed { job_id, message } => self.check_job(job_id).map(|()| {
+                self.state = State::Over;
+                vec![Effect::Failed(format!(
+                    "provider {provider} (cluster {c}, stage {s}) failed: {message}"
+                ))]
+            }),
+            ToServer::Hello(_)
+            | ToServer::Heartbeat { .. }
+            | ToServer::Error(_)
+            | ToServer::ProbeAck { .. } => Ok(Vec::new()),
+        };
+        match result {
+            Ok(effects) => effects,
+            Err(Rejected::Stale(reason)) => {
+                tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a frame");
+                Vec::new()
+            }
+            Err(Rejected::Fault(reason)) => {
+                tracing::warn!(job = self.job_id, provider, cluster = c, stage = s, %reason, "dropped a faulty frame");
+                vec![Effect::Fault {
+                    provider,
+                    reason: format!("cluster {c}, stage {s}: {reason}"),
+                    frame_dropped: true,
+                }]
+            }
+        }
+    }
+}
+
+impl JobRun {
+    pub(super) fn check_job(&self, job_id: u64) -> Result<(), Rejected> {
+        if job_id == self.job_id {
+            Ok(())
+        } else {
+            Err(Rejected::Fault(format!(
+                "a frame for job {job_id}, not {}",
+                self.job_id
+            )))
+        }
+    }
+
+    pub(super) fn on_ready(&mut self, c: usize, s: usize) -> Vec<Effect> {
+        let run = &mut self.clusters[c];
+        if run.state != ClusterState::Assigning {
+            return Vec::new();
+        }
+        run.stages[s].ready = true;
+        if !run.stages.iter().all(|s| s.ready) {
+            return Vec::new();
+        }
+        run.state = ClusterState::Idle;
+        match self.state {
+            State::Assigning => {
+                if !self.clusters.iter().all(|r| r.state == ClusterState::Idle) {
+                    return Vec::new();
+                }
+                let mut effects = vec![Effect::Running];
+                effects.extend(self.begin());
+                effects
+            }
+            // A rebuilt cluster replays from the checkpoint.
+            State::Training => {
+                let step = self.synced;
+                if step == self.barrier() {
+                    self.at_barrier()
+                } else {
+                    self.start_cluster_step(c, step)
+                }
+            }
+            // Its share of the test set again, from the start.
+            State::Evaluating { epoch, .. } => self.feed_eval(c, epoch),
+            State::Syncing { .. } | State::Over => Vec::new(),
+        }
+    }
+
+    pub(super) fn current_phase_ok(&self, c: usize, phase: Phase) -> Result<(), String> {
+        let cluster = self.clusters[c].state;
+        match (self.state, cluster, phase) {
+            (State::Training, ClusterState::Training { step }, Phase::Train { step: got })
+                if step == got =>
+            {
+                Ok(())
+            }
+            (State::Evaluating { epoch, .. }, ClusterState::Idle, Phase::Eval { epoch: got })
+                if epoch == u64::from(got) =>
+            {
+                Ok(())
+            }
+            (state, cluster, phase) => Err(format!(
+                "{phase:?} does not match the job's state {state:?} (cluster {c}: {cluster:?})"
+            )),
+        }
+    }
+
+    /// Every cluster starts `step` (after a sync or an evaluation).
+    pub(super) fn start_step(&mut self, step: u64) -> Vec<Effect> {
+        self.state = State::Training;
+        let spe = self.schedule.steps_per_epoch as u64;
+        if step.is_multiple_of(spe) {
+            self.step_started = Instant::now();
+        }
+        let mut effects = Vec::new();
+        for c in 0..self.clusters.len() {
+            if self.clusters[c].state == ClusterState::Idle {
+                effects.extend(self.start_cluster_step(c, step));
+            }
+        }
+        effects
+    }
+
+    pub(super) fn start_cluster_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
+        let spe = self.schedule.steps_per_epoch as u64;
+        let epoch = step / spe;
+        if self.perm_epoch != Some(epoch) {
+            let t = &self.spec.training;
+            self.perm = epoch_permutation(self.train.len(), t.seed, epoch, t.shuffle);
+            self.perm_epoch = Some(epoch);
+        }
+        let phase = Phase::Train { step };
+        let batch = self.spec.training.batch_size;
+        let ranges = micro_batch_ranges(batch, self.spec.training.micro_batches);
+        let idx = self
+            .schedule
+            .batch(&self.perm, (step % spe) as usize, c)
+            .to_vec();
+        let run = &mut self.clusters[c];
+        run.state = ClusterState::Training { step };
+        for stage in &mut run.stages {
+            stage.step_done = false;
+            stage.compute_ms = 0.0;
+        }
+        run.reset();
+        let mut effects = Vec::new();
+        for (m, r) in ranges.iter().enumerate() {
+            let chunk = &idx[r.clone()];
+            effects.push(feed(
+                &self.graph_input,
+                &self.train,
+                run,
+                self.job_id,
+                phase,
+                m as u32,
+                batch,
+                chunk,
+            ));
+        }
+        effects
+    }
+
+    pub(super) fn on_activations(
+        &mut self,
+        c: usize,
+        s: usize,
+        a: Activations,
+    ) -> Result<Vec<Effect>, Rejected> {
+        self.current_phase_ok(c, a.phase)?;
+        let run = &mut self.clusters[c];
+        let last = run.stages.len() - 1;
+        if s == last {
+            return Err(Rejected::Fault(
+                "the Leaf sends losses, not activations".into(),
+            ));
+        }
+        let samples = *run
+            .micro_samples
+            .get(&(a.phase, a.micro))
+            .ok_or_else(|| format!("micro-batch {} is not in flight", a.micro))?;
+        check_tensors(
+            &a.outputs,
+            &run.stages[s].outputs,
+            samples,
+            self.spec.training.wire_dtype,
+        )
+        .map_err(Rejected::Fault)?;
+        run.stages[s].compute_ms += a.compute_ms.max(0.0);
+        self.bytes_relayed += a.outputs.iter().map(|t| t.wire_len() as u64).sum::<u64>();
+        let labels = if s + 1 == last {
+            run.labels.remove(&(a.phase, a.micro))
+        } else {
+            None
+        };
+        let step_samples = match a.phase {
+            Phase::Train { .. } => self.spec.training.batch_size,
+            Phase::Eval { .. } => samples,
+        };
+        let next = run.stages[s + 1].provider;
+        Ok(vec![Effect::Send(
+            next,
+            ToProvider::Forward(Forward {
+                job_id: self.job_id,
+                phase: a.phase,
+                micro: a.micro,
+                step_samples: step_samples as u32,
+                inputs: a.outputs,
+                labels,
+            }),
+        )])
+    }
+
+    pub(super) fn on_gradients(
+        &mut self,
+        c: usize,
+        s: usize,
+        g: Gradients,
+    ) -> Result<Vec<Effect>, Rejected> {
+        self.current_phase_ok(c, Phase::Train { step: g.step })?;
+        if s == 0 {
+            return Err(Rejected::Fault(
+                "the Root has no one to send gradients to".into(),
+            ));
+        }
+        let run = &mut self.clusters[c];
+        let samples = *run
+            .micro_samples
+            .get(&(Phase::Train { step: g.step }, g.micro))
+            .ok_or_else(|| format!("micro-batch {} is not in flight", g.micro))?;
+        // Gradients come for the stage's float inputs, in any subset.
+        let expected: Vec<_> = run.stages[s]
+            .inputs
+            .iter()
+            .filter(|(name, _, dtype)| {
+                *dtype == DType::F32 && g.grads.iter().any(|t| &t.name == name)
+            })
+            .cloned()
+            .collect();
+        check_tensors(&g.grads, &expected, samples, self.spec.training.wire_dtype)
+            .map_err(Rejected::Fault)?;
+        run.stages[s].compute_ms += g.compute_ms.max(0.0);
+        self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
+        let prev = run.stages[s - 1].provider;
+        Ok(vec![Effect::Send(
+            prev,
+            ToProvider::Backward(Backward {
+                job_id: self.job_id,
+                step: g.step,
+                micro: g.micro,
+                grads: g.grads,
+            }),
+        )])
+    }
+
+    pub(super) fn on_leaf_loss(
+        &mut self,
+        c: usize,
+        s: usize,
+        l: LeafLoss,
+    ) -> Result<Vec<Effect>, Rejected> {
+        self.current_phase_ok(c, l.phase)?;
+        let run = &mut self.clusters[c];
+        if s + 1 != run.stages.len() {
+            return Err(Rejected::Fault("only the Leaf reports losses".into()));
+        }
+        let samples = *run
+            .micro_samples
+            .get(&(l.phase, l.micro))
+            .ok_or_else(|| format!("micro-batch {} is not in flight", l.micro))?;
+        if !run.reported.insert((l.phase, l.micro)) {
+            return Err(format!("micro-batch {}'s loss was already reported", l.micro).into());
+        }
+        if samples != l.samples as usize
+            || !l.loss_sum.is_finite()
+            || l.correct > u64::from(l.samples)
+        {
+            return Err(Rejected::Fault(format!(
+                "implausible loss report: {} samples (expected {samples}), loss {}, {} correct",
+                l.samples, l.loss_sum, l.correct
+            )));
+        }
+        run.loss_sum += l.loss_sum;
+        run.correct += l.correct;
+        run.samples += u64::from(l.samples);
+        if let State::Evaluating { epoch, expected } = self.state {
+            let got: u64 = self.clusters.iter().map(|r| r.samples).sum();
+            if got == expected {
+                return Ok(self.finish_eval(epoch));
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    pub(super) fn on_step_done(
+        &mut self,
+        c: usize,
+        s: usize,
+        d: StepDone,
+    ) -> Result<Vec<Effect>, Rejected> {
+        self.current_phase_ok(c, Phase::Train { step: d.step })?;
+        let stage = &mut self.clusters[c].stages[s];
+        if stage.step_done {
+            return Err(format!("step {} was already reported done", d.step).into());
+        }
+        stage.step_done = true;
+        // The provider's total is authoritative; what the relays counted was partial.
+        stage.compute_ms = d.compute_ms.max(0.0);
+        if !self.clusters[c].stages.iter().all(|s| s.step_done) {
+            return Ok(Vec::new());
+        }
+        Ok(self.finish_cluster_step(c, d.step))
+    }
+
+    /// Cluster `c` has done `step`: its totals wait for the other clusters'
+    /// (unless the step was recorded before a rollback), and it goes on to
+    /// the next step or waits at the barrier.
+    pub(super) fn finish_cluster_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
+        let run = &mut self.clusters[c];
+        if step >= self.recorded {
+            let totals = ClusterStep {
+                loss_sum: run.loss_sum,
+                samples: run.samples,
+                stages: run
+                    .stages
+                    .iter()
+                    .map(|s| (s.provider, s.compute_ms))
+                    .collect(),
+            };
+            run.finished.insert(step, totals);
+        }
+        for stage in &mut run.stages {
+            if stage.planned_ms > 0.0 {
+                stage.slowness = Some(stage.compute_ms / stage.planned_ms);
+            }
+        }
+        self.count_slow_steps(c);
+        let mut effects = self.record_steps();
+        let done = step + 1;
+        if done == self.barrier() {
+            self.clusters[c].state = ClusterState::Idle;
+            effects.extend(self.at_barrier());
+        } else {
+            effects.extend(self.start_cluster_step(c, done));
+        }
+        effects
+    }
+}
+
+/// Sends one micro-batch of `data` to the cluster's Root and keeps its labels
+/// for the Leaf (or sends them along when the Root is the Leaf).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn feed(
+    input: &(String, DType),
+    data: &Dataset,
+    run: &mut ClusterRun,
+    job_id: u64,
+    phase: Phase,
+    micro: u32,
+    step_samples: usize,
+    idx: &[usize],
+) -> Effect {
+    let mut shape = vec![idx.len()];
+    shape.extend_from_slice(&data.sample_shape);
+    let inputs = vec![WireTensor::from_f32(
+        input.0.clone(),
+        &shape,
+        &data.gather_inputs(idx),
+        on_wire(input.1, WireDType::F32),
+    )];
+    let labels = match data.gather_labels(idx) {
+        Labels::Classes(classes) => WireTensor::from_i64("labels", &[idx.len()], &classes),
+        Labels::Targets { shape: per, values } => {
+            let mut shape = vec![idx.len()];
+            shape.extend(per);
+            WireTensor::from_f32("labels", &shape, &values, WireDType::F32)
+        }
+    };
+    run.micro_samples.insert((phase, micro), idx.len());
+    let single = run.stages.len() == 1;
+    let labels = if single {
+        Some(labels)
+    } else {
+        run.labels.insert((phase, micro), labels);
+        None
+    };
+    let root = run.stages[0].provider;
+    Effect::Send(
+        root,
+        ToProvider::Forward(Forward {
+            job_id,
+            phase,
+            micro,
+            step_samples: step_samples as u32,
+            inputs,
+            labels,
+        }),
+    )
+}
+
+/// Checks that `tensors` are exactly `expected` (same names, in order), each
+/// `[samples, per-sample shape...]`, floats in the job's wire dtype and finite.
+pub(super) fn check_tensors(
+    tensors: &[WireTensor],
+    expected: &[(String, Vec<usize>, DType)],
+    samples: usize,
+    wire: WireDType,
+) -> Result<(), String> {
+    if tensors.len() != expected.len() {
+        return Err(format!(
+            "{} tensors, expected {} ({:?})",
+            tensors.len(),
+            expected.len(),
+            expected.iter().map(|e| &e.0).collect::<Vec<_>>()
+        ));
+    }
+    for (t, (name, per, dtype)) in tensors.iter().zip(expected) {
+        if &t.name != name {
+            return Err(format!("tensor `{}` where `{name}` was expected", t.name));
+        }
+        let mut shape = vec![samples];
+        shape.extend_from_slice(per);
+        if t.shape_usize() != shape {
+            return Err(format!(
+                "tensor `{name}` has shape {:?}, expected {shape:?}",
+                t.shape
+            ));
+        }
+        let want = on_wire(*dtype, wire);
+        if t.dtype != want {
+            return Err(format!(
+                "tensor `{name}` is {}, expected {}",
+                t.dtype.as_str(),
+                want.as_str()
+            ));
+        }
+        // Bytes that follow the message are checked as they arrive.
+        if !t.follows() {
+            t.check().map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,338 @@
+//! Syncs: at each barrier (every `sync_every` steps, each epoch's end and
+//! the last step) every stage uploads its parameters and optimizer state,
+//! the clusters' copies are aggregated, everyone gets the result back, and
+//! the result is the checkpoint a rebuild or a restarted server starts from.
+
+use rookery_job::Aggregation;
+use rookery_model::DType;
+use rookery_proto::{OptimizerState, ParamSet, ToProvider, WireDType, train::OPTIMIZER_SLOTS};
+
+use super::{
+    ClusterState, Effect, JobRun, Rejected, ResumePoint, State, aggregate, param_tensor, weight,
+};
+
+impl JobRun {
+    /// The first step once every stage is ready, or after a resume: a
+    /// checkpoint taken at an epoch's end may still owe that epoch's
+    /// evaluation (running it again records the same figures).
+    pub(super) fn begin(&mut self) -> Vec<Effect> {
+        let spe = self.schedule.steps_per_epoch as u64;
+        if self.synced > 0
+            && self.synced.is_multiple_of(spe)
+            && let Some(eval) = self.start_eval(self.synced / spe - 1)
+        {
+            return eval;
+        }
+        self.next_or_finish(self.synced)
+    }
+
+    /// The steps done at the next sync: a multiple of `sync_every`, an
+    /// epoch's end or the last step, whichever comes first.
+    pub(super) fn barrier(&self) -> u64 {
+        let spe = self.schedule.steps_per_epoch as u64;
+        let every = self.spec.training.sync_every.max(1);
+        let last = self.background_sync.unwrap_or(self.synced);
+        let next = |m: u64| (last / m + 1) * m;
+        next(every)
+            .min(next(spe))
+            .min(self.total_steps.max(last + 1))
+    }
+
+    /// Starts the sync once every cluster waits at the barrier (and the one
+    /// before it is complete).
+    pub(super) fn at_barrier(&mut self) -> Vec<Effect> {
+        if self.state != State::Training
+            || self.background_sync.is_some()
+            || !self.clusters.iter().all(|r| r.state == ClusterState::Idle)
+        {
+            return Vec::new();
+        }
+        let step_done = self.barrier();
+        if self.syncs_in_background(step_done) {
+            self.background_sync = Some(step_done);
+            let mut effects = self.request_uploads(step_done);
+            effects.extend(self.start_step(step_done));
+            effects
+        } else {
+            self.state = State::Syncing { step_done };
+            self.request_uploads(step_done)
+        }
+    }
+
+    /// Whether the sync at `step_done` may run while training goes on. With
+    /// one cluster there is nothing to average, so the next step needs no
+    /// new parameters: the sync only takes the checkpoint. Each stage
+    /// handles its messages in order, so `UploadParams` sent before the next
+    /// step's micro-batches uploads exactly the values after `step_done`
+    /// steps, and the pipeline does not drain and wait for a round trip of
+    /// uploads every step. Not at an epoch's end (the evaluation must see
+    /// the checkpoint) nor at the last step (the job's weights are the
+    /// checkpoint's).
+    pub(super) fn syncs_in_background(&self, step_done: u64) -> bool {
+        let spe = self.schedule.steps_per_epoch as u64;
+        self.clusters.len() == 1 && !step_done.is_multiple_of(spe) && step_done < self.total_steps
+    }
+
+    /// Asks every stage for its parameters (and optimizer state) after
+    /// `step_done` steps.
+    pub(super) fn request_uploads(&mut self, step_done: u64) -> Vec<Effect> {
+        self.uploads.clear();
+        let mut effects = Vec::new();
+        for run in &mut self.clusters {
+            run.pending_optimizer.clear();
+            for stage in &mut run.stages {
+                stage.uploaded = false;
+                effects.push(Effect::Send(
+                    stage.provider,
+                    ToProvider::UploadParams {
+                        job_id: self.job_id,
+                        step: step_done,
+                    },
+                ));
+            }
+        }
+        effects
+    }
+
+    /// The sync in progress, if an upload of `what` stamped `step` belongs
+    /// to it.
+    pub(super) fn sync_step_of(&self, what: &str, step: u64) -> Result<u64, Rejected> {
+        let step_done = match (self.state, self.background_sync) {
+            (State::Syncing { step_done }, _) | (State::Training, Some(step_done)) => step_done,
+            _ => return Err(format!("{what} arrived outside a sync").into()),
+        };
+        if step != step_done {
+            return Err(
+                format!("{what} of step {step} during the sync of step {step_done}").into(),
+            );
+        }
+        Ok(step_done)
+    }
+
+    /// A stage's optimizer state, which it sends just before its parameters
+    /// at a sync; kept per cluster for the checkpoint.
+    pub(super) fn on_optimizer_state(
+        &mut self,
+        c: usize,
+        s: usize,
+        o: OptimizerState,
+    ) -> Result<Vec<Effect>, Rejected> {
+        self.sync_step_of("optimizer state", o.step)?;
+        let stage = &self.clusters[c].stages[s];
+        if stage.uploaded {
+            return Err("optimizer state after the stage's parameters".into());
+        }
+        for p in &o.params {
+            if !stage.params.contains(&p.name) {
+                return Err(Rejected::Fault(format!(
+                    "parameter `{}` is not one of the stage's",
+                    p.name
+                )));
+            }
+            let shape = self
+                .params
+                .get(&p.name)
+                .map(|v| v.shape.clone())
+                .unwrap_or_default();
+            for t in &p.slots {
+                if !OPTIMIZER_SLOTS.contains(&t.name.as_str()) {
+                    return Err(Rejected::Fault(format!(
+                        "`{}` is not an optimizer state slot",
+                        t.name
+                    )));
+                }
+                if t.shape_usize() != shape || t.dtype != WireDType::F32 {
+                    return Err(Rejected::Fault(format!(
+                        "optimizer state `{}` of `{}` is {:?} {}, expected {shape:?} f32",
+                        t.name,
+                        p.name,
+                        t.shape,
+                        t.dtype.as_str()
+                    )));
+                }
+                t.check().map_err(|e| Rejected::Fault(e.to_string()))?;
+            }
+        }
+        let pending = &mut self.clusters[c].pending_optimizer;
+        for p in o.params {
+            pending.insert(p.name.clone(), p);
+        }
+        Ok(Vec::new())
+    }
+
+    /// The sync of `step_done` is complete: its optimizer state becomes the
+    /// checkpoint's, and a restarted server can resume from here.
+    pub(super) fn commit_sync(&mut self, step_done: u64) -> Effect {
+        self.synced = step_done;
+        for run in &mut self.clusters {
+            run.optimizer = std::mem::take(&mut run.pending_optimizer);
+        }
+        Effect::ResumePoint(Box::new(ResumePoint {
+            step: step_done,
+            params: self.params.iter().map(|(n, v)| weight(n, v)).collect(),
+            optimizer: self
+                .clusters
+                .iter()
+                .map(|r| r.optimizer.values().cloned().collect())
+                .collect(),
+        }))
+    }
+
+    pub(super) fn on_params(
+        &mut self,
+        c: usize,
+        s: usize,
+        p: ParamSet,
+    ) -> Result<Vec<Effect>, Rejected> {
+        let step_done = self.sync_step_of("parameters", p.step)?;
+        let stage = &self.clusters[c].stages[s];
+        if stage.uploaded {
+            return Err("parameters were already uploaded for this sync".into());
+        }
+        let mut values = Vec::with_capacity(p.params.len());
+        for t in &p.params {
+            let fault = |reason: String| Rejected::Fault(reason);
+            if !stage.params.contains(&t.name) {
+                return Err(fault(format!(
+                    "parameter `{}` is not one of the stage's",
+                    t.name
+                )));
+            }
+            let Some(current) = self.params.get(&t.name) else {
+                return Err(fault(format!("unknown parameter `{}`", t.name)));
+            };
+            if t.shape_usize() != current.shape {
+                return Err(fault(format!(
+                    "parameter `{}` has shape {:?}, expected {:?}",
+                    t.name, t.shape, current.shape
+                )));
+            }
+            t.check().map_err(|e| fault(e.to_string()))?;
+            values.push((
+                t.name.clone(),
+                t.to_f32().map_err(|e| fault(e.to_string()))?,
+            ));
+        }
+        let clusters = self.clusters.len();
+        for (name, v) in values {
+            self.uploads
+                .entry(name)
+                .or_insert_with(|| Vec::with_capacity(clusters))
+                .push((c, v));
+        }
+        self.clusters[c].stages[s].uploaded = true;
+        let all = self
+            .clusters
+            .iter()
+            .all(|r| r.stages.iter().all(|s| s.uploaded));
+        if !all {
+            return Ok(Vec::new());
+        }
+        Ok(self.finish_sync(step_done))
+    }
+
+    pub(super) fn finish_sync(&mut self, step_done: u64) -> Vec<Effect> {
+        let rule = self.spec.training.aggregation;
+        // Each cluster's squared distance to the aggregate, and the aggregate's
+        // squared norm, over every float parameter: to spot a far-off cluster.
+        let mut squared_distances = vec![0.0f64; self.clusters.len()];
+        let mut squared_norm = 0.0f64;
+        for (name, copies) in std::mem::take(&mut self.uploads) {
+            let Some(target) = self.params.get_mut(&name) else {
+                continue;
+            };
+            target.values = match target.dtype {
+                // Counters (BatchNorm's num_batches_tracked) agree across clusters.
+                DType::I64 => copies
+                    .into_iter()
+                    .next()
+                    .map(|(_, v)| v)
+                    .unwrap_or_default(),
+                DType::F32 => {
+                    let slices: Vec<&[f32]> = copies.iter().map(|(_, v)| v.as_slice()).collect();
+                    let value = aggregate::aggregate(rule, &slices);
+                    if rule != Aggregation::Mean {
+                        for (c, copy) in &copies {
+                            squared_distances[*c] += aggregate::distance(copy, &value).powi(2);
+                        }
+                        squared_norm += value.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
+                    }
+                    value
+                }
+            };
+        }
+        let mut effects = Vec::new();
+        // Counted after the sync's own effects: the sync completes either way.
+        let mut faults = Vec::new();
+        if rule != Aggregation::Mean {
+            for c in aggregate::far_off(&squared_distances, squared_norm) {
+                let typical = squared_distances
+                    .iter()
+                    .map(|d| d.sqrt())
+                    .fold(f64::INFINITY, f64::min);
+                for stage in &self.clusters[c].stages {
+                    faults.push(Effect::Fault {
+                        provider: stage.provider,
+                        reason: format!(
+                            "cluster {c}'s parameters at the sync of step {step_done} are {:.3e} away from the {} of the clusters' (the closest cluster: {typical:.3e})",
+                            squared_distances[c].sqrt(),
+                            match rule {
+                                Aggregation::Median => "median",
+                                _ => "centered clip",
+                            },
+                        ),
+                        frame_dropped: false,
+                    });
+                }
+            }
+        }
+        if self.clusters.len() > 1 {
+            for run in &self.clusters {
+                for stage in &run.stages {
+                    let params = stage
+                        .params
+                        .iter()
+                        .filter_map(|n| self.params.get(n).map(|v| param_tensor(n, v)))
+                        .collect();
+                    effects.push(Effect::Send(
+                        stage.provider,
+                        ToProvider::SetParams(ParamSet {
+                            job_id: self.job_id,
+                            step: step_done,
+                            params,
+                        }),
+                    ));
+                }
+            }
+        }
+        effects.push(Effect::Checkpoint(self.weights()));
+        effects.push(self.commit_sync(step_done));
+        if self.background_sync.take().is_some() {
+            // Training went on; the cluster may already wait at the next barrier.
+            effects.extend(self.at_barrier());
+            effects.extend(faults);
+            return effects;
+        }
+        let spe = self.schedule.steps_per_epoch as u64;
+        if step_done.is_multiple_of(spe)
+            && let Some(eval) = self.start_eval(step_done / spe - 1)
+        {
+            effects.extend(eval);
+            effects.extend(faults);
+            return effects;
+        }
+        effects.extend(self.next_or_finish(step_done));
+        effects.extend(faults);
+        effects
+    }
+
+    pub(super) fn next_or_finish(&mut self, step_done: u64) -> Vec<Effect> {
+        if step_done >= self.total_steps {
+            let mut effects = self.release();
+            effects.push(Effect::Completed(self.weights()));
+            effects
+        } else {
+            self.start_step(step_done)
+        }
+    }
+}

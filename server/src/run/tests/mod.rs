@@ -1,0 +1,202 @@
+//! The run against scripted and simulated providers: frames relayed and
+//! checked, syncs aggregated, stages lost and rebuilt, stragglers replaced.
+// Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
+#![allow(clippy::unwrap_used)]
+
+mod recovery;
+mod relay;
+mod sim;
+mod stragglers;
+mod sync;
+
+use super::*;
+use rookery_job::{
+    Aggregation, DataFormat, DataRef, DataSpec, Labels, ModelSection, ModelSource, TrainingSpec,
+};
+use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec};
+use rookery_proto::{
+    Activations, Assignment, Gradients, LeafLoss, OptimizerState, ParamSet, StepDone, ToServer,
+};
+
+const MLP: &str = r#"
+input_shape = [4]
+[[layers]]
+type = "Dense"
+units = 8
+activation = "relu"
+[[layers]]
+type = "Dense"
+units = 3
+"#;
+
+fn spec() -> JobSpec {
+    JobSpec {
+        model: ModelSection {
+            source: ModelSource::Spec("mlp.toml".into()),
+            input_shape: vec![4],
+        },
+        data: DataSpec {
+            format: DataFormat::Npy,
+            train_inputs: DataRef::file("x.npy"),
+            train_labels: DataRef::file("y.npy"),
+            test_inputs: None,
+            test_labels: None,
+            scale: None,
+            mean: None,
+            std: None,
+        },
+        training: TrainingSpec {
+            epochs: 1,
+            batch_size: 4,
+            micro_batches: 2,
+            loss: Loss::CrossEntropy,
+            optimizer: OptimizerConfig::sgd(0.1),
+            clusters: ClusterCount::Fixed(2),
+            sync_every: 1,
+            stages: Some(2),
+            shuffle: true,
+            seed: 7,
+            wire_dtype: WireDType::F32,
+            aggregation: Aggregation::Mean,
+        },
+    }
+}
+
+fn data(n: usize) -> Dataset {
+    Dataset {
+        sample_shape: vec![4],
+        inputs: (0..n * 4).map(|i| i as f32 / 10.0).collect(),
+        labels: Labels::Classes((0..n as i64).map(|i| i % 3).collect()),
+    }
+}
+
+/// A run over 4 providers (ids 10..14): 2 clusters of Root -> Leaf, 16
+/// samples, so 2 steps; and the `Assign` frames it starts with.
+fn started() -> (JobRun, Vec<Effect>) {
+    started_with(2, Aggregation::Mean)
+}
+
+/// `clusters` clusters of Root -> Leaf (providers 10, 11, ...) that sync
+/// with `aggregation`.
+fn started_with(clusters: usize, aggregation: Aggregation) -> (JobRun, Vec<Effect>) {
+    let graph = rookery_model::from_toml(MLP).unwrap();
+    let mut spec = spec();
+    spec.training.clusters = ClusterCount::Fixed(clusters);
+    spec.training.aggregation = aggregation;
+    let ids = 10..10 + 2 * clusters as u64;
+    let providers: Vec<ProviderSpec> = ids
+        .clone()
+        .map(|i| ProviderSpec {
+            id: i.to_string(),
+            kind: ProviderKind::Native,
+            memory_bytes: 1 << 30,
+            gflops: 10.0,
+            bandwidth_mbps: 1000.0,
+            max_buffer_bytes: None,
+        })
+        .collect();
+    let options = PlanOptions {
+        micro_batch: 2,
+        clusters: ClusterCount::Fixed(clusters),
+        stages_per_cluster: Some(2),
+        ..PlanOptions::default()
+    };
+    let plan = rookery_plan::clusterize(&graph, &providers, &options).unwrap();
+    let ids = ids.map(|i| (i.to_string(), i)).collect();
+    let analysis = graph.analyze().unwrap();
+    JobRun::start(
+        1,
+        spec,
+        &graph,
+        &analysis,
+        &plan,
+        &ids,
+        data(8 * clusters),
+        None,
+        None,
+    )
+    .unwrap()
+}
+
+/// Puts `run` at the sync of step 1, every cluster at the barrier.
+fn syncing(run: &mut JobRun) {
+    run.state = State::Syncing { step_done: 1 };
+    for cluster in &mut run.clusters {
+        cluster.state = ClusterState::Idle;
+    }
+}
+
+fn faults(effects: &[Effect]) -> Vec<(u64, &str, bool)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Fault {
+                provider,
+                reason,
+                frame_dropped,
+            } => Some((*provider, reason.as_str(), *frame_dropped)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every stage of `run` uploads its parameters for the sync of step 1,
+/// cluster `c`'s all equal to `value(c)`; the effects of the last upload.
+fn upload_all(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
+    let mut last = Vec::new();
+    for c in 0..run.clusters.len() {
+        for stage in 0..run.clusters[c].stages.len() {
+            let params = run.clusters[c].stages[stage]
+                .params
+                .iter()
+                .map(|n| {
+                    let shape = run.params[n].shape.clone();
+                    let len = shape.iter().product();
+                    WireTensor::from_f32(n.clone(), &shape, &vec![value(c); len], WireDType::F32)
+                })
+                .collect();
+            let provider = run.clusters[c].stages[stage].provider;
+            last = run.on_message(
+                provider,
+                ToServer::Params(ParamSet {
+                    job_id: 1,
+                    step: 1,
+                    params,
+                }),
+            );
+        }
+    }
+    last
+}
+
+fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Send(p, m) => Some((*p, m)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn roles(run: &JobRun) -> [[u64; 2]; 2] {
+    let p = |c: usize, s: usize| run.clusters[c].stages[s].provider;
+    [[p(0, 0), p(0, 1)], [p(1, 0), p(1, 1)]]
+}
+
+fn activations(step: u64, micro: u32, shape: &[usize], name: &str) -> ToServer {
+    let n: usize = shape.iter().product();
+    ToServer::Activations(Activations {
+        job_id: 1,
+        phase: Phase::Train { step },
+        micro,
+        outputs: vec![WireTensor::from_f32(
+            name,
+            shape,
+            &vec![0.5; n],
+            WireDType::F32,
+        )],
+        compute_ms: 1.0,
+    })
+}
