@@ -2,6 +2,8 @@
 //! topological order into stages for one ordering of providers, and the
 //! orderings they are run over.
 
+use std::cmp::Ordering;
+
 use crate::cost::{Costs, stage_time};
 use crate::types::ProviderSpec;
 
@@ -251,22 +253,17 @@ pub(crate) fn orderings(provs: &[ProviderSpec], group: &[usize]) -> Vec<Vec<usiz
         permutations(&mut group.to_vec(), 0, &mut all);
         return all;
     }
-    let mut by_speed = group.to_vec();
-    by_speed.sort_by(|&a, &b| {
-        provs[b]
-            .gflops
-            .total_cmp(&provs[a].gflops)
-            .then(provs[b].memory_bytes.cmp(&provs[a].memory_bytes))
-            .then(a.cmp(&b))
-    });
-    let mut by_mem = group.to_vec();
-    by_mem.sort_by(|&a, &b| {
-        provs[b]
-            .memory_bytes
-            .cmp(&provs[a].memory_bytes)
-            .then(provs[b].gflops.total_cmp(&provs[a].gflops))
-            .then(a.cmp(&b))
-    });
+    // Fastest (or roomiest) first, the other as tie-break, then the index.
+    let speed = |a: usize, b: usize| provs[b].gflops.total_cmp(&provs[a].gflops);
+    let memory = |a: usize, b: usize| provs[b].memory_bytes.cmp(&provs[a].memory_bytes);
+    let sorted = |first: &dyn Fn(usize, usize) -> Ordering,
+                  second: &dyn Fn(usize, usize) -> Ordering| {
+        let mut v = group.to_vec();
+        v.sort_by(|&a, &b| first(a, b).then(second(a, b)).then(a.cmp(&b)));
+        v
+    };
+    let by_speed = sorted(&speed, &memory);
+    let by_mem = sorted(&memory, &speed);
     let rev = |v: &Vec<usize>| v.iter().rev().copied().collect::<Vec<_>>();
     vec![rev(&by_speed), rev(&by_mem), by_speed, by_mem]
 }
