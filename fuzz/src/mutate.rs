@@ -4,13 +4,13 @@
 //! splices of two seeds and, for text formats, token and line edits that
 //! keep a file parseable far enough to reach the validation behind the syntax.
 //!
-//! A mutation is data ([`Op`]), so the benchmark draws ops from a seeded
+//! A mutation is data ([`Mutation`]), so the benchmark draws them from a seeded
 //! [`Rng`] and the proptests draw them from strategies that shrink.
 
 /// What one mutation does. Positions are taken modulo the input's length, so
-/// every op applies to every input.
+/// every mutation applies to every input.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Op {
+pub enum Mutation {
     FlipBit {
         at: u32,
         bit: u8,
@@ -106,7 +106,7 @@ fn pos(at: u32, len: usize) -> usize {
 }
 
 /// Applies `ops` in order to `seeds[seed]`.
-pub fn apply(seeds: &[Vec<u8>], seed: usize, ops: &[Op]) -> Vec<u8> {
+pub fn apply(seeds: &[Vec<u8>], seed: usize, ops: &[Mutation]) -> Vec<u8> {
     let mut out = seeds[seed % seeds.len()].clone();
     for op in ops {
         apply_one(&mut out, seeds, op);
@@ -114,48 +114,48 @@ pub fn apply(seeds: &[Vec<u8>], seed: usize, ops: &[Op]) -> Vec<u8> {
     out
 }
 
-fn apply_one(out: &mut Vec<u8>, seeds: &[Vec<u8>], op: &Op) {
+fn apply_one(out: &mut Vec<u8>, seeds: &[Vec<u8>], op: &Mutation) {
     let len = out.len();
     match op {
-        Op::FlipBit { at, bit } => {
+        Mutation::FlipBit { at, bit } => {
             if len > 0 {
                 out[*at as usize % len] ^= 1 << (bit % 8);
             }
         }
-        Op::Interesting { at, which } => {
+        Mutation::Interesting { at, which } => {
             if len > 0 {
                 out[*at as usize % len] =
                     INTERESTING_BYTES[*which as usize % INTERESTING_BYTES.len()];
             }
         }
-        Op::SetByte { at, value } => {
+        Mutation::SetByte { at, value } => {
             if len > 0 {
                 out[*at as usize % len] = *value;
             }
         }
-        Op::Truncate { at } => out.truncate(pos(*at, len)),
-        Op::Insert { at, bytes } => {
+        Mutation::Truncate { at } => out.truncate(pos(*at, len)),
+        Mutation::Insert { at, bytes } => {
             let at = pos(*at, len);
             out.splice(at..at, bytes.iter().copied());
         }
-        Op::Remove { at, len: n } => {
+        Mutation::Remove { at, len: n } => {
             let at = pos(*at, len);
             let end = (at + *n as usize).min(len);
             out.drain(at..end);
         }
-        Op::Duplicate { from, len: n, to } => {
+        Mutation::Duplicate { from, len: n, to } => {
             let from = pos(*from, len);
             let end = (from + *n as usize).min(len);
             let chunk = out[from..end].to_vec();
             let to = pos(*to, len);
             out.splice(to..to, chunk);
         }
-        Op::Splice { seed, at, from } => {
+        Mutation::Splice { seed, at, from } => {
             let other = &seeds[*seed as usize % seeds.len()];
             out.truncate(pos(*at, len));
             out.extend_from_slice(&other[pos(*from, other.len()).min(other.len())..]);
         }
-        Op::Varint { at, value } => {
+        Mutation::Varint { at, value } => {
             let at = pos(*at, len);
             let mut bytes = Vec::new();
             let mut v = *value;
@@ -170,7 +170,7 @@ fn apply_one(out: &mut Vec<u8>, seeds: &[Vec<u8>], op: &Op) {
             }
             out.splice(at..at, bytes);
         }
-        Op::Token { nth, which } => {
+        Mutation::Token { nth, which } => {
             let tokens = tokens(out);
             if !tokens.is_empty() {
                 let (start, end) = tokens[*nth as usize % tokens.len()];
@@ -178,7 +178,7 @@ fn apply_one(out: &mut Vec<u8>, seeds: &[Vec<u8>], op: &Op) {
                 out.splice(start..end, with.bytes());
             }
         }
-        Op::Line { nth, action } => {
+        Mutation::Line { nth, action } => {
             let mut lines: Vec<Vec<u8>> = out.split(|&b| b == b'\n').map(<[u8]>::to_vec).collect();
             let i = *nth as usize % lines.len();
             match action {
@@ -253,41 +253,41 @@ impl Rng {
         (0..len).map(|_| self.next_u64() as u8).collect()
     }
 
-    /// One random op; text ops only when `text`.
-    pub fn op(&mut self, text: bool) -> Op {
+    /// One random mutation; text ones only when `text`.
+    pub fn mutation(&mut self, text: bool) -> Mutation {
         let at = self.next_u64() as u32;
         let kinds = if text { 11 } else { 9 };
         match self.below(kinds) {
-            0 => Op::FlipBit {
+            0 => Mutation::FlipBit {
                 at,
                 bit: self.below(8) as u8,
             },
-            1 => Op::Interesting {
+            1 => Mutation::Interesting {
                 at,
                 which: self.next_u64() as u8,
             },
-            2 => Op::SetByte {
+            2 => Mutation::SetByte {
                 at,
                 value: self.next_u64() as u8,
             },
-            3 => Op::Truncate { at },
+            3 => Mutation::Truncate { at },
             4 => {
                 let len = 1 + self.below(16) as usize;
-                Op::Insert {
+                Mutation::Insert {
                     at,
                     bytes: self.bytes(len),
                 }
             }
-            5 => Op::Remove {
+            5 => Mutation::Remove {
                 at,
                 len: 1 + self.below(64) as u16,
             },
-            6 => Op::Duplicate {
+            6 => Mutation::Duplicate {
                 from: at,
                 len: 1 + self.below(256) as u16,
                 to: self.next_u64() as u32,
             },
-            7 => Op::Splice {
+            7 => Mutation::Splice {
                 seed: self.next_u64() as u16,
                 at,
                 from: self.next_u64() as u32,
@@ -300,13 +300,13 @@ impl Rng {
                 } else {
                     self.next_u64() & ((1u64 << bits) - 1)
                 };
-                Op::Varint { at, value }
+                Mutation::Varint { at, value }
             }
-            9 => Op::Token {
+            9 => Mutation::Token {
                 nth: self.next_u64() as u16,
                 which: self.next_u64() as u8,
             },
-            _ => Op::Line {
+            _ => Mutation::Line {
                 nth: self.next_u64() as u16,
                 action: match self.below(3) {
                     0 => LineAction::Delete,
@@ -325,7 +325,9 @@ impl Rng {
             let len = self.below(512) as usize;
             return (seed, self.bytes(len));
         }
-        let ops: Vec<Op> = (0..1 + self.below(4)).map(|_| self.op(text)).collect();
+        let ops: Vec<Mutation> = (0..1 + self.below(4))
+            .map(|_| self.mutation(text))
+            .collect();
         (seed, apply(seeds, seed, &ops))
     }
 }
@@ -337,19 +339,22 @@ mod tests {
     #[test]
     fn ops_do_what_they_say() {
         let seeds = vec![b"key = 12\nname = \"x\"".to_vec(), b"ABCDEF".to_vec()];
-        let cases: Vec<(Op, &[u8])> = vec![
-            (Op::FlipBit { at: 0, bit: 0 }, b"jey = 12\nname = \"x\""),
-            (Op::Truncate { at: 3 }, b"key"),
+        let cases: Vec<(Mutation, &[u8])> = vec![
             (
-                Op::Insert {
+                Mutation::FlipBit { at: 0, bit: 0 },
+                b"jey = 12\nname = \"x\"",
+            ),
+            (Mutation::Truncate { at: 3 }, b"key"),
+            (
+                Mutation::Insert {
                     at: 0,
                     bytes: vec![b'!'],
                 },
                 b"!key = 12\nname = \"x\"",
             ),
-            (Op::Remove { at: 3, len: 3 }, b"key12\nname = \"x\""),
+            (Mutation::Remove { at: 3, len: 3 }, b"key12\nname = \"x\""),
             (
-                Op::Splice {
+                Mutation::Splice {
                     seed: 1,
                     at: 4,
                     from: 2,
@@ -357,20 +362,23 @@ mod tests {
                 b"key CDEF",
             ),
             (
-                Op::Varint { at: 0, value: 300 },
+                Mutation::Varint { at: 0, value: 300 },
                 b"\xac\x02key = 12\nname = \"x\"",
             ),
-            (Op::Token { nth: 1, which: 1 }, b"key = -1\nname = \"x\""),
-            (Op::Token { nth: 3, which: 0 }, b"key = 12\nname = 0"),
             (
-                Op::Line {
+                Mutation::Token { nth: 1, which: 1 },
+                b"key = -1\nname = \"x\"",
+            ),
+            (Mutation::Token { nth: 3, which: 0 }, b"key = 12\nname = 0"),
+            (
+                Mutation::Line {
                     nth: 0,
                     action: LineAction::SwapWithNext,
                 },
                 b"name = \"x\"\nkey = 12",
             ),
             (
-                Op::Line {
+                Mutation::Line {
                     nth: 1,
                     action: LineAction::Delete,
                 },
@@ -389,7 +397,7 @@ mod tests {
         let empty = vec![Vec::new()];
         let mut rng = Rng::new(7);
         for _ in 0..1000 {
-            let op = rng.op(true);
+            let op = rng.mutation(true);
             apply(&empty, 0, &[op]);
         }
     }

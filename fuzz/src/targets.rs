@@ -20,8 +20,8 @@ use rookery_proto::{
     ToProvider, ToServer,
 };
 
-/// Whether an input parsed (a panic is neither).
-pub type Check = Box<dyn Fn(usize, &[u8]) -> bool + Send + Sync>;
+/// What a target does with one input: whether it parsed (a panic is neither).
+pub type TargetFn = Box<dyn Fn(usize, &[u8]) -> bool + Send + Sync>;
 
 pub struct Target {
     pub name: &'static str,
@@ -29,7 +29,7 @@ pub struct Target {
     /// Text formats also get token and line mutations.
     pub text: bool,
     /// Runs one input; the `usize` is the seed it came from (for per-seed context).
-    pub check: Check,
+    pub check: TargetFn,
 }
 
 /// Every target, with the folder the job-file targets resolve names in.

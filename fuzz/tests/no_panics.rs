@@ -8,7 +8,7 @@
 use std::sync::LazyLock;
 
 use proptest::prelude::*;
-use rookery_fuzz::mutate::{LineAction, Op, apply};
+use rookery_fuzz::mutate::{LineAction, Mutation, apply};
 use rookery_fuzz::targets::{self, Target, Targets};
 
 static TARGETS: LazyLock<Targets> = LazyLock::new(|| targets::all().unwrap());
@@ -17,29 +17,24 @@ fn target(name: &str) -> &'static Target {
     TARGETS.list.iter().find(|t| t.name == name).unwrap()
 }
 
-fn op(text: bool) -> impl Strategy<Value = Op> {
-    let bytes = prop_oneof![
-        (any::<u32>(), 0u8..8).prop_map(|(at, bit)| Op::FlipBit { at, bit }),
-        (any::<u32>(), any::<u8>()).prop_map(|(at, which)| Op::Interesting { at, which }),
-        (any::<u32>(), any::<u8>()).prop_map(|(at, value)| Op::SetByte { at, value }),
-        any::<u32>().prop_map(|at| Op::Truncate { at }),
-        (any::<u32>(), proptest::collection::vec(any::<u8>(), 1..16))
-            .prop_map(|(at, bytes)| Op::Insert { at, bytes }),
-        (any::<u32>(), 1u16..64).prop_map(|(at, len)| Op::Remove { at, len }),
-        (any::<u32>(), 1u16..256, any::<u32>()).prop_map(|(from, len, to)| Op::Duplicate {
-            from,
-            len,
-            to
-        }),
-        (any::<u16>(), any::<u32>(), any::<u32>()).prop_map(|(seed, at, from)| Op::Splice {
-            seed,
-            at,
-            from
-        }),
-        (any::<u32>(), any::<u64>()).prop_map(|(at, value)| Op::Varint { at, value }),
-    ];
+fn mutation(text: bool) -> impl Strategy<Value = Mutation> {
+    let bytes =
+        prop_oneof![
+            (any::<u32>(), 0u8..8).prop_map(|(at, bit)| Mutation::FlipBit { at, bit }),
+            (any::<u32>(), any::<u8>()).prop_map(|(at, which)| Mutation::Interesting { at, which }),
+            (any::<u32>(), any::<u8>()).prop_map(|(at, value)| Mutation::SetByte { at, value }),
+            any::<u32>().prop_map(|at| Mutation::Truncate { at }),
+            (any::<u32>(), proptest::collection::vec(any::<u8>(), 1..16))
+                .prop_map(|(at, bytes)| Mutation::Insert { at, bytes }),
+            (any::<u32>(), 1u16..64).prop_map(|(at, len)| Mutation::Remove { at, len }),
+            (any::<u32>(), 1u16..256, any::<u32>())
+                .prop_map(|(from, len, to)| Mutation::Duplicate { from, len, to }),
+            (any::<u16>(), any::<u32>(), any::<u32>())
+                .prop_map(|(seed, at, from)| Mutation::Splice { seed, at, from }),
+            (any::<u32>(), any::<u64>()).prop_map(|(at, value)| Mutation::Varint { at, value }),
+        ];
     let text_ops = prop_oneof![
-        (any::<u16>(), any::<u8>()).prop_map(|(nth, which)| Op::Token { nth, which }),
+        (any::<u16>(), any::<u8>()).prop_map(|(nth, which)| Mutation::Token { nth, which }),
         (
             any::<u16>(),
             prop_oneof![
@@ -48,7 +43,7 @@ fn op(text: bool) -> impl Strategy<Value = Op> {
                 Just(LineAction::SwapWithNext)
             ]
         )
-            .prop_map(|(nth, action)| Op::Line { nth, action }),
+            .prop_map(|(nth, action)| Mutation::Line { nth, action }),
     ];
     if text {
         prop_oneof![2 => bytes, 1 => text_ops].boxed()
@@ -59,7 +54,7 @@ fn op(text: bool) -> impl Strategy<Value = Op> {
 
 /// Mutates a seed of `name` with up to four ops and runs it; a panic fails
 /// with its message.
-fn no_panic(name: &str, seed: usize, ops: &[Op]) -> Result<(), TestCaseError> {
+fn no_panic(name: &str, seed: usize, ops: &[Mutation]) -> Result<(), TestCaseError> {
     let target = target(name);
     let input = apply(&target.seeds, seed, ops);
     rookery_fuzz::run_one(target, seed, &input)
@@ -85,28 +80,28 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(4000))]
 
     #[test]
-    fn mutated_frames_to_the_server_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+    fn mutated_frames_to_the_server_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(false), 1..5)) {
         no_panic("protocol ToServer", seed, &ops)?;
     }
 
     #[test]
-    fn mutated_frames_to_providers_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+    fn mutated_frames_to_providers_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(false), 1..5)) {
         no_panic("protocol ToProvider", seed, &ops)?;
     }
 
     #[test]
-    fn mutated_frame_sequences_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+    fn mutated_frame_sequences_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(false), 1..5)) {
         no_panic("protocol stream", seed, &ops)?;
     }
 
     #[test]
-    fn mutated_job_files_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(true), 1..5)) {
+    fn mutated_job_files_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(true), 1..5)) {
         no_panic("job file (TOML)", seed, &ops)?;
         no_panic("job file (JSON)", seed, &ops)?;
     }
 
     #[test]
-    fn mutated_layer_specs_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(true), 1..5)) {
+    fn mutated_layer_specs_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(true), 1..5)) {
         no_panic("layer spec (TOML)", seed, &ops)?;
     }
 }
@@ -116,12 +111,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(1500))]
 
     #[test]
-    fn mutated_dataset_files_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+    fn mutated_dataset_files_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(false), 1..5)) {
         no_panic("dataset files", seed, &ops)?;
     }
 
     #[test]
-    fn mutated_onnx_models_never_panic(seed in 0usize..64, ops in proptest::collection::vec(op(false), 1..5)) {
+    fn mutated_onnx_models_never_panic(seed in 0usize..64, ops in proptest::collection::vec(mutation(false), 1..5)) {
         no_panic("ONNX import", seed, &ops)?;
     }
 }

@@ -10,38 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::GraphError;
 use crate::init::Init;
 use crate::ops::{Op, OpError};
-
-/// Element type of a tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    F32,
-    I64,
-}
-
-impl DType {
-    pub fn size(self) -> u64 {
-        match self {
-            DType::F32 => 4,
-            DType::I64 => 8,
-        }
-    }
-}
-
-/// Shape and element type of one tensor.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TensorInfo {
-    pub shape: Vec<usize>,
-    pub dtype: DType,
-}
-
-impl TensorInfo {
-    pub fn bytes(&self) -> u64 {
-        self.shape
-            .iter()
-            .fold(self.dtype.size(), |acc, &d| acc.saturating_mul(d as u64))
-    }
-}
+use crate::tensor::{DType, TensorInfo};
 
 /// A graph input. `shape` is an example shape whose first dimension is the batch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -8,8 +8,9 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::graph::{Analysis, DType, Graph, ParamKind};
+use crate::graph::{Analysis, Graph, ParamKind};
 use crate::ops::Op;
+use crate::tensor::DType;
 
 /// Why a stage cannot be laid out. Messages name the tensor involved.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -16,10 +16,11 @@ pub mod load;
 pub mod onnx;
 pub mod ops;
 pub mod spec;
+pub mod tensor;
 
 pub use clusters::ClusterCount;
 pub use error::{GraphError, OnnxError, SpecError};
-pub use graph::{Analysis, DType, Graph, Input, Loss, Node, NodeInfo, Param, ParamKind};
+pub use graph::{Analysis, Graph, Input, Loss, Node, NodeInfo, Param, ParamKind};
 pub use init::Init;
 pub use layout::{LayoutError, Source, StageLayout};
 pub use onnx::Imported;
@@ -29,3 +30,4 @@ pub use ops::Op;
 pub use rookery_kernels::OptimizerConfig;
 
 pub use spec::{LayerSpec, ModelSpec, from_toml};
+pub use tensor::{DType, TensorInfo};

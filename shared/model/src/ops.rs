@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::graph::{DType, TensorInfo};
+use crate::tensor::{DType, TensorInfo};
 
 /// One operation. Inputs are positional tensor names on the [`crate::Node`];
 /// parameters are ordinary inputs (as ONNX initializers are).
@@ -189,6 +189,29 @@ fn f32_input(x: &TensorInfo, which: &str) -> OpResult<()> {
 }
 
 impl Op {
+    /// [`Op::MaxPool2d`] when `max`, else [`Op::AvgPool2d`]: layer specs and
+    /// ONNX files both describe the two with the same fields.
+    pub(crate) fn pool2d(
+        max: bool,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    ) -> Op {
+        if max {
+            Op::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+            }
+        } else {
+            Op::AvgPool2d {
+                kernel,
+                stride,
+                padding,
+            }
+        }
+    }
+
     /// The op's name as used in error messages and plans.
     pub fn name(&self) -> &'static str {
         match self {

@@ -8,9 +8,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{GraphError, SpecError};
-use crate::graph::{DType, Graph, Input, Node, Param, ParamKind, TensorInfo};
+use crate::graph::{Graph, Input, Node, Param, ParamKind};
 use crate::init::Init;
 use crate::ops::{Op, OpError};
+use crate::tensor::{DType, TensorInfo};
 
 /// A whole layer-spec file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -383,19 +384,8 @@ impl Builder {
                 let stride = stride.unwrap_or(*pool_size).get();
                 let padding = resolve_padding(padding, kernel, [1, 1], stride)
                     .map_err(|r| field("padding", r))?;
-                let op = if matches!(layer, LayerSpec::MaxPooling2D { .. }) {
-                    Op::MaxPool2d {
-                        kernel,
-                        stride,
-                        padding,
-                    }
-                } else {
-                    Op::AvgPool2d {
-                        kernel,
-                        stride,
-                        padding,
-                    }
-                };
+                let max = matches!(layer, LayerSpec::MaxPooling2D { .. });
+                let op = Op::pool2d(max, kernel, stride, padding);
                 self.node(index, ty, op, vec![])?;
             }
             LayerSpec::GlobalAveragePooling2D => {

@@ -1,0 +1,65 @@
+//! Checks of Conv2d (implicit GEMM) against the direct reference, and the
+//! convolutions every harness runs.
+
+use super::{Builder, Check};
+use crate::conv::Conv2d;
+use crate::gemm::gemm_tol;
+use crate::sample_matrix;
+
+/// Conv2d forward and backward (input, weight, bias) against the direct
+/// reference.
+pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
+    let x = sample_matrix(conv.n * conv.c * conv.h * conv.w, seed);
+    let weight = sample_matrix(
+        conv.o * (conv.c / conv.groups) * conv.kh * conv.kw,
+        seed ^ 1,
+    );
+    let bias = sample_matrix(conv.o, seed ^ 2);
+    let dy = sample_matrix(conv.out_len(), seed ^ 3);
+    let (want_y, want_dx, want_dw, want_db) =
+        conv.reference(&x, &weight, conv.bias.then_some(&bias[..]), &dy);
+    let (oh, ow) = conv.out_hw();
+    let k_fwd = conv.c / conv.groups * conv.kh * conv.kw;
+    let k_in = conv.o / conv.groups * conv.kh * conv.kw;
+    let k_w = conv.n * oh * ow;
+    let (x_len, weight_len) = (x.len(), weight.len());
+    let mut c = Builder::default();
+    let (x, weight, bias, dy) = (c.f32(x), c.f32(weight), c.f32(bias), c.f32(dy));
+    let y = c.zeros(conv.out_len());
+    let dx = c.zeros(x_len);
+    let dweight = c.zeros(weight_len);
+    let dbias = c.zeros(conv.o);
+    let forward = if conv.bias {
+        vec![x, weight, bias, y]
+    } else {
+        vec![x, weight, y]
+    };
+    c.step(conv.forward(), forward);
+    c.step(conv.backward_input(), [dy, weight, dx]);
+    c.step(conv.backward_weight(), [dy, x, dweight]);
+    c.expect("y", y, want_y, gemm_tol(k_fwd));
+    c.expect("dx", dx, want_dx, gemm_tol(k_in));
+    c.expect("dweight", dweight, want_dw, gemm_tol(k_w));
+    if conv.bias {
+        c.step(conv.backward_bias(), [dy, dbias]);
+        c.expect("dbias", dbias, want_db, gemm_tol(k_w));
+    }
+    c.build(format!("{conv:?}"))
+}
+
+/// The convolutions of the standard checks: the demo CNN's
+/// (`examples/mnist-cnn.toml`) and odd geometries with stride, padding,
+/// dilation and groups.
+pub fn conv_cases() -> Vec<Conv2d> {
+    [
+        ([2, 1, 28, 28], 8, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([2, 8, 14, 14], 16, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([1, 1, 5, 5], 1, [3, 3], [1, 1], [0, 0], [1, 1], 1, false),
+        ([3, 4, 9, 7], 6, [3, 2], [2, 1], [1, 0], [1, 2], 2, true),
+        ([2, 3, 8, 8], 3, [3, 3], [2, 2], [1, 1], [2, 2], 3, true),
+        ([1, 2, 6, 5], 5, [1, 1], [3, 2], [0, 0], [1, 1], 1, true),
+    ]
+    .into_iter()
+    .filter_map(|(x, o, k, s, p, d, g, b)| Conv2d::new(x, o, k, s, p, d, g, b))
+    .collect()
+}

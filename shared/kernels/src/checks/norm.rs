@@ -1,0 +1,91 @@
+//! Checks of the normalisation kernels: LayerNorm and BatchNorm (training,
+//! with the running statistics update, and evaluation).
+
+use super::{Builder, Check, tol};
+use crate::norm::{BatchNorm, LayerNorm};
+use crate::sample_matrix;
+
+/// LayerNorm forward and backward (x, weight, bias) on `rows x cols`.
+pub fn layer_norm(rows: usize, cols: usize, seed: u64) -> Check {
+    let l = LayerNorm {
+        rows,
+        cols,
+        eps: 1e-5,
+    };
+    let x: Vec<f32> = sample_matrix(rows * cols, seed)
+        .iter()
+        .map(|v| v * 3.0 + 0.5)
+        .collect();
+    let w = sample_matrix(cols, seed ^ 1);
+    let b = sample_matrix(cols, seed ^ 2);
+    let dy = sample_matrix(rows * cols, seed ^ 3);
+    let (want_y, want_dx, want_dw, want_db) = l.reference(&x, &w, &b, &dy);
+    let mut c = Builder::default();
+    let (x, w, b, dy) = (c.f32(x), c.f32(w), c.f32(b), c.f32(dy));
+    let y = c.zeros(rows * cols);
+    let (mean, rstd) = (c.zeros(rows), c.zeros(rows));
+    let dx = c.zeros(rows * cols);
+    let (dw, db) = (c.zeros(cols), c.zeros(cols));
+    c.step(l.forward(), [x, w, b, y, mean, rstd]);
+    c.step(l.backward_x(), [x, w, mean, rstd, dy, dx]);
+    c.step(l.backward_params(), [x, mean, rstd, dy, dw, db]);
+    c.expect("y", y, want_y, tol::NORM);
+    c.expect("dx", dx, want_dx, tol::NORM);
+    c.expect("dw", dw, want_dw, tol::NORM);
+    c.expect("db", db, want_db, tol::BROADCAST_SUM);
+    c.build(format!("layer_norm({rows}x{cols})"))
+}
+
+/// BatchNorm training forward (with the running statistics update),
+/// training backward, and eval forward, on `[n, channels, spatial]`.
+pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check {
+    let bn = BatchNorm {
+        n,
+        channels,
+        spatial,
+        eps: 1e-5,
+        momentum: 0.1,
+    };
+    let len = n * channels * spatial;
+    let x: Vec<f32> = sample_matrix(len, seed)
+        .iter()
+        .map(|v| v * 2.0 + 1.0)
+        .collect();
+    let w = sample_matrix(channels, seed ^ 1);
+    let b = sample_matrix(channels, seed ^ 2);
+    let rm = sample_matrix(channels, seed ^ 3);
+    let rv: Vec<f32> = sample_matrix(channels, seed ^ 4)
+        .iter()
+        .map(|v| v.abs() + 0.5)
+        .collect();
+    let dy = sample_matrix(len, seed ^ 5);
+    let want_eval = bn.reference_eval(&x, &w, &b, (&rm, &rv));
+    let (want_y, want_rm, want_rv, want_dx, want_dw, want_db) =
+        bn.reference_train(&x, &w, &b, (&rm, &rv), &dy);
+    let mut c = Builder::default();
+    let (x, w, b, rm, rv) = (c.f32(x), c.f32(w), c.f32(b), c.f32(rm), c.f32(rv));
+    let y = c.zeros(len);
+    let (save_mean, save_rstd) = (c.zeros(channels), c.zeros(channels));
+    let dy = c.f32(dy);
+    let dx = c.zeros(len);
+    let (dw, db) = (c.zeros(channels), c.zeros(channels));
+    let eval_y = c.zeros(len);
+    // Evaluation first, on the statistics training then updates.
+    c.step(bn.forward_eval(), [x, w, b, rm, rv, eval_y]);
+    c.step(
+        bn.forward_train(),
+        [x, w, b, rm, rv, y, save_mean, save_rstd],
+    );
+    c.step(
+        bn.backward_train(),
+        [x, w, save_mean, save_rstd, dy, dx, dw, db],
+    );
+    c.expect("eval y", eval_y, want_eval, tol::NORM);
+    c.expect("y", y, want_y, tol::NORM);
+    c.expect("running_mean", rm, want_rm, tol::NORM);
+    c.expect("running_var", rv, want_rv, tol::NORM);
+    c.expect("dx", dx, want_dx, tol::NORM);
+    c.expect("dw", dw, want_dw, tol::NORM);
+    c.expect("db", db, want_db, tol::BROADCAST_SUM);
+    c.build(format!("batch_norm({n}x{channels}x{spatial})"))
+}

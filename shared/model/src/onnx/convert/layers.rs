@@ -1,0 +1,329 @@
+//! Ops with weights or windows: Gemm, Conv, the pools (and `ReduceMean` as
+//! global pooling), BatchNormalization and Dropout, which also record the
+//! signs that a file was exported for inference.
+
+use super::{Here, Importer, Val, keep_batch};
+use crate::error::OnnxError;
+use crate::graph::{Param, ParamKind};
+use crate::init::Init;
+use crate::onnx::shapes::norm_axis;
+use crate::ops::Op;
+use crate::tensor::DType;
+
+/// Strides, padding (per side, symmetric) and dilations of a 2-D window.
+type Window = ([usize; 2], [usize; 2], [usize; 2]);
+
+impl Importer<'_> {
+    pub(super) fn gemm(&mut self, here: &Here) -> Result<(), OnnxError> {
+        let alpha = here.attrs.float("alpha").unwrap_or(1.0);
+        let beta = here.attrs.float("beta").unwrap_or(1.0);
+        if alpha != 1.0 || (beta != 1.0 && here.present(2)) {
+            return Err(self.unsupported(here, format!("alpha = {alpha}, beta = {beta} (only 1)")));
+        }
+        if here.attrs.int("transA").unwrap_or(0) != 0 {
+            return Err(self.unsupported(here, "transA = 1"));
+        }
+        self.note_folded_weight(here, 1);
+        let b = self.input_info(here, 1)?;
+        if b.shape.len() != 2 {
+            return Err(self.node_err(here, format!("B must be 2-D, is {:?}", b.shape)));
+        }
+        let x = self.tensor_input(here, 0)?;
+        let w = self.tensor_input(here, 1)?;
+        let bias = self.bias_input(here, 2)?;
+        if here.attrs.int("transB").unwrap_or(0) != 0 {
+            let mut inputs = vec![x, w];
+            inputs.extend(bias);
+            return self.emit(here, &here.out, Op::Linear, inputs);
+        }
+        // B is [in, out]: a plain matrix product plus a broadcast bias.
+        match bias {
+            None => self.emit(here, &here.out, Op::MatMul, vec![x, w]),
+            Some(c) => {
+                let mm = format!("{}/matmul", here.out);
+                self.emit(here, &mm, Op::MatMul, vec![x, w])?;
+                self.emit(here, &here.out, Op::Add, vec![mm, c])
+            }
+        }
+    }
+
+    /// A bias input, or `None` when absent or a constant of zeros (the dynamo
+    /// exporter spells `bias=False` as an expanded zero tensor).
+    fn bias_input(&mut self, here: &Here, i: usize) -> Result<Option<String>, OnnxError> {
+        match here.ins.get(i) {
+            None | Some(None) => Ok(None),
+            Some(Some(Val::Const(t, None))) if t.all_zero() => Ok(None),
+            Some(Some(_)) => {
+                let info = self.input_info(here, i)?;
+                if info.shape.len() != 1 {
+                    return Err(self.unsupported(
+                        here,
+                        format!("a bias of shape {:?} (only 1-D)", info.shape),
+                    ));
+                }
+                self.tensor_input(here, i).map(Some)
+            }
+        }
+    }
+
+    /// The legacy exporter's constant folding renames the weights it rewrites
+    /// (BatchNorm folded into Conv) to `onnx::Conv_N`; the dynamo optimizer's
+    /// fused convolutions are named `node_Conv_N` instead of after the aten op.
+    fn note_folded_weight(&mut self, here: &Here, i: usize) {
+        if let Some(w) = here.proto.input.get(i)
+            && w.starts_with("onnx::")
+            && matches!(self.vals.get(w), Some(Val::Var(_)))
+        {
+            self.inference_signs.push(format!(
+                "the weight of node `{}` ({}) is named `{w}`, not after a state_dict entry, so \
+                 the exporter rewrote it (constant folding)",
+                here.node, here.op
+            ));
+        } else if let Some(rest) = here.proto.name().strip_prefix("node_Conv_")
+            && rest.chars().all(|c| c.is_ascii_digit())
+        {
+            self.inference_signs.push(format!(
+                "node `{}` is a convolution the dynamo exporter's optimizer rewrote \
+                 (optimize=True fuses BatchNorm into it)",
+                here.node
+            ));
+        }
+    }
+
+    pub(super) fn conv(&mut self, here: &Here) -> Result<(), OnnxError> {
+        self.note_folded_weight(here, 1);
+        let w = self.input_info(here, 1)?;
+        if w.shape.len() != 4 {
+            return Err(self.unsupported(
+                here,
+                format!("weight {:?}: only 2-D convolutions (4-D weights)", w.shape),
+            ));
+        }
+        if let Some(k) = here.attrs.ints("kernel_shape")
+            && k.iter()
+                .map(|&d| d as usize)
+                .ne(w.shape[2..].iter().copied())
+        {
+            return Err(self.node_err(
+                here,
+                format!("kernel_shape {k:?} disagrees with weight {:?}", w.shape),
+            ));
+        }
+        let (stride, padding, dilation) = self.window_attrs(here)?;
+        let groups = here.attrs.int("group").unwrap_or(1);
+        let groups =
+            usize::try_from(groups).map_err(|_| self.node_err(here, format!("group {groups}")))?;
+        let x = self.tensor_input(here, 0)?;
+        let wn = self.tensor_input(here, 1)?;
+        let mut inputs = vec![x, wn];
+        inputs.extend(self.bias_input(here, 2)?);
+        self.emit(
+            here,
+            &here.out,
+            Op::Conv2d {
+                stride,
+                padding,
+                dilation,
+                groups,
+            },
+            inputs,
+        )
+    }
+
+    /// Strides, symmetric pads and dilations of a 2-D window op.
+    fn window_attrs(&self, here: &Here) -> Result<Window, OnnxError> {
+        let auto_pad = here.attrs.string("auto_pad").unwrap_or_default();
+        if !matches!(auto_pad.as_str(), "" | "NOTSET" | "VALID") {
+            return Err(self.unsupported(
+                here,
+                format!("auto_pad = {auto_pad} (export with explicit padding)"),
+            ));
+        }
+        let pair = |name: &str, default: usize| -> Result<[usize; 2], OnnxError> {
+            match here.attrs.ints(name) {
+                None => Ok([default; 2]),
+                Some(v) if v.len() == 2 && v.iter().all(|&d| d >= 0) => {
+                    Ok([v[0] as usize, v[1] as usize])
+                }
+                Some(v) => {
+                    Err(self.unsupported(here, format!("{name} = {v:?} (only 2-D windows)")))
+                }
+            }
+        };
+        let stride = pair("strides", 1)?;
+        let dilation = pair("dilations", 1)?;
+        let padding = match here.attrs.ints("pads") {
+            _ if auto_pad == "VALID" => [0, 0],
+            None => [0, 0],
+            Some(p) if p.len() == 4 && p.iter().all(|&d| d >= 0) => {
+                if p[0] != p[2] || p[1] != p[3] {
+                    return Err(self.unsupported(here, format!("asymmetric padding {p:?}")));
+                }
+                [p[0] as usize, p[1] as usize]
+            }
+            Some(p) => {
+                return Err(self.unsupported(here, format!("pads = {p:?} (only 2-D windows)")));
+            }
+        };
+        Ok((stride, padding, dilation))
+    }
+
+    pub(super) fn pool(&mut self, here: &Here) -> Result<(), OnnxError> {
+        let kernel = match here.attrs.ints("kernel_shape") {
+            Some(k) if k.len() == 2 && k.iter().all(|&d| d > 0) => [k[0] as usize, k[1] as usize],
+            k => {
+                return Err(
+                    self.unsupported(here, format!("kernel_shape {k:?} (only 2-D windows)"))
+                );
+            }
+        };
+        let (stride, padding, dilation) = self.window_attrs(here)?;
+        // ONNX pooling strides default to 1 (PyTorch's to the kernel), but both
+        // exporters always write them, so the ONNX default is right here.
+        if dilation != [1, 1] {
+            return Err(self.unsupported(here, format!("dilations {dilation:?}")));
+        }
+        if here.attrs.int("ceil_mode").unwrap_or(0) != 0 {
+            return Err(self.unsupported(here, "ceil_mode = 1"));
+        }
+        if here.op == "AveragePool"
+            && padding != [0, 0]
+            && here.attrs.int("count_include_pad").unwrap_or(0) == 0
+        {
+            return Err(self.unsupported(
+                here,
+                "count_include_pad = 0 with padding (PyTorch's default includes the padding)",
+            ));
+        }
+        let x = self.tensor_input(here, 0)?;
+        let op = Op::pool2d(here.op == "MaxPool", kernel, stride, padding);
+        self.emit(here, &here.out, op, vec![x])
+    }
+
+    /// `ReduceMean` over the spatial axes is global average pooling (how the
+    /// dynamo exporter writes `AdaptiveAvgPool2d(1)`); other reductions have no
+    /// Rookery op.
+    pub(super) fn reduce_mean(&mut self, here: &Here) -> Result<(), OnnxError> {
+        let x = self.input_info(here, 0)?;
+        let rank = x.shape.len();
+        let axes = match self.known(here, 1) {
+            Some(t) => t.as_i64(),
+            None if here.present(1) => {
+                return Err(self.dynamic(here, "the axes are computed at run time"));
+            }
+            None => here.attrs.ints("axes").unwrap_or_default(),
+        };
+        let mut norm = axes
+            .iter()
+            .map(|&a| norm_axis(a, rank))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.node_err(here, e))?;
+        norm.sort_unstable();
+        if rank < 3 || norm != (2..rank).collect::<Vec<_>>() {
+            return Err(self.unsupported(
+                here,
+                format!(
+                    "mean over axes {axes:?} of a rank-{rank} input (only over all spatial axes, \
+                     i.e. global average pooling)"
+                ),
+            ));
+        }
+        let xin = self.tensor_input(here, 0)?;
+        if here.attrs.int("keepdims").unwrap_or(1) != 0 {
+            return self.emit(here, &here.out, Op::GlobalAveragePool, vec![xin]);
+        }
+        let pooled = format!("{}/pool", here.out);
+        self.emit(here, &pooled, Op::GlobalAveragePool, vec![xin])?;
+        let shape = keep_batch(
+            vec![x.shape[0] as i64, x.shape[1] as i64],
+            &x.shape,
+            self.batch,
+            self.exported_batch,
+        );
+        self.emit(here, &here.out, Op::Reshape { shape }, vec![pooled])
+    }
+
+    pub(super) fn batch_norm(&mut self, here: &Here) -> Result<(), OnnxError> {
+        let eps = here.attrs.float("epsilon").unwrap_or(1e-5);
+        // ONNX keeps `momentum` of the running statistic, PyTorch of the new
+        // batch statistic; ONNX stores it in f32, so round away the f32 noise
+        // (0.9f32 -> 0.100000024) to get PyTorch's value back.
+        let onnx_momentum = f64::from(here.attrs.float("momentum").unwrap_or(0.9));
+        let momentum = (((1.0 - onnx_momentum) * 1e6).round() / 1e6) as f32;
+        // The legacy exporter writes training_mode=1; the dynamo exporter writes
+        // none, but names training-mode nodes after aten's functional batch norm.
+        let training = here.attrs.int("training_mode").unwrap_or(0) != 0
+            || here.proto.name().contains("legit_functional");
+        if !training {
+            self.inference_signs.push(format!(
+                "BatchNormalization node `{}` is in inference mode",
+                here.node
+            ));
+        }
+        let mut inputs = Vec::with_capacity(6);
+        for i in 0..5 {
+            if i >= 3
+                && let Some(Some(Val::Var(idx))) = here.ins.get(i)
+                && self.inits[*idx].kind.is_none()
+            {
+                self.inits[*idx].kind = Some(ParamKind::Buffer);
+            }
+            inputs.push(self.tensor_input(here, i)?);
+        }
+        // PyTorch's state_dict has `num_batches_tracked` beside the statistics;
+        // exporters drop it (ONNX has no use for it), so it is restored as a fresh
+        // counter, keeping the graph's parameters those of the state_dict.
+        if let Some(prefix) = inputs[3].strip_suffix(".running_mean") {
+            let name = format!("{prefix}.num_batches_tracked");
+            if let Some(i) = self.inits.iter().position(|i| i.name == name) {
+                self.inits[i].used = true;
+                self.inits[i].kind.get_or_insert(ParamKind::Buffer);
+                inputs.push(name);
+            } else if self.synthesized.iter().any(|(_, p)| p.name == name) {
+                inputs.push(name);
+            } else if let Some(after) = self.inits.iter().position(|i| i.name == inputs[4]) {
+                self.synthesized.push((
+                    after,
+                    Param {
+                        name: name.clone(),
+                        shape: vec![],
+                        dtype: DType::I64,
+                        kind: ParamKind::Buffer,
+                        init: Init::Zeros,
+                    },
+                ));
+                inputs.push(name);
+            }
+        }
+        self.emit(here, &here.out, Op::BatchNorm { eps, momentum }, inputs)
+    }
+
+    pub(super) fn dropout(&mut self, here: &Here) -> Result<(), OnnxError> {
+        // Opset 12 moved ratio from an attribute to an input and added training_mode,
+        // which defaults to false (inference: Dropout does nothing).
+        let (p, training) = if self.opset >= 12 {
+            let p = match self.known(here, 1) {
+                Some(t) if t.len() == 1 => t.as_f64()[0] as f32,
+                None if !here.present(1) => 0.5,
+                _ => return Err(self.node_err(here, "the ratio must be a constant scalar")),
+            };
+            let training = match self.known(here, 2) {
+                Some(t) if t.len() == 1 => t.as_i64()[0] != 0,
+                None if !here.present(2) => false,
+                _ => return Err(self.node_err(here, "training_mode must be a constant scalar")),
+            };
+            (p, training)
+        } else {
+            (
+                here.attrs.float("ratio").unwrap_or(0.5),
+                here.attrs.int("is_test").unwrap_or(0) == 0,
+            )
+        };
+        if !training {
+            self.inference_signs
+                .push(format!("Dropout node `{}` is in inference mode", here.node));
+        }
+        let x = self.tensor_input(here, 0)?;
+        self.emit(here, &here.out, Op::Dropout { p }, vec![x])
+    }
+}

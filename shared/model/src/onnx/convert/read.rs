@@ -1,0 +1,345 @@
+//! Reading what the graph declares besides its nodes: initializers (with
+//! external data), graph inputs and their shapes, graph outputs, and the
+//! final parameter list.
+
+use std::collections::HashMap;
+
+use super::{Importer, InitInfo, Val, dtype_of};
+use crate::error::OnnxError;
+use crate::graph::{Input, Param, ParamKind};
+use crate::init::Init;
+use crate::onnx::pb::{GraphProto, TensorProto};
+use crate::onnx::tensor::{self, Elem, Tensor};
+use crate::tensor::{DType, TensorInfo};
+
+/// dynamo exporter metadata on initializers: what `torch.export` says each one is.
+const SPEC_KIND: &str = "pkg.torch.export.graph_signature.InputSpec.kind";
+const SPEC_TARGET: &str = "pkg.torch.export.graph_signature.InputSpec.target";
+
+impl Importer<'_> {
+    /// Decodes every initializer (loading external data) and decides which are
+    /// weights and which are constants for folding.
+    pub(super) fn read_initializers(&mut self, graph: &GraphProto) -> Result<(), OnnxError> {
+        // The dynamo exporter describes each initializer in value_info metadata.
+        let mut meta: HashMap<&str, HashMap<&str, &str>> = HashMap::new();
+        for vi in graph.value_info.iter().chain(&graph.input) {
+            let m = meta.entry(vi.name()).or_default();
+            for kv in &vi.metadata_props {
+                m.insert(kv.key(), kv.value());
+            }
+        }
+        for t in &graph.initializer {
+            let tensor = self.decode_initializer(t)?;
+            let m = meta.get(t.name());
+            let spec_kind = m.and_then(|m| m.get(SPEC_KIND).copied());
+            // torch.export knows each tensor's state_dict name; older exporters
+            // already name initializers after it.
+            let name = m
+                .and_then(|m| m.get(SPEC_TARGET).copied())
+                .filter(|n| !n.is_empty())
+                .unwrap_or(t.name())
+                .to_string();
+            let kind = match spec_kind {
+                Some("PARAMETER") => Some(ParamKind::Trainable),
+                Some("BUFFER") => Some(ParamKind::Buffer),
+                Some("CONSTANT_TENSOR") => Some(ParamKind::Constant),
+                _ if generated_name(t.name(), &tensor) => Some(ParamKind::Constant),
+                _ if !tensor.elem.is_float() => Some(ParamKind::Buffer),
+                _ if is_statistic(&name) => Some(ParamKind::Buffer),
+                _ => None,
+            };
+            let index = self.inits.len();
+            // Weights stay variables even where a node could fold them (a
+            // Transpose of a weight must be trained through, not baked in).
+            let val = if tensor.elem.is_float() && kind != Some(ParamKind::Constant) {
+                Val::Var(index)
+            } else {
+                Val::Const(tensor.clone(), Some(index))
+            };
+            self.vals.insert(t.name().to_string(), val);
+            self.inits.push(InitInfo {
+                name,
+                tensor,
+                kind,
+                used: false,
+            });
+        }
+        Ok(())
+    }
+
+    fn decode_initializer(&mut self, t: &TensorProto) -> Result<Tensor, OnnxError> {
+        let tensor_err = |reason: String| OnnxError::Tensor {
+            file: self.file.to_string(),
+            tensor: t.name().to_string(),
+            reason,
+        };
+        let external = tensor::external_ref(t).map_err(tensor_err)?;
+        let bytes = match &external {
+            None => None,
+            Some(r) => Some(self.external_bytes(t.name(), r)?),
+        };
+        tensor::decode(t, bytes.as_deref()).map_err(|reason| OnnxError::Tensor {
+            file: self.file.to_string(),
+            tensor: t.name().to_string(),
+            reason,
+        })
+    }
+
+    /// The slice of an external-data file one tensor occupies.
+    fn external_bytes(
+        &mut self,
+        tensor: &str,
+        r: &tensor::ExternalRef,
+    ) -> Result<Vec<u8>, OnnxError> {
+        let err = |reason: String| OnnxError::ExternalData {
+            file: self.file.to_string(),
+            tensor: tensor.to_string(),
+            location: r.location.clone(),
+            reason,
+        };
+        // ONNX locations are relative to the model file; anything else could read
+        // arbitrary files on the machine importing a stranger's model.
+        let escapes = r.location.starts_with('/')
+            || r.location.starts_with('\\')
+            || r.location.contains(':')
+            || r.location.split(['/', '\\']).any(|c| c == "..");
+        if escapes {
+            return Err(err(
+                "the location must be a path relative to the model's folder".into(),
+            ));
+        }
+        if !self.external_cache.contains_key(&r.location) {
+            let data = (self.external)(&r.location).map_err(|e| err(e.to_string()))?;
+            self.external_cache.insert(r.location.clone(), data);
+        }
+        let data = self
+            .external_cache
+            .get(&r.location)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let end = match r.length {
+            Some(len) => r.offset.checked_add(len),
+            None => Some(data.len()),
+        };
+        match end {
+            Some(end) if r.offset <= end && end <= data.len() => Ok(data[r.offset..end].to_vec()),
+            _ => Err(err(format!(
+                "bytes {}..{} are past the end of the {}-byte file (truncated?)",
+                r.offset,
+                end.map_or_else(|| "?".to_string(), |e| e.to_string()),
+                data.len()
+            ))),
+        }
+    }
+
+    /// Records the graph inputs (those that are not initializers) and their shapes.
+    pub(super) fn read_inputs(
+        &mut self,
+        graph: &GraphProto,
+        input_shape: &[usize],
+    ) -> Result<(), OnnxError> {
+        let mut first = true;
+        for vi in &graph.input {
+            if self.vals.contains_key(vi.name()) {
+                continue;
+            }
+            let err = |reason: String| OnnxError::Input {
+                file: self.file.to_string(),
+                name: vi.name().to_string(),
+                reason,
+            };
+            let tt = match vi.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+                Some(crate::onnx::pb::type_proto::Value::TensorType(tt)) => tt,
+                _ => return Err(err("is not a tensor".into())),
+            };
+            let dtype = match Elem::from_onnx(tt.elem_type()) {
+                Some(Elem::F32) => DType::F32,
+                Some(Elem::I64) => DType::I64,
+                _ => {
+                    return Err(err(format!(
+                        "element type {} is not supported (float32 or int64 only)",
+                        tt.elem_type()
+                    )));
+                }
+            };
+            use crate::onnx::pb::tensor_shape_proto::dimension::Value as Dim;
+            let declared: Option<Vec<Option<i64>>> = tt.shape.as_ref().map(|s| {
+                s.dim
+                    .iter()
+                    .map(|d| match d.value {
+                        Some(Dim::DimValue(v)) if v > 0 => Some(v),
+                        _ => None,
+                    })
+                    .collect()
+            });
+            let shape = if first {
+                if let Some(decl) = &declared {
+                    if decl.len() != input_shape.len() {
+                        return Err(err(format!(
+                            "the model declares rank {} ({}), the given input shape {input_shape:?} has rank {}",
+                            decl.len(),
+                            show_dims(decl),
+                            input_shape.len()
+                        )));
+                    }
+                    let differs = decl
+                        .iter()
+                        .zip(input_shape)
+                        .any(|(d, &s)| d.is_some_and(|d| d as usize != s));
+                    if differs {
+                        self.warnings.push(format!(
+                            "{}: graph input `{}`: the model was exported for shape {}, importing it \
+                             for {input_shape:?}; shapes the exporter computed from its example \
+                             input may not fit",
+                            self.file,
+                            vi.name(),
+                            show_dims(decl)
+                        ));
+                    }
+                }
+                input_shape.to_vec()
+            } else {
+                match &declared {
+                    Some(d) if d.iter().all(Option::is_some) => {
+                        d.iter().map(|v| v.unwrap_or(1) as usize).collect()
+                    }
+                    _ => {
+                        return Err(err(format!(
+                            "has dynamic dimensions ({}) and only the first input's shape is given",
+                            declared
+                                .as_deref()
+                                .map_or_else(|| "unknown".into(), show_dims)
+                        )));
+                    }
+                }
+            };
+            if first {
+                self.batch = shape.first().copied().unwrap_or(1);
+                self.exported_batch = declared
+                    .as_ref()
+                    .and_then(|d| d.first().copied().flatten())
+                    .map(|d| d as usize);
+            }
+            first = false;
+            self.vals.insert(
+                vi.name().to_string(),
+                Val::Graph(TensorInfo { shape, dtype }),
+            );
+        }
+        if first {
+            return Err(self.model_err("the graph has no inputs besides its weights"));
+        }
+        Ok(())
+    }
+
+    pub(super) fn graph_inputs(&self, graph: &GraphProto) -> Vec<Input> {
+        graph
+            .input
+            .iter()
+            .filter_map(|vi| match self.vals.get(vi.name()) {
+                Some(Val::Graph(info)) => Some(Input {
+                    name: vi.name().to_string(),
+                    shape: info.shape.clone(),
+                    dtype: info.dtype,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Shapes of every weight, by graph name, for the Linear fusion.
+    pub(super) fn param_shapes(&self) -> HashMap<String, Vec<usize>> {
+        self.inits
+            .iter()
+            .filter(|i| i.used)
+            .map(|i| (i.name.clone(), i.tensor.shape.clone()))
+            .collect()
+    }
+
+    /// The parameter list: weights in file order (each BatchNorm's synthesized
+    /// `num_batches_tracked` after its statistics), then folded constants.
+    pub(super) fn params(&mut self) -> Vec<Param> {
+        let mut params = Vec::new();
+        let mut synthesized = std::mem::take(&mut self.synthesized);
+        for (i, init) in self.inits.iter().enumerate() {
+            if init.used {
+                params.push(Param {
+                    name: init.name.clone(),
+                    shape: init.tensor.shape.clone(),
+                    dtype: dtype_of(init.tensor.elem),
+                    kind: init.kind.unwrap_or(ParamKind::Trainable),
+                    init: Init::Values {
+                        data: init.tensor.to_f32(),
+                    },
+                });
+            }
+            synthesized.retain(|(after, p)| {
+                if *after == i {
+                    params.push(p.clone());
+                }
+                *after != i
+            });
+        }
+        params.extend(synthesized.into_iter().map(|(_, p)| p));
+        params.append(&mut self.constants);
+        params
+    }
+
+    pub(super) fn outputs(&mut self, graph: &GraphProto) -> Result<Vec<String>, OnnxError> {
+        let mut outputs = Vec::new();
+        for o in &graph.output {
+            match self.vals.get(o.name()) {
+                Some(Val::Graph(_)) => outputs.push(o.name().to_string()),
+                Some(Val::Var(i)) => {
+                    let i = *i;
+                    self.inits[i].used = true;
+                    outputs.push(self.inits[i].name.clone());
+                }
+                Some(Val::Missing { node, op, .. }) => self.warnings.push(format!(
+                    "{}: graph output `{}` (from node `{node}`, {op}) is state Rookery's op keeps \
+                     itself (e.g. updated BatchNorm statistics); it is not a graph output",
+                    self.file,
+                    o.name()
+                )),
+                Some(Val::Const(..)) => self.warnings.push(format!(
+                    "{}: graph output `{}` does not depend on the input (it folds to a \
+                     constant); dropped",
+                    self.file,
+                    o.name()
+                )),
+                None => {
+                    return Err(self.model_err(format!(
+                        "graph output `{}` is not produced by any node",
+                        o.name()
+                    )));
+                }
+            }
+        }
+        if outputs.is_empty() {
+            return Err(self.model_err("no graph output depends on the model's input"));
+        }
+        Ok(outputs)
+    }
+}
+
+fn show_dims(d: &[Option<i64>]) -> String {
+    let parts: Vec<String> = d
+        .iter()
+        .map(|v| v.map_or_else(|| "?".to_string(), |v| v.to_string()))
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// Names exporters give to constants they created (the dynamo optimizer's
+/// `val_N`; the legacy exporter's `onnx::Op_N` scalars), as opposed to weights.
+fn generated_name(name: &str, t: &Tensor) -> bool {
+    let val_n = name
+        .strip_prefix("val_")
+        .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
+    val_n || (name.starts_with("onnx::") && t.numel() <= 1)
+}
+
+/// BatchNorm statistics, which are buffers in PyTorch.
+fn is_statistic(name: &str) -> bool {
+    name.ends_with("running_mean") || name.ends_with("running_var")
+}
