@@ -277,7 +277,9 @@ async fn the_libtorch_worker_answers_assign_and_forward_through_the_session() {
         params,
         ..assignment(graph.to_json().unwrap())
     };
-    let worker = rookery_provider::worker::StageWorker::new(tch::Device::Cpu);
+    let worker = rookery_provider::trainer::StageTrainer::new(
+        rookery_torch::TorchStageFactory::new(tch::Device::Cpu),
+    );
     let (replies, _, end) = drive(
         Box::new(worker),
         vec![ToProvider::Assign(Box::new(a)), forward()],

@@ -12,9 +12,9 @@ use std::time::Instant;
 use anyhow::Context;
 use rookery_e2e::{NpyValues, rookery_train, workspace_root, write_npy};
 use rookery_job::{JobSpec, Labels, Schedule, Split, epoch_permutation, load_split};
-use rookery_provider::exec::reference::whole_batch_step;
-use rookery_provider::exec::{Optimizer, StageExecutor, tensors_from_values};
-use rookery_provider::trainer::step_seed;
+use rookery_torch::exec::reference::whole_batch_step;
+use rookery_torch::step_seed;
+use rookery_torch::{TorchExecutor, TorchOptimizer, tensors_from_values};
 use tch::{Device, Kind, Tensor};
 
 const BATCH: usize = 64;
@@ -131,8 +131,8 @@ fn reference_samples_per_s(job: &Path) -> anyhow::Result<f64> {
     let schedule = Schedule::new(data.len(), 1, t.batch_size)?;
     let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
     let n = graph.analyze()?.nodes.len();
-    let mut exec = StageExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
-    let mut optimizer = Optimizer::new(t.optimizer)?;
+    let mut exec = TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
+    let mut optimizer = TorchOptimizer::new(t.optimizer)?;
     let perm = epoch_permutation(data.len(), t.seed, 0, t.shuffle);
     let mut started = Instant::now();
     for step in 0..schedule.steps_per_epoch {

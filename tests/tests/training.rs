@@ -9,9 +9,9 @@ use std::path::Path;
 
 use rookery_e2e::{NpyValues, rookery_train, write_npy};
 use rookery_job::{JobSpec, Labels, Schedule, Split, epoch_permutation, load_split};
-use rookery_provider::exec::reference::train_step;
-use rookery_provider::exec::{Optimizer, tensors_from_values};
-use rookery_provider::trainer::step_seed;
+use rookery_torch::exec::reference::train_step;
+use rookery_torch::step_seed;
+use rookery_torch::{TorchOptimizer, tensors_from_values};
 use tch::{Kind, Tensor};
 
 const MLP: &str = r#"
@@ -109,7 +109,7 @@ fn reference_losses(job_file: &Path) -> Vec<f64> {
     };
     let schedule = Schedule::new(data.len(), clusters, t.batch_size).unwrap();
     let mut params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
-    let mut optimizer = Optimizer::new(t.optimizer).unwrap();
+    let mut optimizer = TorchOptimizer::new(t.optimizer).unwrap();
     let mut losses = Vec::new();
     for epoch in 0..t.epochs {
         let perm = epoch_permutation(data.len(), t.seed, epoch, t.shuffle);

@@ -1,14 +1,14 @@
 //! One provider's share of a training job on libtorch: the generic
 //! [`rookery_stage::StageWorker`] (the protocol state machine every provider
 //! shares, see its docs for the rules the server relies on) over
-//! [`TorchStage`], a libtorch [`StageExecutor`] and its [`Optimizer`].
+//! [`TorchStage`], a libtorch [`TorchExecutor`] and its [`TorchOptimizer`].
 //!
-//! The worker is a synchronous state machine with no socket: the connection
-//! feeds it on its own thread (libtorch calls block), and tests relay messages
-//! between several workers in one process exactly as the server would. Every
-//! failure, whether a bad assignment, a tensor of the wrong shape, a libtorch
-//! error or a message that does not fit the stage's state, becomes
-//! [`ToServer::JobFailed`]; nothing a server sends can panic it.
+//! The worker is a synchronous state machine with no socket: the provider's
+//! connection feeds it on its own thread (libtorch calls block), and tests
+//! relay messages between several workers in one process exactly as the
+//! server would. Every failure, whether a bad assignment, a tensor of the
+//! wrong shape, a libtorch error or a message that does not fit the stage's
+//! state, becomes [`ToServer::JobFailed`]; nothing a server sends can panic it.
 
 use std::collections::BTreeMap;
 
@@ -18,15 +18,12 @@ use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
 use tch::{Device, Kind, Tensor};
 
 use crate::exec::loss::{loss_value, micro_batch_loss};
-use crate::exec::{ExecError, MicroBatch, Optimizer, StageExecutor, is_float};
-use crate::trainer::Trainer;
-
-pub use crate::trainer::step_seed;
-pub use rookery_proto::train::{loss_from_wire, optimizer_config, wire_loss, wire_optimizer};
+use crate::exec::{ExecError, TorchExecutor, TorchMicroBatch, TorchOptimizer};
+use crate::wire::{tensor_from_wire, tensor_to_wire};
 
 /// Why a message could not be carried out; its text goes into `JobFailed`.
 #[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
+pub enum TorchWorkerError {
     #[error(transparent)]
     Exec(#[from] ExecError),
     #[error(transparent)]
@@ -36,38 +33,39 @@ pub enum WorkerError {
     Protocol(String),
 }
 
-impl From<tch::TchError> for WorkerError {
+impl From<tch::TchError> for TorchWorkerError {
     fn from(error: tch::TchError) -> Self {
         // Through ExecError, which trims libtorch's C++ backtrace.
-        WorkerError::Exec(ExecError::from(error))
+        TorchWorkerError::Exec(ExecError::from(error))
     }
 }
 
-fn protocol(message: impl Into<String>) -> WorkerError {
-    WorkerError::Protocol(message.into())
+pub(crate) fn protocol(message: impl Into<String>) -> TorchWorkerError {
+    TorchWorkerError::Protocol(message.into())
 }
 
-/// Runs at most one stage of one job at a time on one device.
-pub struct StageWorker {
+/// The generic stage worker on libtorch, driven synchronously: runs at most
+/// one stage of one job at a time on one device.
+pub struct TorchWorker {
     device: Device,
-    inner: rookery_stage::StageWorker<TorchFactory>,
+    inner: rookery_stage::StageWorker<TorchStageFactory>,
 }
 
-impl std::fmt::Debug for StageWorker {
+impl std::fmt::Debug for TorchWorker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StageWorker")
+        f.debug_struct("TorchWorker")
             .field("device", &self.device)
             .field("job_id", &self.job_id())
             .finish()
     }
 }
 
-impl StageWorker {
+impl TorchWorker {
     /// A worker with no stage yet; stages it builds live on `device`.
     pub fn new(device: Device) -> Self {
         Self {
             device,
-            inner: rookery_stage::StageWorker::new(TorchFactory { device }),
+            inner: rookery_stage::StageWorker::new(TorchStageFactory::new(device)),
         }
     }
 
@@ -87,35 +85,36 @@ impl StageWorker {
     }
 }
 
-impl Trainer for StageWorker {
-    fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
-        StageWorker::handle(self, message)
-    }
-}
-
 /// Builds libtorch stages on one device.
-pub struct TorchFactory {
+#[derive(Debug, Clone, Copy)]
+pub struct TorchStageFactory {
     device: Device,
 }
 
-impl BackendFactory for TorchFactory {
+impl TorchStageFactory {
+    pub fn new(device: Device) -> Self {
+        Self { device }
+    }
+}
+
+impl BackendFactory for TorchStageFactory {
     type Backend = TorchStage;
 
     fn build(&mut self, spec: StageSpec<'_>) -> Result<TorchStage, String> {
-        let build = || -> Result<TorchStage, WorkerError> {
+        let build = || -> Result<TorchStage, TorchWorkerError> {
             let params = spec
                 .params
                 .iter()
                 .map(|p| Ok((p.name.clone(), tensor_from_wire(p)?)))
-                .collect::<Result<Vec<_>, WorkerError>>()?;
-            let exec = StageExecutor::new(
+                .collect::<Result<Vec<_>, TorchWorkerError>>()?;
+            let exec = TorchExecutor::new(
                 spec.graph,
                 spec.range.clone(),
                 spec.outputs.to_vec(),
                 params,
                 self.device,
             )?;
-            let mut optimizer = Optimizer::new(spec.optimizer)?;
+            let mut optimizer = TorchOptimizer::new(spec.optimizer)?;
             restore_optimizer(&mut optimizer, &exec, spec.optimizer_state, self.device)?;
             Ok(TorchStage { exec, optimizer })
         };
@@ -126,14 +125,14 @@ impl BackendFactory for TorchFactory {
 /// A libtorch stage and its optimizer.
 #[derive(Debug)]
 pub struct TorchStage {
-    exec: StageExecutor,
-    optimizer: Optimizer,
+    exec: TorchExecutor,
+    optimizer: TorchOptimizer,
 }
 
 impl Backend for TorchStage {
-    type MicroBatch = MicroBatch;
+    type MicroBatch = TorchMicroBatch;
     type Tensor = Tensor;
-    type Error = WorkerError;
+    type Error = TorchWorkerError;
 
     fn param_names(&self) -> Vec<String> {
         self.exec.param_names()
@@ -143,11 +142,16 @@ impl Backend for TorchStage {
         self.exec.set_step_seed(seed);
     }
 
-    fn decode(&self, t: &WireTensor) -> Result<Tensor, WorkerError> {
+    fn decode(&self, t: &WireTensor) -> Result<Tensor, TorchWorkerError> {
         tensor_from_wire(t)
     }
 
-    fn encode(&self, name: &str, t: &Tensor, dtype: WireDType) -> Result<WireTensor, WorkerError> {
+    fn encode(
+        &self,
+        name: &str,
+        t: &Tensor,
+        dtype: WireDType,
+    ) -> Result<WireTensor, TorchWorkerError> {
         tensor_to_wire(name, t, dtype)
     }
 
@@ -159,9 +163,7 @@ impl Backend for TorchStage {
         &mut self,
         inputs: &[(String, Tensor)],
         offset: u64,
-    ) -> Result<(MicroBatch, Vec<(String, Tensor)>), WorkerError> {
-        #[cfg(feature = "fault-injection")]
-        crate::fault::slow_down();
+    ) -> Result<(TorchMicroBatch, Vec<(String, Tensor)>), TorchWorkerError> {
         let forward = self.exec.forward_at(inputs, true, offset)?;
         Ok((forward.micro_batch, forward.outputs))
     }
@@ -169,23 +171,23 @@ impl Backend for TorchStage {
     async fn evaluate(
         &mut self,
         inputs: &[(String, Tensor)],
-    ) -> Result<Vec<(String, Tensor)>, WorkerError> {
+    ) -> Result<Vec<(String, Tensor)>, TorchWorkerError> {
         Ok(self.exec.evaluate(inputs)?)
     }
 
     async fn backward(
         &mut self,
-        micro_batch: MicroBatch,
+        micro_batch: TorchMicroBatch,
         grads: &[(String, Tensor)],
-    ) -> Result<Vec<(String, Tensor)>, WorkerError> {
+    ) -> Result<Vec<(String, Tensor)>, TorchWorkerError> {
         Ok(self.exec.backward(micro_batch, grads)?)
     }
 
-    async fn step(&mut self) -> Result<(), WorkerError> {
+    async fn step(&mut self) -> Result<(), TorchWorkerError> {
         Ok(self.exec.step(&mut self.optimizer)?)
     }
 
-    async fn parameters(&mut self) -> Result<Vec<WireTensor>, WorkerError> {
+    async fn parameters(&mut self) -> Result<Vec<WireTensor>, TorchWorkerError> {
         self.exec
             .parameters()?
             .iter()
@@ -193,15 +195,15 @@ impl Backend for TorchStage {
             .collect()
     }
 
-    fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), WorkerError> {
+    fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), TorchWorkerError> {
         let values = values
             .iter()
             .map(|t| Ok((t.name.clone(), tensor_from_wire(t)?)))
-            .collect::<Result<Vec<_>, WorkerError>>()?;
+            .collect::<Result<Vec<_>, TorchWorkerError>>()?;
         Ok(self.exec.set_parameters(&values)?)
     }
 
-    async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, WorkerError> {
+    async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, TorchWorkerError> {
         self.optimizer
             .export()
             .into_iter()
@@ -221,7 +223,7 @@ impl Backend for TorchStage {
         y: &Tensor,
         labels: &WireTensor,
         batch_size: usize,
-    ) -> Result<LeafLossValue<Tensor>, WorkerError> {
+    ) -> Result<LeafLossValue<Tensor>, TorchWorkerError> {
         let labels = tensor_from_wire(labels)?;
         let out = micro_batch_loss(loss, y, &labels, batch_size)?;
         Ok(LeafLossValue {
@@ -230,11 +232,16 @@ impl Backend for TorchStage {
         })
     }
 
-    fn loss_value(&self, loss: Loss, y: &Tensor, labels: &WireTensor) -> Result<f64, WorkerError> {
+    fn loss_value(
+        &self,
+        loss: Loss,
+        y: &Tensor,
+        labels: &WireTensor,
+    ) -> Result<f64, TorchWorkerError> {
         Ok(loss_value(loss, y, &tensor_from_wire(labels)?)?)
     }
 
-    fn correct(&self, y: &Tensor, labels: &WireTensor) -> Result<u64, WorkerError> {
+    fn correct(&self, y: &Tensor, labels: &WireTensor) -> Result<u64, TorchWorkerError> {
         let labels = tensor_from_wire(labels)?;
         let hits = y
             .f_argmax(1, false)?
@@ -248,11 +255,11 @@ impl Backend for TorchStage {
 /// Loads the optimizer state an assignment carries, checked against the
 /// stage's parameters (name and shape) before the optimizer sees it.
 fn restore_optimizer(
-    optimizer: &mut Optimizer,
-    exec: &StageExecutor,
+    optimizer: &mut TorchOptimizer,
+    exec: &TorchExecutor,
     state: &[ParamOptimState],
     device: Device,
-) -> Result<(), WorkerError> {
+) -> Result<(), TorchWorkerError> {
     if state.is_empty() {
         return Ok(());
     }
@@ -284,57 +291,4 @@ fn restore_optimizer(
         optimizer.import(&p.name, p.steps, slots)?;
     }
     Ok(())
-}
-
-/// A CPU tensor from wire bytes: f32, f16 and bf16 become f32 (`Kind::Float`),
-/// i64 stays i64; shaped as declared. Byte counts that do not match the shape
-/// and non-finite floats are refused.
-pub fn tensor_from_wire(t: &WireTensor) -> Result<Tensor, WorkerError> {
-    let shape: Vec<i64> = t.shape.iter().map(|&d| i64::from(d)).collect();
-    if t.dtype == WireDType::F32 && cfg!(target_endian = "little") {
-        // Checked on the bytes and copied once: activations and gradients
-        // arrive for every micro-batch, and a pass over them costs as much as
-        // a small layer.
-        t.check()?;
-        return Ok(Tensor::f_from_data_size(&t.data, &shape, Kind::Float)?);
-    }
-    let flat = match t.dtype {
-        WireDType::I64 => Tensor::f_from_slice(&t.to_i64()?)?,
-        WireDType::F32 | WireDType::F16 | WireDType::Bf16 => {
-            t.check()?;
-            Tensor::f_from_slice(&t.to_f32()?)?
-        }
-    };
-    Ok(flat.f_reshape(shape.as_slice())?)
-}
-
-/// Wire bytes of a tensor on any device: floating-point tensors as `dtype`
-/// (f32, f16 or bf16), integer tensors as i64 whatever `dtype` says.
-pub fn tensor_to_wire(name: &str, t: &Tensor, dtype: WireDType) -> Result<WireTensor, WorkerError> {
-    let t = t.f_detach()?.f_to_device(Device::Cpu)?;
-    let shape: Vec<usize> = t.size().iter().map(|&d| d.max(0) as usize).collect();
-    let numel = shape.iter().product::<usize>();
-    if is_float(t.kind()) {
-        if !dtype.is_float() {
-            return Err(protocol(format!(
-                "tensor `{name}` is floating point and cannot travel as {}",
-                dtype.as_str()
-            )));
-        }
-        let t = t.f_to_kind(Kind::Float)?.f_contiguous()?;
-        if dtype == WireDType::F32 && cfg!(target_endian = "little") {
-            // Straight into the wire bytes, one copy.
-            let mut bytes = vec![0u8; numel * 4];
-            t.f_copy_data_u8(&mut bytes, numel)?;
-            return Ok(WireTensor::from_le_bytes(name, &shape, dtype, bytes));
-        }
-        let mut values = vec![0f32; numel];
-        t.f_copy_data(&mut values, numel)?;
-        Ok(WireTensor::from_f32(name, &shape, &values, dtype))
-    } else {
-        let t = t.f_to_kind(Kind::Int64)?.f_contiguous()?;
-        let mut values = vec![0i64; numel];
-        t.f_copy_data(&mut values, numel)?;
-        Ok(WireTensor::from_i64(name, &shape, &values))
-    }
 }

@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 
 use exec_common::*;
 use rookery_model::{DType, Graph, Init, Op, OptimizerConfig, from_toml};
-use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor, optimizer_for};
+use rookery_torch::exec::{TorchExecutor, TorchOptimizer, stage_boundary, tensors_from_values};
 use tch::{Device as TorchDevice, Kind, Tensor};
 
 const MLP: &str = r#"
@@ -134,7 +134,7 @@ units = 4
 "#;
 
 /// The demo CNN: Conv2d, BatchNorm2d, max pooling, Dropout, Dense.
-const MNIST_CNN: &str = include_str!("../../examples/mnist-cnn.toml");
+const MNIST_CNN: &str = include_str!("../../../examples/mnist-cnn.toml");
 
 /// Uneven micro-batches, as `torch.chunk` makes of 18 samples in 4.
 const MICRO_BATCHES: [usize; 4] = [5, 5, 5, 3];
@@ -174,7 +174,7 @@ fn same_as_torch<D: Device>(
     let values: BTreeMap<String, Vec<f32>> = graph.initial_values(7);
     let outputs = stage_boundary(graph, range.end).unwrap();
     let params = tensors_from_values(graph, &values).unwrap();
-    let mut torch = StageExecutor::new(
+    let mut torch = TorchExecutor::new(
         graph,
         range.clone(),
         outputs.clone(),
@@ -182,7 +182,7 @@ fn same_as_torch<D: Device>(
         TorchDevice::Cpu,
     )
     .unwrap();
-    let mut torch_opt = Optimizer::new(config).unwrap();
+    let mut torch_opt = TorchOptimizer::new(config).unwrap();
     let mut ours = rookery_stage::StageExecutor::new(
         device,
         graph,
