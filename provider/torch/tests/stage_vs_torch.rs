@@ -159,7 +159,24 @@ fn tensor(h: &HostTensor) -> Tensor {
 fn compare(got: &HostTensor, want: &Tensor, what: &str) {
     assert_eq!(got.shape, dims(want), "{what}: shapes differ");
     let got: Vec<f64> = got.data.iter().map(|&v| f64::from(v)).collect();
-    assert_close(&got, &vals(want), TOLERANCE, what);
+    let w = vals(want);
+    let maxw = w.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let (mut worst, mut at) = (0.0f64, 0usize);
+    for (i, (g, x)) in got.iter().zip(&w).enumerate() {
+        let e = (g - x).abs();
+        if e > worst {
+            worst = e;
+            at = i;
+        }
+    }
+    eprintln!(
+        "CMP\t{what}\t{:.1}\t{:.3e}\t{:.3e}\t{:.3e}",
+        worst / (maxw * 5.96e-8),
+        worst,
+        maxw,
+        w.get(at).copied().unwrap_or(0.0)
+    );
+    assert_close(&got, &w, TOLERANCE, what);
 }
 
 /// Runs stage `range` of `graph` on `device` next to libtorch for
