@@ -18,6 +18,7 @@ use exec_common::*;
 use rookery_model::{Graph, Init, Loss, Op, from_toml};
 use rookery_proto::{Forward, Phase, ToProvider, ToServer, WireDType, WireTensor};
 use rookery_stage::{CpuDevice, GpuDevice};
+use rookery_test_support::dense_mlp;
 use rookery_torch::exec::loss::loss_value;
 use rookery_torch::exec::reference::train_step;
 use rookery_torch::exec::{OptimizerConfig, TorchExecutor, TorchOptimizer};
@@ -655,20 +656,9 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
 }
 
 /// A plain MLP, for the first mixed chains.
-const MLP_OWN_OPS: &str = r#"
-input_shape = [6]
-[[layers]]
-type = "Dense"
-units = 16
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 12
-activation = "tanh"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
+fn mlp_own_ops() -> String {
+    dense_mlp(6, &[(16, Some("relu")), (12, Some("tanh")), (4, None)])
+}
 
 fn wgpu_worker() -> Box<dyn Worker> {
     let device = pollster::block_on(GpuDevice::open()).unwrap_or_else(|e| {
@@ -679,7 +669,7 @@ fn wgpu_worker() -> Box<dyn Worker> {
 
 #[test]
 fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
-    let g = from_toml(MLP_OWN_OPS).unwrap();
+    let g = from_toml(&mlp_own_ops()).unwrap();
     for (optimizer, name) in [(sgd(), "SGD"), (OptimizerConfig::adam(0.01), "Adam")] {
         let job = JobConfig::new(optimizer, Loss::CrossEntropy);
         let make = |k: usize| {
@@ -697,7 +687,7 @@ fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
 
 #[test]
 fn mlp_entirely_on_our_kernels_gpu_root_and_cpu_leaf_trains_like_one_process() {
-    let g = from_toml(MLP_OWN_OPS).unwrap();
+    let g = from_toml(&mlp_own_ops()).unwrap();
     let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
     let make = |k: usize| -> Box<dyn Worker> {
         if k == 0 {

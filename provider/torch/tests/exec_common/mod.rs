@@ -121,17 +121,7 @@ pub fn eval_op(op: Op, inputs: &[(&str, &Tensor)], params: Vec<Param>) -> Tensor
 }
 
 /// Deterministic pseudo-random values in [-1, 1) (no libtorch RNG involved).
-pub fn pseudo(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+pub use rookery_test_support::pseudo;
 
 /// The pipeline tests' MLP (with dropout), shared by the executor's and the
 /// worker's parity tests so both prove the same model.
