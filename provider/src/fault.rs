@@ -47,21 +47,21 @@ pub fn slow_down() {
 /// The stages `F` builds, each training forward [`slow_down`]: inside the
 /// backend, so that the worker's compute clock sees the delay.
 #[derive(Debug, Clone)]
-pub struct Straggler<F>(pub F);
+pub struct SlowedStages<F>(pub F);
 
-impl<F: BackendFactory> BackendFactory for Straggler<F> {
-    type Backend = Straggling<F::Backend>;
+impl<F: BackendFactory> BackendFactory for SlowedStages<F> {
+    type Backend = SlowedStage<F::Backend>;
 
     fn build(&mut self, spec: StageSpec<'_>) -> Result<Self::Backend, String> {
-        self.0.build(spec).map(Straggling)
+        self.0.build(spec).map(SlowedStage)
     }
 }
 
-/// A stage of a [`Straggler`]: `B`, with its training forwards slowed down.
+/// A stage of a [`SlowedStages`]: `B`, with its training forwards slowed down.
 #[derive(Debug)]
-pub struct Straggling<B>(B);
+pub struct SlowedStage<B>(B);
 
-impl<B: Backend> Backend for Straggling<B> {
+impl<B: Backend> Backend for SlowedStage<B> {
     type MicroBatch = B::MicroBatch;
     type Tensor = B::Tensor;
     type Error = B::Error;

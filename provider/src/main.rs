@@ -232,8 +232,8 @@ async fn wgpu_provider(_name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
 
 /// Stages that misbehave as `--fault` asks (in fault-injection builds).
 #[cfg(all(feature = "fault-injection", any(feature = "torch", feature = "wgpu")))]
-fn with_faults<F: BackendFactory>(stages: F) -> rookery_provider::fault::Straggler<F> {
-    rookery_provider::fault::Straggler(stages)
+fn with_faults<F: BackendFactory>(stages: F) -> rookery_provider::fault::SlowedStages<F> {
+    rookery_provider::fault::SlowedStages(stages)
 }
 
 #[cfg(all(

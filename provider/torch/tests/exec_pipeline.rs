@@ -1,4 +1,4 @@
-//! The core equivalence (DESIGN.md, "Data flow of one training step"): a model
+//! The core equivalence: a model
 //! cut into stages, each batch split into micro-batches whose gradients
 //! accumulate before every stage steps its own optimizer, trains exactly like
 //! one process taking the whole batch at once.

@@ -1,5 +1,5 @@
 //! StageWorkers driven by messages exactly as the server drives them train like
-//! one process (DESIGN.md, "Data flow of one training step"): one cluster
+//! one process: one cluster
 //! matches single-process training on its batch, and two clusters whose
 //! parameters are averaged after every step match single-process training on
 //! both batches at once.

@@ -2,7 +2,7 @@
 //! topological order (one pipeline stage) forward and backward, micro-batch by
 //! micro-batch, accumulates its parameter gradients and steps its optimizer.
 //!
-//! One training step on a stage (DESIGN.md, "Data flow of one training step"):
+//! One training step on a stage:
 //! [`TorchExecutor::set_step_seed`], then for each micro-batch
 //! [`TorchExecutor::forward`] (keeps what backward needs under a
 //! [`TorchMicroBatch`] handle), later [`TorchExecutor::backward`] with the gradients
