@@ -1,6 +1,8 @@
-//! The provider's side of the WebSocket protocol: one session (generic over
-//! `Sink`/`Stream` so tests drive it with channels) and a supervisor that
-//! reconnects with backoff until shutdown.
+//! The provider's side of the WebSocket protocol: the I/O around
+//! `rookery_stage::session::ProviderSession` (which decides what every frame
+//! and timer means): one session, generic over `Sink`/`Stream` so tests drive
+//! it with channels, and a supervisor that reconnects with backoff until
+//! shutdown.
 //!
 //! Training messages go to a [`Trainer`] on a thread of its own: a libtorch
 //! call can take longer than the heartbeat timeout, and the session must keep
@@ -10,19 +12,16 @@
 use std::fmt::Display;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc as std_mpsc;
-use std::time::Duration;
 
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
-use rookery_proto::stream::{self, Assembler};
-use rookery_proto::{DEFAULT_MAX_FRAME_BYTES, ErrorCode, Hello, ToProvider, ToServer};
+use rookery_proto::stream;
+use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
+use rookery_stage::session::{Action, Disconnect, ProviderSession, SessionPolicy};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
-use crate::trainer::{Trainer, is_training_message, job_of};
-
-/// How long to wait for `Welcome` after sending `Hello`.
-const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::trainer::{Trainer, job_of};
 
 /// How a session ended.
 #[derive(Debug, PartialEq)]
@@ -33,6 +32,15 @@ pub enum SessionEnd {
     Lost(String),
     /// The server refused us for a reason reconnecting will not fix.
     Fatal(String),
+}
+
+impl From<Disconnect> for SessionEnd {
+    fn from(disconnect: Disconnect) -> Self {
+        match disconnect {
+            Disconnect::Lost(reason) => SessionEnd::Lost(reason),
+            Disconnect::VersionMismatch(reason) => SessionEnd::Fatal(reason),
+        }
+    }
 }
 
 /// Runs one connection: `Hello`, wait for `Welcome`, then heartbeat until the
@@ -51,92 +59,116 @@ where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
-    if let Err(end) = send(sink, &ToServer::Hello(hello.clone())).await {
-        return end;
+    drive_session(sink, stream, hello, shutdown, trainer)
+        .await
+        .1
+}
+
+/// [`run_session`], also returning the session for what it learned (whether
+/// the server welcomed this provider, and when).
+async fn drive_session<Si, St, E>(
+    sink: &mut Si,
+    stream: &mut St,
+    hello: &Hello,
+    shutdown: &mut watch::Receiver<bool>,
+    trainer: Box<dyn Trainer>,
+) -> (ProviderSession, SessionEnd)
+where
+    Si: Sink<Message> + Unpin,
+    Si::Error: Display,
+    St: Stream<Item = Result<Message, E>> + Unpin,
+    E: Display,
+{
+    let clock = Instant::now();
+    let now = || clock.elapsed();
+    let mut session = ProviderSession::new(SessionPolicy::NATIVE, hello.clone());
+    let hello = session.opened(now());
+    if let Err(end) = send(sink, &hello).await {
+        return (session, end);
     }
-    let mut assembler = Assembler::default();
-    let (id, interval, timeout) =
-        match tokio::time::timeout(WELCOME_TIMEOUT, next_message(stream, &mut assembler)).await {
-            Err(_) => return SessionEnd::Lost("the server did not answer Hello".into()),
-            Ok(Err(end)) => return end,
-            Ok(Ok(ToProvider::Welcome {
-                provider_id,
-                heartbeat_interval_ms,
-                heartbeat_timeout_ms,
-            })) => (
-                provider_id,
-                Duration::from_millis(u64::from(heartbeat_interval_ms.max(10))),
-                Duration::from_millis(u64::from(heartbeat_timeout_ms.max(100))),
-            ),
-            Ok(Ok(other)) => return refused(other),
+    let welcome_deadline = session
+        .policy()
+        .welcome_timeout
+        .map(|timeout| clock + timeout);
+    let (id, interval) = loop {
+        let frame = match welcome_deadline {
+            Some(deadline) => tokio::select! {
+                frame = next_frame(stream) => frame,
+                () = tokio::time::sleep_until(deadline) => {
+                    let end = session.welcome_timed_out().into();
+                    return (session, end);
+                }
+            },
+            None => next_frame(stream).await,
         };
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(end) => return (session, end),
+        };
+        match session.frame(&frame, now()) {
+            None => continue,
+            Some(Action::Joined {
+                provider_id,
+                heartbeat_interval,
+            }) => break (provider_id, heartbeat_interval),
+            Some(Action::End(disconnect)) => return (session, disconnect.into()),
+            // Before `Welcome` the session ends rather than asking for these.
+            Some(Action::Send(_) | Action::Train(_)) => {
+                return (
+                    session,
+                    SessionEnd::Lost("the session broke its own rules".into()),
+                );
+            }
+        }
+    };
     tracing::info!(provider_id = id, "joined the server");
 
     let mut worker = match TrainerThread::spawn(trainer) {
         Ok(worker) => worker,
         Err(error) => {
-            return SessionEnd::Lost(format!("cannot start the training thread: {error}"));
+            let end = SessionEnd::Lost(format!("cannot start the training thread: {error}"));
+            return (session, end);
         }
     };
     let mut ticker = tokio::time::interval(interval);
-    let mut seq = 0u64;
-    let mut last_heard = Instant::now();
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {
-                // The server answers every heartbeat, so silence means it is gone
-                // even when TCP has not noticed yet.
-                if last_heard.elapsed() > timeout {
-                    return SessionEnd::Lost(format!("no answer from the server for {} ms", timeout.as_millis()));
-                }
-                if let Err(end) = send(sink, &ToServer::Heartbeat { seq }).await {
-                    return end;
-                }
-                seq += 1;
-            }
-            message = next_message(stream, &mut assembler) => match message {
-                Ok(message) => {
-                    last_heard = Instant::now();
-                    match message {
-                        ToProvider::Heartbeat { .. } => {}
-                        // Answered here, not by the trainer, so the server
-                        // times the link and not the training thread.
-                        ToProvider::Probe { seq, .. } => {
-                            if let Err(end) = send(sink, &ToServer::ProbeAck { seq }).await {
-                                return end;
-                            }
-                        }
-                        message if is_training_message(&message) => {
-                            if worker.inbox.send(message).is_err() {
-                                return SessionEnd::Lost("the training thread stopped".into());
-                            }
-                        }
-                        other => return refused(other),
-                    }
-                }
-                Err(end) => return end,
+    let end = loop {
+        let done = tokio::select! {
+            _ = ticker.tick() => match session.heartbeat_due(now()) {
+                Action::Send(message) => send(sink, &message).await,
+                Action::End(disconnect) => Err(disconnect.into()),
+                Action::Joined { .. } | Action::Train(_) => Ok(()),
+            },
+            frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
+                Err(end) => Err(end),
+                Ok(None | Some(Action::Joined { .. })) => Ok(()),
+                Ok(Some(Action::Send(message))) => send(sink, &message).await,
+                Ok(Some(Action::Train(message))) => worker
+                    .inbox
+                    .send(message)
+                    .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
+                Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
             },
             replies = worker.replies.recv() => match replies {
-                Some(replies) => {
-                    for reply in &replies {
-                        if let Err(end) = send(sink, reply).await {
-                            return end;
-                        }
-                    }
-                }
+                Some(replies) => send_all(sink, &replies).await,
                 // Only a crash ends the thread while the session holds its inbox;
                 // a fresh session gets a fresh trainer.
-                None => return SessionEnd::Lost("the training thread crashed".into()),
+                None => Err(SessionEnd::Lost("the training thread crashed".into())),
             },
             changed = shutdown.changed() => {
                 if changed.is_err() || *shutdown.borrow() {
                     let _ = sink.send(Message::Close(None)).await;
                     let _ = sink.close().await;
-                    return SessionEnd::Shutdown;
+                    Err(SessionEnd::Shutdown)
+                } else {
+                    Ok(())
                 }
             }
+        };
+        if let Err(end) = done {
+            break end;
         }
-    }
+    };
+    (session, end)
 }
 
 /// The session's end of the trainer's thread. Dropping it closes the inbox, and
@@ -185,16 +217,6 @@ impl TrainerThread {
     }
 }
 
-fn refused(message: ToProvider) -> SessionEnd {
-    match message {
-        ToProvider::Error(error) if error.code == ErrorCode::VersionMismatch => {
-            SessionEnd::Fatal(error.message)
-        }
-        ToProvider::Error(error) => SessionEnd::Lost(format!("the server said: {}", error.message)),
-        other => SessionEnd::Lost(format!("unexpected message from the server: {other:?}")),
-    }
-}
-
 async fn send<Si>(sink: &mut Si, message: &ToServer) -> Result<(), SessionEnd>
 where
     Si: Sink<Message> + Unpin,
@@ -218,33 +240,26 @@ where
     Ok(())
 }
 
-/// The next whole message; payload frames are put into their messages by
-/// `assembler`, which keeps partial ones across calls (so this is cancel-safe).
-async fn next_message<St, E>(
-    stream: &mut St,
-    assembler: &mut Assembler<ToProvider>,
-) -> Result<ToProvider, SessionEnd>
+async fn send_all<Si>(sink: &mut Si, messages: &[ToServer]) -> Result<(), SessionEnd>
+where
+    Si: Sink<Message> + Unpin,
+    Si::Error: Display,
+{
+    for message in messages {
+        send(sink, message).await?;
+    }
+    Ok(())
+}
+
+/// The next binary frame.
+async fn next_frame<St, E>(stream: &mut St) -> Result<Bytes, SessionEnd>
 where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
     loop {
         match stream.next().await {
-            Some(Ok(Message::Binary(bytes))) => {
-                let incoming =
-                    stream::read_frame(&bytes, DEFAULT_MAX_FRAME_BYTES).map_err(|error| {
-                        SessionEnd::Lost(format!("unreadable frame from the server: {error}"))
-                    })?;
-                match assembler.push(incoming) {
-                    Ok(Some(message)) => return Ok(message),
-                    Ok(None) => continue,
-                    Err(error) => {
-                        return Err(SessionEnd::Lost(format!(
-                            "the server's frames do not fit together: {error}"
-                        )));
-                    }
-                }
-            }
+            Some(Ok(Message::Binary(bytes))) => return Ok(bytes),
             Some(Ok(Message::Close(frame))) => {
                 let reason = frame
                     .map(|f| format!("{} ({})", f.reason, u16::from(f.code)))
@@ -257,51 +272,6 @@ where
             Some(Err(error)) => return Err(SessionEnd::Lost(format!("connection error: {error}"))),
             None => return Err(SessionEnd::Lost("the connection closed".into())),
         }
-    }
-}
-
-/// Exponential backoff with a cap: 0.5 s, 1 s, 2 s, ... up to `max`.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-    initial: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    pub fn new(initial: Duration, max: Duration) -> Self {
-        Self {
-            next: initial,
-            initial,
-            max,
-        }
-    }
-
-    pub fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (self.next * 2).min(self.max);
-        delay
-    }
-
-    pub fn reset(&mut self) {
-        self.next = self.initial;
-    }
-}
-
-/// Turns what a person types (`ws://host:port`, `http://host:port/`) into the
-/// provider endpoint URL.
-pub fn provider_url(server: &str) -> String {
-    let server = server.trim();
-    let (scheme, rest) = match server.split_once("://") {
-        Some(("http", rest)) => ("ws", rest),
-        Some(("https", rest)) => ("wss", rest),
-        Some((scheme, rest)) => (scheme, rest),
-        None => ("ws", server),
-    };
-    match rest.split_once('/') {
-        Some((host, path)) if !path.is_empty() => format!("{scheme}://{host}/{path}"),
-        Some((host, _)) => format!("{scheme}://{host}{}", rookery_proto::PROVIDER_WS_PATH),
-        None => format!("{scheme}://{rest}{}", rookery_proto::PROVIDER_WS_PATH),
     }
 }
 
@@ -335,7 +305,7 @@ pub async fn run(
     mut shutdown: watch::Receiver<bool>,
     make_trainer: impl Fn() -> Box<dyn Trainer>,
 ) -> Result<(), String> {
-    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    let mut backoff = SessionPolicy::NATIVE.backoff();
     loop {
         if *shutdown.borrow() {
             return Ok(());
@@ -348,16 +318,16 @@ pub async fn run(
         };
         match connected {
             Ok((socket, _)) => {
-                let started = std::time::Instant::now();
+                let started = Instant::now();
                 let (mut sink, mut stream) = socket.split();
-                match run_session(&mut sink, &mut stream, hello, &mut shutdown, make_trainer())
-                    .await
-                {
+                let (session, end) =
+                    drive_session(&mut sink, &mut stream, hello, &mut shutdown, make_trainer())
+                        .await;
+                match end {
                     SessionEnd::Shutdown => return Ok(()),
                     SessionEnd::Fatal(reason) => return Err(reason),
                     SessionEnd::Lost(reason) => {
-                        // A long healthy session earns a quick reconnect.
-                        if started.elapsed() > Duration::from_secs(30) {
+                        if session.earned_quick_reconnect(started.elapsed()) {
                             backoff.reset();
                         }
                         tracing::warn!(%reason, "lost the server");
@@ -388,7 +358,7 @@ mod tests {
     use super::*;
     use crate::trainer::NoTorch;
     use futures_channel::mpsc;
-    use rookery_proto::{ErrorMessage, PROTOCOL_VERSION, ProviderKind};
+    use rookery_proto::{ErrorCode, ErrorMessage, PROTOCOL_VERSION, ProviderKind};
 
     fn hello() -> Hello {
         Hello {
@@ -413,29 +383,6 @@ mod tests {
             Message::Binary(bytes) => rookery_proto::decode(&bytes, 1 << 20).unwrap(),
             other => panic!("expected binary, got {other:?}"),
         }
-    }
-
-    #[test]
-    fn urls_a_person_types_become_the_provider_endpoint() {
-        for (typed, expected) in [
-            ("ws://127.0.0.1:8080", "ws://127.0.0.1:8080/ws/provider"),
-            ("ws://127.0.0.1:8080/", "ws://127.0.0.1:8080/ws/provider"),
-            ("http://host:1", "ws://host:1/ws/provider"),
-            ("https://host", "wss://host/ws/provider"),
-            ("localhost:9", "ws://localhost:9/ws/provider"),
-            ("ws://host/custom/path", "ws://host/custom/path"),
-        ] {
-            assert_eq!(provider_url(typed), expected, "{typed}");
-        }
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap_and_resets() {
-        let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(3));
-        let delays: Vec<u128> = (0..5).map(|_| backoff.next_delay().as_millis()).collect();
-        assert_eq!(delays, vec![500, 1000, 2000, 3000, 3000]);
-        backoff.reset();
-        assert_eq!(backoff.next_delay(), Duration::from_millis(500));
     }
 
     #[tokio::test(start_paused = true)]

@@ -8,7 +8,9 @@
 
 use std::sync::OnceLock;
 
-use rookery_proto::{Bytes, ToServer, WireTensor};
+use rookery_model::Loss;
+use rookery_proto::{Bytes, ParamOptimState, ToServer, WireDType, WireTensor};
+use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
 
 /// The one way a faulty provider misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -39,6 +41,107 @@ pub const SLOW_MS: u64 = 150;
 pub fn slow_down() {
     if current() == Some(Fault::Slow) {
         std::thread::sleep(std::time::Duration::from_millis(SLOW_MS));
+    }
+}
+
+/// The stages `F` builds, each training forward [`slow_down`]: inside the
+/// backend, so that the worker's compute clock sees the delay.
+#[derive(Debug, Clone)]
+pub struct SlowedStages<F>(pub F);
+
+impl<F: BackendFactory> BackendFactory for SlowedStages<F> {
+    type Backend = SlowedStage<F::Backend>;
+
+    fn build(&mut self, spec: StageSpec<'_>) -> Result<Self::Backend, String> {
+        self.0.build(spec).map(SlowedStage)
+    }
+}
+
+/// A stage of a [`SlowedStages`]: `B`, with its training forwards slowed down.
+#[derive(Debug)]
+pub struct SlowedStage<B>(B);
+
+impl<B: Backend> Backend for SlowedStage<B> {
+    type MicroBatch = B::MicroBatch;
+    type Tensor = B::Tensor;
+    type Error = B::Error;
+
+    fn param_names(&self) -> Vec<String> {
+        self.0.param_names()
+    }
+
+    fn set_step_seed(&mut self, seed: u64) {
+        self.0.set_step_seed(seed);
+    }
+
+    fn decode(&self, t: &WireTensor) -> Result<B::Tensor, B::Error> {
+        self.0.decode(t)
+    }
+
+    fn encode(&self, name: &str, t: &B::Tensor, dtype: WireDType) -> Result<WireTensor, B::Error> {
+        self.0.encode(name, t, dtype)
+    }
+
+    fn samples(&self, t: &B::Tensor) -> Option<usize> {
+        self.0.samples(t)
+    }
+
+    async fn forward(
+        &mut self,
+        inputs: &[(String, B::Tensor)],
+        offset: u64,
+    ) -> Result<(B::MicroBatch, Vec<(String, B::Tensor)>), B::Error> {
+        slow_down();
+        self.0.forward(inputs, offset).await
+    }
+
+    async fn evaluate(
+        &mut self,
+        inputs: &[(String, B::Tensor)],
+    ) -> Result<Vec<(String, B::Tensor)>, B::Error> {
+        self.0.evaluate(inputs).await
+    }
+
+    async fn backward(
+        &mut self,
+        micro_batch: B::MicroBatch,
+        grads: &[(String, B::Tensor)],
+    ) -> Result<Vec<(String, B::Tensor)>, B::Error> {
+        self.0.backward(micro_batch, grads).await
+    }
+
+    async fn step(&mut self) -> Result<(), B::Error> {
+        self.0.step().await
+    }
+
+    async fn parameters(&mut self) -> Result<Vec<WireTensor>, B::Error> {
+        self.0.parameters().await
+    }
+
+    fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), B::Error> {
+        self.0.set_parameters(values)
+    }
+
+    async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, B::Error> {
+        self.0.optimizer_state().await
+    }
+
+    fn leaf_loss(
+        &self,
+        loss: Loss,
+        y: &B::Tensor,
+        labels: &WireTensor,
+        batch_size: usize,
+    ) -> Result<LeafLossValue<B::Tensor>, B::Error> {
+        self.0.leaf_loss(loss, y, labels, batch_size)
+    }
+
+    fn loss_value(&self, loss: Loss, y: &B::Tensor, labels: &WireTensor) -> Result<f64, B::Error> {
+        self.0.loss_value(loss, y, labels)
+    }
+
+    fn correct(&self, y: &B::Tensor, labels: &WireTensor) -> Result<u64, B::Error> {
+        self.0.correct(y, labels)
     }
 }
 

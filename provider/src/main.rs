@@ -2,10 +2,15 @@
 
 use anyhow::Context;
 use clap::Parser;
-use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
-use rookery_provider::backend::{self, DeviceChoice};
+use rookery_proto::Hello;
+use rookery_provider::compute::{self, DeviceChoice};
 use rookery_provider::connection;
+#[cfg(any(feature = "torch", feature = "wgpu"))]
+use rookery_provider::trainer::StageTrainer;
 use rookery_provider::trainer::Trainer;
+use rookery_stage::session::SessionPolicy;
+#[cfg(any(feature = "torch", feature = "wgpu"))]
+use rookery_stage::worker::BackendFactory;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -121,20 +126,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let name = cli.name.unwrap_or_else(default_name);
     let (hello, make_trainer) = match cli.backend {
         BackendChoice::Torch => {
-            let backend = backend::select(cli.device).context("choosing a compute backend")?;
-            let profile = tokio::task::spawn_blocking(move || backend.profile())
+            let device = compute::select(cli.device).context("choosing a compute device")?;
+            let profile = tokio::task::spawn_blocking(move || device.profile())
                 .await
                 .context("the benchmark thread failed")?
                 .context("measuring this machine")?;
-            let hello = Hello {
-                protocol_version: PROTOCOL_VERSION,
-                kind: ProviderKind::Native,
-                device: profile.device,
-                memory_bytes: profile.memory_bytes,
-                gflops: profile.gflops,
-                display_name: name,
-                max_buffer_bytes: None,
-            };
+            let hello = SessionPolicy::NATIVE.hello(name, profile);
             (hello, trainer_factory(cli.device)?)
         }
         BackendChoice::Wgpu => wgpu_provider(name).await?,
@@ -153,7 +150,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         tracing::info!("shutting down");
         let _ = stop_tx.send(true);
     });
-    let url = connection::provider_url(&cli.server);
+    let url = rookery_stage::session::provider_url(&cli.server);
     tracing::info!(%url, "connecting");
     connection::run(&url, cli.token.as_deref(), &hello, stop_rx, make_trainer)
         .await
@@ -169,11 +166,12 @@ type MakeTrainer = Box<dyn Fn() -> Box<dyn Trainer> + Send + Sync>;
 /// a trainer that refuses every job with the reason.
 #[cfg(feature = "torch")]
 fn trainer_factory(choice: DeviceChoice) -> anyhow::Result<MakeTrainer> {
-    let device = backend::torch::TorchBackend::new(choice)
+    let device = compute::torch::TorchCompute::new(choice)
         .context("choosing the training device")?
         .device();
     Ok(Box::new(move || {
-        Box::new(rookery_provider::worker::StageWorker::new(device)) as Box<dyn Trainer>
+        let stages = rookery_torch::TorchStageFactory::new(device);
+        Box::new(StageTrainer::new(with_faults(stages))) as Box<dyn Trainer>
     }))
 }
 
@@ -190,8 +188,8 @@ fn trainer_factory(_choice: DeviceChoice) -> anyhow::Result<MakeTrainer> {
 async fn wgpu_provider(name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
     use std::sync::Arc;
 
-    use rookery_provider::own::OwnTrainer;
-    use rookery_stage::GpuDevice;
+    use rookery_stage::session::DeviceOffer;
+    use rookery_stage::{GpuDevice, OwnFactory};
 
     let device = GpuDevice::open()
         .await
@@ -201,26 +199,27 @@ async fn wgpu_provider(name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
         .benchmark_matmul_gflops(256, 16)
         .await
         .context("measuring the GPU")?;
-    let hello = Hello {
-        protocol_version: PROTOCOL_VERSION,
-        kind: ProviderKind::Native,
+    let offer = DeviceOffer {
         device: context.adapter_description(),
         // wgpu does not say how much memory a GPU has; the host's is the
         // bound for integrated and software adapters, and buffer limits
         // bound each tensor.
-        memory_bytes: backend::host_memory_bytes(),
+        memory_bytes: compute::host_memory_bytes(),
         gflops,
-        display_name: name,
         max_buffer_bytes: Some(
             context
                 .max_storage_buffer_binding_size()
                 .min(context.max_buffer_size()),
         ),
     };
+    let hello = SessionPolicy::NATIVE.hello(name, offer);
     let device = Arc::new(device);
     Ok((
         hello,
-        Box::new(move || Box::new(OwnTrainer::new(device.clone())) as Box<dyn Trainer>),
+        Box::new(move || {
+            let stages = OwnFactory::new(device.clone());
+            Box::new(StageTrainer::new(with_faults(stages))) as Box<dyn Trainer>
+        }),
     ))
 }
 
@@ -229,6 +228,20 @@ async fn wgpu_provider(_name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
     anyhow::bail!(
         "this build has no wgpu backend (rebuild rookery-provider with `--features wgpu`)"
     )
+}
+
+/// Stages that misbehave as `--fault` asks (in fault-injection builds).
+#[cfg(all(feature = "fault-injection", any(feature = "torch", feature = "wgpu")))]
+fn with_faults<F: BackendFactory>(stages: F) -> rookery_provider::fault::SlowedStages<F> {
+    rookery_provider::fault::SlowedStages(stages)
+}
+
+#[cfg(all(
+    not(feature = "fault-injection"),
+    any(feature = "torch", feature = "wgpu")
+))]
+fn with_faults<F: BackendFactory>(stages: F) -> F {
+    stages
 }
 
 fn default_name() -> String {

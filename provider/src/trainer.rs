@@ -1,9 +1,12 @@
-//! What the connection hands training messages to. The session only knows this
-//! trait, so it compiles without libtorch; the libtorch implementation is
-//! [`crate::worker::StageWorker`] (feature `torch`), and a build without
-//! libtorch answers every job with [`NoTorch`].
+//! What the connection hands training messages to. The session only knows the
+//! [`Trainer`] trait, so it compiles without libtorch: a [`StageTrainer`]
+//! drives the generic stage worker over any backend (libtorch from
+//! `rookery-torch` with feature `torch`, or our own kernels), and a build
+//! without libtorch answers every libtorch job with [`NoTorch`].
 
 use rookery_proto::{ToProvider, ToServer};
+use rookery_stage::StageWorker;
+use rookery_stage::worker::BackendFactory;
 
 /// A synchronous state machine over the training messages (`Assign`, `Forward`,
 /// `Backward`, `UploadParams`, `SetParams`, `Release`). It may block for as
@@ -12,6 +15,30 @@ pub trait Trainer: Send {
     /// Handles one message and returns the replies to send, in order. Failures
     /// are replies too (`ToServer::JobFailed`), never panics.
     fn handle(&mut self, message: ToProvider) -> Vec<ToServer>;
+}
+
+/// The generic stage worker over the stages `F` builds, its futures driven to
+/// completion on the trainer thread.
+pub struct StageTrainer<F: BackendFactory> {
+    worker: StageWorker<F>,
+}
+
+impl<F: BackendFactory> StageTrainer<F> {
+    pub fn new(factory: F) -> Self {
+        Self {
+            worker: StageWorker::new(factory),
+        }
+    }
+}
+
+impl<F> Trainer for StageTrainer<F>
+where
+    F: BackendFactory,
+    StageWorker<F>: Send,
+{
+    fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+        pollster::block_on(self.worker.handle(message))
+    }
 }
 
 /// The trainer of a build without libtorch: it cannot run stages, so every
@@ -41,8 +68,6 @@ pub use rookery_stage::worker::job_of;
 pub fn is_training_message(message: &ToProvider) -> bool {
     job_of(message).is_some()
 }
-
-pub use rookery_stage::step_seed;
 
 #[cfg(test)]
 mod tests {

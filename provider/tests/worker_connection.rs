@@ -151,9 +151,9 @@ async fn drive(
                 if got.is_empty() {
                     heartbeats_before_reply += 1;
                 }
-                in_tx
-                    .unbounded_send(frame(&ToProvider::Heartbeat { seq }))
-                    .unwrap();
+                // The session may have ended since it sent this heartbeat
+                // (a crashed trainer ends it): then nobody needs the answer.
+                let _ = in_tx.unbounded_send(frame(&ToProvider::Heartbeat { seq }));
             }
             reply => {
                 got.push(reply);
@@ -277,7 +277,9 @@ async fn the_libtorch_worker_answers_assign_and_forward_through_the_session() {
         params,
         ..assignment(graph.to_json().unwrap())
     };
-    let worker = rookery_provider::worker::StageWorker::new(tch::Device::Cpu);
+    let worker = rookery_provider::trainer::StageTrainer::new(
+        rookery_torch::TorchStageFactory::new(tch::Device::Cpu),
+    );
     let (replies, _, end) = drive(
         Box::new(worker),
         vec![ToProvider::Assign(Box::new(a)), forward()],

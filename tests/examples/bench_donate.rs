@@ -13,23 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use fantoccini::Locator;
-use rookery_e2e::{Browser, NpyValues, Server, start_native_provider, write_npy};
+use rookery_e2e::{Browser, Server, start_native_provider};
 use rookery_server::cli::client::Client;
-
-const MLP: &str = r#"
-input_shape = [12]
-[[layers]]
-type = "Dense"
-units = 24
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 16
-activation = "tanh"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
+use rookery_test_support::{Classes, dense_mlp};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
@@ -93,21 +79,12 @@ fn micro_batches_done(text: &str) -> u64 {
 }
 
 fn write_job(dir: &std::path::Path) -> anyhow::Result<std::path::PathBuf> {
-    std::fs::write(dir.join("model.toml"), MLP)?;
-    let samples = 16 * 20;
-    let x: Vec<f32> = (0..samples * 12)
-        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-        .collect();
-    let y: Vec<i64> = (0..samples).map(|i| (i % 4) as i64).collect();
-    write_npy(&dir.join("x.npy"), &[samples, 12], NpyValues::F32(&x))?;
-    write_npy(&dir.join("y.npy"), &[samples], NpyValues::I64(&y))?;
-    let path = dir.join("job.toml");
-    std::fs::write(
-        &path,
-        "[model]\nspec = \"model.toml\"\ninput_shape = [12]\n\
-         [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
-         [training]\nepochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
-         optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 5\n",
-    )?;
-    Ok(path)
+    let mlp = dense_mlp(12, &[(24, Some("relu")), (16, Some("tanh")), (4, None)]);
+    rookery_test_support::write_job(
+        dir,
+        &mlp,
+        &Classes::cyclic(16 * 20, 12, 4),
+        "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
+         optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 5",
+    )
 }

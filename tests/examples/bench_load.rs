@@ -29,15 +29,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures_util::{SinkExt, StreamExt};
-use rookery_e2e::{
-    NpyValues, Process, Server, rookery, start_native_provider, workspace_root, write_npy,
-};
-use rookery_job::{JobSpec, Labels, Split, load_split};
+use rookery_e2e::{Process, Server, rookery, start_native_provider};
 use rookery_proto::api::{JobInfo, JobMetrics};
 use rookery_proto::stream::{self, Incoming};
 use rookery_proto::{
     DEFAULT_MAX_FRAME_BYTES, Hello, PROTOCOL_VERSION, ProviderKind, ToProvider, ToServer,
 };
+use rookery_test_support::job::{job_text, write_mnist_digits};
+use rookery_test_support::workspace_root;
 use tokio::sync::{Mutex, watch};
 use tokio_tungstenite::tungstenite::Message;
 
@@ -417,36 +416,13 @@ fn rand_fraction(name: &str) -> f64 {
 /// The demo's model on the first `steps * BATCH` MNIST digits, as npy files
 /// beside a job file.
 fn write_job(dir: &Path, steps: usize) -> anyhow::Result<PathBuf> {
-    let root = workspace_root();
-    let demo = JobSpec::from_file(&root.join("examples/mnist-job.toml"))?;
-    let n = steps * BATCH;
-    let data = load_split(&demo.data, Split::Train, demo.training.loss)?.context("train split")?;
-    if data.len() < n {
-        bail!(
-            "MNIST has {} training digits, {steps} steps need {n}",
-            data.len()
-        );
-    }
-    let idx: Vec<usize> = (0..n).collect();
-    write_npy(
-        &dir.join("x.npy"),
-        &[n, 1, 28, 28],
-        NpyValues::F32(&data.gather_inputs(&idx)),
-    )?;
-    let Labels::Classes(y) = data.gather_labels(&idx) else {
-        bail!("MNIST labels are classes")
-    };
-    write_npy(&dir.join("y.npy"), &[n], NpyValues::I64(&y))?;
+    write_mnist_digits(dir, steps * BATCH)?;
     let path = dir.join("job.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
-             [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
-             [training]\nepochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
-             optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\nseed = 1\n",
-            root.join("examples/mnist-cnn.toml").display()
-        ),
-    )?;
+    let spec = workspace_root().join("examples/mnist-cnn.toml");
+    let training = format!(
+        "epochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
+         optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\nseed = 1"
+    );
+    std::fs::write(&path, job_text(&spec, &[1, 28, 28], "", None, &training))?;
     Ok(path)
 }

@@ -9,12 +9,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
-use rookery_e2e::{NpyValues, rookery_train, workspace_root, write_npy};
-use rookery_job::{JobSpec, Labels, Schedule, Split, epoch_permutation, load_split};
-use rookery_provider::exec::reference::whole_batch_step;
-use rookery_provider::exec::{Optimizer, StageExecutor, tensors_from_values};
-use rookery_provider::trainer::step_seed;
+use rookery_e2e::rookery_train;
+use rookery_test_support::job::{job_text, write_mnist_digits};
+use rookery_test_support::{JobBatches, workspace_root};
+use rookery_torch::exec::reference::whole_batch_step;
+use rookery_torch::step_seed;
+use rookery_torch::{TorchExecutor, TorchOptimizer, tensors_from_values};
 use tch::{Device, Kind, Tensor};
 
 const BATCH: usize = 64;
@@ -89,62 +89,38 @@ fn median(mut values: Vec<f64>) -> f64 {
 /// The demo's model on the first `STEPS * BATCH` MNIST digits, as npy files
 /// beside a job file with the given wire dtype.
 fn write_job(dir: &Path, wire: &str) -> anyhow::Result<PathBuf> {
-    let root = workspace_root();
-    let demo = JobSpec::from_file(&root.join("examples/mnist-job.toml"))?;
-    let n = STEPS * BATCH;
     if !dir.join("x.npy").exists() {
-        let data =
-            load_split(&demo.data, Split::Train, demo.training.loss)?.context("train split")?;
-        let idx: Vec<usize> = (0..n).collect();
-        write_npy(
-            &dir.join("x.npy"),
-            &[n, 1, 28, 28],
-            NpyValues::F32(&data.gather_inputs(&idx)),
-        )?;
-        let Labels::Classes(y) = data.gather_labels(&idx) else {
-            anyhow::bail!("MNIST labels are classes")
-        };
-        write_npy(&dir.join("y.npy"), &[n], NpyValues::I64(&y))?;
+        write_mnist_digits(dir, STEPS * BATCH)?;
     }
     let path = dir.join(format!("job-{wire}.toml"));
-    std::fs::write(
-        &path,
-        format!(
-            "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
-             [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
-             [training]\nepochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
-             optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
-             seed = 1\nwire_dtype = \"{wire}\"\n",
-            root.join("examples/mnist-cnn.toml").display()
-        ),
-    )?;
+    let spec = workspace_root().join("examples/mnist-cnn.toml");
+    let training = format!(
+        "epochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
+         optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
+         seed = 1\nwire_dtype = \"{wire}\""
+    );
+    std::fs::write(&path, job_text(&spec, &[1, 28, 28], "", None, &training))?;
     Ok(path)
 }
 
 /// The same steps in one process: one executor over the whole graph.
 fn reference_samples_per_s(job: &Path) -> anyhow::Result<f64> {
-    let spec = JobSpec::from_file(job)?;
-    let t = &spec.training;
-    let graph = spec.load_model()?.graph;
-    let mut data = load_split(&spec.data, Split::Train, t.loss)?.context("train split")?;
-    rookery_job::validate_against_model(&graph, &spec.model.input_shape, &mut data, t.loss)?;
-    let schedule = Schedule::new(data.len(), 1, t.batch_size)?;
+    let batches = JobBatches::open(job)?;
+    let t = batches.spec.training.clone();
+    let graph = batches.graph.clone();
     let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
     let n = graph.analyze()?.nodes.len();
-    let mut exec = StageExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
-    let mut optimizer = Optimizer::new(t.optimizer)?;
-    let perm = epoch_permutation(data.len(), t.seed, 0, t.shuffle);
+    let mut exec = TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
+    let mut optimizer = TorchOptimizer::new(t.optimizer)?;
     let mut started = Instant::now();
-    for step in 0..schedule.steps_per_epoch {
-        if step == WARMUP {
+    let mut steps = 0;
+    for batch in batches {
+        if batch.step == WARMUP as u64 {
             started = Instant::now();
         }
-        let idx = schedule.step_samples(&perm, step);
-        let x = Tensor::from_slice(&data.gather_inputs(idx)).reshape([idx.len() as i64, 1, 28, 28]);
-        let Labels::Classes(y) = data.gather_labels(idx) else {
-            anyhow::bail!("MNIST labels are classes")
-        };
-        let y = Tensor::from_slice(&y).to_kind(Kind::Int64);
+        let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+        let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
+        let y = Tensor::from_slice(&batch.y).to_kind(Kind::Int64);
         let inputs = [(graph.inputs[0].name.clone(), x)];
         whole_batch_step(
             &mut exec,
@@ -152,9 +128,10 @@ fn reference_samples_per_s(job: &Path) -> anyhow::Result<f64> {
             &y,
             t.loss,
             &mut optimizer,
-            step_seed(t.seed, step as u64),
+            step_seed(t.seed, batch.step),
         )?;
+        steps += 1;
     }
-    let steps = schedule.steps_per_epoch - WARMUP;
-    Ok((steps * BATCH) as f64 / started.elapsed().as_secs_f64())
+    let timed = steps - WARMUP;
+    Ok((timed * BATCH) as f64 / started.elapsed().as_secs_f64())
 }

@@ -21,13 +21,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures_util::{SinkExt, StreamExt};
-use rookery_e2e::{NpyValues, write_npy};
 use rookery_proto::stream::{self, Assembler, Streamed};
 use rookery_proto::{
     Activations, Gradients, Hello, LeafLoss, PROTOCOL_VERSION, ParamSet, Phase, ProviderKind,
     StepDone, ToProvider, ToServer, WireDType, WireTensor,
 };
 use rookery_server::{AppState, Limits};
+use rookery_test_support::{Classes, dense_mlp, write_job};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
@@ -242,27 +242,21 @@ async fn stage(
 
 async fn relay_latencies() -> anyhow::Result<Vec<f64>> {
     let dir = tempfile::tempdir()?;
-    let model = format!(
-        "input_shape = [{WIDTH}]\n[[layers]]\ntype = \"Dense\"\nunits = {WIDTH}\n[[layers]]\ntype = \"Dense\"\nunits = 10\n"
-    );
-    std::fs::write(dir.path().join("model.toml"), model)?;
+    let model = dense_mlp(WIDTH, &[(WIDTH, None), (10, None)]);
     let samples = MICRO * ROWS;
-    write_npy(
-        &dir.path().join("x.npy"),
-        &[samples, WIDTH],
-        NpyValues::F32(&vec![0.5; samples * WIDTH]),
+    let data = Classes {
+        sample: vec![WIDTH],
+        x: vec![0.5; samples * WIDTH],
+        y: (0..samples as i64).map(|i| i % 10).collect(),
+    };
+    write_job(
+        dir.path(),
+        &model,
+        &data,
+        &format!(
+            "epochs = {STEPS}\nbatch_size = {samples}\nmicro_batches = {MICRO}\nclusters = 1\nstages = 2\nsync_every = 1000"
+        ),
     )?;
-    let labels: Vec<i64> = (0..samples as i64).map(|i| i % 10).collect();
-    write_npy(
-        &dir.path().join("y.npy"),
-        &[samples],
-        NpyValues::I64(&labels),
-    )?;
-    let job = format!(
-        "[model]\nspec = \"model.toml\"\ninput_shape = [{WIDTH}]\n[data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
-         [training]\nepochs = {STEPS}\nbatch_size = {samples}\nmicro_batches = {MICRO}\nclusters = 1\nstages = 2\nsync_every = 1000\n"
-    );
-    std::fs::write(dir.path().join("job.toml"), job)?;
 
     let data_dir = dir.path().join("server");
     let state = AppState::open(&data_dir, Limits::default(), None).await?;

@@ -15,13 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use rookery_proto::api::ProviderInfo;
-
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ lives in the workspace")
-        .to_path_buf()
-}
+use rookery_test_support::workspace_root;
 
 fn dir_from_env(var: &str, default: &str) -> PathBuf {
     std::env::var_os(var)
@@ -311,38 +305,6 @@ pub fn rookery_train(
     }
     let text = std::fs::read_to_string(out.join("metrics.json")).context("reading metrics.json")?;
     Ok(serde_json::from_str(&text)?)
-}
-
-/// Writes a C-order `.npy` file (v1.0) of f32 or i64 values.
-pub fn write_npy(path: &Path, shape: &[usize], values: NpyValues<'_>) -> std::io::Result<()> {
-    let (descr, bytes): (&str, Vec<u8>) = match values {
-        NpyValues::F32(v) => ("<f4", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        NpyValues::I64(v) => ("<i8", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-    };
-    let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
-    let shape_text = if dims.len() == 1 {
-        format!("({},)", dims[0])
-    } else {
-        format!("({})", dims.join(", "))
-    };
-    let mut header =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_text}, }}");
-    // The header (with magic, version and length) pads to a multiple of 64, ending in a newline.
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut file = Vec::with_capacity(10 + header.len() + bytes.len());
-    file.extend_from_slice(b"\x93NUMPY\x01\x00");
-    file.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    file.extend_from_slice(header.as_bytes());
-    file.extend_from_slice(&bytes);
-    std::fs::write(path, file)
-}
-
-pub enum NpyValues<'a> {
-    F32(&'a [f32]),
-    I64(&'a [i64]),
 }
 
 /// Flags every headless Chromium of ours needs: WebGPU on (SwiftShader in

@@ -9,8 +9,9 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use rookery_e2e::{Server, provider_command, rookery, workspace_root};
+use rookery_e2e::{Server, provider_command, rookery};
 use rookery_proto::api::ProviderStatus;
+use rookery_test_support::workspace_root;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn join_tokens_and_requester_tokens_are_enforced_end_to_end() -> anyhow::Result<()> {

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use fantoccini::Locator;
-use rookery_e2e::{Browser, Server, start_native_provider, workspace_root};
+use rookery_e2e::{Browser, Server, start_native_provider};
 use rookery_proto::api::ProviderStatus;
+use rookery_test_support::workspace_root;
 
 fn fixture(path: &str) -> PathBuf {
     workspace_root().join(path)

@@ -12,46 +12,24 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use rookery_e2e::{NpyValues, Process, Server, provider_command, rookery, write_npy};
+use rookery_e2e::{Process, Server, provider_command, rookery};
 use rookery_proto::api::{JobInfo, LogEntry, ProviderStatus};
+use rookery_test_support::{Classes, dense_mlp, write_job};
 
 /// Generous: every libtorch provider measures itself at start, on all cores,
 /// and a shared machine must not turn that into heartbeat timeouts.
 const HEARTBEAT_TIMEOUT_MS: u64 = 30_000;
 
-const MLP: &str = r#"
-input_shape = [6]
-[[layers]]
-type = "Dense"
-units = 16
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 3
-"#;
-
 /// A job on a synthetic 3-class dataset of `samples` samples, in its own folder.
 fn job(dir: &Path, name: &str, samples: usize, training: &str) -> PathBuf {
-    let dir = dir.join(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("model.toml"), MLP).unwrap();
-    let x: Vec<f32> = (0..samples * 6)
-        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-        .collect();
-    let y: Vec<i64> = (0..samples).map(|i| (i % 3) as i64).collect();
-    write_npy(&dir.join("x.npy"), &[samples, 6], NpyValues::F32(&x)).unwrap();
-    write_npy(&dir.join("y.npy"), &[samples], NpyValues::I64(&y)).unwrap();
-    let path = dir.join("job.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[model]\nspec = \"model.toml\"\ninput_shape = [6]\n\
-             [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
-             [training]\n{training}\n"
-        ),
+    let mlp = dense_mlp(6, &[(16, Some("relu")), (3, None)]);
+    write_job(
+        &dir.join(name),
+        &mlp,
+        &Classes::cyclic(samples, 6, 3),
+        training,
     )
-    .unwrap();
-    path
+    .unwrap()
 }
 
 struct Client<'a> {

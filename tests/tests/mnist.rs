@@ -3,7 +3,8 @@
 //! 2,000 held-out digits, and its weights carry the model's parameter names.
 #![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
 
-use rookery_e2e::{rookery_train, workspace_root};
+use rookery_e2e::rookery_train;
+use rookery_test_support::workspace_root;
 
 #[test]
 fn the_demo_cnn_reaches_97_percent_on_held_out_digits() {

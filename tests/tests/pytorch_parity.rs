@@ -6,7 +6,8 @@
 
 use std::collections::BTreeMap;
 
-use rookery_e2e::{rookery_train, workspace_root};
+use rookery_e2e::rookery_train;
+use rookery_test_support::workspace_root;
 
 fn fixture_copy() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

@@ -12,71 +12,38 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rookery_e2e::{NpyValues, Process, Server, rookery_train, start_native_provider, write_npy};
+use rookery_e2e::{Process, Server, rookery_train, start_native_provider};
 use rookery_proto::api::{JobInfo, JobMetrics, LogEntry, ProviderStatus};
 use rookery_server::cli::client::Client;
+use rookery_test_support::job::{job_text, write_classes};
+use rookery_test_support::{Classes, dense_mlp};
 
 const HEARTBEAT_TIMEOUT_MS: u64 = 5_000;
 
-const MLP: &str = r#"
-input_shape = [12]
-[[layers]]
-type = "Dense"
-units = 64
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 32
-activation = "tanh"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
-
-/// Seeded synthetic 4-class data: `samples` inputs of 12 features whose
-/// class is a function of the first four.
-fn data(dir: &Path, prefix: &str, samples: usize, seed: u64) {
-    let mut state = seed;
-    let mut next = || {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
-    let x: Vec<f32> = (0..samples * 12).map(|_| next()).collect();
-    let y: Vec<i64> = (0..samples)
-        .map(|i| {
-            let s: f32 = x[i * 12..i * 12 + 4].iter().sum();
-            ((s + 2.0).clamp(0.0, 3.99)) as i64
-        })
-        .collect();
-    write_npy(
-        &dir.join(format!("{prefix}x.npy")),
-        &[samples, 12],
-        NpyValues::F32(&x),
-    )
-    .unwrap();
-    write_npy(
-        &dir.join(format!("{prefix}y.npy")),
-        &[samples],
-        NpyValues::I64(&y),
-    )
-    .unwrap();
-}
-
 /// A job of 2 clusters of 2 stages with a test set; returns the job file.
 fn job(dir: &Path, train_samples: usize, epochs: u64) -> PathBuf {
-    std::fs::write(dir.join("model.toml"), MLP).unwrap();
-    data(dir, "train_", train_samples, 0x2545_f491_4f6c_dd1d);
-    data(dir, "test_", 1024, 0x9e37_79b9_7f4a_7c15);
+    let mlp = dense_mlp(12, &[(64, Some("relu")), (32, Some("tanh")), (4, None)]);
+    std::fs::write(dir.join("model.toml"), mlp).unwrap();
+    let train = Classes::learnable(train_samples, &[12], 0x2545_f491_4f6c_dd1d);
+    write_classes(dir, "train_", &train).unwrap();
+    write_classes(
+        dir,
+        "test_",
+        &Classes::learnable(1024, &[12], 0x9e37_79b9_7f4a_7c15),
+    )
+    .unwrap();
     let path = dir.join("job.toml");
-    let text = format!(
-        "[model]\nspec = \"model.toml\"\ninput_shape = [12]\n\
-         [data]\nformat = \"npy\"\ntrain_inputs = \"train_x.npy\"\ntrain_labels = \"train_y.npy\"\n\
-         test_inputs = \"test_x.npy\"\ntest_labels = \"test_y.npy\"\n\
-         [training]\nepochs = {epochs}\nbatch_size = 32\nmicro_batches = 2\n\
+    let training = format!(
+        "epochs = {epochs}\nbatch_size = 32\nmicro_batches = 2\n\
          optimizer = {{ name = \"sgd\", lr = 0.05, momentum = 0.9 }}\n\
-         clusters = 2\nstages = 2\nsync_every = 4\nseed = 3\n"
+         clusters = 2\nstages = 2\nsync_every = 4\nseed = 3"
+    );
+    let text = job_text(
+        Path::new("model.toml"),
+        &[12],
+        "train_",
+        Some("test_"),
+        &training,
     );
     std::fs::write(&path, text).unwrap();
     path

@@ -7,27 +7,16 @@
 
 use std::path::Path;
 
-use rookery_e2e::{NpyValues, rookery_train, write_npy};
-use rookery_job::{JobSpec, Labels, Schedule, Split, epoch_permutation, load_split};
-use rookery_provider::exec::reference::train_step;
-use rookery_provider::exec::{Optimizer, tensors_from_values};
-use rookery_provider::trainer::step_seed;
+use rookery_e2e::rookery_train;
+use rookery_test_support::{Classes, JobBatches, dense_mlp, write_job};
+use rookery_torch::exec::reference::train_step;
+use rookery_torch::step_seed;
+use rookery_torch::{TorchOptimizer, tensors_from_values};
 use tch::{Kind, Tensor};
 
-const MLP: &str = r#"
-input_shape = [12]
-[[layers]]
-type = "Dense"
-units = 24
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 16
-activation = "tanh"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
+fn mlp() -> String {
+    dense_mlp(12, &[(24, Some("relu")), (16, Some("tanh")), (4, None)])
+}
 
 /// A CNN without BatchNorm (whose batch statistics would differ per micro-batch).
 const CNN: &str = r#"
@@ -61,84 +50,36 @@ fn job(
     samples: usize,
     training: &str,
 ) -> std::path::PathBuf {
-    std::fs::write(dir.join("model.toml"), model).unwrap();
-    let numel: usize = sample.iter().product();
-    // A fixed LCG: data differs per position but not per run.
-    let mut state = 0x2545_f491_4f6c_dd1d_u64;
-    let mut next = || {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    };
-    let x: Vec<f32> = (0..samples * numel).map(|_| next()).collect();
-    let y: Vec<i64> = (0..samples)
-        .map(|i| {
-            let s: f32 = x[i * numel..(i + 1) * numel].iter().take(4).sum();
-            ((s + 2.0).clamp(0.0, 3.99)) as i64
-        })
-        .collect();
-    let mut shape = vec![samples];
-    shape.extend_from_slice(sample);
-    write_npy(&dir.join("x.npy"), &shape, NpyValues::F32(&x)).unwrap();
-    write_npy(&dir.join("y.npy"), &[samples], NpyValues::I64(&y)).unwrap();
-    let path = dir.join("job.toml");
-    let text = format!(
-        "[model]\nspec = \"model.toml\"\ninput_shape = {sample:?}\n\
-         [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
-         [training]\n{training}\n"
-    );
-    std::fs::write(&path, text).unwrap();
-    path
+    let data = Classes::learnable(samples, sample, 0x2545_f491_4f6c_dd1d);
+    write_job(dir, model, &data, training).unwrap()
 }
 
 /// The per-step losses of training the job in one process, with its whole
 /// step batch (every cluster's samples) at once.
 fn reference_losses(job_file: &Path) -> Vec<f64> {
-    let spec = JobSpec::from_file(job_file).unwrap();
-    let t = &spec.training;
-    let graph = spec.load_model().unwrap().graph;
-    let mut data = load_split(&spec.data, Split::Train, t.loss)
-        .unwrap()
-        .unwrap();
-    rookery_job::validate_against_model(&graph, &spec.model.input_shape, &mut data, t.loss)
-        .unwrap();
-    let clusters = match t.clusters {
-        rookery_model::ClusterCount::Fixed(c) => c,
-        rookery_model::ClusterCount::Auto => panic!("parity jobs fix their cluster count"),
-    };
-    let schedule = Schedule::new(data.len(), clusters, t.batch_size).unwrap();
+    let batches = JobBatches::open(job_file).unwrap();
+    let t = batches.spec.training.clone();
+    let graph = batches.graph.clone();
     let mut params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
-    let mut optimizer = Optimizer::new(t.optimizer).unwrap();
-    let mut losses = Vec::new();
-    for epoch in 0..t.epochs {
-        let perm = epoch_permutation(data.len(), t.seed, epoch, t.shuffle);
-        for s in 0..schedule.steps_per_epoch {
-            let idx = schedule.step_samples(&perm, s);
-            let mut shape = vec![idx.len() as i64];
-            shape.extend(data.sample_shape.iter().map(|&d| d as i64));
-            let x = Tensor::from_slice(&data.gather_inputs(idx)).reshape(shape.as_slice());
-            let Labels::Classes(y) = data.gather_labels(idx) else {
-                panic!("classes")
-            };
-            let y = Tensor::from_slice(&y).to_kind(Kind::Int64);
-            let step = epoch * schedule.steps_per_epoch as u64 + s as u64;
+    let mut optimizer = TorchOptimizer::new(t.optimizer).unwrap();
+    batches
+        .map(|batch| {
+            let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+            let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
+            let y = Tensor::from_slice(&batch.y).to_kind(Kind::Int64);
             let inputs = [(graph.inputs[0].name.clone(), x)];
-            losses.push(
-                train_step(
-                    &graph,
-                    &mut params,
-                    &inputs,
-                    &y,
-                    t.loss,
-                    &mut optimizer,
-                    step_seed(t.seed, step),
-                )
-                .unwrap(),
-            );
-        }
-    }
-    losses
+            train_step(
+                &graph,
+                &mut params,
+                &inputs,
+                &y,
+                t.loss,
+                &mut optimizer,
+                step_seed(t.seed, batch.step),
+            )
+            .unwrap()
+        })
+        .collect()
 }
 
 /// `got` is the single-process reference's losses of `job_file` within
@@ -185,7 +126,7 @@ fn one_cluster_of_three_stages_matches_the_reference_mlp_sgd_and_adam() {
             "epochs = 1\nbatch_size = 16\nmicro_batches = 4\noptimizer = {optimizer}\n\
              clusters = 1\nstages = 3\nseed = 5"
         );
-        let job = job(dir.path(), MLP, &[12], 30 * 16, &training);
+        let job = job(dir.path(), &mlp(), &[12], 30 * 16, &training);
         assert_same_losses(&job, 3, 30, 1e-5, true);
     }
 }
@@ -212,7 +153,7 @@ fn two_clusters_with_sgd_match_the_reference_with_the_doubled_batch() {
     let dir = tempfile::tempdir().unwrap();
     let training = "epochs = 1\nbatch_size = 8\nmicro_batches = 2\n\
         optimizer = { name = \"sgd\", lr = 0.1 }\nclusters = 2\nstages = 2\nsync_every = 1\nseed = 11";
-    let job = job(dir.path(), MLP, &[12], 20 * 16, training);
+    let job = job(dir.path(), &mlp(), &[12], 20 * 16, training);
     assert_same_losses(&job, 4, 20, 1e-5, true);
 }
 
@@ -244,7 +185,7 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
     let dir = tempfile::tempdir()?;
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
         optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nseed = 5";
-    let job_file = job(dir.path(), MLP, &[12], 20 * 16, training);
+    let job_file = job(dir.path(), &mlp(), &[12], 20 * 16, training);
     // Evaluated after the epoch too (on the training samples: the test is
     // that the tab's stage scores as libtorch's would).
     let text = std::fs::read_to_string(&job_file)?.replace(
@@ -342,7 +283,7 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
     let dir = tempfile::tempdir()?;
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
         optimizer = { name = \"sgd\", lr = 0.1, momentum = 0.9 }\nclusters = 1\nstages = 3\nseed = 7";
-    let job_file = job(dir.path(), MLP, &[12], 20 * 16, training);
+    let job_file = job(dir.path(), &mlp(), &[12], 20 * 16, training);
     let server = Server::start(10_000)?;
     let _a = start_native_provider(&server, "torch-a")?;
     let _b = start_native_provider(&server, "torch-b")?;
@@ -393,7 +334,7 @@ async fn a_browser_tab_closed_mid_job_hands_its_stage_to_a_standby_and_training_
     let dir = tempfile::tempdir()?;
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
         optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nsync_every = 4\nseed = 13";
-    let job_file = job(dir.path(), MLP, &[12], 40 * 16, training);
+    let job_file = job(dir.path(), &mlp(), &[12], 40 * 16, training);
     let server = Server::start(10_000)?;
     let _a = start_native_provider(&server, "native-a")?;
     let _b = start_native_provider(&server, "native-b")?;

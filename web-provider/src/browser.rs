@@ -1,21 +1,26 @@
 //! The browser glue of a donation (wasm32 only): `window.location`,
 //! `navigator.gpu`, the `WebSocket` and its event handlers, and the timers,
-//! driving the platform-free logic in `session`.
+//! driving the socket-free `rookery_stage::session::ProviderSession` and the
+//! measurements in `measure`.
 
 use std::rc::Rc;
+use std::time::Duration;
 
 use futures_channel::mpsc;
 use futures_util::StreamExt;
 use gloo_timers::future::TimeoutFuture;
 use rookery_kernels::{GpuContext, GpuError};
-use rookery_proto::ToProvider;
+use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
+use rookery_stage::session::{
+    Action, Backoff, DeviceOffer, Disconnect, ProviderSession, SessionPolicy, page_provider_url,
+};
 use rookery_stage::{CpuDevice, Device, GpuDevice, OwnFactory, StageWorker};
 use wasm_bindgen::JsCast;
 use wasm_bindgen::closure::Closure;
 use web_sys::{BinaryType, CloseEvent, MessageEvent, WebSocket};
 
 use crate::DonateStatus;
-use crate::session::{self, Backoff, Reaction};
+use crate::measure;
 
 const NO_WEBGPU: &str = "This browser does not offer WebGPU, so it cannot donate its GPU. \
      Try a recent Chrome or Edge, or Firefox Nightly.";
@@ -24,7 +29,7 @@ const NO_ADAPTER: &str = "This browser offers WebGPU but found no GPU it may use
 
 pub(crate) fn default_server_url() -> Option<String> {
     let location = web_sys::window()?.location();
-    session::provider_url(
+    page_provider_url(
         &location.protocol().ok()?,
         &location.host().ok()?,
         &location.search().ok()?,
@@ -72,7 +77,7 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
     on_status(DonateStatus::Benchmarking {
         adapter: adapter.clone(),
     });
-    if let Err(error) = session::self_check(&gpu).await {
+    if let Err(error) = measure::self_check(&gpu).await {
         on_status(DonateStatus::Failed {
             reason: format!(
                 "This GPU computed a wrong answer in a self-test, so this tab will not \
@@ -81,7 +86,7 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
         });
         return;
     }
-    let gflops = match session::measure_gflops(&gpu).await {
+    let gflops = match measure::measure_gflops(&gpu).await {
         Ok(gflops) => gflops,
         Err(error) => {
             on_status(DonateStatus::Failed {
@@ -97,18 +102,13 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
     // buffer the adapter allows is the closest honest figure.
     let memory = gpu.max_buffer_size();
     let stages = OwnFactory::new(GpuDevice::new(gpu));
-    serve(
-        &server_ws_url,
-        Donor {
-            adapter,
-            gflops,
-            memory,
-            max_buffer: Some(max_buffer),
-        },
-        stages,
-        on_status,
-    )
-    .await;
+    let offer = DeviceOffer {
+        device: adapter,
+        gflops,
+        memory_bytes: memory,
+        max_buffer_bytes: Some(max_buffer),
+    };
+    serve(&server_ws_url, offer, stages, on_status).await;
 }
 
 const CPU_INSTEAD: &str = "This tab donates its CPU instead, running Rookery's reference \
@@ -116,76 +116,81 @@ const CPU_INSTEAD: &str = "This tab donates its CPU instead, running Rookery's r
 
 /// The fallback without WebGPU: stages on the kernels' CPU references.
 async fn donate_cpu(server_ws_url: String, on_status: Status) {
-    let gflops = session::measure_cpu_gflops(js_sys::Date::now);
-    let donor = Donor {
-        adapter: "this tab's CPU (no WebGPU; reference kernels)".to_owned(),
+    let gflops = measure::measure_cpu_gflops(js_sys::Date::now);
+    let offer = DeviceOffer {
+        device: "this tab's CPU (no WebGPU; reference kernels)".to_owned(),
         gflops,
         // A tab's memory is not knowable either; wasm32 addresses 4 GiB and
         // browsers allow a fraction of it.
-        memory: 1 << 30,
-        max_buffer: None,
+        memory_bytes: 1 << 30,
+        max_buffer_bytes: None,
     };
-    serve(&server_ws_url, donor, OwnFactory::new(CpuDevice), on_status).await;
-}
-
-/// What this tab offers.
-struct Donor {
-    adapter: String,
-    gflops: f64,
-    memory: u64,
-    max_buffer: Option<u64>,
+    serve(&server_ws_url, offer, OwnFactory::new(CpuDevice), on_status).await;
 }
 
 type Status = Rc<dyn Fn(DonateStatus)>;
 
+/// How a connection ended.
+enum End {
+    /// Try again after a pause; the text is for a person.
+    Reconnect(String),
+    /// Stop donating: reconnecting cannot help. The text is for a person.
+    GiveUp(String),
+}
+
+impl From<Disconnect> for End {
+    fn from(disconnect: Disconnect) -> Self {
+        match disconnect {
+            Disconnect::Lost(reason) => End::Reconnect(reason),
+            Disconnect::VersionMismatch(message) => End::GiveUp(format!(
+                "This page and the server speak different protocol versions ({message}). \
+                 Reload the page to get the server's current version."
+            )),
+        }
+    }
+}
+
+/// The browser's clock, as the session counts time.
+fn now() -> Duration {
+    Duration::from_secs_f64(js_sys::Date::now().max(0.0) / 1e3)
+}
+
 /// Connects, and reconnects after every drop, donating the device of
 /// `stages` (each connection gets a fresh worker on it).
-async fn serve<D>(server_ws_url: &str, donor: Donor, stages: OwnFactory<D>, on_status: Status)
+async fn serve<D>(server_ws_url: &str, offer: DeviceOffer, stages: OwnFactory<D>, on_status: Status)
 where
     D: Device + 'static,
 {
-    let hello =
-        match session::hello_frame(&donor.adapter, donor.memory, donor.gflops, donor.max_buffer) {
-            Ok(frame) => frame,
-            Err(error) => {
-                on_status(DonateStatus::Failed {
-                    reason: error.to_string(),
-                });
-                return;
-            }
-        };
-    let mut backoff = Backoff::new();
+    let policy = SessionPolicy::BROWSER;
+    let adapter = offer.device.clone();
+    let gflops = offer.gflops;
+    let hello = policy.hello("browser tab", offer);
+    let mut backoff = policy.backoff();
     loop {
         on_status(DonateStatus::Connecting {
-            adapter: donor.adapter.clone(),
-            gflops: donor.gflops,
+            adapter: adapter.clone(),
+            gflops,
         });
         let end = connect_once(
             server_ws_url,
             &hello,
-            &donor,
             stages.clone(),
             &on_status,
             &mut backoff,
         )
         .await;
         match end {
-            Reaction::GiveUp(reason) => {
+            End::GiveUp(reason) => {
                 on_status(DonateStatus::Failed { reason });
                 return;
             }
-            Reaction::Reconnect(reason) => {
-                let delay_ms = backoff.next_delay_ms();
+            End::Reconnect(reason) => {
+                let delay = backoff.next_delay();
                 on_status(DonateStatus::Reconnecting {
-                    reason: format!("{reason}; trying again in {} s", delay_ms / 1000),
+                    reason: format!("{reason}; trying again in {} s", delay.as_secs()),
                 });
-                TimeoutFuture::new(delay_ms).await;
+                TimeoutFuture::new(u32::try_from(delay.as_millis()).unwrap_or(u32::MAX)).await;
             }
-            // `connect_once` only ends with one of the two above.
-            Reaction::Ignore
-            | Reaction::Welcomed { .. }
-            | Reaction::Answer(_)
-            | Reaction::Train(_) => {}
         }
     }
 }
@@ -207,117 +212,51 @@ enum Event {
     WorkerLost(String),
 }
 
-/// One connection, from opening the socket to its end; returns why it ended,
-/// as `Reconnect` or `GiveUp`. Training messages go to a stage worker that
-/// runs in its own task, so heartbeats and link probes are answered while a
-/// micro-batch computes.
+/// One connection, from opening the socket to its end. Training messages go
+/// to a stage worker that runs in its own task, so heartbeats and link probes
+/// are answered while a micro-batch computes.
 async fn connect_once<D>(
     url: &str,
-    hello: &[u8],
-    donor: &Donor,
+    hello: &Hello,
     stages: OwnFactory<D>,
     on_status: &Status,
     backoff: &mut Backoff,
-) -> Reaction
+) -> End
 where
     D: Device + 'static,
 {
     let (events, mut incoming) = mpsc::unbounded();
     let socket = match Socket::open(url, events.clone()) {
         Ok(socket) => Rc::new(socket),
-        Err(reason) => return Reaction::GiveUp(reason),
+        Err(reason) => return End::GiveUp(reason),
     };
-    let mut inbox = session::Inbox::default();
+    let mut session = ProviderSession::new(SessionPolicy::BROWSER, hello.clone());
     let mut opened = false;
-    let mut welcomed: Option<u64> = None;
     let mut training: Option<mpsc::UnboundedSender<ToProvider>> = None;
-    let mut seq = 0u64;
-    while let Some(event) = incoming.next().await {
-        match event {
+    let end = loop {
+        let Some(event) = incoming.next().await else {
+            break End::Reconnect("the connection ended".to_owned());
+        };
+        let action = match event {
             Event::Open => {
                 opened = true;
-                if let Err(reason) = socket.send(hello) {
-                    return Reaction::Reconnect(reason);
-                }
+                Some(Action::Send(session.opened(now())))
             }
-            Event::Frame(frame) => {
-                let message = match inbox.push(frame) {
-                    Ok(Some(message)) => message,
-                    Ok(None) => continue,
-                    Err(reason) => return Reaction::Reconnect(reason),
-                };
-                match session::react(message) {
-                    Reaction::Ignore => {}
-                    Reaction::Welcomed {
-                        provider_id,
-                        heartbeat_interval_ms,
-                    } => {
-                        if welcomed.is_none() {
-                            welcomed = Some(provider_id);
-                            backoff.reset();
-                            start_heartbeat(events.clone(), heartbeat_interval_ms);
-                            on_status(DonateStatus::Connected {
-                                provider_id,
-                                adapter: donor.adapter.clone(),
-                                gflops: donor.gflops,
-                            });
-                            let (to_worker, from_session) = mpsc::unbounded();
-                            training = Some(to_worker);
-                            wasm_bindgen_futures::spawn_local(train(
-                                from_session,
-                                StageWorker::new(stages.clone()),
-                                socket.clone(),
-                                events.clone(),
-                                Progress {
-                                    provider_id,
-                                    adapter: donor.adapter.clone(),
-                                    gflops: donor.gflops,
-                                    on_status: on_status.clone(),
-                                },
-                            ));
-                        }
-                    }
-                    Reaction::Answer(reply) => {
-                        if let Err(reason) = socket.send(&reply) {
-                            return Reaction::Reconnect(reason);
-                        }
-                    }
-                    Reaction::Train(message) => {
-                        let Some(worker) = &training else {
-                            return Reaction::Reconnect(
-                                "the server sent training work before welcoming this tab"
-                                    .to_owned(),
-                            );
-                        };
-                        if worker.unbounded_send(message).is_err() {
-                            return Reaction::Reconnect("the stage worker stopped".to_owned());
-                        }
-                    }
-                    end @ (Reaction::Reconnect(_) | Reaction::GiveUp(_)) => return end,
-                }
-            }
+            Event::Frame(frame) => session.frame(&Bytes::from(frame), now()),
+            Event::HeartbeatDue => Some(session.heartbeat_due(now())),
             Event::Text => {
-                return Reaction::Reconnect(
+                break End::Reconnect(
                     "the server sent text where this tab expected binary frames".to_owned(),
                 );
             }
-            Event::HeartbeatDue => {
-                seq += 1;
-                let sent = session::heartbeat_frame(seq)
-                    .map_err(|e| e.to_string())
-                    .and_then(|frame| socket.send(&frame));
-                if let Err(reason) = sent {
-                    return Reaction::Reconnect(reason);
-                }
-            }
-            Event::WorkerLost(reason) => return Reaction::Reconnect(reason),
+            Event::WorkerLost(reason) => break End::Reconnect(reason),
             Event::Closed { code, reason } => {
                 let detail = if reason.is_empty() {
                     format!("code {code}")
                 } else {
                     format!("code {code}: {reason}")
                 };
-                return Reaction::Reconnect(if opened {
+                break End::Reconnect(if opened {
                     format!("the connection to the server closed ({detail})")
                 } else {
                     format!("cannot reach the server at {url} ({detail})")
@@ -325,15 +264,71 @@ where
             }
             Event::Error => {
                 // Browsers hide the cause of WebSocket errors on purpose.
-                return Reaction::Reconnect(if opened {
+                break End::Reconnect(if opened {
                     "the connection to the server failed".to_owned()
                 } else {
                     format!("cannot reach the server at {url}")
                 });
             }
+        };
+        match action {
+            None => {}
+            Some(Action::Send(message)) => {
+                if let Err(reason) = send(&socket, &message) {
+                    break End::Reconnect(reason);
+                }
+            }
+            Some(Action::Joined {
+                provider_id,
+                heartbeat_interval,
+            }) => {
+                start_heartbeat(events.clone(), heartbeat_interval);
+                let (adapter, gflops) = (hello.device.clone(), hello.gflops);
+                on_status(DonateStatus::Connected {
+                    provider_id,
+                    adapter: adapter.clone(),
+                    gflops,
+                });
+                let (to_worker, from_session) = mpsc::unbounded();
+                training = Some(to_worker);
+                wasm_bindgen_futures::spawn_local(train(
+                    from_session,
+                    StageWorker::new(stages.clone()),
+                    socket.clone(),
+                    events.clone(),
+                    Progress {
+                        provider_id,
+                        adapter,
+                        gflops,
+                        on_status: on_status.clone(),
+                    },
+                ));
+            }
+            Some(Action::Train(message)) => {
+                // The session hands out training work only once welcomed.
+                let Some(worker) = &training else {
+                    break End::Reconnect("the stage worker is missing".to_owned());
+                };
+                if worker.unbounded_send(message).is_err() {
+                    break End::Reconnect("the stage worker stopped".to_owned());
+                }
+            }
+            Some(Action::End(disconnect)) => break disconnect.into(),
         }
+    };
+    if session.earned_quick_reconnect(now()) {
+        backoff.reset();
     }
-    Reaction::Reconnect("the connection ended".to_owned())
+    end
+}
+
+/// Sends `message`: large activations and gradients go as payload frames
+/// after it, as native providers send them.
+fn send(socket: &Socket, message: &ToServer) -> Result<(), String> {
+    rookery_proto::stream::encode_streamed(message)
+        .map_err(|error| format!("cannot encode a message: {error}"))?
+        .iter()
+        .try_for_each(|frame| socket.send(frame))
 }
 
 /// What the Donate page shows while a stage trains.
@@ -357,9 +352,7 @@ async fn train<D: Device + 'static>(
     while let Some(message) = messages.next().await {
         let job_id = rookery_stage::worker::job_of(&message);
         for reply in worker.handle(message).await {
-            let sent = session::reply_frames(&reply)
-                .and_then(|frames| frames.iter().try_for_each(|f| socket.send(f)));
-            if let Err(reason) = sent {
+            if let Err(reason) = send(&socket, &reply) {
                 let _ = events.unbounded_send(Event::WorkerLost(reason));
                 return;
             }
@@ -384,9 +377,10 @@ async fn train<D: Device + 'static>(
     }
 }
 
-/// Queues a heartbeat every `interval_ms` until the session that owns the
+/// Queues a heartbeat every `interval` until the session that owns the
 /// receiving end is over.
-fn start_heartbeat(events: mpsc::UnboundedSender<Event>, interval_ms: u32) {
+fn start_heartbeat(events: mpsc::UnboundedSender<Event>, interval: Duration) {
+    let interval_ms = u32::try_from(interval.as_millis()).unwrap_or(u32::MAX);
     wasm_bindgen_futures::spawn_local(async move {
         loop {
             TimeoutFuture::new(interval_ms).await;

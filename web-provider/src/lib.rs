@@ -8,7 +8,7 @@
 
 #[cfg(target_arch = "wasm32")]
 mod browser;
-mod session;
+mod measure;
 
 /// What the donation is doing now; the Donate page shows it.
 #[derive(Debug, Clone, PartialEq)]

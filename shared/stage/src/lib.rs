@@ -8,14 +8,18 @@
 //! Pieces: [`kernel`](crate::kernel) (a kernel call as data, lowered to WGSL
 //! or to its CPU reference), `program` (a stage at one batch size lowered to
 //! the kernel calls of its forward and backward passes), [`device`] (where
-//! kernels run) and [`executor`] (micro-batches, buffers, optimizer). It
-//! knows nothing of the network or of libtorch, and compiles to wasm32.
+//! kernels run) and [`executor`] (micro-batches, buffers, optimizer). The
+//! generic stage worker ([`worker`]) turns the server's training messages
+//! into calls on any backend (ours here, libtorch in `rookery-torch`), and
+//! [`session`] is the socket-free provider session both providers drive. It
+//! knows nothing of sockets or of libtorch, and compiles to wasm32.
 
 pub mod device;
 pub mod executor;
 mod kernel;
-mod own;
+mod kernel_backend;
 mod program;
+pub mod session;
 pub mod worker;
 
 #[cfg(feature = "gpu")]
@@ -23,7 +27,7 @@ pub use device::GpuDevice;
 pub use device::{CpuBuffer, CpuDevice, Device};
 pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
-pub use own::OwnFactory;
+pub use kernel_backend::OwnFactory;
 pub use worker::{Backend, BackendFactory, StageWorker, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use rookery_model::{DType, Graph, Init, Input, Node, Op, Param, ParamKind};
-use rookery_provider::exec::{StageExecutor, tensors_from_values};
+use rookery_torch::exec::{TorchExecutor, tensors_from_values};
 use tch::{Device, Kind, Tensor};
 
 pub fn t(data: &[f32], shape: &[i64]) -> Tensor {
@@ -94,7 +94,7 @@ pub fn owned(params: &BTreeMap<String, Tensor>) -> Vec<(String, Tensor)> {
 
 /// One node `y` applying `op` to the graph inputs and parameters listed, in
 /// that order, as a whole-graph executor.
-pub fn single_op(op: Op, inputs: &[(&str, &Tensor)], params: Vec<Param>) -> (Graph, StageExecutor) {
+pub fn single_op(op: Op, inputs: &[(&str, &Tensor)], params: Vec<Param>) -> (Graph, TorchExecutor) {
     let mut names: Vec<&str> = inputs.iter().map(|(n, _)| *n).collect();
     let pnames: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
     names.extend(pnames.iter().map(String::as_str));
@@ -105,7 +105,7 @@ pub fn single_op(op: Op, inputs: &[(&str, &Tensor)], params: Vec<Param>) -> (Gra
         outputs: vec!["y".into()],
     };
     let p = init_params(&g, 0);
-    let exec = StageExecutor::new(&g, 0..1, vec!["y".into()], p, Device::Cpu).unwrap();
+    let exec = TorchExecutor::new(&g, 0..1, vec!["y".into()], p, Device::Cpu).unwrap();
     (g, exec)
 }
 
@@ -121,17 +121,7 @@ pub fn eval_op(op: Op, inputs: &[(&str, &Tensor)], params: Vec<Param>) -> Tensor
 }
 
 /// Deterministic pseudo-random values in [-1, 1) (no libtorch RNG involved).
-pub fn pseudo(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+pub use rookery_test_support::pseudo;
 
 /// The pipeline tests' MLP (with dropout), shared by the executor's and the
 /// worker's parity tests so both prove the same model.

@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use exec_common::*;
 use rookery_model::{DType, Graph, Op, Param};
-use rookery_provider::exec::{StageExecutor, stage_boundary};
+use rookery_torch::exec::{TorchExecutor, stage_boundary};
 use tch::{Device, Kind, Tensor};
 
 const H: f64 = 1e-5;
@@ -32,7 +32,7 @@ fn objective(outs: &[(String, Tensor)], weights: &[(String, Tensor)]) -> f64 {
 }
 
 fn run(
-    exec: &mut StageExecutor,
+    exec: &mut TorchExecutor,
     inputs: &[(String, Tensor)],
     train: bool,
 ) -> Vec<(String, Tensor)> {
@@ -52,7 +52,7 @@ fn check_grads(
     train: bool,
 ) {
     let outputs = stage_boundary(g, range.end).unwrap();
-    let mut exec = StageExecutor::new(g, range, outputs, owned(&params), Device::Cpu).unwrap();
+    let mut exec = TorchExecutor::new(g, range, outputs, owned(&params), Device::Cpu).unwrap();
     let weights: Vec<(String, Tensor)> = run(&mut exec, &inputs, train)
         .into_iter()
         .enumerate()

@@ -23,7 +23,7 @@ use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::Softmax;
 use rookery_kernels::sample_matrix;
 use rookery_kernels::shape::{Concat, Gather, Transpose};
-use rookery_provider::exec::Optimizer as TorchOptimizer;
+use rookery_torch::TorchOptimizer;
 use tch::{Kind, Reduction, Tensor};
 
 /// One f32 rounding of a handful of operations, relative to max(1, |want|).

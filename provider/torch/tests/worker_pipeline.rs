@@ -1,5 +1,5 @@
 //! StageWorkers driven by messages exactly as the server drives them train like
-//! one process (DESIGN.md, "Data flow of one training step"): one cluster
+//! one process: one cluster
 //! matches single-process training on its batch, and two clusters whose
 //! parameters are averaged after every step match single-process training on
 //! both batches at once.
@@ -17,13 +17,12 @@ use std::ops::Range;
 use exec_common::*;
 use rookery_model::{Graph, Init, Loss, Op, from_toml};
 use rookery_proto::{Forward, Phase, ToProvider, ToServer, WireDType, WireTensor};
-use rookery_provider::exec::loss::loss_value;
-use rookery_provider::exec::reference::train_step;
-use rookery_provider::exec::{Optimizer, OptimizerConfig, StageExecutor};
-use rookery_provider::own::OwnTrainer;
-use rookery_provider::trainer::Trainer;
-use rookery_provider::worker::{StageWorker, step_seed, tensor_to_wire};
 use rookery_stage::{CpuDevice, GpuDevice};
+use rookery_test_support::dense_mlp;
+use rookery_torch::exec::loss::loss_value;
+use rookery_torch::exec::reference::train_step;
+use rookery_torch::exec::{OptimizerConfig, TorchExecutor, TorchOptimizer};
+use rookery_torch::{TorchWorker, step_seed, tensor_to_wire};
 use tch::{Device, Kind, Tensor};
 use worker_common::*;
 
@@ -104,7 +103,7 @@ fn train_both_with(
     let init = init_params(g, 17);
     let mut whole: BTreeMap<String, Tensor> =
         init.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
-    let mut ref_opt = Optimizer::new(job.optimizer).unwrap();
+    let mut ref_opt = TorchOptimizer::new(job.optimizer).unwrap();
     let mut chain = Chain::with_workers(g, cuts, 0, &init, job, make);
     let b = x.size()[0] as f64;
     let mut losses = Losses {
@@ -287,7 +286,7 @@ fn two_clusters_averaged_after_every_step_train_like_one_process_on_the_doubled_
     let batches = [mlp_batch(16, 5), mlp_batch(16, 50)];
     let mut whole: BTreeMap<String, Tensor> =
         init.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
-    let mut ref_opt = Optimizer::new(job.optimizer).unwrap();
+    let mut ref_opt = TorchOptimizer::new(job.optimizer).unwrap();
     let mut worst = 0.0f64;
     let mut losses = Vec::new();
     for step in 0..STEPS {
@@ -306,7 +305,7 @@ fn two_clusters_averaged_after_every_step_train_like_one_process_on_the_doubled_
             clusters.iter_mut().map(|c| c.upload(step + 1)).collect();
         let mut sums: BTreeMap<String, (Tensor, f64)> = BTreeMap::new();
         for t in uploads.iter().flatten().flatten() {
-            let v = rookery_provider::worker::tensor_from_wire(t)
+            let v = rookery_torch::tensor_from_wire(t)
                 .unwrap()
                 .to_kind(Kind::Double);
             let entry = sums
@@ -446,7 +445,7 @@ fn eval_forward_reports_the_loss_and_accuracy_and_leaves_training_untouched() {
             })
             .collect();
         let exec =
-            StageExecutor::new(&g, 0..7, g.outputs.clone(), whole_params, Device::Cpu).unwrap();
+            TorchExecutor::new(&g, 0..7, g.outputs.clone(), whole_params, Device::Cpu).unwrap();
         let out = exec
             .evaluate(&[("input".into(), ex.shallow_clone())])
             .unwrap();
@@ -507,7 +506,7 @@ fn uploaded_parameters_are_f32_with_i64_buffers_and_set_params_keeps_optimizer_s
         assert_eq!(dtypes["1.running_mean"], WireDType::F32);
         assert_eq!(dtypes["0.weight"], WireDType::F32);
         assert_eq!(dtypes.len(), 9, "{dtypes:?}");
-        let num_batches = rookery_provider::worker::tensor_from_wire(
+        let num_batches = rookery_torch::tensor_from_wire(
             uploaded
                 .iter()
                 .flatten()
@@ -605,7 +604,7 @@ fn optimizer_state_for_a_parameter_the_stage_lacks_or_of_the_wrong_shape_is_refu
         (misshapen, "has shape"),
         (unknown_slot, "not an optimizer state slot"),
     ] {
-        let mut w = StageWorker::new(Device::Cpu);
+        let mut w = TorchWorker::new(Device::Cpu);
         let a = rookery_proto::Assignment {
             params: params.clone(),
             optimizer_state: bad,
@@ -626,7 +625,7 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
     let init = init_params(&g, 17);
     let job = JobConfig::new(sgd(), Loss::CrossEntropy);
     let mut in_order = Chain::new(&g, &[0..7], 0, &init, job);
-    let mut worker = StageWorker::new(Device::Cpu);
+    let mut worker = TorchWorker::new(Device::Cpu);
     let a = assignment(&g, &[0..7], 0, 0, &init, &job);
     assert_eq!(
         worker.handle(ToProvider::Assign(Box::new(a))),
@@ -657,31 +656,20 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
 }
 
 /// A plain MLP, for the first mixed chains.
-const MLP_OWN_OPS: &str = r#"
-input_shape = [6]
-[[layers]]
-type = "Dense"
-units = 16
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 12
-activation = "tanh"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
+fn mlp_own_ops() -> String {
+    dense_mlp(6, &[(16, Some("relu")), (12, Some("tanh")), (4, None)])
+}
 
-fn wgpu_worker() -> Box<dyn Trainer> {
+fn wgpu_worker() -> Box<dyn Worker> {
     let device = pollster::block_on(GpuDevice::open()).unwrap_or_else(|e| {
         panic!("no usable GPU adapter ({e}); install mesa-vulkan-drivers (lavapipe)")
     });
-    Box::new(OwnTrainer::new(device))
+    Box::new(OwnWorker::new(device))
 }
 
 #[test]
 fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
-    let g = from_toml(MLP_OWN_OPS).unwrap();
+    let g = from_toml(&mlp_own_ops()).unwrap();
     for (optimizer, name) in [(sgd(), "SGD"), (OptimizerConfig::adam(0.01), "Adam")] {
         let job = JobConfig::new(optimizer, Loss::CrossEntropy);
         let make = |k: usize| {
@@ -699,13 +687,13 @@ fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
 
 #[test]
 fn mlp_entirely_on_our_kernels_gpu_root_and_cpu_leaf_trains_like_one_process() {
-    let g = from_toml(MLP_OWN_OPS).unwrap();
+    let g = from_toml(&mlp_own_ops()).unwrap();
     let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
-    let make = |k: usize| -> Box<dyn Trainer> {
+    let make = |k: usize| -> Box<dyn Worker> {
         if k == 0 {
             wgpu_worker()
         } else {
-            Box::new(OwnTrainer::new(CpuDevice))
+            Box::new(OwnWorker::new(CpuDevice))
         }
     };
     let losses = train_both_with(&g, &[0..3, 3..5], job, mlp_batch(16, 5), 20, &make);

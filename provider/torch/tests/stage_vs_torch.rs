@@ -14,28 +14,25 @@ use std::collections::BTreeMap;
 
 use exec_common::*;
 use rookery_model::{DType, Graph, Init, Op, OptimizerConfig, from_toml};
-use rookery_provider::exec::{Optimizer, StageExecutor, stage_boundary, tensors_from_values};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor};
+use rookery_test_support::bounds::{
+    ErrorBound, WGSL_DIVISION_ULPS, WGSL_INVERSE_SQRT_ULPS, tensor_magnitudes, wgsl_exp_ulps,
+};
+use rookery_test_support::dense_mlp;
+use rookery_torch::exec::{TorchExecutor, TorchOptimizer, stage_boundary, tensors_from_values};
 use tch::{Device as TorchDevice, Kind, Tensor};
 
-const MLP: &str = r#"
-input_shape = [6]
-[[layers]]
-type = "Dense"
-units = 16
-activation = "relu"
-[[layers]]
-type = "Dense"
-units = 12
-activation = "tanh"
-[[layers]]
-type = "Dense"
-units = 8
-activation = "sigmoid"
-[[layers]]
-type = "Dense"
-units = 4
-"#;
+fn mlp() -> String {
+    dense_mlp(
+        6,
+        &[
+            (16, Some("relu")),
+            (12, Some("tanh")),
+            (8, Some("sigmoid")),
+            (4, None),
+        ],
+    )
+}
 
 /// LayerNorm (with weight and bias), Softmax over features, LogSoftmax.
 const NORMED_MLP: &str = r#"
@@ -134,15 +131,11 @@ units = 4
 "#;
 
 /// The demo CNN: Conv2d, BatchNorm2d, max pooling, Dropout, Dense.
-const MNIST_CNN: &str = include_str!("../../examples/mnist-cnn.toml");
+const MNIST_CNN: &str = include_str!("../../../examples/mnist-cnn.toml");
 
 /// Uneven micro-batches, as `torch.chunk` makes of 18 samples in 4.
 const MICRO_BATCHES: [usize; 4] = [5, 5, 5, 3];
 const STEPS: u64 = 6;
-
-/// Relative error allowed against libtorch: f32 sums in another order, over
-/// a few steps of the optimizer.
-const TOLERANCE: f64 = 1e-4;
 
 fn host(x: &Tensor) -> HostTensor {
     HostTensor {
@@ -156,10 +149,115 @@ fn tensor(h: &HostTensor) -> Tensor {
     t(&h.data, &shape)
 }
 
-fn compare(got: &HostTensor, want: &Tensor, what: &str) {
+/// `got` against libtorch's `want`, each element within `bound` of the
+/// tensor's largest value: every element of a stage's tensor comes out of
+/// reductions (and normalisations) over terms about as large as the
+/// tensor's largest, so that is the magnitude its rounding scales with.
+fn compare(got: &HostTensor, want: &Tensor, bound: ErrorBound, what: &str) {
     assert_eq!(got.shape, dims(want), "{what}: shapes differ");
     let got: Vec<f64> = got.data.iter().map(|&v| f64::from(v)).collect();
-    assert_close(&got, &vals(want), TOLERANCE, what);
+    let want = vals(want);
+    bound.check(&got, &want, &tensor_magnitudes(&want), what);
+}
+
+/// How far our stage and libtorch's may drift apart in one step, forward
+/// and backward: both round every reduction of the stage, each within
+/// `gamma(terms)` of the exact value ([`rookery_test_support::bounds`]),
+/// plus WGSL's ULPs for divisions, `inverseSqrt` and `exp`.
+#[derive(Debug, Clone, Copy)]
+struct StageBounds {
+    forward: ErrorBound,
+    backward: ErrorBound,
+}
+
+/// Arguments of `exp` beyond this size leave the functions built on it
+/// (sigmoid, tanh, GELU, softmax) within an ULP of their limits, so WGSL's
+/// `3 + 2|x|` ULPs need not count larger ones.
+const EXP_ARGUMENT: f64 = 9.0;
+
+/// The bounds of stage `range` of `graph` at micro-batches of up to `batch`
+/// samples: the reductions each node chains (dot products over its inputs,
+/// means and variances over what it normalises, sums over pooling windows)
+/// forward, and backward the transposed ones plus the sums over the batch
+/// that give parameter gradients.
+fn stage_bounds(graph: &Graph, range: std::ops::Range<usize>, batch: usize) -> StageBounds {
+    let analysis = graph.analyze().unwrap();
+    let shape = |name: &str| analysis.tensors[name].shape.clone();
+    let (mut forward, mut backward, mut ulps) = (0usize, 0usize, 0.0f64);
+    for info in &analysis.nodes[range] {
+        let node = &graph.nodes[info.index];
+        let out = &info.output.shape;
+        // Rows of one sample's output, times the samples of a micro-batch.
+        let rows = |dims: &[usize]| {
+            batch
+                * dims[1..dims.len().saturating_sub(1)]
+                    .iter()
+                    .product::<usize>()
+        };
+        let (fwd, bwd) = match &node.op {
+            Op::Linear => {
+                let w = shape(&node.inputs[1]);
+                (w[1] + 1, w[0] + rows(out))
+            }
+            Op::MatMul => {
+                let a = shape(&node.inputs[0]);
+                let k = a[a.len() - 1];
+                (k, out[out.len() - 1] + k + rows(out))
+            }
+            Op::Conv2d { .. } => {
+                let w = shape(&node.inputs[1]);
+                let window = w[2] * w[3];
+                (w[1] * window + 1, w[0] * window + batch * out[2] * out[3])
+            }
+            Op::AvgPool2d { kernel, .. } => (kernel[0] * kernel[1], kernel[0] * kernel[1]),
+            Op::GlobalAveragePool => {
+                let x = shape(&node.inputs[0]);
+                (x[2] * x[3], 1)
+            }
+            Op::BatchNorm { .. } => {
+                let x = shape(&node.inputs[0]);
+                let n = batch * x[2..].iter().product::<usize>();
+                ulps += WGSL_INVERSE_SQRT_ULPS + WGSL_DIVISION_ULPS;
+                (3 * n, 3 * n)
+            }
+            Op::LayerNorm { axis, .. } => {
+                let x = shape(&node.inputs[0]);
+                let from = if *axis < 0 {
+                    x.len() - axis.unsigned_abs() as usize
+                } else {
+                    *axis as usize
+                };
+                let n: usize = x[from..].iter().product();
+                ulps += WGSL_INVERSE_SQRT_ULPS + WGSL_DIVISION_ULPS;
+                (3 * n, 3 * n)
+            }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let from = if *axis < 0 {
+                    out.len() - axis.unsigned_abs() as usize
+                } else {
+                    *axis as usize
+                };
+                ulps += wgsl_exp_ulps(EXP_ARGUMENT) + WGSL_DIVISION_ULPS;
+                (2 * out[from], 2 * out[from])
+            }
+            Op::Sigmoid | Op::Tanh | Op::Gelu => {
+                ulps += wgsl_exp_ulps(EXP_ARGUMENT) + WGSL_DIVISION_ULPS;
+                (1, 1)
+            }
+            Op::Div => {
+                ulps += WGSL_DIVISION_ULPS;
+                (1, 1)
+            }
+            _ => (1, 1),
+        };
+        forward += fwd;
+        backward += bwd;
+    }
+    StageBounds {
+        forward: ErrorBound::of(forward, ulps),
+        // Backward reruns the forward's arithmetic, then its own.
+        backward: ErrorBound::of(forward + backward, 2.0 * ulps),
+    }
 }
 
 /// Runs stage `range` of `graph` on `device` next to libtorch for
@@ -171,10 +269,15 @@ fn same_as_torch<D: Device>(
     config: OptimizerConfig,
 ) {
     let what = format!("{} nodes {range:?}", device.describe());
+    let bounds = stage_bounds(graph, range.clone(), MICRO_BATCHES[0]);
+    // Each step's rounding carries into the next (parameters, running
+    // statistics, optimizer state): after `s` steps the two may be `s + 1`
+    // steps' rounding apart.
+    let after = |steps: u64, bound: ErrorBound| bound.between_two().times((steps + 1) as f64);
     let values: BTreeMap<String, Vec<f32>> = graph.initial_values(7);
     let outputs = stage_boundary(graph, range.end).unwrap();
     let params = tensors_from_values(graph, &values).unwrap();
-    let mut torch = StageExecutor::new(
+    let mut torch = TorchExecutor::new(
         graph,
         range.clone(),
         outputs.clone(),
@@ -182,7 +285,7 @@ fn same_as_torch<D: Device>(
         TorchDevice::Cpu,
     )
     .unwrap();
-    let mut torch_opt = Optimizer::new(config).unwrap();
+    let mut torch_opt = TorchOptimizer::new(config).unwrap();
     let mut ours =
         rookery_stage::StageExecutor::new(device, graph, range.clone(), &outputs, &values, config)
             .unwrap();
@@ -214,7 +317,12 @@ fn same_as_torch<D: Device>(
                 pollster::block_on(ours.forward_at(&host_inputs, offset)).unwrap();
             offset += b as u64;
             for ((name, g), (_, w)) in got.iter().zip(&forward.outputs) {
-                compare(g, w, &format!("{what}: step {step} output {name}"));
+                compare(
+                    g,
+                    w,
+                    after(step, bounds.forward),
+                    &format!("{what}: step {step} output {name}"),
+                );
             }
             pending.push((forward, micro_batch));
         }
@@ -233,7 +341,12 @@ fn same_as_torch<D: Device>(
             let got = pollster::block_on(ours.backward(micro_batch, &host_grads)).unwrap();
             assert_eq!(got.len(), want.len(), "{what}");
             for ((name, g), (_, w)) in got.iter().zip(&want) {
-                compare(g, w, &format!("{what}: step {step} gradient of {name}"));
+                compare(
+                    g,
+                    w,
+                    after(step, bounds.backward),
+                    &format!("{what}: step {step} gradient of {name}"),
+                );
             }
         }
         torch.step(&mut torch_opt).unwrap();
@@ -244,6 +357,7 @@ fn same_as_torch<D: Device>(
             compare(
                 g,
                 w,
+                after(step, bounds.backward),
                 &format!("{what}: after step {step}, parameter {name}"),
             );
         }
@@ -264,7 +378,12 @@ fn same_as_torch<D: Device>(
     let host_inputs: Vec<_> = inputs.iter().map(|(n, x)| (n.clone(), host(x))).collect();
     let got = pollster::block_on(ours.evaluate(&host_inputs)).unwrap();
     for ((name, g), (_, w)) in got.iter().zip(&want) {
-        compare(g, w, &format!("{what}: evaluation output {name}"));
+        compare(
+            g,
+            w,
+            after(STEPS, bounds.forward),
+            &format!("{what}: evaluation output {name}"),
+        );
     }
     // Parameters loaded from elsewhere (a sync) replace the values exactly.
     let loaded: Vec<(String, HostTensor)> = torch
@@ -276,7 +395,12 @@ fn same_as_torch<D: Device>(
     ours.set_parameters(&loaded).unwrap();
     let got = pollster::block_on(ours.parameters()).unwrap();
     for ((name, g), (_, w)) in got.iter().zip(&loaded) {
-        compare(g, &tensor(w), &format!("{what}: loaded {name}"));
+        compare(
+            g,
+            &tensor(w),
+            ErrorBound::EXACT,
+            &format!("{what}: loaded {name}"),
+        );
     }
 }
 
@@ -338,7 +462,7 @@ fn sgd_momentum() -> OptimizerConfig {
 
 #[test]
 fn mlp_stages_on_the_gpu_match_libtorch_step_for_step() {
-    let graph = from_toml(MLP).unwrap();
+    let graph = from_toml(&mlp()).unwrap();
     let n = graph.analyze().unwrap().nodes.len();
     // A Root (data in, no input gradient), a Stem, a Leaf and the whole model.
     for (range, config) in [
@@ -353,7 +477,7 @@ fn mlp_stages_on_the_gpu_match_libtorch_step_for_step() {
 
 #[test]
 fn mlp_stages_on_the_cpu_references_match_libtorch_step_for_step() {
-    let graph = from_toml(MLP).unwrap();
+    let graph = from_toml(&mlp()).unwrap();
     let n = graph.analyze().unwrap().nodes.len();
     for (range, config) in [(2..5, adam()), (0..n, sgd_momentum())] {
         same_as_torch(CpuDevice, &graph, range, config);

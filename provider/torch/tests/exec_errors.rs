@@ -7,8 +7,9 @@ mod exec_common;
 
 use exec_common::*;
 use rookery_model::{Graph, Loss, Op, from_toml};
-use rookery_provider::exec::{
-    ExecError, Optimizer, OptimizerConfig, StageExecutor, loss, micro_batch_loss, stage_boundary,
+use rookery_torch::exec::{
+    ExecError, OptimizerConfig, TorchExecutor, TorchOptimizer, loss, micro_batch_loss,
+    stage_boundary,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -19,9 +20,9 @@ fn mlp() -> Graph {
     .unwrap()
 }
 
-fn whole(g: &Graph) -> StageExecutor {
+fn whole(g: &Graph) -> TorchExecutor {
     let n = g.nodes.len();
-    StageExecutor::new(g, 0..n, g.outputs.clone(), init_params(g, 0), Device::Cpu).unwrap()
+    TorchExecutor::new(g, 0..n, g.outputs.clone(), init_params(g, 0), Device::Cpu).unwrap()
 }
 
 fn x(rows: i64) -> Tensor {
@@ -34,7 +35,7 @@ fn bad_stage_definitions_are_refused_when_built() {
     let p = || init_params(&g, 0);
     let err = |r: std::ops::Range<usize>, outs: &[&str], params| {
         let outs = outs.iter().map(|s| s.to_string()).collect();
-        StageExecutor::new(&g, r, outs, params, Device::Cpu).unwrap_err()
+        TorchExecutor::new(&g, r, outs, params, Device::Cpu).unwrap_err()
     };
     assert!(matches!(err(2..2, &["1"], p()), ExecError::Range { .. }));
     assert!(matches!(err(0..9, &["1"], p()), ExecError::Range { .. }));
@@ -64,7 +65,7 @@ fn bad_stage_definitions_are_refused_when_built() {
         nodes: vec![node("y", Op::Relu, &["ghost"])],
         ..g.clone()
     };
-    let e = StageExecutor::new(&broken, 0..1, vec![], vec![], Device::Cpu).unwrap_err();
+    let e = TorchExecutor::new(&broken, 0..1, vec![], vec![], Device::Cpu).unwrap_err();
     assert!(matches!(e, ExecError::Graph(_)), "{e}");
 }
 
@@ -139,7 +140,7 @@ fn backward_and_step_misuse_is_refused() {
     let g = mlp();
     let mut exec = whole(&g);
     let f = exec.forward(&[("input".into(), x(2))], true).unwrap();
-    let mut opt = Optimizer::new(OptimizerConfig::sgd(0.1)).unwrap();
+    let mut opt = TorchOptimizer::new(OptimizerConfig::sgd(0.1)).unwrap();
     let e = exec.step(&mut opt).unwrap_err();
     assert!(matches!(e, ExecError::InFlight { in_flight: 1, .. }), "{e}");
     assert!(exec.set_parameters(&[]).is_err());
@@ -259,7 +260,7 @@ name = "log_softmax"
     .unwrap();
     let outs = stage_boundary(&g, g.nodes.len()).unwrap();
     let mut exec =
-        StageExecutor::new(&g, 0..g.nodes.len(), outs, init_params(&g, 0), Device::Cpu).unwrap();
+        TorchExecutor::new(&g, 0..g.nodes.len(), outs, init_params(&g, 0), Device::Cpu).unwrap();
     let input = t(&pseudo(2 * 36, 3), &[2, 1, 6, 6]);
     let f = exec.forward(&[("input".into(), input)], true).unwrap();
     assert_eq!(f.outputs[0].1.size(), [2, 3]);

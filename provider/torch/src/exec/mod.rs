@@ -2,12 +2,12 @@
 //! topological order (one pipeline stage) forward and backward, micro-batch by
 //! micro-batch, accumulates its parameter gradients and steps its optimizer.
 //!
-//! One training step on a stage (DESIGN.md, "Data flow of one training step"):
-//! [`StageExecutor::set_step_seed`], then for each micro-batch
-//! [`StageExecutor::forward`] (keeps what backward needs under a
-//! [`MicroBatch`] handle), later [`StageExecutor::backward`] with the gradients
+//! One training step on a stage:
+//! [`TorchExecutor::set_step_seed`], then for each micro-batch
+//! [`TorchExecutor::forward`] (keeps what backward needs under a
+//! [`TorchMicroBatch`] handle), later [`TorchExecutor::backward`] with the gradients
 //! of the stage's outputs (the Leaf gets them from [`loss::micro_batch_loss`]),
-//! and finally [`StageExecutor::step`]. Gradients w.r.t. the stage inputs go back
+//! and finally [`TorchExecutor::step`]. Gradients w.r.t. the stage inputs go back
 //! to the previous stage. [`reference`] holds the single-process oracle and a
 //! local pipeline driver built from the same pieces.
 //!
@@ -28,7 +28,7 @@ use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
 use tch::{Device, Kind, Tensor};
 
 pub use loss::{LossOutput, micro_batch_loss};
-pub use optim::{Optimizer, OptimizerConfig};
+pub use optim::{OptimizerConfig, TorchOptimizer};
 
 use ops::{OpContext, OpFailure};
 
@@ -95,19 +95,19 @@ fn short(e: &tch::TchError) -> String {
 
 /// Handle of one micro-batch between its forward and its backward on a stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct MicroBatch(u64);
+pub struct TorchMicroBatch(u64);
 
-impl MicroBatch {
+impl TorchMicroBatch {
     pub fn id(self) -> u64 {
         self.0
     }
 }
 
-/// What [`StageExecutor::forward`] returns.
+/// What [`TorchExecutor::forward`] returns.
 #[derive(Debug)]
-pub struct Forward {
-    /// Pass this to [`StageExecutor::backward`].
-    pub micro_batch: MicroBatch,
+pub struct TorchForward {
+    /// Pass this to [`TorchExecutor::backward`].
+    pub micro_batch: TorchMicroBatch,
     /// The stage's outputs in constructor order, detached (the autograd graph
     /// stays inside the executor), on the stage's device.
     pub outputs: Vec<(String, Tensor)>,
@@ -150,7 +150,7 @@ struct InFlight {
 
 /// One pipeline stage on one device. See the module docs for a step's calls.
 #[derive(Debug)]
-pub struct StageExecutor {
+pub struct TorchExecutor {
     device: Device,
     nodes: Vec<StageNode>,
     /// For each local node output, the last stage node reading it (`usize::MAX`
@@ -159,7 +159,7 @@ pub struct StageExecutor {
     inputs: Vec<StageInput>,
     params: Vec<StageParam>,
     outputs: Vec<(String, Source)>,
-    in_flight: BTreeMap<MicroBatch, InFlight>,
+    in_flight: BTreeMap<TorchMicroBatch, InFlight>,
     next_micro_batch: u64,
     step_seed: u64,
     next_sample: u64,
@@ -230,7 +230,7 @@ fn dtype_matches(dtype: DType, kind: Kind) -> bool {
     }
 }
 
-impl StageExecutor {
+impl TorchExecutor {
     /// A stage running nodes `range` (positions in [`Graph::analyze`]'s
     /// topological order), producing `outputs` (tensor names: nodes of the
     /// stage, or inputs it passes through to a later stage), with parameters
@@ -342,7 +342,7 @@ impl StageExecutor {
         &mut self,
         inputs: &[(String, Tensor)],
         train: bool,
-    ) -> Result<Forward, ExecError> {
+    ) -> Result<TorchForward, ExecError> {
         let offset = self.next_sample;
         self.forward_at(inputs, train, offset)
     }
@@ -354,7 +354,7 @@ impl StageExecutor {
         inputs: &[(String, Tensor)],
         train: bool,
         sample_offset: u64,
-    ) -> Result<Forward, ExecError> {
+    ) -> Result<TorchForward, ExecError> {
         let placed = self.place_inputs(inputs, true)?;
         let batch = placed
             .first()
@@ -378,10 +378,10 @@ impl StageExecutor {
             .zip(placed)
             .map(|(i, t)| i.requires_grad.then_some(t))
             .collect();
-        let id = MicroBatch(self.next_micro_batch);
+        let id = TorchMicroBatch(self.next_micro_batch);
         self.next_micro_batch += 1;
         self.in_flight.insert(id, InFlight { leaves, outputs });
-        Ok(Forward {
+        Ok(TorchForward {
             micro_batch: id,
             outputs: detached,
         })
@@ -404,7 +404,7 @@ impl StageExecutor {
     }
 
     /// Drops a micro-batch's saved state without backpropagating it.
-    pub fn discard(&mut self, micro_batch: MicroBatch) -> Result<(), ExecError> {
+    pub fn discard(&mut self, micro_batch: TorchMicroBatch) -> Result<(), ExecError> {
         self.in_flight
             .remove(&micro_batch)
             .map(|_| ())
@@ -420,7 +420,7 @@ impl StageExecutor {
     /// leads from the input to an output).
     pub fn backward(
         &mut self,
-        micro_batch: MicroBatch,
+        micro_batch: TorchMicroBatch,
         output_grads: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         let saved = self
@@ -488,7 +488,7 @@ impl StageExecutor {
     /// Applies `optimizer` to every trainable parameter that received a gradient
     /// since the last step (as PyTorch skips parameters whose `.grad` is None),
     /// then clears the gradients.
-    pub fn step(&mut self, optimizer: &mut Optimizer) -> Result<(), ExecError> {
+    pub fn step(&mut self, optimizer: &mut TorchOptimizer) -> Result<(), ExecError> {
         self.idle("stepping")?;
         for p in &self.params {
             if p.kind != ParamKind::Trainable {

@@ -67,7 +67,7 @@ pub type ExportedState<'a> = (String, u64, Vec<(&'static str, &'a Tensor)>);
 
 /// An optimizer with per-parameter state, keyed by parameter name.
 #[derive(Debug)]
-pub struct Optimizer {
+pub struct TorchOptimizer {
     config: OptimizerConfig,
     state: BTreeMap<String, ParamState>,
 }
@@ -82,7 +82,7 @@ fn slot<'a>(slot: &'a mut Option<Tensor>, like: &Tensor) -> Result<&'a mut Tenso
         .ok_or_else(|| ExecError::Optimizer("state slot vanished".into()))
 }
 
-impl Optimizer {
+impl TorchOptimizer {
     pub fn new(config: OptimizerConfig) -> Result<Self, ExecError> {
         config.validate().map_err(ExecError::Optimizer)?;
         Ok(Self {
@@ -124,7 +124,7 @@ impl Optimizer {
             .collect()
     }
 
-    /// Replaces the state of parameter `name` (what [`Optimizer::export`]
+    /// Replaces the state of parameter `name` (what [`TorchOptimizer::export`]
     /// gave), so the next update continues exactly where the exported one
     /// left off. Unknown slot names are refused; tensors are taken as given
     /// (the caller puts them on the parameter's device).

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use rookery_model::{Graph, Loss};
 use tch::{Device, Tensor};
 
-use super::{ExecError, Optimizer, StageExecutor, micro_batch_loss};
+use super::{ExecError, TorchExecutor, TorchOptimizer, micro_batch_loss};
 
 /// One training step of the whole model on one batch: forward in training
 /// mode with dropout seeded by `step_seed`, the batch's mean loss, backward,
@@ -22,7 +22,7 @@ pub fn train_step(
     batch_inputs: &[(String, Tensor)],
     labels: &Tensor,
     loss: Loss,
-    optimizer: &mut Optimizer,
+    optimizer: &mut TorchOptimizer,
     step_seed: u64,
 ) -> Result<f64, ExecError> {
     let device = batch_inputs
@@ -33,7 +33,7 @@ pub fn train_step(
         .iter()
         .map(|(k, v)| (k.clone(), v.shallow_clone()))
         .collect();
-    let mut exec = StageExecutor::new(graph, 0..n, graph.outputs.clone(), given, device)?;
+    let mut exec = TorchExecutor::new(graph, 0..n, graph.outputs.clone(), given, device)?;
     let value = whole_batch_step(&mut exec, batch_inputs, labels, loss, optimizer, step_seed)?;
     for (name, t) in exec.parameters()? {
         params.insert(name, t);
@@ -44,11 +44,11 @@ pub fn train_step(
 /// [`train_step`] on an executor that already holds the whole graph, so the
 /// parameters stay on it between steps.
 pub fn whole_batch_step(
-    exec: &mut StageExecutor,
+    exec: &mut TorchExecutor,
     batch_inputs: &[(String, Tensor)],
     labels: &Tensor,
     loss: Loss,
-    optimizer: &mut Optimizer,
+    optimizer: &mut TorchOptimizer,
     step_seed: u64,
 ) -> Result<f64, ExecError> {
     let [out_name] = exec
@@ -78,8 +78,8 @@ pub fn whole_batch_step(
 /// gradients arriving for the same tensor from several stages are summed.
 /// Returns the batch's mean loss.
 pub fn pipeline_train_step(
-    stages: &mut [StageExecutor],
-    optimizers: &mut [Optimizer],
+    stages: &mut [TorchExecutor],
+    optimizers: &mut [TorchOptimizer],
     batch_inputs: &[(String, Tensor)],
     labels: &Tensor,
     loss: Loss,
@@ -93,7 +93,7 @@ pub fn pipeline_train_step(
             optimizers.len()
         )));
     }
-    let leaf_output = match stages.last().map(StageExecutor::output_names) {
+    let leaf_output = match stages.last().map(TorchExecutor::output_names) {
         Some(names) if names.len() == 1 => names[0].clone(),
         other => {
             return Err(ExecError::Loss(format!(

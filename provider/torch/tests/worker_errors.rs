@@ -14,7 +14,7 @@ use rookery_model::{Loss, OptimizerConfig, from_toml};
 use rookery_proto::{
     Assignment, Backward, Forward, ParamSet, Phase, ToProvider, ToServer, WireDType, WireTensor,
 };
-use rookery_provider::worker::{StageWorker, tensor_to_wire};
+use rookery_torch::{TorchWorker, tensor_to_wire};
 use tch::{Device, Tensor};
 use worker_common::*;
 
@@ -43,8 +43,8 @@ fn assign(k: usize) -> Assignment {
     assignment(&g, &[0..2, 2..3], k, 0, &init_params(&g, 3), &job())
 }
 
-fn ready(k: usize) -> StageWorker {
-    let mut w = StageWorker::new(Device::Cpu);
+fn ready(k: usize) -> TorchWorker {
+    let mut w = TorchWorker::new(Device::Cpu);
     assert_eq!(
         w.handle(ToProvider::Assign(Box::new(assign(k)))),
         [ToServer::Ready { job_id: 7 }]
@@ -89,7 +89,7 @@ fn assert_mentions(message: &str, parts: &[&str]) {
 
 #[test]
 fn forward_before_any_assign_fails_the_job_it_names() {
-    let mut w = StageWorker::new(Device::Cpu);
+    let mut w = TorchWorker::new(Device::Cpu);
     let message = failure(w.handle(forward(7, 0, 0, 4)), 7);
     assert_mentions(&message, &["job 7", "no stage is assigned"]);
     for m in [
@@ -163,7 +163,7 @@ fn backward_for_a_micro_batch_never_run_forward_fails() {
 
 #[test]
 fn bad_graph_json_fails_the_assignment_saying_so() {
-    let mut w = StageWorker::new(Device::Cpu);
+    let mut w = TorchWorker::new(Device::Cpu);
     let a = Assignment {
         graph_json: "{\"inputs\": [oops".into(),
         ..assign(0)
@@ -175,7 +175,7 @@ fn bad_graph_json_fails_the_assignment_saying_so() {
 
 #[test]
 fn parameters_of_the_wrong_shape_or_size_fail_the_assignment_naming_the_parameter() {
-    let mut w = StageWorker::new(Device::Cpu);
+    let mut w = TorchWorker::new(Device::Cpu);
     let mut a = assign(0);
     let p = a.params.iter_mut().find(|p| p.name == "0.weight").unwrap();
     p.shape = vec![6, 8];
@@ -196,7 +196,7 @@ fn parameters_of_the_wrong_shape_or_size_fail_the_assignment_naming_the_paramete
 
 #[test]
 fn impossible_assignments_fail_with_the_reason() {
-    let mut w = StageWorker::new(Device::Cpu);
+    let mut w = TorchWorker::new(Device::Cpu);
     for (a, says) in [
         (
             Assignment {
@@ -356,7 +356,7 @@ fn a_new_step_cannot_start_before_the_last_one_finished_nor_a_done_step_rerun() 
 
     // Root and Leaf in one: each forward completes its micro-batch at once.
     let g = from_toml(MLP).unwrap();
-    let mut w = StageWorker::new(Device::Cpu);
+    let mut w = TorchWorker::new(Device::Cpu);
     let a = assignment(&g, &[0..3], 0, 0, &init_params(&g, 3), &job());
     assert_eq!(
         w.handle(ToProvider::Assign(Box::new(a))),

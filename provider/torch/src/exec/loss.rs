@@ -20,7 +20,7 @@ pub struct LossOutput {
     pub mean: f64,
     /// `mean * m_i / B`: this micro-batch's contribution to the batch's mean loss.
     pub scaled: f64,
-    /// Gradient of the scaled loss w.r.t. the output, for [`super::StageExecutor::backward`].
+    /// Gradient of the scaled loss w.r.t. the output, for [`super::TorchExecutor::backward`].
     pub grad: Tensor,
 }
 

@@ -1,4 +1,4 @@
-//! The core equivalence (DESIGN.md, "Data flow of one training step"): a model
+//! The core equivalence: a model
 //! cut into stages, each batch split into micro-batches whose gradients
 //! accumulate before every stage steps its own optimizer, trains exactly like
 //! one process taking the whole batch at once.
@@ -13,9 +13,9 @@ use std::ops::Range;
 use exec_common::*;
 use rookery_model::{ClusterCount, Graph, Loss, Op, from_toml};
 use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec, clusterize};
-use rookery_provider::exec::reference::{pipeline_train_step, train_step};
-use rookery_provider::exec::{
-    Forward, Optimizer, OptimizerConfig, StageExecutor, micro_batch_loss, stage_boundary,
+use rookery_torch::exec::reference::{pipeline_train_step, train_step};
+use rookery_torch::exec::{
+    OptimizerConfig, TorchExecutor, TorchForward, TorchOptimizer, micro_batch_loss, stage_boundary,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -24,11 +24,11 @@ fn stages(
     g: &Graph,
     cuts: &[Range<usize>],
     params: &BTreeMap<String, Tensor>,
-) -> Vec<StageExecutor> {
+) -> Vec<TorchExecutor> {
     cuts.iter()
         .map(|r| {
             let outputs = stage_boundary(g, r.end).unwrap();
-            StageExecutor::new(g, r.clone(), outputs, owned(params), Device::Cpu).unwrap()
+            TorchExecutor::new(g, r.clone(), outputs, owned(params), Device::Cpu).unwrap()
         })
         .collect()
 }
@@ -52,11 +52,11 @@ fn compare(
 ) -> Run {
     let init = init_params(g, 17);
     let mut whole = init.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
-    let mut ref_opt = Optimizer::new(config).unwrap();
+    let mut ref_opt = TorchOptimizer::new(config).unwrap();
     let mut pipe = stages(g, cuts, &init);
-    let mut opts: Vec<Optimizer> = cuts
+    let mut opts: Vec<TorchOptimizer> = cuts
         .iter()
-        .map(|_| Optimizer::new(config).unwrap())
+        .map(|_| TorchOptimizer::new(config).unwrap())
         .collect();
     let (x, y) = batch;
     let b = x.size()[0];
@@ -274,7 +274,7 @@ fn accumulated_micro_batch_gradients_equal_the_whole_batch_gradient() {
     let (x, y) = mlp_batch();
     let grads = |micro: i64| -> BTreeMap<String, Vec<f64>> {
         let mut s =
-            StageExecutor::new(&g, 0..7, g.outputs.clone(), owned(&params), Device::Cpu).unwrap();
+            TorchExecutor::new(&g, 0..7, g.outputs.clone(), owned(&params), Device::Cpu).unwrap();
         s.set_step_seed(9);
         let b = x.size()[0];
         let chunk = b / micro;
@@ -313,7 +313,7 @@ fn batch_norm_micro_batches_in_flight_backpropagate_in_any_order() {
     .unwrap();
     let params = init_params(&g, 1);
     let mut s =
-        [StageExecutor::new(&g, 0..3, g.outputs.clone(), owned(&params), Device::Cpu).unwrap()];
+        [TorchExecutor::new(&g, 0..3, g.outputs.clone(), owned(&params), Device::Cpu).unwrap()];
     let x = t(&pseudo(12, 4), &[4, 3]);
     let f1 = s[0]
         .forward(&[("input".into(), x.narrow(0, 0, 2))], true)
@@ -322,7 +322,7 @@ fn batch_norm_micro_batches_in_flight_backpropagate_in_any_order() {
         .forward(&[("input".into(), x.narrow(0, 2, 2))], true)
         .unwrap();
     assert_eq!(s[0].in_flight(), 2);
-    let ones = |f: &Forward| vec![(f.outputs[0].0.clone(), f.outputs[0].1.ones_like())];
+    let ones = |f: &TorchForward| vec![(f.outputs[0].0.clone(), f.outputs[0].1.ones_like())];
     s[0].backward(f2.micro_batch, &ones(&f2)).unwrap();
     s[0].backward(f1.micro_batch, &ones(&f1)).unwrap();
     assert_eq!(s[0].in_flight(), 0);
@@ -368,7 +368,7 @@ fn planner_boundary_sets_drive_the_executors() {
         let outs: Vec<String> = s.outputs.iter().map(|b| b.name.clone()).collect();
         assert_eq!(outs, stage_boundary(&g, s.end).unwrap());
         let exec =
-            StageExecutor::new(&g, s.first..s.end, outs, owned(&params), Device::Cpu).unwrap();
+            TorchExecutor::new(&g, s.first..s.end, outs, owned(&params), Device::Cpu).unwrap();
         let want: BTreeSet<String> = s.inputs.iter().map(|b| b.name.clone()).collect();
         assert_eq!(
             exec.input_names().into_iter().collect::<BTreeSet<_>>(),

@@ -1,6 +1,7 @@
-//! Compute backends. Each measures the device it runs on so the provider can
-//! describe itself; later each also runs stages. libtorch sits behind the
-//! `torch` feature so a plain `cargo check --workspace` needs no libtorch.
+//! The devices a provider can compute on, measured so the provider can
+//! describe itself in `Hello` (the stages themselves run through
+//! `rookery_stage::worker::ComputeDevice`s). libtorch sits behind the `torch`
+//! feature so a plain `cargo check --workspace` needs no libtorch.
 
 use std::time::{Duration, Instant};
 
@@ -13,41 +14,35 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// What a provider reports about itself in `Hello`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DeviceProfile {
-    pub device: String,
-    pub memory_bytes: u64,
-    pub gflops: f64,
-}
+pub use rookery_stage::session::DeviceOffer;
 
 #[derive(Debug, thiserror::Error)]
-pub enum BackendError {
+pub enum ProfileError {
     #[error("CUDA was requested but {0}")]
     CudaUnavailable(String),
     #[error("the benchmark measured no throughput (elapsed {0:?})")]
     NoThroughput(Duration),
 }
 
-/// A way to run tensor maths on this machine.
-pub trait Backend: Send {
+/// A device of this machine that runs tensor maths.
+pub trait ComputeDevice: Send {
     /// Measures the device: matmul throughput and usable memory.
-    fn profile(&self) -> Result<DeviceProfile, BackendError>;
+    fn profile(&self) -> Result<DeviceOffer, ProfileError>;
 }
 
-/// Picks the best backend this build has for `choice`.
-pub fn select(choice: DeviceChoice) -> Result<Box<dyn Backend>, BackendError> {
+/// Picks the best device this build has for `choice`.
+pub fn select(choice: DeviceChoice) -> Result<Box<dyn ComputeDevice>, ProfileError> {
     #[cfg(feature = "torch")]
     {
-        Ok(Box::new(torch::TorchBackend::new(choice)?))
+        Ok(Box::new(torch::TorchCompute::new(choice)?))
     }
     #[cfg(not(feature = "torch"))]
     {
         match choice {
-            DeviceChoice::Cuda => Err(BackendError::CudaUnavailable(
+            DeviceChoice::Cuda => Err(ProfileError::CudaUnavailable(
                 "this build has no libtorch (rebuild with `--features torch`)".into(),
             )),
-            DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Box::new(ReferenceBackend)),
+            DeviceChoice::Auto | DeviceChoice::Cpu => Ok(Box::new(ReferenceCompute)),
         }
     }
 }
@@ -64,7 +59,7 @@ pub fn measure_gflops(
     flops_per_run: f64,
     budget: Duration,
     mut run: impl FnMut(),
-) -> Result<f64, BackendError> {
+) -> Result<f64, ProfileError> {
     run();
     let started = Instant::now();
     let mut runs = 0u32;
@@ -80,7 +75,7 @@ pub fn measure_gflops(
     if gflops.is_finite() && gflops > 0.0 {
         Ok(gflops)
     } else {
-        Err(BackendError::NoThroughput(elapsed))
+        Err(ProfileError::NoThroughput(elapsed))
     }
 }
 
@@ -98,10 +93,10 @@ pub fn host_memory_bytes() -> u64 {
 /// The plain-Rust CPU reference kernels from `rookery-kernels`: slow, but
 /// available everywhere, so a build without libtorch still runs.
 #[derive(Debug)]
-pub struct ReferenceBackend;
+pub struct ReferenceCompute;
 
-impl Backend for ReferenceBackend {
-    fn profile(&self) -> Result<DeviceProfile, BackendError> {
+impl ComputeDevice for ReferenceCompute {
+    fn profile(&self) -> Result<DeviceOffer, ProfileError> {
         let n = 128;
         let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32).collect();
         let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32).collect();
@@ -112,10 +107,11 @@ impl Backend for ReferenceBackend {
                 std::hint::black_box(rookery_kernels::matmul_reference(&a, &b, n, n, n));
             },
         )?;
-        Ok(DeviceProfile {
+        Ok(DeviceOffer {
             device: "plain-Rust CPU reference (built without libtorch)".into(),
             memory_bytes: host_memory_bytes(),
             gflops,
+            max_buffer_bytes: None,
         })
     }
 }
@@ -128,12 +124,12 @@ pub mod torch {
     use tch::{Device, Kind, Tensor};
 
     #[derive(Debug)]
-    pub struct TorchBackend {
+    pub struct TorchCompute {
         device: Device,
     }
 
-    impl TorchBackend {
-        pub fn new(choice: DeviceChoice) -> Result<Self, BackendError> {
+    impl TorchCompute {
+        pub fn new(choice: DeviceChoice) -> Result<Self, ProfileError> {
             let cuda = tch::Cuda::is_available();
             let device = match choice {
                 DeviceChoice::Cpu => Device::Cpu,
@@ -141,7 +137,7 @@ pub mod torch {
                 DeviceChoice::Auto => Device::Cpu,
                 DeviceChoice::Cuda if cuda => Device::Cuda(0),
                 DeviceChoice::Cuda => {
-                    return Err(BackendError::CudaUnavailable(
+                    return Err(ProfileError::CudaUnavailable(
                         "libtorch sees no CUDA device".into(),
                     ));
                 }
@@ -175,8 +171,8 @@ pub mod torch {
         }
     }
 
-    impl Backend for TorchBackend {
-        fn profile(&self) -> Result<DeviceProfile, BackendError> {
+    impl ComputeDevice for TorchCompute {
+        fn profile(&self) -> Result<DeviceOffer, ProfileError> {
             let n: i64 = if self.device.is_cuda() { 2048 } else { 512 };
             let options = (Kind::Float, self.device);
             let a = Tensor::randn([n, n], options);
@@ -193,10 +189,11 @@ pub mod torch {
                     drop(std::hint::black_box(c));
                 },
             )?;
-            Ok(DeviceProfile {
+            Ok(DeviceOffer {
                 device: self.describe(),
                 memory_bytes: self.memory_bytes(),
                 gflops,
+                max_buffer_bytes: None,
             })
         }
     }
@@ -231,8 +228,8 @@ pub mod torch {
 
         #[test]
         fn libtorch_cpu_profile_is_measured_not_made_up() {
-            let backend = TorchBackend::new(DeviceChoice::Cpu).unwrap();
-            let profile = backend.profile().unwrap();
+            let device = TorchCompute::new(DeviceChoice::Cpu).unwrap();
+            let profile = device.profile().unwrap();
             assert!(
                 profile.device.starts_with("libtorch CPU"),
                 "{}",
@@ -259,8 +256,8 @@ mod tests {
     }
 
     #[test]
-    fn reference_backend_profile_is_positive() {
-        let profile = ReferenceBackend.profile().unwrap();
+    fn reference_device_profile_is_positive() {
+        let profile = ReferenceCompute.profile().unwrap();
         assert!(profile.gflops > 0.0);
         assert!(profile.memory_bytes > 0);
     }

@@ -13,10 +13,37 @@ use rookery_proto::{
     Assignment, Backward, Forward, ParamOptimState, ParamSet, Phase, ToProvider, ToServer,
     WireDType, WireTensor,
 };
-use rookery_provider::exec::stage_boundary;
-use rookery_provider::trainer::Trainer;
-use rookery_provider::worker::{StageWorker, tensor_to_wire};
+use rookery_stage::{Device as StageDevice, OwnFactory, StageWorker};
+use rookery_torch::exec::stage_boundary;
+use rookery_torch::{TorchWorker, tensor_to_wire};
 use tch::{Device, Kind, Tensor};
+
+/// A worker the stand-in server relays to, synchronously: libtorch's or
+/// our own executor's.
+pub trait Worker {
+    fn handle(&mut self, message: ToProvider) -> Vec<ToServer>;
+}
+
+impl Worker for TorchWorker {
+    fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+        TorchWorker::handle(self, message)
+    }
+}
+
+/// The generic stage worker over our own executor on `D`.
+pub struct OwnWorker<D: StageDevice>(StageWorker<OwnFactory<D>>);
+
+impl<D: StageDevice> OwnWorker<D> {
+    pub fn new(device: D) -> Self {
+        Self(StageWorker::new(OwnFactory::new(device)))
+    }
+}
+
+impl<D: StageDevice> Worker for OwnWorker<D> {
+    fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+        pollster::block_on(self.0.handle(message))
+    }
+}
 
 /// What a job's assignments share.
 #[derive(Debug, Clone, Copy)]
@@ -104,16 +131,16 @@ pub struct StepReport {
 }
 
 /// Makes the worker of stage `k` of a chain.
-pub type MakeWorker<'a> = &'a dyn Fn(usize) -> Box<dyn Trainer>;
+pub type MakeWorker<'a> = &'a dyn Fn(usize) -> Box<dyn Worker>;
 
 /// libtorch on the CPU for every stage.
-pub fn torch_worker(_stage: usize) -> Box<dyn Trainer> {
-    Box::new(StageWorker::new(Device::Cpu))
+pub fn torch_worker(_stage: usize) -> Box<dyn Worker> {
+    Box::new(TorchWorker::new(Device::Cpu))
 }
 
 /// One cluster: a chain of workers, one per stage.
 pub struct Chain {
-    pub workers: Vec<Box<dyn Trainer>>,
+    pub workers: Vec<Box<dyn Worker>>,
     pub job: JobConfig,
     pub input: String,
 }
@@ -357,7 +384,7 @@ pub fn by_name(stages: &[Vec<WireTensor>]) -> BTreeMap<String, Tensor> {
         .iter()
         .flatten()
         .map(|t| {
-            let v = rookery_provider::worker::tensor_from_wire(t).unwrap();
+            let v = rookery_torch::tensor_from_wire(t).unwrap();
             (t.name.clone(), v.to_kind(Kind::Double))
         })
         .collect()

@@ -9,11 +9,11 @@ mod exec_common;
 
 use exec_common::*;
 use rookery_model::{Graph, Op};
-use rookery_provider::exec::{ExecError, Optimizer, OptimizerConfig, StageExecutor};
+use rookery_torch::exec::{ExecError, OptimizerConfig, TorchExecutor, TorchOptimizer};
 use tch::{COptimizer, Device, Kind, Tensor};
 
 fn one_step(config: OptimizerConfig, p: &[f32], g: &[f32]) -> Vec<f64> {
-    let mut opt = Optimizer::new(config).unwrap();
+    let mut opt = TorchOptimizer::new(config).unwrap();
     let param = t(p, &[p.len() as i64]);
     opt.update("p", &param, &t(g, &[g.len() as i64])).unwrap();
     assert_eq!(opt.steps("p"), 1);
@@ -60,7 +60,7 @@ fn sgd_momentum_and_nesterov_second_steps_follow_the_buffer() {
     let (lr, mu) = (0.1, 0.9);
     let g2 = [0.1f32, 0.2, -0.3];
     for nesterov in [false, true] {
-        let mut opt = Optimizer::new(OptimizerConfig::Sgd {
+        let mut opt = TorchOptimizer::new(OptimizerConfig::Sgd {
             lr,
             momentum: mu,
             dampening: 0.0,
@@ -165,7 +165,7 @@ fn against_libtorch(ours: OptimizerConfig, mut theirs: COptimizer) {
     let mine = Tensor::from_slice(&init);
     let reference = Tensor::from_slice(&init).set_requires_grad(true);
     theirs.add_parameters(&reference, 0).unwrap();
-    let mut opt = Optimizer::new(ours).unwrap();
+    let mut opt = TorchOptimizer::new(ours).unwrap();
     for step in 0..20 {
         let g = grad_at(step, n);
         theirs.zero_grad().unwrap();
@@ -270,9 +270,9 @@ fn parameters_without_a_gradient_are_not_stepped() {
         outputs: vec!["y".into()],
     };
     let mut exec =
-        StageExecutor::new(&g, 0..2, vec!["y".into()], init_params(&g, 0), Device::Cpu).unwrap();
+        TorchExecutor::new(&g, 0..2, vec!["y".into()], init_params(&g, 0), Device::Cpu).unwrap();
     let before: Vec<(String, Tensor)> = exec.parameters().unwrap();
-    let mut opt = Optimizer::new(OptimizerConfig::adamw(0.1)).unwrap();
+    let mut opt = TorchOptimizer::new(OptimizerConfig::adamw(0.1)).unwrap();
     for _ in 0..2 {
         let f = exec
             .forward(&[("x".into(), x.shallow_clone())], true)
@@ -321,10 +321,10 @@ fn invalid_hyper_parameters_are_refused_as_pytorch_does() {
         },
     ];
     for config in bad {
-        let e = Optimizer::new(config).unwrap_err();
+        let e = TorchOptimizer::new(config).unwrap_err();
         assert!(matches!(e, ExecError::Optimizer(_)), "{config:?}: {e}");
     }
-    let mut opt = Optimizer::new(OptimizerConfig::sgd(0.1)).unwrap();
+    let mut opt = TorchOptimizer::new(OptimizerConfig::sgd(0.1)).unwrap();
     let e = opt
         .update("p", &t(&[1.0, 2.0], &[2]), &t(&[1.0], &[1]))
         .unwrap_err();

@@ -8,7 +8,7 @@ mod exec_common;
 
 use exec_common::*;
 use rookery_model::{DType, Op};
-use rookery_provider::exec::StageExecutor;
+use rookery_torch::exec::TorchExecutor;
 use tch::{Device, Tensor};
 
 #[test]
@@ -307,7 +307,7 @@ fn max_and_average_pooling_match_direct_loops() {
     assert_close(&vals(&y), &[mean(0), mean(1)], 1e-6, "global average pool");
 }
 
-fn bn_graph(x: &Tensor) -> (rookery_model::Graph, StageExecutor) {
+fn bn_graph(x: &Tensor) -> (rookery_model::Graph, TorchExecutor) {
     single_op(
         Op::BatchNorm {
             eps: 1e-5,
@@ -510,7 +510,7 @@ fn gather_is_embedding_lookup_and_accepts_negative_indices() {
         outputs: vec!["y".into()],
     };
     let exec =
-        StageExecutor::new(&g, 0..1, vec!["y".into()], init_params(&g, 0), Device::Cpu).unwrap();
+        TorchExecutor::new(&g, 0..1, vec!["y".into()], init_params(&g, 0), Device::Cpu).unwrap();
     let y = exec.evaluate(&[("idx".into(), idx)]).unwrap().remove(0).1;
     assert_eq!(y.size(), [2, 2, 3]);
     assert_eq!(
@@ -525,7 +525,7 @@ fn gather_is_embedding_lookup_and_accepts_negative_indices() {
     assert_eq!(vals(&y), [3., 1., 6., 4.]);
 }
 
-fn dropout_exec(p: f32, shape: &[i64]) -> (StageExecutor, Tensor) {
+fn dropout_exec(p: f32, shape: &[i64]) -> (TorchExecutor, Tensor) {
     let x = Tensor::ones(shape, (tch::Kind::Float, Device::Cpu));
     let (_, exec) = single_op(Op::Dropout { p }, &[("x", &x)], vec![]);
     (exec, x)
@@ -557,7 +557,7 @@ fn dropout_is_identity_in_eval_and_scales_kept_values_in_training() {
 #[test]
 fn dropout_masks_depend_on_seed_node_and_sample_not_on_micro_batching() {
     let (mut exec, x) = dropout_exec(0.5, &[8, 16]);
-    let run = |exec: &mut StageExecutor, x: &Tensor, seed: u64| {
+    let run = |exec: &mut TorchExecutor, x: &Tensor, seed: u64| {
         exec.set_step_seed(seed);
         let f = exec
             .forward(&[("x".into(), x.shallow_clone())], true)
@@ -595,6 +595,6 @@ fn dropout_masks_depend_on_seed_node_and_sample_not_on_micro_batching() {
         outputs: vec!["other".into()],
     };
     let mut other =
-        StageExecutor::new(&g, 0..1, vec!["other".into()], vec![], Device::Cpu).unwrap();
+        TorchExecutor::new(&g, 0..1, vec!["other".into()], vec![], Device::Cpu).unwrap();
     assert_ne!(run(&mut other, &x, 7), whole);
 }

@@ -1,0 +1,88 @@
+//! The platform-free half of measuring a browser's device: the GPU
+//! self-check and benchmark, and the CPU fallback's benchmark. Kept apart
+//! from the browser glue so the host can test what needs no GPU natively.
+// Natively only the tests call most of this; the browser glue is wasm-only.
+#![cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+
+use rookery_kernels::{GpuContext, GpuError, MATMUL_REL_TOLERANCE, check_matmul, sample_matrix};
+
+/// Side of the benchmark matmul: big enough to keep a GPU busy, small enough
+/// that one dispatch takes milliseconds, not seconds, on a slow one.
+const BENCHMARK_N: u32 = 256;
+/// Time the timed benchmark run aims for, in seconds.
+const BENCHMARK_BUDGET_S: f64 = 0.2;
+/// Most dispatches in the timed run, whatever the GPU's speed.
+const BENCHMARK_MAX_ITERATIONS: u32 = 64;
+
+/// Runs the kernel on a small shape that is no multiple of any tile and
+/// compares it with the CPU reference: a GPU or driver that computes wrong
+/// answers must not donate them.
+pub(crate) async fn self_check(gpu: &GpuContext) -> Result<(), String> {
+    let (m, k, n) = (37, 29, 19);
+    let a = sample_matrix(m * k, 7);
+    let b = sample_matrix(k * n, 8);
+    let c = gpu
+        .matmul(&a, &b, m, k, n)
+        .await
+        .map_err(|e| e.to_string())?;
+    check_matmul(&a, &b, m, k, n, &c, MATMUL_REL_TOLERANCE).map_err(|e| e.to_string())
+}
+
+/// GFLOP/s of this GPU in at most a few hundred milliseconds: one dispatch
+/// to gauge its speed, then as many as fit in [`BENCHMARK_BUDGET_S`].
+pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
+    let first = match gpu.benchmark_matmul_gflops(BENCHMARK_N, 1).await {
+        Ok(gflops) => gflops,
+        // Too fast for the clock to see one dispatch: time the most we allow.
+        Err(GpuError::ClockTooCoarse { .. }) => {
+            return gpu
+                .benchmark_matmul_gflops(BENCHMARK_N, BENCHMARK_MAX_ITERATIONS)
+                .await;
+        }
+        Err(error) => return Err(error),
+    };
+    let flops = rookery_kernels::matmul_flops(
+        BENCHMARK_N as usize,
+        BENCHMARK_N as usize,
+        BENCHMARK_N as usize,
+    );
+    let seconds_each = flops / (first * 1e9);
+    if seconds_each * 2.0 > BENCHMARK_BUDGET_S {
+        // A slow GPU: one dispatch already is a fair measurement.
+        return Ok(first);
+    }
+    // Truncation is fine: the ratio is positive and clamped below.
+    let iterations =
+        ((BENCHMARK_BUDGET_S / seconds_each) as u32).clamp(2, BENCHMARK_MAX_ITERATIONS);
+    gpu.benchmark_matmul_gflops(BENCHMARK_N, iterations).await
+}
+
+/// GFLOP/s of the CPU reference matmul, timed with `now_ms` (the browser's
+/// clock): what a tab without WebGPU offers.
+pub(crate) fn measure_cpu_gflops(now_ms: impl Fn() -> f64) -> f64 {
+    const N: usize = 96;
+    let a = sample_matrix(N * N, 1);
+    let b = sample_matrix(N * N, 2);
+    let flops = rookery_kernels::matmul_flops(N, N, N);
+    let started = now_ms();
+    let mut runs = 0u32;
+    // At least 50 ms, so a coarse clock still measures something.
+    while runs < 2 || now_ms() - started < 50.0 {
+        std::hint::black_box(rookery_kernels::matmul_reference(&a, &b, N, N, N));
+        runs += 1;
+    }
+    let seconds = ((now_ms() - started) / 1e3).max(1e-6);
+    (flops * f64::from(runs) / seconds / 1e9).max(1e-3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_fallback_measures_a_positive_speed() {
+        let start = std::time::Instant::now();
+        let gflops = measure_cpu_gflops(|| start.elapsed().as_secs_f64() * 1e3);
+        assert!(gflops > 0.0 && gflops.is_finite(), "{gflops}");
+    }
+}
