@@ -1,5 +1,5 @@
-//! Training messages of the provider protocol (DESIGN.md, "Data flow of one
-//! training step").
+//! Training messages of the provider protocol (ARCHITECTURE.md, "Bird's-eye
+//! view", tells the same flow).
 //!
 //! The server drives every step. It sends each micro-batch's inputs to the Root
 //! as [`Forward`]; every stage answers a forward with [`Activations`] (its

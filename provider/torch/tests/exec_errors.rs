@@ -8,7 +8,7 @@ mod exec_common;
 use exec_common::*;
 use rookery_model::{Graph, Loss, Op, from_toml};
 use rookery_torch::exec::{
-    ExecError, OptimizerConfig, TorchExecutor, TorchOptimizer, loss, micro_batch_loss,
+    ExecError, OptimizerConfig, StageError, TorchExecutor, TorchOptimizer, loss, micro_batch_loss,
     stage_boundary,
 };
 use tch::{Device, Kind, Tensor};
@@ -50,7 +50,7 @@ fn bad_stage_definitions_are_refused_when_built() {
     missing.remove("0.bias");
     let e = err(0..1, &["0"], missing);
     assert!(
-        matches!(&e, ExecError::Param { name, .. } if name == "0.bias"),
+        matches!(&e, ExecError::Stage(StageError::Param { name, .. }) if name == "0.bias"),
         "{e}"
     );
     let mut wrong = p();
@@ -142,7 +142,7 @@ fn backward_and_step_misuse_is_refused() {
     let f = exec.forward(&[("input".into(), x(2))], true).unwrap();
     let mut opt = TorchOptimizer::new(OptimizerConfig::sgd(0.1)).unwrap();
     let e = exec.step(&mut opt).unwrap_err();
-    assert!(matches!(e, ExecError::InFlight { in_flight: 1, .. }), "{e}");
+    assert!(matches!(e, ExecError::Stage(StageError::InFlight { in_flight: 1, .. })), "{e}");
     assert!(exec.set_parameters(&[]).is_err());
 
     let out = f.outputs[0].0.clone();
@@ -169,7 +169,7 @@ fn backward_and_step_misuse_is_refused() {
     exec.backward(f.micro_batch, &[(out.clone(), ones.shallow_clone())])
         .unwrap();
     let e = exec.backward(f.micro_batch, &[(out, ones)]).unwrap_err();
-    assert!(matches!(e, ExecError::UnknownMicroBatch(_)), "{e}");
+    assert!(matches!(e, ExecError::Stage(StageError::UnknownMicroBatch(_))), "{e}");
     exec.step(&mut opt).unwrap();
 
     let e = exec

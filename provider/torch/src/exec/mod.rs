@@ -25,6 +25,7 @@ use std::ops::Range;
 
 use rookery_model::layout::{self, LayoutError, LayoutParam, Source, StageLayout};
 use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
+pub use rookery_stage::StageError;
 use tch::{Device, Kind, Tensor};
 
 pub use loss::{LossOutput, micro_batch_loss};
@@ -53,18 +54,12 @@ pub enum ExecError {
         op: String,
         reason: String,
     },
-    #[error("parameter `{name}`: {reason}")]
-    Param { name: String, reason: String },
-    #[error("stage input `{name}`: {reason}")]
-    Input { name: String, reason: String },
+    /// What every executor can refuse (parameters, inputs, gradients,
+    /// micro-batches), worded once in `rookery_stage`.
+    #[error(transparent)]
+    Stage(#[from] StageError),
     #[error("stage output `{name}`: {reason}")]
     Output { name: String, reason: String },
-    #[error("gradient for `{name}`: {reason}")]
-    Grad { name: String, reason: String },
-    #[error("micro-batch {0} is not in flight on this stage (already backpropagated or never run)")]
-    UnknownMicroBatch(u64),
-    #[error("{in_flight} micro-batch(es) still await backward; {action} would corrupt them")]
-    InFlight { in_flight: usize, action: String },
     #[error("loss: {0}")]
     Loss(String),
     #[error("optimizer: {0}")]
@@ -77,7 +72,7 @@ impl From<LayoutError> for ExecError {
     fn from(error: LayoutError) -> Self {
         match error {
             LayoutError::Range { first, end, nodes } => ExecError::Range { first, end, nodes },
-            LayoutError::Input { name, reason } => ExecError::Input { name, reason },
+            LayoutError::Input { name, reason } => ExecError::Stage(StageError::Input { name, reason }),
             LayoutError::Output { name, reason } => ExecError::Output { name, reason },
         }
     }
@@ -186,13 +181,13 @@ pub fn tensors_from_values(
     let mut out = BTreeMap::new();
     for (name, data) in values {
         let Some(p) = graph.param(name) else {
-            return Err(ExecError::Param {
+            return Err(ExecError::Stage(StageError::Param {
                 name: name.clone(),
                 reason: "not a parameter of this graph".into(),
-            });
+            }));
         };
         if data.len() != p.numel() {
-            return Err(ExecError::Param {
+            return Err(ExecError::Stage(StageError::Param {
                 name: name.clone(),
                 reason: format!(
                     "{} values for shape {:?} ({} elements)",
@@ -200,7 +195,7 @@ pub fn tensors_from_values(
                     p.shape,
                     p.numel()
                 ),
-            });
+            }));
         }
         let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
         let t = Tensor::f_from_slice(data)?.f_reshape(shape.as_slice())?;
@@ -408,7 +403,7 @@ impl TorchExecutor {
         self.in_flight
             .remove(&micro_batch)
             .map(|_| ())
-            .ok_or(ExecError::UnknownMicroBatch(micro_batch.0))
+            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(micro_batch.0)))
     }
 
     /// Backpropagates one micro-batch given the gradients of the stage's outputs
@@ -426,14 +421,14 @@ impl TorchExecutor {
         let saved = self
             .in_flight
             .get(&micro_batch)
-            .ok_or(ExecError::UnknownMicroBatch(micro_batch.0))?;
+            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(micro_batch.0)))?;
         let mut seen = vec![false; self.outputs.len()];
         let mut terms = Vec::new();
         for (name, g) in output_grads {
-            let grad_err = |reason: String| ExecError::Grad {
+            let grad_err = |reason: String| ExecError::Stage(StageError::Grad {
                 name: name.clone(),
                 reason,
-            };
+            });
             let Some(k) = self.outputs.iter().position(|(o, _)| o == name) else {
                 return Err(grad_err("not an output of this stage".into()));
             };
@@ -467,7 +462,7 @@ impl TorchExecutor {
         let saved = self
             .in_flight
             .remove(&micro_batch)
-            .ok_or(ExecError::UnknownMicroBatch(micro_batch.0))?;
+            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(micro_batch.0)))?;
         if let Some((first, rest)) = terms.split_first() {
             let mut total = first.shallow_clone();
             for t in rest {
@@ -541,10 +536,10 @@ impl TorchExecutor {
     pub fn set_parameters(&mut self, values: &[(String, Tensor)]) -> Result<(), ExecError> {
         self.idle("loading parameters")?;
         for (name, v) in values {
-            let err = |reason: String| ExecError::Param {
+            let err = |reason: String| ExecError::Stage(StageError::Param {
                 name: name.clone(),
                 reason,
-            };
+            });
             let Some(p) = self.params.iter_mut().find(|p| p.name == *name) else {
                 return Err(err("not a parameter of this stage".into()));
             };
@@ -574,10 +569,10 @@ impl TorchExecutor {
         } else {
             // An optimizer step in place would break their saved tensors, and
             // their later backward would add to gradients already spent.
-            Err(ExecError::InFlight {
+            Err(ExecError::Stage(StageError::InFlight {
                 in_flight: self.in_flight.len(),
                 action: action.into(),
-            })
+            }))
         }
     }
 
@@ -590,10 +585,10 @@ impl TorchExecutor {
     ) -> Result<Vec<Tensor>, ExecError> {
         let mut slots: Vec<Option<Tensor>> = (0..self.inputs.len()).map(|_| None).collect();
         for (name, t) in given {
-            let err = |reason: String| ExecError::Input {
+            let err = |reason: String| ExecError::Stage(StageError::Input {
                 name: name.clone(),
                 reason,
-            };
+            });
             let Some(k) = self.inputs.iter().position(|i| i.name == *name) else {
                 return Err(err(format!(
                     "not an input of this stage (expects {:?})",
@@ -629,10 +624,10 @@ impl TorchExecutor {
             .into_iter()
             .zip(&self.inputs)
             .map(|(t, i)| {
-                t.ok_or_else(|| ExecError::Input {
+                t.ok_or_else(|| ExecError::Stage(StageError::Input {
                     name: i.name.clone(),
                     reason: "missing".into(),
-                })
+                }))
             })
             .collect()
     }
@@ -714,10 +709,10 @@ fn stage_param(
     given: &mut HashMap<String, Tensor>,
     device: Device,
 ) -> Result<StageParam, ExecError> {
-    let err = |reason: String| ExecError::Param {
+    let err = |reason: String| ExecError::Stage(StageError::Param {
         name: p.name.clone(),
         reason,
-    };
+    });
     let t = given
         .remove(&p.name)
         .ok_or_else(|| err("missing from the values given to the stage".into()))?;

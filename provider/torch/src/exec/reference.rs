@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use rookery_model::{Graph, Loss};
 use tch::{Device, Tensor};
 
-use super::{ExecError, TorchExecutor, TorchOptimizer, micro_batch_loss};
+use super::{ExecError, StageError, TorchExecutor, TorchOptimizer, micro_batch_loss};
 
 /// One training step of the whole model on one batch: forward in training
 /// mode with dropout seeded by `step_seed`, the batch's mean loss, backward,
@@ -123,10 +123,10 @@ pub fn pipeline_train_step(
                 .input_names()
                 .into_iter()
                 .map(|n| {
-                    let t = avail.get(&n).ok_or_else(|| ExecError::Input {
+                    let t = avail.get(&n).ok_or_else(|| ExecError::Stage(StageError::Input {
                         name: n.clone(),
                         reason: "no earlier stage produced it".into(),
-                    })?;
+                    }))?;
                     Ok((n, t.shallow_clone()))
                 })
                 .collect::<Result<Vec<_>, ExecError>>()?;
@@ -175,10 +175,10 @@ fn batch_size(inputs: &[(String, Tensor)]) -> Result<usize, ExecError> {
         .ok_or_else(|| ExecError::Loss("no batch inputs".into()))?;
     match first.size().first() {
         Some(&b) if b > 0 => Ok(b as usize),
-        _ => Err(ExecError::Input {
+        _ => Err(ExecError::Stage(StageError::Input {
             name: name.clone(),
             reason: format!("shape {:?} has no batch dimension", first.size()),
-        }),
+        })),
     }
 }
 
