@@ -142,7 +142,13 @@ fn backward_and_step_misuse_is_refused() {
     let f = exec.forward(&[("input".into(), x(2))], true).unwrap();
     let mut opt = TorchOptimizer::new(OptimizerConfig::sgd(0.1)).unwrap();
     let e = exec.step(&mut opt).unwrap_err();
-    assert!(matches!(e, ExecError::Stage(StageError::InFlight { in_flight: 1, .. })), "{e}");
+    assert!(
+        matches!(
+            e,
+            ExecError::Stage(StageError::InFlight { in_flight: 1, .. })
+        ),
+        "{e}"
+    );
     assert!(exec.set_parameters(&[]).is_err());
 
     let out = f.outputs[0].0.clone();
@@ -169,7 +175,10 @@ fn backward_and_step_misuse_is_refused() {
     exec.backward(f.micro_batch, &[(out.clone(), ones.shallow_clone())])
         .unwrap();
     let e = exec.backward(f.micro_batch, &[(out, ones)]).unwrap_err();
-    assert!(matches!(e, ExecError::Stage(StageError::UnknownMicroBatch(_))), "{e}");
+    assert!(
+        matches!(e, ExecError::Stage(StageError::UnknownMicroBatch(_))),
+        "{e}"
+    );
     exec.step(&mut opt).unwrap();
 
     let e = exec

@@ -72,7 +72,9 @@ impl From<LayoutError> for ExecError {
     fn from(error: LayoutError) -> Self {
         match error {
             LayoutError::Range { first, end, nodes } => ExecError::Range { first, end, nodes },
-            LayoutError::Input { name, reason } => ExecError::Stage(StageError::Input { name, reason }),
+            LayoutError::Input { name, reason } => {
+                ExecError::Stage(StageError::Input { name, reason })
+            }
             LayoutError::Output { name, reason } => ExecError::Output { name, reason },
         }
     }
@@ -403,7 +405,9 @@ impl TorchExecutor {
         self.in_flight
             .remove(&micro_batch)
             .map(|_| ())
-            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(micro_batch.0)))
+            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(
+                micro_batch.0,
+            )))
     }
 
     /// Backpropagates one micro-batch given the gradients of the stage's outputs
@@ -418,17 +422,18 @@ impl TorchExecutor {
         micro_batch: TorchMicroBatch,
         output_grads: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        let saved = self
-            .in_flight
-            .get(&micro_batch)
-            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(micro_batch.0)))?;
+        let saved = self.in_flight.get(&micro_batch).ok_or(ExecError::Stage(
+            StageError::UnknownMicroBatch(micro_batch.0),
+        ))?;
         let mut seen = vec![false; self.outputs.len()];
         let mut terms = Vec::new();
         for (name, g) in output_grads {
-            let grad_err = |reason: String| ExecError::Stage(StageError::Grad {
-                name: name.clone(),
-                reason,
-            });
+            let grad_err = |reason: String| {
+                ExecError::Stage(StageError::Grad {
+                    name: name.clone(),
+                    reason,
+                })
+            };
             let Some(k) = self.outputs.iter().position(|(o, _)| o == name) else {
                 return Err(grad_err("not an output of this stage".into()));
             };
@@ -459,10 +464,9 @@ impl TorchExecutor {
             // tch has no backward(gradient): d/dy of sum(y * g) is g.
             terms.push(y.f_mul(&g)?.f_sum(None::<Kind>)?);
         }
-        let saved = self
-            .in_flight
-            .remove(&micro_batch)
-            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(micro_batch.0)))?;
+        let saved = self.in_flight.remove(&micro_batch).ok_or(ExecError::Stage(
+            StageError::UnknownMicroBatch(micro_batch.0),
+        ))?;
         if let Some((first, rest)) = terms.split_first() {
             let mut total = first.shallow_clone();
             for t in rest {
@@ -536,10 +540,12 @@ impl TorchExecutor {
     pub fn set_parameters(&mut self, values: &[(String, Tensor)]) -> Result<(), ExecError> {
         self.idle("loading parameters")?;
         for (name, v) in values {
-            let err = |reason: String| ExecError::Stage(StageError::Param {
-                name: name.clone(),
-                reason,
-            });
+            let err = |reason: String| {
+                ExecError::Stage(StageError::Param {
+                    name: name.clone(),
+                    reason,
+                })
+            };
             let Some(p) = self.params.iter_mut().find(|p| p.name == *name) else {
                 return Err(err("not a parameter of this stage".into()));
             };
@@ -585,10 +591,12 @@ impl TorchExecutor {
     ) -> Result<Vec<Tensor>, ExecError> {
         let mut slots: Vec<Option<Tensor>> = (0..self.inputs.len()).map(|_| None).collect();
         for (name, t) in given {
-            let err = |reason: String| ExecError::Stage(StageError::Input {
-                name: name.clone(),
-                reason,
-            });
+            let err = |reason: String| {
+                ExecError::Stage(StageError::Input {
+                    name: name.clone(),
+                    reason,
+                })
+            };
             let Some(k) = self.inputs.iter().position(|i| i.name == *name) else {
                 return Err(err(format!(
                     "not an input of this stage (expects {:?})",
@@ -624,10 +632,12 @@ impl TorchExecutor {
             .into_iter()
             .zip(&self.inputs)
             .map(|(t, i)| {
-                t.ok_or_else(|| ExecError::Stage(StageError::Input {
-                    name: i.name.clone(),
-                    reason: "missing".into(),
-                }))
+                t.ok_or_else(|| {
+                    ExecError::Stage(StageError::Input {
+                        name: i.name.clone(),
+                        reason: "missing".into(),
+                    })
+                })
             })
             .collect()
     }
@@ -709,10 +719,12 @@ fn stage_param(
     given: &mut HashMap<String, Tensor>,
     device: Device,
 ) -> Result<StageParam, ExecError> {
-    let err = |reason: String| ExecError::Stage(StageError::Param {
-        name: p.name.clone(),
-        reason,
-    });
+    let err = |reason: String| {
+        ExecError::Stage(StageError::Param {
+            name: p.name.clone(),
+            reason,
+        })
+    };
     let t = given
         .remove(&p.name)
         .ok_or_else(|| err("missing from the values given to the stage".into()))?;

@@ -123,10 +123,12 @@ pub fn pipeline_train_step(
                 .input_names()
                 .into_iter()
                 .map(|n| {
-                    let t = avail.get(&n).ok_or_else(|| ExecError::Stage(StageError::Input {
-                        name: n.clone(),
-                        reason: "no earlier stage produced it".into(),
-                    }))?;
+                    let t = avail.get(&n).ok_or_else(|| {
+                        ExecError::Stage(StageError::Input {
+                            name: n.clone(),
+                            reason: "no earlier stage produced it".into(),
+                        })
+                    })?;
                     Ok((n, t.shallow_clone()))
                 })
                 .collect::<Result<Vec<_>, ExecError>>()?;
