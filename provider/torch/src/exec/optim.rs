@@ -192,21 +192,8 @@ impl TorchOptimizer {
                 eps,
                 weight_decay,
                 amsgrad,
-            } => adam(
-                param,
-                grad,
-                state,
-                AdamArgs {
-                    lr,
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    amsgrad,
-                    decoupled: false,
-                },
-            ),
-            OptimizerConfig::AdamW {
+            }
+            | OptimizerConfig::AdamW {
                 lr,
                 beta1,
                 beta2,
@@ -224,7 +211,7 @@ impl TorchOptimizer {
                     eps,
                     weight_decay,
                     amsgrad,
-                    decoupled: true,
+                    decoupled: matches!(config, OptimizerConfig::AdamW { .. }),
                 },
             ),
             OptimizerConfig::RmsProp {

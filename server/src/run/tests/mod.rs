@@ -13,11 +13,33 @@ use super::*;
 use rookery_job::{
     Aggregation, DataFormat, DataRef, DataSpec, Labels, ModelSection, ModelSource, TrainingSpec,
 };
-use rookery_model::{ClusterCount, Loss, OptimizerConfig};
-use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec};
+use rookery_model::{ClusterCount, Graph, Loss, OptimizerConfig};
+use rookery_plan::{Plan, PlanOptions, ProviderKind, ProviderSpec};
 use rookery_proto::{
     Activations, Assignment, Gradients, LeafLoss, OptimizerState, ParamSet, StepDone, ToServer,
 };
+
+/// `clusters` chains of Root -> Leaf planned over identical native
+/// providers with ids `ids`, at micro-batch 2.
+fn two_stage_plan(graph: &Graph, ids: std::ops::Range<u64>, clusters: usize) -> Plan {
+    let providers: Vec<ProviderSpec> = ids
+        .map(|i| ProviderSpec {
+            id: i.to_string(),
+            kind: ProviderKind::Native,
+            memory_bytes: 1 << 30,
+            gflops: 10.0,
+            bandwidth_mbps: 1000.0,
+            max_buffer_bytes: None,
+        })
+        .collect();
+    let options = PlanOptions {
+        micro_batch: 2,
+        clusters: ClusterCount::Fixed(clusters),
+        stages_per_cluster: Some(2),
+        ..PlanOptions::default()
+    };
+    rookery_plan::clusterize(graph, &providers, &options).unwrap()
+}
 
 const MLP: &str = r#"
 input_shape = [4]
@@ -85,24 +107,7 @@ fn started_with(clusters: usize, aggregation: Aggregation) -> (JobRun, Vec<Effec
     spec.training.clusters = ClusterCount::Fixed(clusters);
     spec.training.aggregation = aggregation;
     let ids = 10..10 + 2 * clusters as u64;
-    let providers: Vec<ProviderSpec> = ids
-        .clone()
-        .map(|i| ProviderSpec {
-            id: i.to_string(),
-            kind: ProviderKind::Native,
-            memory_bytes: 1 << 30,
-            gflops: 10.0,
-            bandwidth_mbps: 1000.0,
-            max_buffer_bytes: None,
-        })
-        .collect();
-    let options = PlanOptions {
-        micro_batch: 2,
-        clusters: ClusterCount::Fixed(clusters),
-        stages_per_cluster: Some(2),
-        ..PlanOptions::default()
-    };
-    let plan = rookery_plan::clusterize(&graph, &providers, &options).unwrap();
+    let plan = two_stage_plan(&graph, ids.clone(), clusters);
     let ids = ids.map(|i| (i.to_string(), i)).collect();
     let analysis = graph.analyze().unwrap();
     JobRun::start(

@@ -265,23 +265,7 @@ pub(super) fn recovery_run_with(
         nesterov: false,
         weight_decay: 0.0,
     };
-    let providers: Vec<ProviderSpec> = (10..providers_end)
-        .map(|i| ProviderSpec {
-            id: i.to_string(),
-            kind: ProviderKind::Native,
-            memory_bytes: 1 << 30,
-            gflops: 10.0,
-            bandwidth_mbps: 1000.0,
-            max_buffer_bytes: None,
-        })
-        .collect();
-    let options = PlanOptions {
-        micro_batch: 2,
-        clusters: ClusterCount::Fixed(clusters),
-        stages_per_cluster: Some(2),
-        ..PlanOptions::default()
-    };
-    let plan = rookery_plan::clusterize(&graph, &providers, &options).unwrap();
+    let plan = two_stage_plan(&graph, 10..providers_end, clusters);
     let ids = (10..providers_end).map(|i| (i.to_string(), i)).collect();
     let analysis = graph.analyze().unwrap();
     let test = Some(data(6));
