@@ -22,6 +22,9 @@ struct Bench {
     /// Release build with overflow checks and debug assertions, as cargo-fuzz
     /// builds: an overflow on a hostile input must show up as a panic.
     checked: bool,
+    /// Exports models with PyTorch: gets the cache's torch venv
+    /// (`ROOKERY_PYTHON`).
+    needs_torch_python: bool,
     /// Also reports the web provider's wasm size as donors download it
     /// (after wasm-bindgen and wasm-opt, gzip-compressed) against its 1 MiB
     /// target.
@@ -30,12 +33,23 @@ struct Bench {
 
 const BENCHES: &[Bench] = &[
     Bench {
+        name: "gpt",
+        package: "rookery-e2e",
+        example: "bench_gpt",
+        features: &["rookery-e2e/torch"],
+        needs_binaries: true,
+        checked: false,
+        needs_torch_python: true,
+        wasm_size: false,
+    },
+    Bench {
         name: "plan",
         package: "rookery-model",
         example: "bench_plan",
         features: &[],
         needs_binaries: false,
         checked: false,
+        needs_torch_python: false,
         wasm_size: false,
     },
     Bench {
@@ -45,6 +59,7 @@ const BENCHES: &[Bench] = &[
         features: &["rookery-e2e/torch"],
         needs_binaries: true,
         checked: false,
+        needs_torch_python: false,
         wasm_size: false,
     },
     Bench {
@@ -54,6 +69,7 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: true,
         checked: false,
+        needs_torch_python: false,
         wasm_size: false,
     },
     Bench {
@@ -63,6 +79,7 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: false,
         checked: false,
+        needs_torch_python: false,
         wasm_size: false,
     },
     Bench {
@@ -72,6 +89,7 @@ const BENCHES: &[Bench] = &[
         features: &[],
         needs_binaries: false,
         checked: true,
+        needs_torch_python: false,
         wasm_size: false,
     },
     Bench {
@@ -81,6 +99,7 @@ const BENCHES: &[Bench] = &[
         features: &["rookery-e2e/torch"],
         needs_binaries: false,
         checked: false,
+        needs_torch_python: false,
         wasm_size: true,
     },
 ];
@@ -122,6 +141,9 @@ pub fn main(args: &[String]) -> Result<()> {
         cargo.arg("--").args(rest);
     }
     cargo.env("ROOKERY_BIN_DIR", target_dir().join("release"));
+    if bench.needs_torch_python {
+        cargo.env("ROOKERY_PYTHON", setup::ensure_torch_python()?);
+    }
     run(&mut cargo)?;
     if bench.wasm_size {
         wasm_size(&env)?;

@@ -429,3 +429,41 @@ mod tests {
         assert_eq!(locked_version(lock, "leptos"), None);
     }
 }
+
+/// What the GPT example's Python needs, pinned: PyTorch to export the model,
+/// the exporter's `onnx`/`onnxscript`, `safetensors` for the initial weights
+/// and `tokenizers` for the corpus.
+const TORCH_PYTHON_PACKAGES: [&str; 6] = [
+    "torch==2.13.0",
+    "onnx==1.23.2",
+    "onnxscript==0.7.2",
+    "numpy==2.4.6",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+];
+
+/// A Python with PyTorch in the cache (`torch-venv/`), for what exports
+/// models: `cargo xtask bench gpt` and `cargo xtask demo gpt`. Not part of
+/// [`ensure`]: the tests use committed exports, and this is a large download.
+pub fn ensure_torch_python() -> Result<PathBuf> {
+    let venv = cache_dir()?.join("torch-venv");
+    let python = venv.join("bin/python");
+    let mut check = Command::new(&python);
+    check.args(["-c", "import torch, onnx, onnxscript, safetensors, tokenizers"]);
+    if probe(&mut check).is_some() {
+        println!("{} has torch", python.display());
+        return Ok(python);
+    }
+    step("torch venv", || {
+        ensure_packages(true, true)?;
+        // Debian keeps venv's pip bootstrap in its own package.
+        if probe(Command::new("python3").args(["-c", "import venv, ensurepip"])).is_none() {
+            apt(&["install", "-y", "--no-install-recommends", "python3-venv"])?;
+        }
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(TORCH_PYTHON_PACKAGES))
+    })?;
+    Ok(python)
+}
