@@ -7,8 +7,7 @@ use rookery_model::{Analysis, Graph};
 
 use crate::data::position_tables;
 use crate::{
-    DataFormat, Dataset, JobError, JobSpec, ModelSource, Split, load_split,
-    validate_against_model,
+    DataFormat, Dataset, JobError, JobSpec, ModelSource, Split, load_split, validate_against_model,
 };
 
 /// Everything a job needs before any provider is touched.
@@ -101,7 +100,10 @@ pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
 /// A token job's `data.seq_len` against the sequence dimension an ONNX
 /// export fixed (the exporter bakes it into the graph's shape arithmetic).
 fn seq_len_beyond_export(spec: &JobSpec) -> Option<JobError> {
-    let seq_len = spec.data.seq_len.filter(|_| spec.data.format == DataFormat::Tokens)?;
+    let seq_len = spec
+        .data
+        .seq_len
+        .filter(|_| spec.data.format == DataFormat::Tokens)?;
     let ModelSource::Onnx(path) = &spec.model.source else {
         return None;
     };
@@ -130,7 +132,9 @@ fn seq_len_beyond_export(spec: &JobSpec) -> Option<JobError> {
 /// `arange` index out of range): loaded with windows of one token, the
 /// model shows its position tables. `None` when that does not explain it.
 fn seq_len_beyond_positions(spec: &JobSpec) -> Option<JobError> {
-    spec.data.seq_len.filter(|_| spec.data.format == DataFormat::Tokens)?;
+    spec.data
+        .seq_len
+        .filter(|_| spec.data.format == DataFormat::Tokens)?;
     let mut short = spec.clone();
     short.model.input_shape = vec![1];
     let graph = short.load_model().ok()?.graph;
@@ -139,7 +143,10 @@ fn seq_len_beyond_positions(spec: &JobSpec) -> Option<JobError> {
 
 /// `data.seq_len` against the rows of the model's position tables.
 fn positions_error(spec: &JobSpec, graph: &Graph) -> Option<JobError> {
-    let seq_len = spec.data.seq_len.filter(|_| spec.data.format == DataFormat::Tokens)?;
+    let seq_len = spec
+        .data
+        .seq_len
+        .filter(|_| spec.data.format == DataFormat::Tokens)?;
     let (table, rows) = position_tables(graph)
         .into_iter()
         .min_by_key(|&(_, rows)| rows)?;

@@ -336,7 +336,10 @@ impl JobSpec {
                 if given {
                     return Err(JobError::field(
                         field,
-                        format!("is for format = \"tokens\" only (this job's format is {:?})", d.format),
+                        format!(
+                            "is for format = \"tokens\" only (this job's format is {:?})",
+                            d.format
+                        ),
                     ));
                 }
             }
@@ -449,7 +452,12 @@ impl JobSpec {
                     "missing: format = \"tokens\" needs the number of tokens a sample feeds the model",
                 ));
             }
-            Some(0) => return Err(JobError::field("data.seq_len", "must be at least 1 (got 0)")),
+            Some(0) => {
+                return Err(JobError::field(
+                    "data.seq_len",
+                    "must be at least 1 (got 0)",
+                ));
+            }
             Some(n) => n,
         };
         if self.model.input_shape != [seq_len] {

@@ -14,8 +14,8 @@ use std::path::Path;
 use common::{i64_le, npy, write};
 use prost::Message;
 use rookery_job::{
-    DataFormat, DataRef, JobError, JobSpec, Labels, Samples, Schedule, Split, TokenDType,
-    TokenIds, TokenWindows, epoch_permutation, load_split, prepare, validate_against_model,
+    DataFormat, DataRef, JobError, JobSpec, Labels, Samples, Schedule, Split, TokenDType, TokenIds,
+    TokenWindows, epoch_permutation, load_split, prepare, validate_against_model,
 };
 use rookery_model::Loss;
 use rookery_model::onnx::pb;
@@ -34,7 +34,13 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
     z.finish().unwrap()
 }
 
-fn windows(dir: &Path, name: &str, bytes: &[u8], dtype: Option<TokenDType>, seq: usize) -> Result<TokenWindows, JobError> {
+fn windows(
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+    dtype: Option<TokenDType>,
+    seq: usize,
+) -> Result<TokenWindows, JobError> {
     write(dir, name, bytes);
     TokenWindows::read(&DataRef::file(dir.join(name)), dtype, seq)
 }
@@ -70,11 +76,30 @@ fn every_form_of_the_file_reads_the_same_ids() {
         ("a.tok", u32_le(&ids), Some(TokenDType::U32)),
         ("a.npy", npy("<u2", "(6,)", &u16_le(&as_u16)), None),
         ("a.npy.gz", gzip(&npy("<u4", "(6,)", &u32_le(&ids))), None),
-        ("b.npy", npy("<i8", "(6,)", &i64_le(&ids.iter().map(|&v| i64::from(v)).collect::<Vec<_>>())), None),
-        ("c.npy", npy("<i4", "(6,)", &ids.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect::<Vec<_>>()), None),
+        (
+            "b.npy",
+            npy(
+                "<i8",
+                "(6,)",
+                &i64_le(&ids.iter().map(|&v| i64::from(v)).collect::<Vec<_>>()),
+            ),
+            None,
+        ),
+        (
+            "c.npy",
+            npy(
+                "<i4",
+                "(6,)",
+                &ids.iter()
+                    .flat_map(|&v| (v as i32).to_le_bytes())
+                    .collect::<Vec<_>>(),
+            ),
+            None,
+        ),
     ];
     for (name, bytes, dtype) in cases {
-        let w = windows(dir.path(), name, &bytes, dtype, 2).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let w =
+            windows(dir.path(), name, &bytes, dtype, 2).unwrap_or_else(|e| panic!("{name}: {e}"));
         let got: Vec<u32> = (0..w.ids().len()).map(|i| w.ids().get(i)).collect();
         let want_ids: Vec<u32> = (0..want.len()).map(|i| want.get(i)).collect();
         assert_eq!(got, want_ids, "{name}");
@@ -89,14 +114,31 @@ fn every_form_of_the_file_reads_the_same_ids() {
 fn a_file_that_is_not_whole_ids_or_too_short_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let e = windows(dir.path(), "odd.u16", &[1, 0, 2, 0, 3], None, 1).unwrap_err();
-    assert!(matches!(&e, JobError::File { path, .. } if path.ends_with("odd.u16")), "{e}");
-    assert!(e.to_string().contains("5 bytes, not a whole number of u16 token ids"), "{e}");
+    assert!(
+        matches!(&e, JobError::File { path, .. } if path.ends_with("odd.u16")),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("5 bytes, not a whole number of u16 token ids"),
+        "{e}"
+    );
     let e = windows(dir.path(), "odd.u32", &u32_le(&[1, 2])[..6], None, 1).unwrap_err();
-    assert!(e.to_string().contains("6 bytes, not a whole number of u32"), "{e}");
+    assert!(
+        e.to_string().contains("6 bytes, not a whole number of u32"),
+        "{e}"
+    );
 
     let e = windows(dir.path(), "short.u16", &u16_le(&[1, 2, 3, 4]), None, 4).unwrap_err();
-    assert!(matches!(&e, JobError::File { path, .. } if path.ends_with("short.u16")), "{e}");
-    assert!(e.to_string().contains("holds 4 tokens, fewer than one window needs: data.seq_len + 1 = 5"), "{e}");
+    assert!(
+        matches!(&e, JobError::File { path, .. } if path.ends_with("short.u16")),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("holds 4 tokens, fewer than one window needs: data.seq_len + 1 = 5"),
+        "{e}"
+    );
     let e = windows(dir.path(), "empty.u16", &[], None, 1).unwrap_err();
     assert!(e.to_string().contains("holds 0 tokens"), "{e}");
 }
@@ -115,14 +157,35 @@ fn the_width_comes_from_token_dtype_or_the_name_and_they_must_agree() {
     let e = windows(dir.path(), "t.u16", &bytes, Some(TokenDType::U32), 1).unwrap_err();
     assert_eq!(field(&e), "data.token_dtype");
     assert!(e.to_string().contains("says u16"), "{e}");
-    let e = windows(dir.path(), "t.npy", &npy("<u2", "(4,)", &bytes), Some(TokenDType::U16), 1).unwrap_err();
+    let e = windows(
+        dir.path(),
+        "t.npy",
+        &npy("<u2", "(4,)", &bytes),
+        Some(TokenDType::U16),
+        1,
+    )
+    .unwrap_err();
     assert_eq!(field(&e), "data.token_dtype");
     // A .npy must be flat, of integer ids, none negative.
     let e = windows(dir.path(), "m.npy", &npy("<u2", "(2, 2)", &bytes), None, 1).unwrap_err();
     assert!(e.to_string().contains("one flat sequence"), "{e}");
-    let e = windows(dir.path(), "f.npy", &npy("<f4", "(1,)", &1f32.to_le_bytes()), None, 1).unwrap_err();
+    let e = windows(
+        dir.path(),
+        "f.npy",
+        &npy("<f4", "(1,)", &1f32.to_le_bytes()),
+        None,
+        1,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("u16, u32, i32 or i64"), "{e}");
-    let e = windows(dir.path(), "n.npy", &npy("<i8", "(3,)", &i64_le(&[1, -4, 2])), None, 1).unwrap_err();
+    let e = windows(
+        dir.path(),
+        "n.npy",
+        &npy("<i8", "(3,)", &i64_le(&[1, -4, 2])),
+        None,
+        1,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("token id -4 at position 1"), "{e}");
 }
 
@@ -192,7 +255,10 @@ fn a_token_job_file_reads_and_prepares_with_next_token_labels() {
     let train: Vec<u16> = (0..33).map(|i| (i * 3 % 8) as u16).collect();
     let spec = token_job(dir.path(), "spec = \"bigram.toml\"", 1, &train).unwrap();
     assert_eq!(spec.data.format, DataFormat::Tokens);
-    assert_eq!((spec.data.seq_len, spec.data.train_labels.as_ref()), (Some(1), None));
+    assert_eq!(
+        (spec.data.seq_len, spec.data.train_labels.as_ref()),
+        (Some(1), None)
+    );
     // The JSON form carries the token keys through.
     let again = JobSpec::from_json(&spec.to_json().unwrap(), dir.path()).unwrap();
     assert_eq!(again, spec);
@@ -230,9 +296,11 @@ fn token_job_keys_are_checked_by_name() {
     assert_eq!(f, "data.test_labels");
     let (f, _) = field_of(&job_text(model, 1, "").replace("seq_len = 1\n", ""));
     assert_eq!(f, "data.seq_len");
-    let (f, _) = field_of(&job_text(model, 0, "").replace("input_shape = [0]", "input_shape = [1]"));
+    let (f, _) =
+        field_of(&job_text(model, 0, "").replace("input_shape = [0]", "input_shape = [1]"));
     assert_eq!(f, "data.seq_len");
-    let (f, r) = field_of(&job_text(model, 4, "").replace("input_shape = [4]", "input_shape = [2, 2]"));
+    let (f, r) =
+        field_of(&job_text(model, 4, "").replace("input_shape = [4]", "input_shape = [2, 2]"));
     assert_eq!(f, "model.input_shape");
     assert!(r.contains("[4]"), "{r}");
     let (f, _) = field_of(&job_text(model, 1, "token_dtype = \"u8\""));
@@ -266,9 +334,14 @@ fn a_token_id_past_the_embedding_table_names_the_file_and_the_vocabulary() {
     train[13] = 8; // the table has rows 0..8
     let spec = token_job(dir.path(), "spec = \"bigram.toml\"", 1, &train).unwrap();
     let e = prepare(spec).unwrap_err();
-    assert!(e.field.as_deref().unwrap_or("").ends_with("train.u16"), "{e:?}");
     assert!(
-        e.message.contains("token id 8 at position 13 is not below the vocabulary size 8 (the rows of `0.weight`"),
+        e.field.as_deref().unwrap_or("").ends_with("train.u16"),
+        "{e:?}"
+    );
+    assert!(
+        e.message.contains(
+            "token id 8 at position 13 is not below the vocabulary size 8 (the rows of `0.weight`"
+        ),
         "{e}"
     );
 }
@@ -280,14 +353,21 @@ fn token_windows_need_cross_entropy_and_an_output_per_position() {
     let train: Vec<u16> = (0..20).map(|i| (i % 8) as u16).collect();
     let spec = token_job(dir.path(), "spec = \"bigram.toml\"", 1, &train).unwrap();
     let graph = spec.load_model().unwrap().graph;
-    let mut d = load_split(&spec.data, Split::Train, Loss::CrossEntropy).unwrap().unwrap();
+    let mut d = load_split(&spec.data, Split::Train, Loss::CrossEntropy)
+        .unwrap()
+        .unwrap();
     let e = validate_against_model(&graph, &[1], &mut d.clone(), Loss::Mse).unwrap_err();
-    assert!(matches!(&e, JobError::Field { field, .. } if field == "training.loss"), "{e}");
+    assert!(
+        matches!(&e, JobError::Field { field, .. } if field == "training.loss"),
+        "{e}"
+    );
     // Windows of 2 against a model whose output has no sequence dimension.
     let mut two = spec.clone();
     two.data.seq_len = Some(2);
     two.model.input_shape = vec![2];
-    let mut d2 = load_split(&two.data, Split::Train, Loss::CrossEntropy).unwrap().unwrap();
+    let mut d2 = load_split(&two.data, Split::Train, Loss::CrossEntropy)
+        .unwrap()
+        .unwrap();
     let e = validate_against_model(&graph, &[2], &mut d2, Loss::CrossEntropy).unwrap_err();
     assert!(e.to_string().contains("[batch, vocabulary, 2]"), "{e}");
     validate_against_model(&graph, &[1], &mut d, Loss::CrossEntropy).unwrap();
@@ -353,15 +433,41 @@ fn tiny_gpt(seq_dim: Option<i64>, positions: usize) -> Vec<u8> {
         }),
         ..Default::default()
     };
+    let constant = |out: &str, v: i64| {
+        let value = pb::AttributeProto {
+            name: Some("value".into()),
+            r#type: Some(pb::attribute_proto::AttributeType::Tensor as i32),
+            t: Some(int(out, &[v], &[])),
+            ..Default::default()
+        };
+        node("Constant", &[], out, vec![value])
+    };
     let nodes = vec![
-        node("Gather", &["tok.weight", "ids"], "tok", vec![int_attr("axis", 0)]),
+        constant("zero", 0),
+        constant("one", 1),
+        node(
+            "Gather",
+            &["tok.weight", "ids"],
+            "tok",
+            vec![int_attr("axis", 0)],
+        ),
         node("Shape", &["ids"], "shape", vec![]),
         node("Gather", &["shape", "one"], "t", vec![int_attr("axis", 0)]),
         node("Range", &["zero", "t", "one"], "pos_ids", vec![]),
-        node("Gather", &["pos.weight", "pos_ids"], "pos", vec![int_attr("axis", 0)]),
+        node(
+            "Gather",
+            &["pos.weight", "pos_ids"],
+            "pos",
+            vec![int_attr("axis", 0)],
+        ),
         node("Add", &["tok", "pos"], "h", vec![]),
         node("MatMul", &["h", "head.weight"], "logits_ntv", vec![]),
-        node("Transpose", &["logits_ntv"], "logits", vec![ints_attr("perm", &[0, 2, 1])]),
+        node(
+            "Transpose",
+            &["logits_ntv"],
+            "logits",
+            vec![ints_attr("perm", &[0, 2, 1])],
+        ),
     ];
     pb::ModelProto {
         ir_version: Some(9),
@@ -375,8 +481,6 @@ fn tiny_gpt(seq_dim: Option<i64>, positions: usize) -> Vec<u8> {
                 float("tok.weight", &[vocab, d]),
                 float("pos.weight", &[positions, d]),
                 float("head.weight", &[d, vocab]),
-                int("zero", &[0], &[]),
-                int("one", &[1], &[]),
             ],
             input: vec![ids],
             output: vec![pb::ValueInfoProto {
@@ -411,7 +515,9 @@ fn a_seq_len_longer_than_the_models_positions_names_data_seq_len() {
     let e = prepare(spec).unwrap_err();
     assert_eq!(e.field.as_deref(), Some("data.seq_len"), "{e}");
     assert!(
-        e.message.contains("6 is longer than the model's 4 positions (its position table `pos.weight` has 4 rows)"),
+        e.message.contains(
+            "6 is longer than the model's 4 positions (its position table `pos.weight` has 4 rows)"
+        ),
         "{e}"
     );
     // An export that fixed the sequence at 4.
@@ -419,6 +525,9 @@ fn a_seq_len_longer_than_the_models_positions_names_data_seq_len() {
     let spec = token_job(dir.path(), "onnx = \"gpt.onnx\"", 6, &train).unwrap();
     let e = prepare(spec).unwrap_err();
     assert_eq!(e.field.as_deref(), Some("data.seq_len"), "{e}");
-    assert!(e.message.contains("6 is longer than the 4 positions"), "{e}");
+    assert!(
+        e.message.contains("6 is longer than the 4 positions"),
+        "{e}"
+    );
     assert!(e.message.contains("dynamic sequence dimension"), "{e}");
 }

@@ -112,11 +112,16 @@ fn a_token_job_with_an_integer_input_model_trains_on_real_stages() {
 /// The Root's windows are i64 token ids `[n, 1]`; the Leaf's labels are
 /// each of those windows' next token, `[n]` (the model's output is
 /// `[n, 16]`). Returns the windows the Root got.
-fn check_forward(f: &rookery_proto::Forward, windows: &mut HashMap<(Phase, u32), Vec<i64>>) -> usize {
+fn check_forward(
+    f: &rookery_proto::Forward,
+    windows: &mut HashMap<(Phase, u32), Vec<i64>>,
+) -> usize {
     if let Some(labels) = &f.labels {
         assert_eq!(labels.dtype, WireDType::I64);
         assert_eq!(labels.shape.len(), 1, "{:?}", labels.shape);
-        let inputs = windows.remove(&(f.phase, f.micro)).expect("the Root was fed first");
+        let inputs = windows
+            .remove(&(f.phase, f.micro))
+            .expect("the Root was fed first");
         let want: Vec<i64> = inputs.iter().map(|&t| i64::from(next(t as u16))).collect();
         assert_eq!(labels.to_i64().unwrap(), want);
     }

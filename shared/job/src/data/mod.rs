@@ -277,9 +277,12 @@ fn load_tokens(spec: &DataSpec, split: Split) -> Result<Option<Dataset>, JobErro
             None => return Ok(None),
         },
     };
-    let seq_len = spec
-        .seq_len
-        .ok_or_else(|| JobError::field("data.seq_len", "missing: format = \"tokens\" needs the window length"))?;
+    let seq_len = spec.seq_len.ok_or_else(|| {
+        JobError::field(
+            "data.seq_len",
+            "missing: format = \"tokens\" needs the window length",
+        )
+    })?;
     let windows = TokenWindows::read(file, spec.token_dtype, seq_len)?;
     Ok(Some(Dataset {
         sample_shape: vec![seq_len],
@@ -403,7 +406,9 @@ pub fn input_embedding(graph: &Graph) -> Option<(&str, usize)> {
         let before = names.len();
         for n in &graph.nodes {
             if matches!(n.op, Op::Identity)
-                && n.inputs.first().is_some_and(|i| names.contains(&i.as_str()))
+                && n.inputs
+                    .first()
+                    .is_some_and(|i| names.contains(&i.as_str()))
                 && !names.contains(&n.name.as_str())
             {
                 names.push(&n.name);
@@ -414,10 +419,11 @@ pub fn input_embedding(graph: &Graph) -> Option<(&str, usize)> {
         }
     }
     graph.nodes.iter().find_map(|n| match n.op {
-        Op::Gather { axis: 0 }
-            if n.inputs.get(1).is_some_and(|i| names.contains(&i.as_str())) =>
-        {
-            let table = graph.params.iter().find(|p| Some(&p.name) == n.inputs.first())?;
+        Op::Gather { axis: 0 } if n.inputs.get(1).is_some_and(|i| names.contains(&i.as_str())) => {
+            let table = graph
+                .params
+                .iter()
+                .find(|p| Some(&p.name) == n.inputs.first())?;
             Some((table.name.as_str(), *table.shape.first()?))
         }
         _ => None,
@@ -447,11 +453,14 @@ pub fn position_tables(graph: &Graph) -> Vec<(&str, usize)> {
         .iter()
         .filter_map(|n| match n.op {
             Op::Gather { axis: 0 }
-                if n.inputs.get(1).is_some_and(|i| !dependent.contains(&i.as_str())) =>
+                if n.inputs
+                    .get(1)
+                    .is_some_and(|i| !dependent.contains(&i.as_str())) =>
             {
-                let table = graph.params.iter().find(|p| {
-                    Some(&p.name) == n.inputs.first() && p.kind != ParamKind::Constant
-                })?;
+                let table = graph
+                    .params
+                    .iter()
+                    .find(|p| Some(&p.name) == n.inputs.first() && p.kind != ParamKind::Constant)?;
                 Some((table.name.as_str(), *table.shape.first()?))
             }
             _ => None,

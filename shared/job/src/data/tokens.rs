@@ -85,14 +85,13 @@ pub struct TokenWindows {
 impl TokenWindows {
     /// Cuts `ids` into windows. Errors (naming `source` and `field`) when
     /// there are fewer than `seq_len + 1` ids.
-    pub fn new(
-        ids: TokenIds,
-        seq_len: usize,
-        source: impl Into<String>,
-    ) -> Result<Self, JobError> {
+    pub fn new(ids: TokenIds, seq_len: usize, source: impl Into<String>) -> Result<Self, JobError> {
         let source = source.into();
         if seq_len == 0 {
-            return Err(JobError::field("data.seq_len", "must be at least 1 (got 0)"));
+            return Err(JobError::field(
+                "data.seq_len",
+                "must be at least 1 (got 0)",
+            ));
         }
         if ids.len() < seq_len + 1 {
             return Err(JobError::file(
@@ -114,11 +113,7 @@ impl TokenWindows {
     /// Reads a token file (see the module's documentation for the forms).
     /// `dtype` is `data.token_dtype`; without it a raw file's name must say
     /// its width.
-    pub fn read(
-        r: &DataRef,
-        dtype: Option<TokenDType>,
-        seq_len: usize,
-    ) -> Result<Self, JobError> {
+    pub fn read(r: &DataRef, dtype: Option<TokenDType>, seq_len: usize) -> Result<Self, JobError> {
         let ids = read_ids(&r.path, dtype)?;
         Self::new(ids, seq_len, r.to_string())
     }
@@ -223,9 +218,9 @@ fn read_ids(path: &Path, dtype: Option<TokenDType>) -> Result<TokenIds, JobError
     // Chunk by chunk, so the bytes never exist beside the ids.
     let mut buf = vec![0u8; 1 << 16];
     loop {
-        let n = r
-            .read(&mut buf)
-            .map_err(|e| JobError::file(&shown, format!("cannot read (corrupt or truncated?): {e}")))?;
+        let n = r.read(&mut buf).map_err(|e| {
+            JobError::file(&shown, format!("cannot read (corrupt or truncated?): {e}"))
+        })?;
         let end = n == 0;
         total += n as u64;
         if total > MAX_DECODED_BYTES {
@@ -318,7 +313,9 @@ fn npy_ids(a: super::RawArray) -> Result<TokenIds, JobError> {
                     format!("token id {v} at position {i} is not an id (0 to 4294967295)"),
                 ));
             }
-            Ok(TokenIds::U32(values.into_iter().map(|v| v as u32).collect()))
+            Ok(TokenIds::U32(
+                values.into_iter().map(|v| v as u32).collect(),
+            ))
         }
         other => Err(JobError::file(
             a.source(),
