@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use super::*;
 use rookery_job::{JobSpec, prepare};
 use rookery_stage::{CpuDevice, OwnFactory, StageWorker};
 
