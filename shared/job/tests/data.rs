@@ -66,7 +66,7 @@ fn real_mnist_loads_8000_train_and_2000_test_samples_that_fit_the_cnn() {
     for d in [&mut train, &mut test] {
         validate_against_model(&graph, &job.model.input_shape, d, loss).unwrap();
         assert_eq!(d.sample_shape, [1, 28, 28]);
-        let Labels::Classes(c) = labels_of(&d) else {
+        let Labels::Classes(c) = labels_of(d) else {
             panic!("classes")
         };
         let mut seen = [0usize; 10];
@@ -74,8 +74,8 @@ fn real_mnist_loads_8000_train_and_2000_test_samples_that_fit_the_cnn() {
             seen[usize::try_from(l).unwrap()] += 1;
         }
         assert!(seen.iter().all(|&n| n > 0), "every digit occurs: {seen:?}");
-        let max = inputs_of(&d).iter().copied().fold(f32::MIN, f32::max);
-        let min = inputs_of(&d).iter().copied().fold(f32::MAX, f32::min);
+        let max = inputs_of(d).iter().copied().fold(f32::MIN, f32::max);
+        let min = inputs_of(d).iter().copied().fold(f32::MAX, f32::min);
         assert!(
             (max - 1.0).abs() < 1e-6 && min == 0.0,
             "scaled to [0, 1]: {min}..{max}"
@@ -570,7 +570,11 @@ fn gather_takes_samples_in_the_given_order() {
             values: vec![11.0, 12.0]
         }
     );
-    let c = arrays(vec![2], inputs_of(&d).to_vec(), Labels::Classes(vec![4, 5, 6]));
+    let c = arrays(
+        vec![2],
+        inputs_of(&d).to_vec(),
+        Labels::Classes(vec![4, 5, 6]),
+    );
     assert_eq!(c.gather_labels(&[2, 1]), Labels::Classes(vec![6, 5]));
 }
 
