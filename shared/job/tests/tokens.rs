@@ -531,3 +531,24 @@ fn a_seq_len_longer_than_the_models_positions_names_data_seq_len() {
     );
     assert!(e.message.contains("dynamic sequence dimension"), "{e}");
 }
+
+#[test]
+fn the_gpt_examples_token_files_hold_ids_of_their_tokenizer() {
+    let data = Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/gpt/data"
+    ));
+    let tokenizer: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data.join("tokenizer.json")).unwrap()).unwrap();
+    let vocab = tokenizer["model"]["vocab"].as_object().unwrap().len();
+    assert_eq!(vocab, 4096);
+    for (file, tokens) in [("train.u16.gz", 1_577_745), ("test.u16.gz", 76_242)] {
+        let w = TokenWindows::read(&DataRef::file(data.join(file)), None, 128).unwrap();
+        assert!(
+            matches!(w.ids(), TokenIds::U16(v) if v.len() == tokens),
+            "{file}"
+        );
+        assert_eq!(w.len(), (tokens - 1) / 128, "{file}");
+        assert_eq!(w.ids().first_at_or_above(vocab as u64), None, "{file}");
+    }
+}
