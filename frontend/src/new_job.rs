@@ -274,12 +274,15 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
         data: DataFile {
             format: format.unwrap_or(DataFormat::Idx),
             train_inputs,
-            train_labels,
+            // The form has no token-file fields yet: its formats all have labels files.
+            train_labels: Some(train_labels),
             test_inputs,
             test_labels,
             scale,
             mean,
             std,
+            seq_len: None,
+            token_dtype: None,
         },
         training: TrainingFile {
             epochs,

@@ -9,7 +9,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use rookery_job::{DataFormat, DataRef, JobSpec};
+use rookery_job::{DataFormat, DataRef, JobSpec, TokenWindows};
 use rookery_model::{Graph, ModelSpec};
 use rookery_proto::Bytes;
 use rookery_proto::stream::{Assembler, Incoming, encode_streamed, read_frame};
@@ -553,6 +553,17 @@ fn datasets(dir: &Path) -> io::Result<Target> {
             DataFormat::Safetensors,
             safetensors("x", &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
         ),
+        (
+            DataFormat::Tokens,
+            [7u16, 0, 4095, 12, 12, 3, 9, 1]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect(),
+        ),
+        (
+            DataFormat::Tokens,
+            read("tests/fixtures/pytorch-mlp/y.npy")?,
+        ),
     ];
     let formats: Vec<DataFormat> = seeds.iter().map(|(f, _)| *f).collect();
     let dir = dir.to_path_buf();
@@ -566,6 +577,20 @@ fn datasets(dir: &Path) -> io::Result<Target> {
                 return false;
             }
             let format = formats[seed % formats.len()];
+            if format == DataFormat::Tokens {
+                // Named `.u16` so a raw file has a width; `.npy` is found by its magic.
+                let tokens = path.with_extension("u16");
+                if std::fs::rename(&path, &tokens).is_err() {
+                    return false;
+                }
+                return match TokenWindows::read(&DataRef::file(&tokens), None, 3) {
+                    Ok(w) => {
+                        let all: Vec<usize> = (0..w.len()).collect();
+                        w.gather_inputs(&all).len() == w.gather_labels(&all).len()
+                    }
+                    Err(_) => false,
+                };
+            }
             match rookery_job::data::read_array(format, &DataRef::file(&path)) {
                 Ok(array) => {
                     // What loading a split does with an array.

@@ -120,7 +120,7 @@ impl Client {
             member: r.member.clone(),
         };
         spec.data.train_inputs = rename(&spec.data.train_inputs);
-        spec.data.train_labels = rename(&spec.data.train_labels);
+        spec.data.train_labels = spec.data.train_labels.take().map(|r| rename(&r));
         spec.data.test_inputs = spec.data.test_inputs.as_ref().map(&mut rename);
         spec.data.test_labels = spec.data.test_labels.as_ref().map(&mut rename);
         files.extend(side);

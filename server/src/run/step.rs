@@ -414,14 +414,22 @@ pub(super) fn feed(
 ) -> Effect {
     let mut shape = vec![idx.len()];
     shape.extend_from_slice(&data.sample_shape);
-    let inputs = vec![WireTensor::from_f32(
-        input.0.clone(),
-        &shape,
-        &data.gather_inputs(idx),
-        on_wire(input.1, WireDType::F32),
-    )];
+    // Integer inputs (token ids) go as i64 from the data, never through f32.
+    let inputs = vec![match input.1 {
+        DType::I64 => WireTensor::from_i64(input.0.clone(), &shape, &data.gather_input_ids(idx)),
+        DType::F32 => WireTensor::from_f32(
+            input.0.clone(),
+            &shape,
+            &data.gather_inputs(idx),
+            on_wire(input.1, WireDType::F32),
+        ),
+    }];
     let labels = match data.gather_labels(idx) {
-        Labels::Classes(classes) => WireTensor::from_i64("labels", &[idx.len()], &classes),
+        Labels::Classes(classes) => {
+            let mut shape = vec![idx.len()];
+            shape.extend_from_slice(&data.label_shape);
+            WireTensor::from_i64("labels", &shape, &classes)
+        }
         Labels::Targets { shape: per, values } => {
             let mut shape = vec![idx.len()];
             shape.extend(per);

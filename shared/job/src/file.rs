@@ -12,6 +12,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::JobError;
 use rookery_proto::WireDType;
+use std::path::Path;
 
 /// How a sync combines the clusters' copies of each parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -40,12 +41,50 @@ pub enum DataFormat {
     Safetensors,
     /// Comma-separated numbers, one sample a row, optional header row.
     Csv,
+    /// A language model's token ids: a flat file of u16 or u32 ids (or a
+    /// `.npy` of them), cut into `seq_len + 1` windows with next-token labels.
+    Tokens,
 }
 
 impl DataFormat {
     /// Whether a file holds several named arrays (`file:array` references).
     pub fn has_members(self) -> bool {
         matches!(self, DataFormat::Npz | DataFormat::Safetensors)
+    }
+}
+
+/// The width of a raw token file's ids (`data.token_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDType {
+    U16,
+    U32,
+}
+
+impl TokenDType {
+    pub fn size(self) -> usize {
+        match self {
+            TokenDType::U16 => 2,
+            TokenDType::U32 => 4,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenDType::U16 => "u16",
+            TokenDType::U32 => "u32",
+        }
+    }
+
+    /// The width a file's name gives: `*.u16`, `*.u32`, or either then `.gz`.
+    pub fn from_file_name(path: &Path) -> Option<TokenDType> {
+        let name = path.file_name()?.to_str()?;
+        let name = name.strip_suffix(".gz").unwrap_or(name);
+        match name.rsplit_once('.')?.1 {
+            "u16" => Some(TokenDType::U16),
+            "u32" => Some(TokenDType::U32),
+            _ => None,
+        }
     }
 }
 
@@ -72,7 +111,9 @@ pub struct ModelFile {
 pub struct DataFile {
     pub format: DataFormat,
     pub train_inputs: String,
-    pub train_labels: String,
+    /// Every format but `tokens`, whose labels are the next tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_labels: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_inputs: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -83,6 +124,12 @@ pub struct DataFile {
     pub mean: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub std: Option<f64>,
+    /// `tokens` only: tokens a window feeds the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<usize>,
+    /// `tokens` only: the width of a raw file's ids, when its name does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_dtype: Option<TokenDType>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -6,8 +6,9 @@
 //!   which data, how to train; parsed, defaulted and validated before anything runs.
 //! - [`file`]: the job file as written ([`JobFile`]), public so clients
 //!   build and serialise the same type the server reads.
-//! - [`data`]: dataset readers (IDX, `.npy`, `.npz`, safetensors, CSV) into a
-//!   preprocessed [`Dataset`], and the checks of a dataset against the model.
+//! - [`data`]: dataset readers (IDX, `.npy`, `.npz`, safetensors, CSV, token
+//!   files cut into next-token windows) into a [`Dataset`], and the checks of
+//!   a dataset against the model.
 //! - [`order`]: the data order the server owns (per-epoch permutation, sharding
 //!   of each step's samples over clusters, micro-batch ranges), so a Root's inputs,
 //!   a Leaf's labels and the single-process reference all see the same batches.
@@ -23,13 +24,15 @@ pub mod prepare;
 pub mod spec;
 pub mod weights;
 
-pub use data::{Dataset, Labels, Split, load_split, validate_against_model};
+pub use data::{
+    Dataset, Labels, Samples, Split, TokenIds, TokenWindows, load_split, validate_against_model,
+};
 pub use error::JobError;
 pub use file::{Clusters, DataFile, JobFile, ModelFile, OptimizerFile, TrainingFile};
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{
-    Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TrainingSpec,
-    WireDType,
+    Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TokenDType,
+    TrainingSpec, WireDType,
 };
 pub use weights::{WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors};

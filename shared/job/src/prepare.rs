@@ -5,7 +5,10 @@
 
 use rookery_model::{Analysis, Graph};
 
-use crate::{Dataset, JobError, JobSpec, Split, load_split, validate_against_model};
+use crate::data::position_tables;
+use crate::{
+    DataFormat, Dataset, JobError, JobSpec, ModelSource, Split, load_split, validate_against_model,
+};
 
 /// Everything a job needs before any provider is touched.
 #[derive(Debug)]
@@ -57,7 +60,16 @@ impl From<String> for PrepareError {
 /// Reads and checks a job's model and data against each other (blocking
 /// work: files are read in full).
 pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
-    let loaded = spec.load_model()?;
+    if let Some(e) = seq_len_beyond_export(&spec) {
+        return Err(e.into());
+    }
+    let loaded = match spec.load_model() {
+        Ok(loaded) => loaded,
+        Err(e) => return Err(seq_len_beyond_positions(&spec).unwrap_or(e).into()),
+    };
+    if let Some(e) = positions_error(&spec, &loaded.graph) {
+        return Err(e.into());
+    }
     let loss = spec.training.loss;
     let mut train = load_split(&spec.data, Split::Train, loss)?
         .ok_or_else(|| "the job has no training data".to_string())?;
@@ -82,5 +94,69 @@ pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
         warnings: loaded.warnings,
         train,
         test,
+    })
+}
+
+/// A token job's `data.seq_len` against the sequence dimension an ONNX
+/// export fixed (the exporter bakes it into the graph's shape arithmetic).
+fn seq_len_beyond_export(spec: &JobSpec) -> Option<JobError> {
+    let seq_len = spec
+        .data
+        .seq_len
+        .filter(|_| spec.data.format == DataFormat::Tokens)?;
+    let ModelSource::Onnx(path) = &spec.model.source else {
+        return None;
+    };
+    let dims = rookery_model::onnx::declared_input_dims(path).ok()??;
+    let fixed = (*dims.get(1)?)?;
+    (seq_len as u64 > fixed).then(|| {
+        let shown: Vec<String> = dims
+            .iter()
+            .map(|d| d.map_or_else(|| "dynamic".to_string(), |d| d.to_string()))
+            .collect();
+        JobError::field(
+            "data.seq_len",
+            format!(
+                "{seq_len} is longer than the {fixed} positions {} was exported for (its input \
+                 is declared [{}]); use data.seq_len and model.input_shape of at most {fixed}, \
+                 or export with a dynamic sequence dimension",
+                path.display(),
+                shown.join(", ")
+            ),
+        )
+    })
+}
+
+/// Why a token job's model does not load at `data.seq_len`, when the cause
+/// is that its position table has fewer rows (the importer then finds an
+/// `arange` index out of range): loaded with windows of one token, the
+/// model shows its position tables. `None` when that does not explain it.
+fn seq_len_beyond_positions(spec: &JobSpec) -> Option<JobError> {
+    spec.data
+        .seq_len
+        .filter(|_| spec.data.format == DataFormat::Tokens)?;
+    let mut short = spec.clone();
+    short.model.input_shape = vec![1];
+    let graph = short.load_model().ok()?.graph;
+    positions_error(spec, &graph)
+}
+
+/// `data.seq_len` against the rows of the model's position tables.
+fn positions_error(spec: &JobSpec, graph: &Graph) -> Option<JobError> {
+    let seq_len = spec
+        .data
+        .seq_len
+        .filter(|_| spec.data.format == DataFormat::Tokens)?;
+    let (table, rows) = position_tables(graph)
+        .into_iter()
+        .min_by_key(|&(_, rows)| rows)?;
+    (seq_len > rows).then(|| {
+        JobError::field(
+            "data.seq_len",
+            format!(
+                "{seq_len} is longer than the model's {rows} positions (its position table \
+                 `{table}` has {rows} rows); use data.seq_len and model.input_shape of at most {rows}"
+            ),
+        )
     })
 }

@@ -7,7 +7,7 @@
 //! onnx = "cnn.onnx"            # or: spec = "model.toml"  (exactly one of the two)
 //! input_shape = [1, 28, 28]    # one sample, without the batch dimension
 //! [data]
-//! format = "idx"               # idx | npy | npz | safetensors | csv
+//! format = "idx"               # idx | npy | npz | safetensors | csv | tokens
 //! train_inputs = "train-images-idx3-ubyte.gz"
 //! train_labels = "train-labels-idx1-ubyte.gz"
 //! test_inputs  = "t10k-images-idx3-ubyte.gz"   # test_* optional (both or neither)
@@ -36,6 +36,25 @@
 //! (Karimireddy et al., 2021), which a single far-off cluster cannot drag
 //! far once there are at least 3 clusters.
 //!
+//! A language model's data is a token file (`format = "tokens"`): one flat
+//! sequence of token ids, cut by the server into windows of `seq_len + 1`
+//! tokens at a stride of `seq_len` (inputs the first `seq_len`, labels the
+//! next token at each position), in the same seeded order as any samples:
+//!
+//! ```toml
+//! [model]
+//! onnx = "gpt.onnx"
+//! input_shape = [128]          # [seq_len]
+//! [data]
+//! format = "tokens"
+//! train_inputs = "train.u16"   # raw little-endian ids, maybe gzipped, or a .npy
+//! test_inputs = "test.u16"     # optional; no *_labels: the labels are the next tokens
+//! seq_len = 128
+//! token_dtype = "u16"          # u16 | u32; optional when the name ends .u16/.u32 (or .gz after it)
+//! ```
+//!
+//! A `.npy` token file (one dimension of u16, u32, i32 or i64) says its own dtype.
+//!
 //! Relative paths resolve against a base directory (the job file's folder).
 //! For `npz` and `safetensors`, a path may name one array of the file as
 //! `data.npz:x_train`; a file holding a single array needs no name.
@@ -58,7 +77,7 @@ use serde::Serialize;
 pub use rookery_proto::WireDType;
 
 use crate::error::JobError;
-pub use crate::file::{Aggregation, DataFormat};
+pub use crate::file::{Aggregation, DataFormat, TokenDType};
 use crate::file::{Clusters, DataFile, JobFile, ModelFile, TrainingFile};
 
 /// A data file, or one named array inside an `.npz`/safetensors file.
@@ -124,13 +143,18 @@ pub struct ModelSection {
 pub struct DataSpec {
     pub format: DataFormat,
     pub train_inputs: DataRef,
-    pub train_labels: DataRef,
+    /// `None` only for `tokens`, whose labels are the next tokens.
+    pub train_labels: Option<DataRef>,
     pub test_inputs: Option<DataRef>,
     pub test_labels: Option<DataRef>,
     /// Inputs become `(x * scale - mean) / std` (in f32), each part optional.
     pub scale: Option<f64>,
     pub mean: Option<f64>,
     pub std: Option<f64>,
+    /// `tokens`: tokens a window feeds the model (required there, refused elsewhere).
+    pub seq_len: Option<usize>,
+    /// `tokens`: the width of a raw file's ids, when its name does not say.
+    pub token_dtype: Option<TokenDType>,
 }
 
 impl DataSpec {
@@ -298,13 +322,37 @@ impl JobSpec {
         let d = &self.data;
         let has_members = d.format.has_members();
         check_ref("data.train_inputs", &d.train_inputs, has_members)?;
-        check_ref("data.train_labels", &d.train_labels, has_members)?;
+        if d.format == DataFormat::Tokens {
+            self.validate_tokens()?;
+        } else {
+            match &d.train_labels {
+                Some(l) => check_ref("data.train_labels", l, has_members)?,
+                None => return Err(JobError::field("data.train_labels", "missing")),
+            }
+            for (field, given) in [
+                ("data.seq_len", d.seq_len.is_some()),
+                ("data.token_dtype", d.token_dtype.is_some()),
+            ] {
+                if given {
+                    return Err(JobError::field(
+                        field,
+                        format!(
+                            "is for format = \"tokens\" only (this job's format is {:?})",
+                            d.format
+                        ),
+                    ));
+                }
+            }
+        }
         match (&d.test_inputs, &d.test_labels) {
             (Some(i), Some(l)) => {
                 check_ref("data.test_inputs", i, has_members)?;
                 check_ref("data.test_labels", l, has_members)?;
             }
             (None, None) => {}
+            (Some(i), None) if d.format == DataFormat::Tokens => {
+                check_ref("data.test_inputs", i, has_members)?;
+            }
             (Some(_), None) => {
                 return Err(JobError::field(
                     "data.test_labels",
@@ -383,6 +431,47 @@ impl JobSpec {
         Ok(())
     }
 
+    /// `format = "tokens"`: a window length that is the model's input, and no labels files.
+    fn validate_tokens(&self) -> Result<(), JobError> {
+        let d = &self.data;
+        for (field, given) in [
+            ("data.train_labels", d.train_labels.is_some()),
+            ("data.test_labels", d.test_labels.is_some()),
+        ] {
+            if given {
+                return Err(JobError::field(
+                    field,
+                    "not used with format = \"tokens\": each position's label is the next token of the inputs file; leave it out",
+                ));
+            }
+        }
+        let seq_len = match d.seq_len {
+            None => {
+                return Err(JobError::field(
+                    "data.seq_len",
+                    "missing: format = \"tokens\" needs the number of tokens a sample feeds the model",
+                ));
+            }
+            Some(0) => {
+                return Err(JobError::field(
+                    "data.seq_len",
+                    "must be at least 1 (got 0)",
+                ));
+            }
+            Some(n) => n,
+        };
+        if self.model.input_shape != [seq_len] {
+            return Err(JobError::field(
+                "model.input_shape",
+                format!(
+                    "must be [data.seq_len] = [{seq_len}] for format = \"tokens\" (got {:?})",
+                    self.model.input_shape
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn from_file_form(f: JobFile, base: &Path, paths: Paths) -> Result<Self, JobError> {
         let source = match (f.model.onnx, f.model.spec) {
             (Some(p), None) => ModelSource::Onnx(resolve("model.onnx", &p, base, paths)?),
@@ -407,7 +496,11 @@ impl JobSpec {
         let data = DataSpec {
             format: fmt,
             train_inputs: data_ref("data.train_inputs", &d.train_inputs)?,
-            train_labels: data_ref("data.train_labels", &d.train_labels)?,
+            train_labels: d
+                .train_labels
+                .as_deref()
+                .map(|s| data_ref("data.train_labels", s))
+                .transpose()?,
             test_inputs: d
                 .test_inputs
                 .as_deref()
@@ -421,6 +514,8 @@ impl JobSpec {
             scale: d.scale,
             mean: d.mean,
             std: d.std,
+            seq_len: d.seq_len,
+            token_dtype: d.token_dtype,
         };
         let t = f.training;
         let training = TrainingSpec {
@@ -608,12 +703,14 @@ impl From<JobSpec> for JobFile {
             data: DataFile {
                 format: d.format,
                 train_inputs: d.train_inputs.to_string(),
-                train_labels: d.train_labels.to_string(),
+                train_labels: d.train_labels.map(|r| r.to_string()),
                 test_inputs: d.test_inputs.map(|r| r.to_string()),
                 test_labels: d.test_labels.map(|r| r.to_string()),
                 scale: d.scale,
                 mean: d.mean,
                 std: d.std,
+                seq_len: d.seq_len,
+                token_dtype: d.token_dtype,
             },
             training: TrainingFile {
                 epochs: Some(t.epochs),

@@ -14,7 +14,7 @@ use common::*;
 use proptest::prelude::*;
 use rookery_job::data::{ElemType, read_array};
 use rookery_job::{
-    DataFormat, DataRef, Dataset, JobError, JobSpec, Labels, Split, load_split,
+    DataFormat, DataRef, Dataset, JobError, JobSpec, Labels, Samples, Split, load_split,
     validate_against_model,
 };
 use rookery_model::{Graph, Loss};
@@ -60,13 +60,13 @@ fn real_mnist_loads_8000_train_and_2000_test_samples_that_fit_the_cnn() {
     let mut test = load_split(&job.data, Split::Test, loss).unwrap().unwrap();
     assert_eq!((train.len(), test.len()), (8000, 2000));
     assert_eq!(train.sample_shape, [28, 28]); // as IDX stores it
-    assert_eq!(train.inputs.len(), 8000 * 784);
+    assert_eq!(inputs_of(&train).len(), 8000 * 784);
 
     let graph = job.load_model().unwrap().graph;
     for d in [&mut train, &mut test] {
         validate_against_model(&graph, &job.model.input_shape, d, loss).unwrap();
         assert_eq!(d.sample_shape, [1, 28, 28]);
-        let Labels::Classes(c) = &d.labels else {
+        let Labels::Classes(c) = labels_of(d) else {
             panic!("classes")
         };
         let mut seen = [0usize; 10];
@@ -74,8 +74,8 @@ fn real_mnist_loads_8000_train_and_2000_test_samples_that_fit_the_cnn() {
             seen[usize::try_from(l).unwrap()] += 1;
         }
         assert!(seen.iter().all(|&n| n > 0), "every digit occurs: {seen:?}");
-        let max = d.inputs.iter().copied().fold(f32::MIN, f32::max);
-        let min = d.inputs.iter().copied().fold(f32::MAX, f32::min);
+        let max = inputs_of(d).iter().copied().fold(f32::MIN, f32::max);
+        let min = inputs_of(d).iter().copied().fold(f32::MAX, f32::min);
         assert!(
             (max - 1.0).abs() < 1e-6 && min == 0.0,
             "scaled to [0, 1]: {min}..{max}"
@@ -94,7 +94,7 @@ fn real_mnist_loads_8000_train_and_2000_test_samples_that_fit_the_cnn() {
     // With mean/std: black pixels become -mean/std.
     let job = mnist_job(true);
     let test = load_split(&job.data, Split::Test, loss).unwrap().unwrap();
-    let min = test.inputs.iter().copied().fold(f32::MAX, f32::min);
+    let min = inputs_of(&test).iter().copied().fold(f32::MAX, f32::min);
     assert!((min - (-0.1307f32 / 0.3081)).abs() < 1e-5, "{min}");
 }
 
@@ -319,8 +319,8 @@ fn npz_reads_named_arrays_stored_and_deflated() {
             .unwrap()
             .unwrap();
         assert_eq!(d.sample_shape, [2]);
-        assert_eq!(d.inputs, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
-        assert_eq!(d.labels, Labels::Classes(vec![2, 0, 1]));
+        assert_eq!(inputs_of(&d), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(*labels_of(&d), Labels::Classes(vec![2, 0, 1]));
         // Without a name, a file of two arrays is an error listing them.
         let e = read_array(DataFormat::Npz, &DataRef::file(&p))
             .unwrap_err()
@@ -397,19 +397,22 @@ fn safetensors_reads_named_tensors_of_each_dtype() {
     assert_eq!(d.sample_shape, [2, 2]);
     let want = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 0.0, 0.0];
     assert!(
-        d.inputs.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6),
+        inputs_of(&d)
+            .iter()
+            .zip(want)
+            .all(|(a, b)| (a - b).abs() < 1e-6),
         "{:?}",
-        d.inputs
+        inputs_of(&d)
     );
-    assert_eq!(d.labels, Labels::Classes(vec![1, 0]));
+    assert_eq!(*labels_of(&d), Labels::Classes(vec![1, 0]));
     let a = read_array(DataFormat::Safetensors, &DataRef::member(&p, "half")).unwrap();
     assert_eq!((a.elem(), a.to_f32()), (ElemType::F16, vec![1.0, 2.0]));
     let a = read_array(DataFormat::Safetensors, &DataRef::member(&p, "brain")).unwrap();
     assert_eq!((a.elem(), a.to_f32()), (ElemType::Bf16, vec![1.0, -2.0]));
-    spec.train_labels = DataRef::member(&p, "targets");
+    spec.train_labels = Some(DataRef::member(&p, "targets"));
     let d = load_split(&spec, Split::Train, Loss::Mse).unwrap().unwrap();
     assert_eq!(
-        d.labels,
+        *labels_of(&d),
         Labels::Targets {
             shape: vec![3],
             values: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
@@ -437,8 +440,8 @@ fn csv_reads_rows_with_or_without_a_header() {
             .unwrap()
             .unwrap();
         assert_eq!(d.sample_shape, [3]);
-        assert_eq!(d.inputs, [1.0, 2.0, 3.0, 4.5, -5.0, 60.0]);
-        assert_eq!(d.labels, Labels::Classes(vec![3, 1]));
+        assert_eq!(inputs_of(&d), [1.0, 2.0, 3.0, 4.5, -5.0, 60.0]);
+        assert_eq!(*labels_of(&d), Labels::Classes(vec![3, 1]));
     }
     let gzipped = write(dir.path(), "g.csv", &gz(b"1,2\n3,4\n"));
     assert_eq!(
@@ -486,7 +489,7 @@ fn labels_follow_the_loss() {
         .unwrap()
         .unwrap();
     assert_eq!(
-        d.labels,
+        *labels_of(&d),
         Labels::Classes(vec![2, 0, 1]),
         "integral floats are classes"
     );
@@ -494,7 +497,7 @@ fn labels_follow_the_loss() {
         .unwrap()
         .unwrap();
     assert_eq!(
-        d.labels,
+        *labels_of(&d),
         Labels::Targets {
             shape: vec![1],
             values: vec![2.0, 0.0, 1.0]
@@ -544,21 +547,22 @@ fn inputs_are_scaled_then_normalised() {
         .iter()
         .map(|v| (v * (1.0 / 255.0f64) as f32 - 0.5) / 0.25)
         .collect();
-    assert_eq!(d.inputs, want);
+    assert_eq!(inputs_of(&d), want);
 }
 
 #[test]
 fn gather_takes_samples_in_the_given_order() {
-    let d = Dataset {
-        sample_shape: vec![2],
-        inputs: vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
-        labels: Labels::Targets {
+    let d = arrays(
+        vec![2],
+        vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
+        Labels::Targets {
             shape: vec![1],
             values: vec![10.0, 11.0, 12.0],
         },
-    };
+    );
     assert_eq!((d.len(), d.is_empty(), d.sample_numel()), (3, false, 2));
     assert_eq!(d.gather_inputs(&[2, 0, 2]), [2.0, 2.5, 0.0, 0.5, 2.0, 2.5]);
+    assert_eq!(d.gather_input_ids(&[2, 1]), [2, 2, 1, 1]);
     assert_eq!(
         d.gather_labels(&[1, 2]),
         Labels::Targets {
@@ -566,11 +570,34 @@ fn gather_takes_samples_in_the_given_order() {
             values: vec![11.0, 12.0]
         }
     );
-    let c = Dataset {
-        labels: Labels::Classes(vec![4, 5, 6]),
-        ..d
-    };
+    let c = arrays(
+        vec![2],
+        inputs_of(&d).to_vec(),
+        Labels::Classes(vec![4, 5, 6]),
+    );
     assert_eq!(c.gather_labels(&[2, 1]), Labels::Classes(vec![6, 5]));
+}
+
+fn arrays(sample_shape: Vec<usize>, inputs: Vec<f32>, labels: Labels) -> Dataset {
+    Dataset {
+        sample_shape,
+        label_shape: vec![],
+        samples: Samples::Arrays { inputs, labels },
+    }
+}
+
+fn inputs_of(d: &Dataset) -> &[f32] {
+    match &d.samples {
+        Samples::Arrays { inputs, .. } => inputs,
+        Samples::Tokens(_) => panic!("token windows, not arrays"),
+    }
+}
+
+fn labels_of(d: &Dataset) -> &Labels {
+    match &d.samples {
+        Samples::Arrays { labels, .. } => labels,
+        Samples::Tokens(_) => panic!("token windows, not arrays"),
+    }
 }
 
 fn graph(spec: &str) -> Graph {
@@ -582,11 +609,8 @@ const REGRESSOR: &str = "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits 
 
 fn dataset(sample_shape: Vec<usize>, labels: Labels) -> Dataset {
     let n = labels.len();
-    Dataset {
-        inputs: vec![0.0; n * sample_shape.iter().product::<usize>()],
-        sample_shape,
-        labels,
-    }
+    let inputs = vec![0.0; n * sample_shape.iter().product::<usize>()];
+    arrays(sample_shape, inputs, labels)
 }
 
 #[test]
@@ -629,7 +653,7 @@ fn validation_reshapes_to_the_input_shape_and_checks_labels_against_the_output()
     );
     validate_against_model(&mse, &[4], &mut d, Loss::Mse).unwrap();
     assert_eq!(
-        d.labels,
+        *labels_of(&d),
         Labels::Targets {
             shape: vec![2],
             values: vec![0.0; 4]

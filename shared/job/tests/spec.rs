@@ -294,7 +294,10 @@ batch_size = 8
     let job = JobSpec::from_toml(text, dir.path()).unwrap();
     let npz = dir.path().join("data.npz");
     assert_eq!(job.data.train_inputs, DataRef::member(&npz, "x_train"));
-    assert_eq!(job.data.train_labels, DataRef::member(&npz, "y_train"));
+    assert_eq!(
+        job.data.train_labels,
+        Some(DataRef::member(&npz, "y_train"))
+    );
     assert_eq!(job.data.test_inputs, Some(DataRef::file(&npz)));
     assert_eq!(job.data.test_labels, Some(DataRef::member(&npz, "y.test")));
     assert_eq!(

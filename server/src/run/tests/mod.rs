@@ -8,10 +8,12 @@ mod relay;
 mod sim;
 mod stragglers;
 mod sync;
+mod tokens;
 
 use super::*;
 use rookery_job::{
-    Aggregation, DataFormat, DataRef, DataSpec, Labels, ModelSection, ModelSource, TrainingSpec,
+    Aggregation, DataFormat, DataRef, DataSpec, Labels, ModelSection, ModelSource, Samples,
+    TrainingSpec,
 };
 use rookery_model::{ClusterCount, Graph, Loss, OptimizerConfig};
 use rookery_plan::{Plan, PlanOptions, ProviderKind, ProviderSpec};
@@ -61,12 +63,14 @@ fn spec() -> JobSpec {
         data: DataSpec {
             format: DataFormat::Npy,
             train_inputs: DataRef::file("x.npy"),
-            train_labels: DataRef::file("y.npy"),
+            train_labels: Some(DataRef::file("y.npy")),
             test_inputs: None,
             test_labels: None,
             scale: None,
             mean: None,
             std: None,
+            seq_len: None,
+            token_dtype: None,
         },
         training: TrainingSpec {
             epochs: 1,
@@ -88,8 +92,11 @@ fn spec() -> JobSpec {
 fn data(n: usize) -> Dataset {
     Dataset {
         sample_shape: vec![4],
-        inputs: (0..n * 4).map(|i| i as f32 / 10.0).collect(),
-        labels: Labels::Classes((0..n as i64).map(|i| i % 3).collect()),
+        label_shape: vec![],
+        samples: Samples::Arrays {
+            inputs: (0..n * 4).map(|i| i as f32 / 10.0).collect(),
+            labels: Labels::Classes((0..n as i64).map(|i| i % 3).collect()),
+        },
     }
 }
 

@@ -4,9 +4,11 @@
 //! Formats ([`DataFormat`]): IDX (MNIST; element types u8, i8, i16, i32, f32,
 //! f64), `.npy` (versions 1 to 3; `<f2 <f4 <f8 |u1 <u2 <u4 <u8 |i1 <i2 <i4 <i8
 //! |b1` and their big-endian forms; C order), `.npz` (`file.npz:array`),
-//! safetensors (`file.safetensors:tensor`) and CSV (one sample a row, one
-//! column of labels; a non-numeric first row is a header). IDX, `.npy` and CSV
-//! files may be gzipped: gzip is recognised by its magic bytes, not the name.
+//! safetensors (`file.safetensors:tensor`), CSV (one sample a row, one
+//! column of labels; a non-numeric first row is a header) and token files
+//! ([`tokens`]: a language model's token ids, cut into next-token windows).
+//! IDX, `.npy`, CSV and token files may be gzipped: gzip is recognised by its
+//! magic bytes, not the name.
 //!
 //! Every file is bounds-checked: a corrupt, truncated or oversized-claiming
 //! file is an error naming it, never a panic, and the size a header claims is
@@ -19,10 +21,12 @@ mod npy;
 mod npz;
 pub mod raw;
 mod st;
+pub mod tokens;
 
-use rookery_model::{Graph, Loss};
+use rookery_model::{DType, Graph, Loss, Op, ParamKind};
 
 pub use raw::{ElemType, RawArray};
+pub use tokens::{TokenDType, TokenIds, TokenWindows};
 
 use crate::error::JobError;
 use crate::spec::{DataFormat, DataRef, DataSpec};
@@ -65,16 +69,31 @@ impl Labels {
 pub struct Dataset {
     /// One sample's shape, without the batch dimension.
     pub sample_shape: Vec<usize>,
-    /// Row-major, `len() * prod(sample_shape)` values, already scaled and
+    /// One sample's labels' shape: `[]` for one class a sample, the targets'
+    /// shape for `mse`, `[seq_len]` for token windows (fitted to the model's
+    /// output by [`validate_against_model`]).
+    pub label_shape: Vec<usize>,
+    pub samples: Samples,
+}
+
+/// Where a dataset's samples come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Samples {
+    /// Inputs and labels read from arrays, one row a sample. `inputs` is
+    /// row-major, `len() * prod(sample_shape)` values, already scaled and
     /// normalised: `(x * scale - mean) / std` in f32.
-    pub inputs: Vec<f32>,
-    pub labels: Labels,
+    Arrays { inputs: Vec<f32>, labels: Labels },
+    /// A token file: each sample is a window, its labels the next tokens.
+    Tokens(TokenWindows),
 }
 
 impl Dataset {
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.labels.len()
+        match &self.samples {
+            Samples::Arrays { labels, .. } => labels.len(),
+            Samples::Tokens(t) => t.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -86,32 +105,56 @@ impl Dataset {
         self.sample_shape.iter().product()
     }
 
-    /// The inputs of samples `idx`, in that order, as one batch (row-major).
-    /// Panics if an index is out of range.
+    /// The inputs of samples `idx`, in that order, as one batch (row-major);
+    /// token ids as f32. Panics if an index is out of range.
     pub fn gather_inputs(&self, idx: &[usize]) -> Vec<f32> {
-        let k = self.sample_numel();
-        let mut out = Vec::with_capacity(idx.len() * k);
-        for &i in idx {
-            out.extend_from_slice(&self.inputs[i * k..(i + 1) * k]);
-        }
-        out
-    }
-
-    /// The labels of samples `idx`, in that order. Panics if an index is out of range.
-    pub fn gather_labels(&self, idx: &[usize]) -> Labels {
-        match &self.labels {
-            Labels::Classes(c) => Labels::Classes(idx.iter().map(|&i| c[i]).collect()),
-            Labels::Targets { shape, values } => {
-                let k: usize = shape.iter().product();
+        match &self.samples {
+            Samples::Arrays { inputs, .. } => {
+                let k = self.sample_numel();
                 let mut out = Vec::with_capacity(idx.len() * k);
                 for &i in idx {
-                    out.extend_from_slice(&values[i * k..(i + 1) * k]);
+                    out.extend_from_slice(&inputs[i * k..(i + 1) * k]);
                 }
-                Labels::Targets {
-                    shape: shape.clone(),
-                    values: out,
-                }
+                out
             }
+            Samples::Tokens(t) => t.gather_inputs(idx).into_iter().map(|v| v as f32).collect(),
+        }
+    }
+
+    /// The inputs of samples `idx` as integers, for a model whose input is
+    /// i64 (token ids, indices): token windows exactly, arrays' values
+    /// rounded toward zero ([`validate_against_model`] checks they are
+    /// integers). Panics if an index is out of range.
+    pub fn gather_input_ids(&self, idx: &[usize]) -> Vec<i64> {
+        match &self.samples {
+            Samples::Arrays { .. } => self
+                .gather_inputs(idx)
+                .into_iter()
+                .map(|v| v as i64)
+                .collect(),
+            Samples::Tokens(t) => t.gather_inputs(idx),
+        }
+    }
+
+    /// The labels of samples `idx`, in that order (`label_shape` each).
+    /// Panics if an index is out of range.
+    pub fn gather_labels(&self, idx: &[usize]) -> Labels {
+        match &self.samples {
+            Samples::Arrays { labels, .. } => match labels {
+                Labels::Classes(c) => Labels::Classes(idx.iter().map(|&i| c[i]).collect()),
+                Labels::Targets { shape, values } => {
+                    let k: usize = shape.iter().product();
+                    let mut out = Vec::with_capacity(idx.len() * k);
+                    for &i in idx {
+                        out.extend_from_slice(&values[i * k..(i + 1) * k]);
+                    }
+                    Labels::Targets {
+                        shape: shape.clone(),
+                        values: out,
+                    }
+                }
+            },
+            Samples::Tokens(t) => Labels::Classes(t.gather_labels(idx)),
         }
     }
 }
@@ -130,6 +173,10 @@ pub fn read_array(format: DataFormat, r: &DataRef) -> Result<RawArray, JobError>
         DataFormat::Npz => npz::read(r),
         DataFormat::Safetensors => st::read(r),
         DataFormat::Csv => csv::read(&r.path),
+        DataFormat::Tokens => Err(JobError::file(
+            r,
+            "a token file is one sequence of ids, not an array of samples; read it with TokenWindows::read",
+        )),
     }
 }
 
@@ -139,12 +186,16 @@ pub fn read_array(format: DataFormat, r: &DataRef) -> Result<RawArray, JobError>
 /// sample's shape. For `cross_entropy` the labels must be one integer per
 /// sample (integer dtypes, or integral floats) and become [`Labels::Classes`];
 /// for `mse` they become [`Labels::Targets`] (f32). Scale and normalisation
-/// apply to the inputs only.
+/// apply to the inputs only. A token file (`format = "tokens"`) has no labels
+/// file: its windows' next tokens are the labels.
 pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Dataset>, JobError> {
+    if spec.format == DataFormat::Tokens {
+        return load_tokens(spec, split);
+    }
     let (inputs, labels, fields) = match split {
         Split::Train => (
             Some(&spec.train_inputs),
-            Some(&spec.train_labels),
+            spec.train_labels.as_ref(),
             ("data.train_inputs", "data.train_labels"),
         ),
         Split::Test => (
@@ -204,12 +255,39 @@ pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Da
         }
     };
     drop(y);
+    let label_shape = match &labels {
+        Labels::Classes(_) => Vec::new(),
+        Labels::Targets { shape, .. } => shape.clone(),
+    };
     let (scale, mean, std) = spec.normalisation();
     let inputs = x.map_f32(|v| (v * scale - mean) / std);
     Ok(Some(Dataset {
         sample_shape,
-        inputs,
-        labels,
+        label_shape,
+        samples: Samples::Arrays { inputs, labels },
+    }))
+}
+
+/// A token file's split: `[seq_len]` windows with `[seq_len]` next-token labels.
+fn load_tokens(spec: &DataSpec, split: Split) -> Result<Option<Dataset>, JobError> {
+    let file = match split {
+        Split::Train => &spec.train_inputs,
+        Split::Test => match &spec.test_inputs {
+            Some(f) => f,
+            None => return Ok(None),
+        },
+    };
+    let seq_len = spec.seq_len.ok_or_else(|| {
+        JobError::field(
+            "data.seq_len",
+            "missing: format = \"tokens\" needs the window length",
+        )
+    })?;
+    let windows = TokenWindows::read(file, spec.token_dtype, seq_len)?;
+    Ok(Some(Dataset {
+        sample_shape: vec![seq_len],
+        label_shape: vec![seq_len],
+        samples: Samples::Tokens(windows),
     }))
 }
 
@@ -233,7 +311,14 @@ fn split_samples(a: &RawArray) -> Result<(usize, Vec<usize>), JobError> {
 ///   `[batch, C]` and every label in `0..C` (the error names the first bad
 ///   label and its index); for `mse` the targets' per-sample shape must be the
 ///   output's, up to dimensions of size 1 (`[]` or `[1]` for `[batch, 1]`):
-///   the targets take the output's per-sample shape.
+///   the targets take the output's per-sample shape;
+/// - for a model whose input is i64 (token ids), the inputs must be integers,
+///   below the vocabulary (the rows of the embedding table the input
+///   indexes, [`input_embedding`]) when there is one;
+/// - token windows need `cross_entropy`, ids below the vocabulary and the
+///   output's classes, and an output of `[batch, classes, seq_len]`
+///   (`[batch, classes]` when `seq_len` is 1); `label_shape` becomes the
+///   output's per-sample shape without the classes.
 ///
 /// Call it for the test split too.
 pub fn validate_against_model(
@@ -264,7 +349,17 @@ pub fn validate_against_model(
         .shape(output)
         .ok_or_else(|| JobError::Mismatch(format!("model: output `{output}` has no shape")))?;
     let per_sample = shape.get(1..).unwrap_or_default();
-    match (loss, &mut data.labels) {
+    let embedding = input_embedding(graph);
+    let (inputs, labels) = match &mut data.samples {
+        Samples::Tokens(t) => {
+            return validate_tokens(t, embedding, loss, shape, &mut data.label_shape);
+        }
+        Samples::Arrays { inputs, labels } => (inputs, labels),
+    };
+    if graph.inputs.first().map(|i| i.dtype) == Some(DType::I64) {
+        check_input_ids(inputs, embedding)?;
+    }
+    match (loss, labels) {
         (Loss::CrossEntropy, Labels::Classes(classes)) => {
             let &[c] = per_sample else {
                 return Err(JobError::Mismatch(format!(
@@ -291,10 +386,167 @@ pub fn validate_against_model(
                 )));
             }
             *target = per_sample.to_vec();
+            data.label_shape = per_sample.to_vec();
             Ok(())
         }
         (loss, _) => Err(JobError::Mismatch(format!(
             "the labels were not loaded for the {loss:?} loss"
         ))),
     }
+}
+
+/// The embedding table the model's first input indexes, and its rows (the
+/// vocabulary): a `Gather` along axis 0 of a parameter by that input,
+/// directly or through `Identity` nodes. `nn.Embedding` exports and the
+/// layer spec's `Embedding` are such a `Gather`.
+pub fn input_embedding(graph: &Graph) -> Option<(&str, usize)> {
+    let mut names = vec![graph.inputs.first()?.name.as_str()];
+    // Nodes are not necessarily in order: follow Identity chains to a fixpoint.
+    loop {
+        let before = names.len();
+        for n in &graph.nodes {
+            if matches!(n.op, Op::Identity)
+                && n.inputs
+                    .first()
+                    .is_some_and(|i| names.contains(&i.as_str()))
+                && !names.contains(&n.name.as_str())
+            {
+                names.push(&n.name);
+            }
+        }
+        if names.len() == before {
+            break;
+        }
+    }
+    graph.nodes.iter().find_map(|n| match n.op {
+        Op::Gather { axis: 0 } if n.inputs.get(1).is_some_and(|i| names.contains(&i.as_str())) => {
+            let table = graph
+                .params
+                .iter()
+                .find(|p| Some(&p.name) == n.inputs.first())?;
+            Some((table.name.as_str(), *table.shape.first()?))
+        }
+        _ => None,
+    })
+}
+
+/// Position tables: parameters gathered along axis 0 by indices that do not
+/// depend on any graph input (an `arange` over the sequence, folded at
+/// import), with their rows, the most positions the model has.
+pub fn position_tables(graph: &Graph) -> Vec<(&str, usize)> {
+    let mut dependent: Vec<&str> = graph.inputs.iter().map(|i| i.name.as_str()).collect();
+    loop {
+        let before = dependent.len();
+        for n in &graph.nodes {
+            if !dependent.contains(&n.name.as_str())
+                && n.inputs.iter().any(|i| dependent.contains(&i.as_str()))
+            {
+                dependent.push(&n.name);
+            }
+        }
+        if dependent.len() == before {
+            break;
+        }
+    }
+    graph
+        .nodes
+        .iter()
+        .filter_map(|n| match n.op {
+            Op::Gather { axis: 0 }
+                if n.inputs
+                    .get(1)
+                    .is_some_and(|i| !dependent.contains(&i.as_str())) =>
+            {
+                let table = graph
+                    .params
+                    .iter()
+                    .find(|p| Some(&p.name) == n.inputs.first() && p.kind != ParamKind::Constant)?;
+                Some((table.name.as_str(), *table.shape.first()?))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// An i64 model input's values from an array: integers, and token ids below
+/// the vocabulary when the input indexes an embedding.
+fn check_input_ids(inputs: &[f32], embedding: Option<(&str, usize)>) -> Result<(), JobError> {
+    if let Some((i, v)) = inputs
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !v.is_finite() || v.fract() != 0.0)
+    {
+        return Err(JobError::Mismatch(format!(
+            "the model's input is i64 (token ids or indices), but input value {v} at index {i} is not an integer"
+        )));
+    }
+    if let Some((table, rows)) = embedding
+        && let Some((i, v)) = inputs
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !(0.0..rows as f32).contains(*v))
+    {
+        return Err(JobError::Mismatch(format!(
+            "token id {v} at index {i} of the inputs is not below the vocabulary size {rows} \
+             (the rows of `{table}`, the embedding table the model's input indexes)"
+        )));
+    }
+    Ok(())
+}
+
+/// Token windows against the model: ids below the vocabulary, and an output
+/// of `[batch, classes, seq_len]` (or `[batch, classes]` for windows of one),
+/// whose per-sample shape without the classes becomes `label_shape`.
+fn validate_tokens(
+    t: &TokenWindows,
+    embedding: Option<(&str, usize)>,
+    loss: Loss,
+    shape: &[usize],
+    label_shape: &mut Vec<usize>,
+) -> Result<(), JobError> {
+    if loss != Loss::CrossEntropy {
+        return Err(JobError::field(
+            "training.loss",
+            format!(
+                "format = \"tokens\" labels every position with its next token, a class: use \
+                 loss = \"cross_entropy\" (not {loss:?})"
+            ),
+        ));
+    }
+    if let Some((table, rows)) = embedding
+        && let Some((i, v)) = t.ids().first_at_or_above(rows as u64)
+    {
+        return Err(JobError::file(
+            t.source(),
+            format!(
+                "token id {v} at position {i} is not below the vocabulary size {rows} \
+                 (the rows of `{table}`, the embedding table the model's input indexes)"
+            ),
+        ));
+    }
+    let seq_len = t.seq_len();
+    let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+    let fits = |inner: &[usize]| squeeze(inner) == squeeze(&[seq_len]);
+    let (classes, inner) = match shape.get(1..).and_then(|s| s.split_first()) {
+        Some((&c, inner)) if fits(inner) => (c, inner),
+        _ => {
+            return Err(JobError::Mismatch(format!(
+                "cross_entropy over token windows of data.seq_len {seq_len} needs the model's \
+                 output to be [batch, vocabulary, {seq_len}] (torch's layout; [batch, vocabulary] \
+                 when seq_len is 1); it is {shape:?}"
+            )));
+        }
+    };
+    if let Some((i, v)) = t.ids().first_at_or_above(classes as u64) {
+        return Err(JobError::file(
+            t.source(),
+            format!(
+                "token id {v} at position {i} is not a class of the model's output {shape:?} \
+                 (expected 0..={})",
+                classes.saturating_sub(1)
+            ),
+        ));
+    }
+    *label_shape = inner.to_vec();
+    Ok(())
 }

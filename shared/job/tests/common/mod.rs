@@ -99,11 +99,13 @@ pub fn data_spec(format: DataFormat, inputs: DataRef, labels: DataRef) -> DataSp
     DataSpec {
         format,
         train_inputs: inputs,
-        train_labels: labels,
+        train_labels: Some(labels),
         test_inputs: None,
         test_labels: None,
         scale: None,
         mean: None,
         std: None,
+        seq_len: None,
+        token_dtype: None,
     }
 }

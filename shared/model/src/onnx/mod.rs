@@ -103,3 +103,45 @@ pub fn import_file(
     let read = move |location: &str| std::fs::read(dir.join(location));
     import_named(&file, &bytes, &read, input_shape)
 }
+
+/// The dimensions an ONNX file declares for its first graph input, batch
+/// first: `Some(n)` where the export fixed the size, `None` where it is
+/// symbolic (dynamic). `Ok(None)` when the input declares no shape. For
+/// diagnosing an import that failed at a given input shape.
+pub fn declared_input_dims(
+    path: impl AsRef<std::path::Path>,
+) -> Result<Option<Vec<Option<u64>>>, OnnxError> {
+    use pb::tensor_shape_proto::dimension::Value as Dim;
+    let path = path.as_ref();
+    let file = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
+        file: file.clone(),
+        reason: format!("cannot read the file: {e}"),
+    })?;
+    let model = pb::ModelProto::decode(bytes.as_slice()).map_err(|e| OnnxError::Decode {
+        file,
+        reason: e.to_string(),
+    })?;
+    let Some(graph) = model.graph else {
+        return Ok(None);
+    };
+    let first = graph
+        .input
+        .iter()
+        .find(|vi| !graph.initializer.iter().any(|t| t.name() == vi.name()));
+    let tensor = first
+        .and_then(|vi| vi.r#type.as_ref())
+        .and_then(|t| t.value.as_ref());
+    let Some(pb::type_proto::Value::TensorType(tt)) = tensor else {
+        return Ok(None);
+    };
+    Ok(tt.shape.as_ref().map(|s| {
+        s.dim
+            .iter()
+            .map(|d| match d.value {
+                Some(Dim::DimValue(v)) if v > 0 => Some(v as u64),
+                _ => None,
+            })
+            .collect()
+    }))
+}
