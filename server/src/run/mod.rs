@@ -32,7 +32,14 @@
 //! `eval` runs the test set after an epoch; `recovery` rebuilds a cluster
 //! that lost a provider; `stragglers` spots and replaces slow stages;
 //! `metrics` turns finished steps into records; `aggregate` holds the rules
-//! that combine the clusters' copies of a parameter.
+//! that combine the clusters' copies of a parameter, and [`AggregateWork`],
+//! a sync's combining moved out of the run ([`Effect::Aggregate`]) for the
+//! server to run off its coordinator; its result comes back through
+//! [`JobRun::on_aggregated`].
+//!
+//! Memory: the run keeps one copy of each parameter, as the bytes that
+//! travel, shared by every frame, checkpoint and resume point that carries
+//! it; during a sync it also keeps the uploads, as they arrived.
 
 mod aggregate;
 mod eval;
