@@ -168,7 +168,10 @@ async fn the_coordinator_answers_while_a_job_of_millions_of_parameters_starts() 
         if listed.iter().any(|p| p.bandwidth_mbps.is_some()) {
             break;
         }
-        assert!(Instant::now() < deadline, "the provider's link was never measured");
+        assert!(
+            Instant::now() < deadline,
+            "the provider's link was never measured"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
@@ -211,7 +214,10 @@ async fn the_coordinator_answers_while_a_job_of_millions_of_parameters_starts() 
         if let Ok(at) = first_job_frame.try_recv() {
             break at;
         }
-        assert!(Instant::now() < deadline + Duration::from_secs(100), "the job never started");
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(100),
+            "the job never started"
+        );
         let asked = Instant::now();
         let listed: Vec<ProviderInfo> = http
             .get(format!("{base}/providers"))

@@ -187,7 +187,11 @@ impl Actor {
         let gone: Vec<u64> = run
             .providers()
             .into_iter()
-            .filter(|p| self.providers.get(p).is_none_or(|live| live.job != Some(job_id)))
+            .filter(|p| {
+                self.providers
+                    .get(p)
+                    .is_none_or(|live| live.job != Some(job_id))
+            })
             .collect();
         self.jobs.entry(job_id).or_default().run = Some(run);
         self.apply(job_id, effects).await;

@@ -172,9 +172,11 @@ impl Actor {
     /// Writes a completed job's weights off the task ([`Event::WeightsWritten`]).
     pub(super) fn write_weights(&self, job_id: u64, weights: Vec<WireTensor>) {
         let path = crate::store::checkpoints::weights_path(&self.data_dir, job_id);
-        self.off_task(job_id, "writing the weights", move || Event::WeightsWritten {
-            job_id,
-            written: write_file(&path, &weights).map_err(|e| e.to_string()),
+        self.off_task(job_id, "writing the weights", move || {
+            Event::WeightsWritten {
+                job_id,
+                written: write_file(&path, &weights).map_err(|e| e.to_string()),
+            }
         });
     }
 }

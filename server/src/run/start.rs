@@ -98,7 +98,9 @@ impl JobRun {
                     }
                     // The file's buffer is kept as it is when it already
                     // holds the value as it travels.
-                    let data = if w.dtype == on_wire(p.dtype, WireDType::F32) && w.check_size().is_ok() {
+                    let data = if w.dtype == on_wire(p.dtype, WireDType::F32)
+                        && w.check_size().is_ok()
+                    {
                         w.data
                     } else {
                         let values = w.to_f32().map_err(|e| StartError::Value(e.to_string()))?;

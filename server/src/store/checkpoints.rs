@@ -128,7 +128,12 @@ mod tests {
     use rookery_proto::WireDType;
 
     fn weights(value: f32) -> Vec<WireTensor> {
-        vec![WireTensor::from_f32("w", &[2], &[value, value], WireDType::F32)]
+        vec![WireTensor::from_f32(
+            "w",
+            &[2],
+            &[value, value],
+            WireDType::F32,
+        )]
     }
 
     #[tokio::test]

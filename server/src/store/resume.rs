@@ -249,7 +249,12 @@ mod tests {
         tensors.push(WireTensor::from_f32("stray", &[1], &[0.0], WireDType::F32));
         assert!(from_tensors(tensors).unwrap_err().contains("stray"));
         let mut tensors = to_tensors(&point());
-        tensors.push(WireTensor::from_f32("optim/9/w/exp_avg", &[1], &[0.0], WireDType::F32));
+        tensors.push(WireTensor::from_f32(
+            "optim/9/w/exp_avg",
+            &[1],
+            &[0.0],
+            WireDType::F32,
+        ));
         assert!(from_tensors(tensors).unwrap_err().contains("cluster `9`"));
     }
 }

@@ -314,7 +314,9 @@ pub fn read_wire_safetensors(path: &Path) -> Result<Vec<WireTensor>, JobError> {
                 other => {
                     return Err(JobError::file(
                         &shown,
-                        format!("tensor `{name}` is {other:?}; only F32, F16, BF16 and I64 are read"),
+                        format!(
+                            "tensor `{name}` is {other:?}; only F32, F16, BF16 and I64 are read"
+                        ),
                     ));
                 }
             };

@@ -85,7 +85,10 @@ fn several_clusters_are_combined_off_the_run_and_the_result_completes_the_sync()
         .filter(|(_, m)| matches!(m, ToProvider::SetParams(_)))
         .count();
     assert_eq!(set_params, 4);
-    assert!(done.iter().any(|e| matches!(e, Effect::ResumePoint(r) if r.step == 1)));
+    assert!(
+        done.iter()
+            .any(|e| matches!(e, Effect::ResumePoint(r) if r.step == 1))
+    );
     assert_eq!(run.synced, 1);
 }
 
@@ -119,7 +122,11 @@ fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_paramet
     for (_, m) in sends(&effects) {
         let ToProvider::Assign(a) = m else { continue };
         for t in &a.params {
-            assert!(same(t, &run.params[&t.name]), "Assign's `{}` is a copy", t.name);
+            assert!(
+                same(t, &run.params[&t.name]),
+                "Assign's `{}` is a copy",
+                t.name
+            );
             assigned += 1;
         }
     }
