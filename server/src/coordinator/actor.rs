@@ -137,12 +137,34 @@ impl Actor {
                     live.bandwidth_mbps = Some(bandwidth_mbps);
                 }
             }
-            Event::Prepared { job_id, prepared } => {
+            Event::Prepared { job_id, model } => {
                 let job = self.jobs.entry(job_id).or_default();
-                if job.run.is_none() {
-                    job.prepared = Some(*prepared);
+                job.loading = false;
+                if job.run.is_none() && job.starting.is_none() {
+                    job.model = Some(*model);
                 }
             }
+            Event::WorkFailed { job_id, reason } => self.fail(job_id, reason).await,
+            Event::Started { job_id, started } => self.started(job_id, started).await,
+            Event::Aggregated { job_id, done } => {
+                let effects = match self.run_mut(job_id) {
+                    Some(run) => run.on_aggregated(*done),
+                    None => return,
+                };
+                let synced = effects.iter().any(|e| matches!(e, Effect::ResumePoint(_)));
+                self.apply(job_id, effects).await;
+                if synced {
+                    self.replace_stragglers(job_id).await;
+                }
+            }
+            Event::WeightsWritten { job_id, written } => match written {
+                Ok(()) => self.set_status(job_id, JobStatus::Completed, None).await,
+                Err(error) => {
+                    let reason = format!("cannot write the weights: {error}");
+                    self.set_status(job_id, JobStatus::Failed, Some(reason))
+                        .await
+                }
+            },
             Event::Cancel { job_id } => {
                 if let Some(mut run) = self.free(job_id).and_then(|job| job.run) {
                     let effects = run.release();

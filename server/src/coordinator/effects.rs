@@ -5,11 +5,11 @@
 use rookery_proto::ToProvider;
 use rookery_proto::api::{JobEvent, JobEventBody, LogEntry};
 
-use super::{Actor, Outgoing, RESUME_EVERY_MS, SYNC_LOG_EVERY_MS};
+use super::{Actor, Outgoing, SYNC_LOG_EVERY_MS};
 use crate::run::Effect;
-use crate::store::checkpoints::{CheckpointWriter, checkpoint_path, weights_path, write_weights};
+use crate::store::checkpoints::{CheckpointWriter, ResumeWriter, checkpoint_path};
+use crate::store::job_dir;
 use crate::store::jobs::{self, JobStatus, LogRecord};
-use crate::store::{job_dir, resume};
 use crate::{dto, now_ms};
 
 impl Actor {
@@ -78,41 +78,28 @@ impl Actor {
                         .entry(job_id)
                         .or_default()
                         .checkpoint
-                        .get_or_insert_with(|| CheckpointWriter::spawn(job_id, path))
+                        .get_or_insert_with(|| CheckpointWriter::checkpoint(job_id, path))
                         .save(weights);
                     self.log_sync(job_id).await;
                 }
                 Effect::ResumePoint(point) => {
-                    let now = now_ms();
-                    let last = &mut self.jobs.entry(job_id).or_default().resume_written;
-                    if now.saturating_sub(*last) < RESUME_EVERY_MS {
-                        continue;
-                    }
-                    *last = now;
+                    // Shares the run's buffers; the writer writes the newest
+                    // it holds, at most every few seconds.
                     let dir = job_dir(&self.data_dir, job_id);
-                    let written = tokio::task::spawn_blocking(move || resume::write(&dir, &point))
-                        .await
-                        .map_err(std::io::Error::other)
-                        .and_then(|r| r);
-                    if let Err(error) = written {
-                        tracing::error!(job = job_id, %error, "cannot write the resume point");
-                    }
+                    self.jobs
+                        .entry(job_id)
+                        .or_default()
+                        .resume
+                        .get_or_insert_with(|| ResumeWriter::resume(job_id, dir))
+                        .save(*point);
                 }
+                Effect::Aggregate(work) => self.aggregate(job_id, work),
                 Effect::Log { kind, message } => self.log(job_id, kind, message).await,
                 Effect::Completed(weights) => {
-                    let path = weights_path(&self.data_dir, job_id);
-                    match write_weights(path, weights).await {
-                        Ok(()) => self.set_status(job_id, JobStatus::Completed, None).await,
-                        Err(error) => {
-                            self.set_status(
-                                job_id,
-                                JobStatus::Failed,
-                                Some(format!("cannot write the weights: {error}")),
-                            )
-                            .await
-                        }
-                    }
+                    // The run and its data go now; the job is complete once
+                    // its weights are on disk.
                     self.free(job_id);
+                    self.write_weights(job_id, weights);
                 }
                 Effect::Failed(reason) => {
                     self.fail(job_id, reason).await;

@@ -10,29 +10,38 @@
 //!   standbys, stragglers' stages onto faster providers;
 //! - `effects`: carrying out a run's effects (frames, database rows, files,
 //!   live events);
-//! - `faults`: what a provider's fault on a job costs it, and bans.
+//! - `faults`: what a provider's fault on a job costs it, and bans;
+//! - `work`: what runs off the task (reading a job's model, starting a run,
+//!   aggregating a sync, writing the weights) and comes back as an [`Event`].
+//!
+//! Nothing that takes long runs on the task itself: initialising a large
+//! model's parameters, reading its data, combining the clusters' uploads
+//! and writing files run on blocking threads, and their results come back
+//! through the same channel as everything else, so heartbeats, other jobs
+//! and HTTP calls are answered meanwhile.
 
 mod actor;
 mod effects;
 mod faults;
 mod schedule;
+mod work;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rookery_job::Prepared;
 use rookery_plan::ProviderSpec;
-use rookery_proto::api::{JobEvent, ProviderWork};
+use rookery_proto::api::{JobEvent, PlanView, ProviderWork};
 use rookery_proto::stream::Payload;
 use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub use self::faults::{BAN_AFTER_FAULTS, FaultAction, fault_action, is_banned};
 pub use self::schedule::{by_plan_id, plan_options};
-use crate::run::JobRun;
+pub use self::work::QueuedModel;
+use crate::run::{Aggregated, Effect, JobRun};
 use crate::store::Db;
-use crate::store::checkpoints::CheckpointWriter;
+use crate::store::checkpoints::{CheckpointWriter, ResumeWriter};
 use crate::store::jobs::Ban;
 
 /// How often queued jobs are matched against idle providers.
@@ -40,11 +49,6 @@ const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
 /// Live events a slow subscriber may fall behind by before it is told it
 /// lagged (and reloads what it shows).
 const EVENT_BUFFER: usize = 4096;
-/// A job that syncs every step would rewrite its resume file (parameters and
-/// optimizer state, fsynced) every step; it is rewritten at most this often
-/// per job. A restarted server then replays at most this long of training;
-/// a lost provider's rollback uses the in-memory checkpoint of the last sync.
-const RESUME_EVERY_MS: u64 = 5_000;
 /// A job that syncs every step would write a log line per step; sync lines
 /// are written at most this often per job, counting the syncs in between.
 const SYNC_LOG_EVERY_MS: u64 = 2_000;
@@ -86,10 +90,35 @@ pub enum Event {
         id: u64,
         bandwidth_mbps: f64,
     },
-    /// A job just accepted, with its model and data already read and checked.
+    /// A queued job's model, read (by the upload, which checked the job
+    /// against its data, or off the task for a job queued before a restart)
+    /// so that it can be planned on every scheduling tick.
     Prepared {
         job_id: u64,
-        prepared: Box<Prepared>,
+        model: Box<QueuedModel>,
+    },
+    /// Work off the task found the job cannot go on (its model or data
+    /// cannot be read, or the work crashed): the job fails with `reason`.
+    WorkFailed {
+        job_id: u64,
+        reason: String,
+    },
+    /// A job's run, built off the task (its data read, its parameters
+    /// initialised or resumed, its `Assign` frames made), or why it cannot
+    /// start.
+    Started {
+        job_id: u64,
+        started: Result<Box<(JobRun, Vec<Effect>)>, String>,
+    },
+    /// A sync's aggregation, done off the task.
+    Aggregated {
+        job_id: u64,
+        done: Box<Aggregated>,
+    },
+    /// A completed job's weights file is written (or not).
+    WeightsWritten {
+        job_id: u64,
+        written: Result<(), String>,
     },
     /// Asks for the connected providers and what each is doing.
     Snapshot {
@@ -140,6 +169,9 @@ impl Coordinator {
         let (events, _) = broadcast::channel(EVENT_BUFFER);
         tokio::spawn(
             Actor {
+                // Weak: the task ends once every handle is gone, even while
+                // work it started is still running.
+                tx: tx.downgrade(),
                 db,
                 data_dir,
                 providers: BTreeMap::new(),
@@ -213,9 +245,15 @@ struct Route {
 struct JobEntry {
     /// The run, once the job has started.
     run: Option<JobRun>,
-    /// Read and checked while queued, so waiting for providers does not
-    /// reload the job's data on every scheduling tick.
-    prepared: Option<Prepared>,
+    /// The queued job's model (without parameter values or data), read
+    /// once, so that waiting for providers does not reload it on every
+    /// scheduling tick.
+    model: Option<QueuedModel>,
+    /// The model is being read off the task.
+    loading: bool,
+    /// The run is being built off the task on the providers it was planned
+    /// onto: the plan as the dashboard shows it, to store once it starts.
+    starting: Option<PlanView>,
     /// The last reason the queued job gave for waiting, to write it only
     /// when it changes.
     waiting: Option<String>,
@@ -231,13 +269,15 @@ struct JobEntry {
     bans: Vec<Ban>,
     /// The stages the running job last said it waits for a provider for.
     short: Option<String>,
-    /// When the resume file was last written.
-    resume_written: u64,
     /// The task writing the checkpoint file.
     checkpoint: Option<CheckpointWriter>,
+    /// The task writing the resume file.
+    resume: Option<ResumeWriter>,
 }
 
 struct Actor {
+    /// For work off the task to report back.
+    tx: mpsc::WeakUnboundedSender<Event>,
     db: Db,
     data_dir: PathBuf,
     providers: BTreeMap<u64, Live>,

@@ -5,17 +5,18 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use rookery_job::{JobSpec, Prepared, prepare};
+use rookery_job::JobSpec;
 use rookery_model::{ClusterCount, OptimizerConfig};
 use rookery_plan::{Plan, PlanOptions, ProviderSpec};
 use rookery_proto::Hello;
 use rookery_proto::api::ProviderWork;
 
 use super::faults::is_banned;
+use super::work::RunRecipe;
 use super::{Actor, LiveProvider};
-use crate::run::{JobRun, ResumePoint, STRAGGLER_STEPS};
+use crate::run::{Effect, JobRun, STRAGGLER_STEPS};
+use crate::store::job_dir;
 use crate::store::jobs::{self, JobRecord, JobStatus};
-use crate::store::{job_dir, resume};
 use crate::{dto, now_ms};
 
 impl Actor {
@@ -50,9 +51,14 @@ impl Actor {
     }
 
     /// Plans the queued `job` onto the idle providers it is not banned from
-    /// and starts it; or says what it waits for; or fails it when its files
-    /// or its resume point cannot be read.
+    /// and starts it; or says what it waits for. Its model is read off the
+    /// task the first time (and its run is built off the task), so a large
+    /// job never holds up the coordinator.
     async fn try_start(&mut self, job: JobRecord) {
+        let entry = self.jobs.entry(job.id).or_default();
+        if entry.loading || entry.starting.is_some() {
+            return;
+        }
         let live = self.without_banned(job.id, self.snapshot()).await;
         let specs: Vec<ProviderSpec> = live.iter().filter_map(LiveProvider::candidate).collect();
         if specs.is_empty() {
@@ -60,94 +66,45 @@ impl Actor {
                 .await;
             return;
         }
-        let kept = self.jobs.get_mut(&job.id).and_then(|j| j.prepared.take());
-        let prepared = match kept {
-            Some(prepared) => prepared,
-            None => {
-                let dir = PathBuf::from(&job.dir);
-                let spec_json = job.spec_json.clone();
-                let read = tokio::task::spawn_blocking(move || {
-                    prepare(JobSpec::from_json(&spec_json, &dir)?)
-                })
-                .await
-                .unwrap_or_else(|error| Err(format!("preparing the job crashed: {error}").into()));
-                match read {
-                    Ok(prepared) => prepared,
-                    Err(reason) => return self.fail(job.id, reason.to_string()).await,
-                }
-            }
+        let Some(model) = self.jobs.get(&job.id).and_then(|j| j.model.as_ref()) else {
+            self.read_model(job.id, job.spec_json, PathBuf::from(&job.dir));
+            return;
         };
-        let dir = job_dir(&self.data_dir, job.id);
-        let resume = tokio::task::spawn_blocking(move || resume::read(&dir))
-            .await
-            .unwrap_or_else(|error| Err(format!("reading the resume point crashed: {error}")));
-        let resume = match resume {
-            Ok(resume) => resume,
-            Err(reason) => {
-                let reason = format!("cannot resume from the checkpoint: {reason}");
-                return self.fail(job.id, reason).await;
-            }
-        };
-        let mut options = plan_options(&prepared.spec);
-        if let Some(resume) = &resume {
+        let mut options = plan_options(&model.spec);
+        if let Some(clusters) = model.resume_clusters {
             // The data's sharding depends on the cluster count, so a resumed
             // job keeps it; the stages may be cut differently.
-            options.clusters = ClusterCount::Fixed(resume.optimizer.len());
+            options.clusters = ClusterCount::Fixed(clusters);
         }
-        let plan = match rookery_plan::clusterize(&prepared.graph, &specs, &options) {
+        let plan = match rookery_plan::clusterize(&model.graph, &specs, &options) {
             Ok(plan) => plan,
             Err(error) => {
                 self.wait(job.id, format!("waiting for providers: {error}"))
                     .await;
-                self.jobs.entry(job.id).or_default().prepared = Some(prepared);
                 return;
             }
         };
-        self.start(job.id, prepared, resume, &plan, live).await;
+        self.start(job, plan, live);
     }
 
-    /// Starts `job_id` on `plan`: its providers get their stages, the plan
-    /// and the assignments are recorded, and the run's first frames go out.
-    async fn start(
-        &mut self,
-        job_id: u64,
-        prepared: Prepared,
-        resume: Option<ResumePoint>,
-        plan: &Plan,
-        live: Vec<LiveProvider>,
-    ) {
+    /// Starts `job` on `plan`: its providers are taken at once (no other job
+    /// is planned onto them), and its run is built off the task; the rest
+    /// happens in [`Actor::started`].
+    fn start(&mut self, job: JobRecord, plan: Plan, live: Vec<LiveProvider>) {
+        let job_id = job.id;
+        let Some(model) = self.jobs.get_mut(&job_id).and_then(|j| j.model.take()) else {
+            return;
+        };
         let who = by_plan_id(live);
         let ids: HashMap<String, u64> = who
             .iter()
             .map(|(key, (id, _))| (key.clone(), *id))
             .collect();
-        let view = dto::plan_view(plan, &prepared.graph, &who);
-        // Each stage carries its cluster's micro-batches every step.
-        let step_micro_batches = prepared.spec.training.micro_batches.max(1) as u64;
-        let Prepared {
-            spec,
-            graph,
-            analysis,
-            train,
-            test,
-            ..
-        } = prepared;
-        let resumed_at = resume.as_ref().map(|r| r.step);
-        let started = JobRun::start(
-            job_id, spec, &graph, &analysis, plan, &ids, train, test, resume,
-        );
-        let (run, effects) = match started {
-            Ok(started) => started,
-            Err(reason) => return self.fail(job_id, reason.to_string()).await,
-        };
-        for p in run.providers() {
-            if let Some(live) = self.providers.get_mut(&p) {
-                live.job = Some(job_id);
-            }
-        }
+        let view = dto::plan_view(&plan, &model.graph, &who);
         for (c, cluster) in view.clusters.iter().enumerate() {
             for (s, stage) in cluster.stages.iter().enumerate() {
                 if let Some(live) = self.providers.get_mut(&stage.provider) {
+                    live.job = Some(job_id);
                     live.work = Some(ProviderWork {
                         job_id,
                         cluster: c as u32,
@@ -158,7 +115,43 @@ impl Actor {
                 }
             }
         }
-        self.jobs.entry(job_id).or_default().micro_batches = step_micro_batches;
+        let entry = self.jobs.entry(job_id).or_default();
+        // Each stage carries its cluster's micro-batches every step.
+        entry.micro_batches = model.spec.training.micro_batches.max(1) as u64;
+        entry.starting = Some(view);
+        entry.waiting = None;
+        tracing::info!(
+            job = job_id,
+            clusters = plan.clusters.len(),
+            "job planned; reading its data and initialising its parameters"
+        );
+        drop(model);
+        self.build_run(RunRecipe {
+            job_id,
+            spec_json: job.spec_json,
+            dir: PathBuf::from(&job.dir),
+            job_dir: job_dir(&self.data_dir, job_id),
+            plan,
+            ids,
+        });
+    }
+
+    /// The run of a job started by [`Actor::start`] is built (or cannot be):
+    /// the plan and the assignments are recorded and the run's first frames
+    /// go out. A job cancelled meanwhile is dropped; a provider that left
+    /// meanwhile leaves its stage vacant, as if it had left just now.
+    pub(super) async fn started(
+        &mut self,
+        job_id: u64,
+        started: Result<Box<(JobRun, Vec<Effect>)>, String>,
+    ) {
+        let Some(view) = self.jobs.get_mut(&job_id).and_then(|j| j.starting.take()) else {
+            return;
+        };
+        let (run, effects) = match started {
+            Ok(started) => *started,
+            Err(reason) => return self.fail(job_id, reason).await,
+        };
         let plan_json = serde_json::to_string(&view).unwrap_or_default();
         if let Err(error) = jobs::set_plan(&self.db, job_id, plan_json, run.total_steps()).await {
             tracing::error!(job = job_id, %error, "cannot store the plan");
@@ -177,23 +170,35 @@ impl Actor {
                 self.log(job_id, "stage_assigned", message).await;
             }
         }
-        self.jobs.entry(job_id).or_default().waiting = None;
-        let detail = match resumed_at {
-            Some(step) => {
+        let detail = match run.synced_step() {
+            0 => "handing stages to providers".into(),
+            step => {
                 format!("handing stages to providers; resuming from the checkpoint at step {step}")
             }
-            None => "handing stages to providers".into(),
         };
         self.set_status(job_id, JobStatus::Planning, Some(detail))
             .await;
         tracing::info!(
             job = job_id,
-            clusters = plan.clusters.len(),
+            clusters = view.clusters.len(),
             steps = run.total_steps(),
             "job starts"
         );
+        let gone: Vec<u64> = run
+            .providers()
+            .into_iter()
+            .filter(|p| {
+                self.providers
+                    .get(p)
+                    .is_none_or(|live| live.job != Some(job_id))
+            })
+            .collect();
         self.jobs.entry(job_id).or_default().run = Some(run);
         self.apply(job_id, effects).await;
+        for provider in gone {
+            self.stage_lost(job_id, provider, "it left while the job started")
+                .await;
+        }
     }
 
     pub(super) async fn wait(&mut self, job_id: u64, reason: String) {

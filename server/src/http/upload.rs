@@ -15,7 +15,7 @@ use rookery_proto::api::{ApiError, DatasetInfo, JobCreated, JobEvent, JobEventBo
 
 use super::error::AppError;
 use super::jobs::log_line;
-use crate::coordinator::{self, Event};
+use crate::coordinator::{self, Event, QueuedModel};
 use crate::state::AppState;
 use crate::store::datasets::{self, DatasetError};
 use crate::store::requesters::Requester;
@@ -252,9 +252,11 @@ pub async fn create(
     }
     let warnings = prepared.warnings.clone();
     // The data is read and checked already; the scheduler starts from it.
+    // Planning needs only the model: the data is read again when the job
+    // starts, so a queued job holds none.
     state.coordinator.send(Event::Prepared {
         job_id: id,
-        prepared: Box::new(prepared),
+        model: Box::new(QueuedModel::new(prepared)),
     });
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }

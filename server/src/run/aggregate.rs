@@ -8,8 +8,99 @@
 //! the median ignores it, CenteredClip lets it pull by at most the clip
 //! radius (the honest clusters' own spread) divided by the cluster count per
 //! iteration.
+//!
+//! A sync's combining is [`AggregateWork`]: everything it needs, moved out
+//! of the run, so that the server runs it on a blocking thread and the
+//! coordinator goes on answering other jobs and providers meanwhile.
+
+use std::collections::BTreeMap;
 
 use rookery_job::Aggregation;
+use rookery_model::DType;
+use rookery_proto::{Bytes, WireDType, WireTensor};
+
+use super::{f32_bytes, param_bytes};
+
+/// One sync's uploads, to combine into the parameters' new values.
+#[derive(Debug)]
+pub struct AggregateWork {
+    /// Which sync of the run this is (see [`super::JobRun::on_aggregated`]).
+    pub(super) round: u64,
+    pub(super) step_done: u64,
+    pub(super) rule: Aggregation,
+    pub(super) clusters: usize,
+    /// Name -> (cluster, its copy), in the order they arrived.
+    pub(super) uploads: BTreeMap<String, Vec<(usize, WireTensor)>>,
+    /// Each parameter's dtype in the graph.
+    pub(super) dtypes: BTreeMap<String, DType>,
+}
+
+/// What [`AggregateWork::run`] found.
+#[derive(Debug)]
+pub struct Aggregated {
+    pub(super) round: u64,
+    pub(super) step_done: u64,
+    /// Each parameter's new value as it travels.
+    pub(super) params: BTreeMap<String, Bytes>,
+    /// Each cluster's squared distance to the aggregate and the aggregate's
+    /// squared norm, over every float parameter (robust rules only): to spot
+    /// a far-off cluster.
+    pub(super) squared_distances: Vec<f64>,
+    pub(super) squared_norm: f64,
+}
+
+impl AggregateWork {
+    /// Combines the copies (blocking work: it reads every uploaded value).
+    /// One cluster's copy is taken as it is, without a copy where it came as
+    /// it travels: every rule gives a single copy back unchanged.
+    pub fn run(self) -> Aggregated {
+        let mut squared_distances = vec![0.0f64; self.clusters];
+        let mut squared_norm = 0.0f64;
+        let mut params = BTreeMap::new();
+        for (name, copies) in self.uploads {
+            let Some(&dtype) = self.dtypes.get(&name) else {
+                continue;
+            };
+            let wire = match dtype {
+                DType::F32 => WireDType::F32,
+                DType::I64 => WireDType::I64,
+            };
+            let data = match (dtype, copies.len()) {
+                // Counters (BatchNorm's num_batches_tracked) agree across
+                // clusters; and one copy is the aggregate of itself.
+                (DType::I64, _) | (_, 1) => match copies.into_iter().next() {
+                    Some((_, t)) if t.dtype == wire => t.data,
+                    Some((_, t)) => param_bytes(dtype, t.to_f32().unwrap_or_default()),
+                    None => continue,
+                },
+                (DType::F32, _) => {
+                    // Each copy was checked (size, finiteness) as it arrived.
+                    let values: Vec<(usize, Vec<f32>)> = copies
+                        .iter()
+                        .map(|(c, t)| (*c, t.to_f32().unwrap_or_default()))
+                        .collect();
+                    let slices: Vec<&[f32]> = values.iter().map(|(_, v)| v.as_slice()).collect();
+                    let value = aggregate(self.rule, &slices);
+                    if self.rule != Aggregation::Mean {
+                        for (c, copy) in &values {
+                            squared_distances[*c] += distance(copy, &value).powi(2);
+                        }
+                        squared_norm += value.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
+                    }
+                    f32_bytes(value)
+                }
+            };
+            params.insert(name, data);
+        }
+        Aggregated {
+            round: self.round,
+            step_done: self.step_done,
+            params,
+            squared_distances,
+            squared_norm,
+        }
+    }
+}
 
 /// CenteredClip's iterations from the median; each moves the centre by at
 /// most the radius.

@@ -32,7 +32,14 @@
 //! `eval` runs the test set after an epoch; `recovery` rebuilds a cluster
 //! that lost a provider; `stragglers` spots and replaces slow stages;
 //! `metrics` turns finished steps into records; `aggregate` holds the rules
-//! that combine the clusters' copies of a parameter.
+//! that combine the clusters' copies of a parameter, and [`AggregateWork`],
+//! a sync's combining moved out of the run ([`Effect::Aggregate`]) for the
+//! server to run off its coordinator; its result comes back through
+//! [`JobRun::on_aggregated`].
+//!
+//! Memory: the run keeps one copy of each parameter, as the bytes that
+//! travel, shared by every frame, checkpoint and resume point that carries
+//! it; during a sync it also keeps the uploads, as they arrived.
 
 mod aggregate;
 mod eval;
@@ -48,10 +55,11 @@ mod tests;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
-use rookery_job::weights::WeightTensor;
 use rookery_job::{Dataset, JobSpec, Schedule};
 use rookery_model::{DType, ParamKind};
-use rookery_proto::{ParamOptimState, Phase, ToProvider, WireDType, WireTensor};
+use rookery_proto::{Bytes, ParamOptimState, Phase, ToProvider, WireDType, WireTensor};
+
+pub use aggregate::{AggregateWork, Aggregated};
 
 pub use metrics::{EpochRecord, StageTime, StepRecord};
 pub use recovery::Vacancy;
@@ -65,8 +73,13 @@ pub enum Effect {
     Running,
     Step(StepRecord),
     Epoch(EpochRecord),
-    /// The latest averaged parameters, to keep as the checkpoint.
-    Checkpoint(Vec<WeightTensor>),
+    /// The latest averaged parameters, to keep as the checkpoint (sharing
+    /// the run's buffers: nothing is copied).
+    Checkpoint(Vec<WireTensor>),
+    /// Every cluster's parameters are in: combine them off the coordinator
+    /// ([`AggregateWork::run`]) and hand the result back to
+    /// [`JobRun::on_aggregated`].
+    Aggregate(Box<AggregateWork>),
     /// Everything a restarted server needs to resume from the checkpoint just
     /// taken (it follows [`Effect::Checkpoint`]).
     ResumePoint(Box<ResumePoint>),
@@ -76,7 +89,7 @@ pub enum Effect {
         message: String,
     },
     /// Training is over; these are the trained weights.
-    Completed(Vec<WeightTensor>),
+    Completed(Vec<WireTensor>),
     Failed(String),
     /// The provider sent something wrong: counts against it.
     Fault {
@@ -115,19 +128,40 @@ impl From<&str> for Rejected {
 pub struct ResumePoint {
     /// Steps done.
     pub step: u64,
-    /// Every parameter and buffer (constants too), averaged.
-    pub params: Vec<WeightTensor>,
+    /// Every parameter and buffer (constants too), averaged: f32 tensors,
+    /// and i64 for integer buffers. Shares the run's buffers.
+    pub params: Vec<WireTensor>,
     /// Per cluster: the optimizer state of each parameter its stages update.
     pub optimizer: Vec<Vec<ParamOptimState>>,
 }
 
-/// A parameter's current (averaged) value.
+/// A parameter's current (averaged) value: the one copy the server keeps.
+/// Its bytes are what travels (little-endian f32, or i64 for integer
+/// buffers), shared by every frame, checkpoint and resume point that
+/// carries it, so handing it out copies nothing.
 #[derive(Debug, Clone)]
 struct ParamValue {
     shape: Vec<usize>,
     dtype: DType,
     kind: ParamKind,
-    values: Vec<f32>,
+    data: Bytes,
+}
+
+impl ParamValue {
+    /// The value as it travels.
+    fn tensor(&self, name: &str) -> WireTensor {
+        WireTensor {
+            name: name.to_string(),
+            dtype: on_wire(self.dtype, WireDType::F32),
+            shape: self.shape.iter().map(|&d| d as u32).collect(),
+            data: self.data.clone(),
+        }
+    }
+
+    #[cfg(test)]
+    fn values(&self) -> Vec<f32> {
+        self.tensor("").to_f32().unwrap_or_default()
+    }
 }
 
 #[derive(Debug)]
@@ -243,8 +277,14 @@ pub struct JobRun {
     perm_epoch: Option<u64>,
     clusters: Vec<ClusterRun>,
     params: BTreeMap<String, ParamValue>,
-    /// Params uploaded at the current sync: name -> (cluster, value) per cluster.
-    uploads: BTreeMap<String, Vec<(usize, Vec<f32>)>>,
+    /// Params uploaded at the current sync: name -> (cluster, value) per
+    /// cluster, as they arrived (views into the received frames).
+    uploads: BTreeMap<String, Vec<(usize, WireTensor)>>,
+    /// Counts the syncs that asked for uploads, so that an aggregation
+    /// finishing after its sync was abandoned is recognised and dropped.
+    sync_round: u64,
+    /// The round whose aggregation runs off the coordinator now.
+    aggregating: Option<u64>,
     state: State,
     /// Steps done at the last sync: the checkpoint every rebuild starts from.
     synced: u64,
@@ -258,6 +298,16 @@ pub struct JobRun {
     /// (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
+}
+
+impl std::fmt::Debug for JobRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobRun")
+            .field("job_id", &self.job_id)
+            .field("state", &self.state)
+            .field("synced", &self.synced)
+            .finish_non_exhaustive()
+    }
 }
 
 impl JobRun {
@@ -298,12 +348,13 @@ impl JobRun {
             .collect()
     }
 
-    /// The current parameters as `state_dict` entries (constants left out).
-    pub fn weights(&self) -> Vec<WeightTensor> {
+    /// The current parameters as `state_dict` entries (constants left out),
+    /// sharing the run's buffers.
+    pub fn weights(&self) -> Vec<WireTensor> {
         self.params
             .iter()
             .filter(|(_, v)| v.kind != ParamKind::Constant)
-            .map(|(name, v)| weight(name, v))
+            .map(|(name, v)| v.tensor(name))
             .collect()
     }
 
@@ -326,13 +377,26 @@ fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
     }
 }
 
-fn weight(name: &str, v: &ParamValue) -> WeightTensor {
-    match v.dtype {
-        DType::F32 => WeightTensor::f32(name, v.shape.clone(), v.values.clone()),
-        DType::I64 => WeightTensor::i64(name, v.shape.clone(), v.values.clone()),
+/// `values` as little-endian f32 bytes, without copying them where the
+/// machine is little-endian (the buffer becomes the bytes' owner).
+fn f32_bytes(values: Vec<f32>) -> Bytes {
+    struct F32Buffer(Vec<f32>);
+    impl AsRef<[u8]> for F32Buffer {
+        fn as_ref(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+    }
+    if cfg!(target_endian = "little") {
+        Bytes::from_owner(F32Buffer(values))
+    } else {
+        WireTensor::from_f32("", &[values.len()], &values, WireDType::F32).data
     }
 }
 
-fn param_tensor(name: &str, v: &ParamValue) -> WireTensor {
-    WireTensor::from_f32(name, &v.shape, &v.values, on_wire(v.dtype, WireDType::F32))
+/// A parameter's value of `dtype` from f32 values, as it travels.
+fn param_bytes(dtype: DType, values: Vec<f32>) -> Bytes {
+    match dtype {
+        DType::F32 => f32_bytes(values),
+        DType::I64 => WireTensor::from_f32("", &[values.len()], &values, WireDType::I64).data,
+    }
 }

@@ -98,6 +98,8 @@ impl JobRun {
         self.state = State::Training;
         self.background_sync = None;
         self.uploads.clear();
+        // An aggregation under way belongs to this sync: its result is dropped.
+        self.aggregating = None;
         for run in &mut self.clusters {
             run.pending_optimizer.clear();
             for stage in &mut run.stages {

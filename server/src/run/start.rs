@@ -8,11 +8,11 @@ use std::time::Instant;
 use rookery_job::{Dataset, JobError, JobSpec, Schedule};
 use rookery_model::{Analysis, DType, Graph, Init};
 use rookery_plan::Plan;
-use rookery_proto::{Assignment, ToProvider};
+use rookery_proto::{Assignment, ToProvider, WireDType};
 
 use super::{
-    ClusterRun, ClusterState, Effect, JobRun, ParamValue, ResumePoint, StageSlot, State,
-    param_tensor,
+    ClusterRun, ClusterState, Effect, JobRun, ParamValue, ResumePoint, StageSlot, State, on_wire,
+    param_bytes,
 };
 
 /// Why a job cannot start on the plan it was given (the job fails with it).
@@ -38,21 +38,25 @@ pub enum StartError {
     /// The graph providers get cannot be written as JSON.
     #[error(transparent)]
     Graph(#[from] serde_json::Error),
+    #[error("the checkpoint's values cannot be read: {0}")]
+    Value(String),
     #[error("the plan names unknown provider {0}")]
     UnknownProvider(String),
 }
 
 impl JobRun {
     /// Builds the run and the `Assign` frames for every stage of `plan`.
-    /// `graph` is the model as imported (with its initial values), `analysis`
-    /// its analysis at the micro-batch size. With `resume`, the run starts
+    /// `graph` is the model as imported (with its initial values, which
+    /// become the run's parameters without a copy), `analysis` its analysis
+    /// at the micro-batch size. Initialising a large model takes seconds:
+    /// the server calls this off its coordinator task. With `resume`, the run starts
     /// from that sync point instead of step 0 (it must have as many clusters
     /// as the plan: the data's sharding depends on the count).
     #[allow(clippy::too_many_arguments)]
     pub fn start(
         job_id: u64,
         spec: JobSpec,
-        graph: &Graph,
+        mut graph: Graph,
         analysis: &Analysis,
         plan: &Plan,
         provider_ids: &HashMap<String, u64>,
@@ -63,57 +67,79 @@ impl JobRun {
         let t = &spec.training;
         let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)?;
         let total_steps = schedule.steps_per_epoch as u64 * t.epochs;
-        let input = graph.inputs.first().ok_or(StartError::NoInput)?;
-        let mut initial = graph.initial_values(t.seed);
-        if let Some(resume) = &resume {
-            if resume.optimizer.len() != plan.clusters.len() {
-                return Err(StartError::Clusters {
-                    checkpoint: resume.optimizer.len(),
-                    plan: plan.clusters.len(),
-                });
-            }
-            if resume.step > total_steps {
-                return Err(StartError::PastTheEnd {
-                    step: resume.step,
-                    total_steps,
-                });
-            }
-            for w in &resume.params {
-                let Some(p) = graph.params.iter().find(|p| p.name == w.name) else {
-                    return Err(StartError::UnknownParam(w.name.clone()));
-                };
-                if p.shape != w.shape {
-                    return Err(StartError::Shape {
-                        name: w.name.clone(),
-                        checkpoint: w.shape.clone(),
-                        model: p.shape.clone(),
+        let input = graph.inputs.first().ok_or(StartError::NoInput)?.clone();
+        let (synced, mut optimizer, mut resumed) = match resume {
+            None => (0, None, HashMap::new()),
+            Some(resume) => {
+                if resume.optimizer.len() != plan.clusters.len() {
+                    return Err(StartError::Clusters {
+                        checkpoint: resume.optimizer.len(),
+                        plan: plan.clusters.len(),
                     });
                 }
-                initial.insert(w.name.clone(), w.values.clone());
+                if resume.step > total_steps {
+                    return Err(StartError::PastTheEnd {
+                        step: resume.step,
+                        total_steps,
+                    });
+                }
+                let mut resumed = HashMap::with_capacity(resume.params.len());
+                for w in resume.params {
+                    let Some(p) = graph.params.iter().find(|p| p.name == w.name) else {
+                        return Err(StartError::UnknownParam(w.name.clone()));
+                    };
+                    let shape = w.shape_usize();
+                    if p.shape != shape {
+                        return Err(StartError::Shape {
+                            name: w.name.clone(),
+                            checkpoint: shape,
+                            model: p.shape.clone(),
+                        });
+                    }
+                    // The file's buffer is kept as it is when it already
+                    // holds the value as it travels.
+                    let data = if w.dtype == on_wire(p.dtype, WireDType::F32)
+                        && w.check_size().is_ok()
+                    {
+                        w.data
+                    } else {
+                        let values = w.to_f32().map_err(|e| StartError::Value(e.to_string()))?;
+                        param_bytes(p.dtype, values)
+                    };
+                    resumed.insert(w.name, data);
+                }
+                (resume.step, Some(resume.optimizer), resumed)
             }
+        };
+        // Each parameter's value moves out of the graph (imported values are
+        // not copied) or is drawn from its initialiser, one at a time; the
+        // graph is left without values, which is how providers get it (the
+        // values travel as tensors).
+        let mut params = BTreeMap::new();
+        for p in &mut graph.params {
+            let init = std::mem::replace(&mut p.init, Init::Zeros);
+            let data = match resumed.remove(&p.name) {
+                Some(data) => data,
+                None => {
+                    let values = match init {
+                        Init::Values { data } if data.len() == p.numel() => data,
+                        init => init.materialize(&p.name, p.numel(), t.seed),
+                    };
+                    param_bytes(p.dtype, values)
+                }
+            };
+            params.insert(
+                p.name.clone(),
+                ParamValue {
+                    shape: p.shape.clone(),
+                    dtype: p.dtype,
+                    kind: p.kind,
+                    data,
+                },
+            );
         }
-        let params: BTreeMap<String, ParamValue> = graph
-            .params
-            .iter()
-            .map(|p| {
-                let values = initial.get(&p.name).cloned().unwrap_or_default();
-                (
-                    p.name.clone(),
-                    ParamValue {
-                        shape: p.shape.clone(),
-                        dtype: p.dtype,
-                        kind: p.kind,
-                        values,
-                    },
-                )
-            })
-            .collect();
-        // Providers get the graph without its values: the values travel as tensors.
-        let mut bare = graph.clone();
-        for p in &mut bare.params {
-            p.init = Init::Zeros;
-        }
-        let graph_json = bare.to_json()?;
+        let graph_json = graph.to_json()?;
+        drop(graph);
         let per_sample = |name: &str| -> (String, Vec<usize>, DType) {
             let info = analysis.tensors.get(name);
             let shape = info.map(|i| i.shape[1.min(i.shape.len())..].to_vec());
@@ -124,7 +150,6 @@ impl JobRun {
             )
         };
         let micro_batches = t.micro_batches.max(1) as f64;
-        let mut optimizer = resume.as_ref().map(|r| r.optimizer.clone());
         let mut clusters = Vec::with_capacity(plan.clusters.len());
         for (ci, cluster) in plan.clusters.iter().enumerate() {
             let mut stages = Vec::with_capacity(cluster.stages.len());
@@ -176,7 +201,6 @@ impl JobRun {
                 samples: 0,
             });
         }
-        let synced = resume.as_ref().map_or(0, |r| r.step);
         let mut run = JobRun {
             job_id,
             graph_input: (input.name.clone(), input.dtype),
@@ -191,6 +215,8 @@ impl JobRun {
             clusters,
             params,
             uploads: BTreeMap::new(),
+            sync_round: 0,
+            aggregating: None,
             state: State::Assigning,
             synced,
             background_sync: None,
@@ -223,7 +249,7 @@ impl JobRun {
             params: stage
                 .params
                 .iter()
-                .filter_map(|n| self.params.get(n).map(|v| param_tensor(n, v)))
+                .filter_map(|n| self.params.get(n).map(|v| v.tensor(n)))
                 .collect(),
             optimizer: t.optimizer,
             loss: t.loss,

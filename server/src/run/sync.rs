@@ -4,11 +4,11 @@
 //! the result is the checkpoint a rebuild or a restarted server starts from.
 
 use rookery_job::Aggregation;
-use rookery_model::DType;
 use rookery_proto::{OptimizerState, ParamSet, ToProvider, WireDType, train::OPTIMIZER_SLOTS};
 
 use super::{
-    ClusterState, Effect, JobRun, Rejected, ResumePoint, State, aggregate, param_tensor, weight,
+    AggregateWork, Aggregated, ClusterState, Effect, JobRun, Rejected, ResumePoint, State,
+    aggregate,
 };
 
 impl JobRun {
@@ -77,6 +77,8 @@ impl JobRun {
     /// `step_done` steps.
     pub(super) fn request_uploads(&mut self, step_done: u64) -> Vec<Effect> {
         self.uploads.clear();
+        self.sync_round += 1;
+        self.aggregating = None;
         let mut effects = Vec::new();
         for run in &mut self.clusters {
             run.pending_optimizer.clear();
@@ -169,7 +171,7 @@ impl JobRun {
         }
         Effect::ResumePoint(Box::new(ResumePoint {
             step: step_done,
-            params: self.params.iter().map(|(n, v)| weight(n, v)).collect(),
+            params: self.params.iter().map(|(n, v)| v.tensor(n)).collect(),
             optimizer: self
                 .clusters
                 .iter()
@@ -189,7 +191,6 @@ impl JobRun {
         if stage.uploaded {
             return Err("parameters were already uploaded for this sync".into());
         }
-        let mut values = Vec::with_capacity(p.params.len());
         for t in &p.params {
             let fault = |reason: String| Rejected::Fault(reason);
             if !stage.params.contains(&t.name) {
@@ -208,17 +209,14 @@ impl JobRun {
                 )));
             }
             t.check().map_err(|e| fault(e.to_string()))?;
-            values.push((
-                t.name.clone(),
-                t.to_f32().map_err(|e| fault(e.to_string()))?,
-            ));
         }
         let clusters = self.clusters.len();
-        for (name, v) in values {
+        // Kept as they arrived: the aggregation reads them where they lie.
+        for t in p.params {
             self.uploads
-                .entry(name)
+                .entry(t.name.clone())
                 .or_insert_with(|| Vec::with_capacity(clusters))
-                .push((c, v));
+                .push((c, t));
         }
         self.clusters[c].stages[s].uploaded = true;
         let all = self
@@ -228,38 +226,57 @@ impl JobRun {
         if !all {
             return Ok(Vec::new());
         }
-        Ok(self.finish_sync(step_done))
+        Ok(self.aggregate(step_done))
     }
 
-    pub(super) fn finish_sync(&mut self, step_done: u64) -> Vec<Effect> {
+    /// Every upload of the sync of `step_done` is in: the clusters' copies
+    /// are combined. One cluster's copy is the result as it stands (no
+    /// arithmetic, no copy), so that happens here; several are combined off
+    /// the coordinator ([`Effect::Aggregate`]), the sync waiting meanwhile.
+    fn aggregate(&mut self, step_done: u64) -> Vec<Effect> {
+        let work = AggregateWork {
+            round: self.sync_round,
+            step_done,
+            rule: self.spec.training.aggregation,
+            clusters: self.clusters.len(),
+            uploads: std::mem::take(&mut self.uploads),
+            dtypes: self
+                .params
+                .iter()
+                .map(|(name, v)| (name.clone(), v.dtype))
+                .collect(),
+        };
+        if self.clusters.len() == 1 {
+            return self.finish_sync(work.run());
+        }
+        self.aggregating = Some(self.sync_round);
+        vec![Effect::Aggregate(Box::new(work))]
+    }
+
+    /// The result of an [`Effect::Aggregate`]: the sync it belongs to
+    /// completes. A result for a sync abandoned meanwhile (a stage was lost)
+    /// is dropped.
+    pub fn on_aggregated(&mut self, done: Aggregated) -> Vec<Effect> {
+        if self.aggregating != Some(done.round) || self.state == State::Over {
+            return Vec::new();
+        }
+        self.aggregating = None;
+        self.finish_sync(done)
+    }
+
+    fn finish_sync(&mut self, done: Aggregated) -> Vec<Effect> {
+        let Aggregated {
+            step_done,
+            params,
+            squared_distances,
+            squared_norm,
+            ..
+        } = done;
         let rule = self.spec.training.aggregation;
-        // Each cluster's squared distance to the aggregate, and the aggregate's
-        // squared norm, over every float parameter: to spot a far-off cluster.
-        let mut squared_distances = vec![0.0f64; self.clusters.len()];
-        let mut squared_norm = 0.0f64;
-        for (name, copies) in std::mem::take(&mut self.uploads) {
-            let Some(target) = self.params.get_mut(&name) else {
-                continue;
-            };
-            target.values = match target.dtype {
-                // Counters (BatchNorm's num_batches_tracked) agree across clusters.
-                DType::I64 => copies
-                    .into_iter()
-                    .next()
-                    .map(|(_, v)| v)
-                    .unwrap_or_default(),
-                DType::F32 => {
-                    let slices: Vec<&[f32]> = copies.iter().map(|(_, v)| v.as_slice()).collect();
-                    let value = aggregate::aggregate(rule, &slices);
-                    if rule != Aggregation::Mean {
-                        for (c, copy) in &copies {
-                            squared_distances[*c] += aggregate::distance(copy, &value).powi(2);
-                        }
-                        squared_norm += value.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
-                    }
-                    value
-                }
-            };
+        for (name, data) in params {
+            if let Some(target) = self.params.get_mut(&name) {
+                target.data = data;
+            }
         }
         let mut effects = Vec::new();
         // Counted after the sync's own effects: the sync completes either way.
@@ -289,10 +306,11 @@ impl JobRun {
         if self.clusters.len() > 1 {
             for run in &self.clusters {
                 for stage in &run.stages {
+                    // Every frame shares the one buffer of each parameter.
                     let params = stage
                         .params
                         .iter()
-                        .filter_map(|n| self.params.get(n).map(|v| param_tensor(n, v)))
+                        .filter_map(|n| self.params.get(n).map(|v| v.tensor(n)))
                         .collect();
                     effects.push(Effect::Send(
                         stage.provider,

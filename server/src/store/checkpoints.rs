@@ -7,17 +7,30 @@
 //! freshness, never the training. (Recovery does not read this file: a lost
 //! provider's cluster restarts from the checkpoint in memory, a restarted
 //! server from the resume file.)
+//!
+//! What a writer is handed shares the run's buffers, so keeping the newest
+//! checkpoint costs no memory beyond the run's own parameters, and files are
+//! written tensor by tensor from those buffers. The resume file has a writer
+//! of its own ([`ResumeWriter`]), at most every [`RESUME_EVERY`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rookery_job::weights::{WeightTensor, write_safetensors};
+use rookery_job::weights::write_wire_safetensors;
+use rookery_proto::WireTensor;
 use tokio::sync::watch;
+
+use crate::run::ResumePoint;
 
 /// The least time between the starts of two writes of one job's file: a
 /// job that syncs every few milliseconds would otherwise keep a core busy
 /// serialising and fsyncing copies nobody reads.
 pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_millis(1000);
+/// The least time between the starts of two writes of one job's resume
+/// file (parameters and every cluster's optimizer state, fsynced). A
+/// restarted server replays at most about this long of training; a lost
+/// provider's rollback uses the in-memory checkpoint of the last sync.
+pub const RESUME_EVERY: std::time::Duration = std::time::Duration::from_millis(5000);
 
 /// Where a job's latest checkpoint lives (the weights at its last sync).
 pub fn checkpoint_path(data_dir: &Path, job_id: u64) -> PathBuf {
@@ -29,63 +42,98 @@ pub fn weights_path(data_dir: &Path, job_id: u64) -> PathBuf {
     super::job_dir(data_dir, job_id).join("weights.safetensors")
 }
 
-/// The writer of one job's checkpoint file. Dropping it lets the task write
-/// what it was last given and end.
-pub struct CheckpointWriter {
-    latest: watch::Sender<Option<Arc<[WeightTensor]>>>,
+/// Writes the newest value it is handed to one file, in its own task, at
+/// most every `every`: values superseded before their turn are skipped.
+/// Dropping it lets the task write what it was last given and end.
+pub struct LatestWriter<T> {
+    latest: watch::Sender<Option<Arc<T>>>,
 }
 
-impl CheckpointWriter {
-    /// Starts the writer task of the checkpoint at `path` on the current
-    /// tokio runtime.
-    pub fn spawn(job_id: u64, path: PathBuf) -> Self {
-        let (latest, mut newest) = watch::channel(None::<Arc<[WeightTensor]>>);
+impl<T: Send + Sync + 'static> LatestWriter<T> {
+    /// Starts the writer task on the current tokio runtime; `write` runs on
+    /// a blocking thread.
+    fn spawn(
+        job_id: u64,
+        what: &'static str,
+        every: std::time::Duration,
+        write: impl Fn(&T) -> std::io::Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        let (latest, mut newest) = watch::channel(None::<Arc<T>>);
+        let write = Arc::new(write);
         tokio::spawn(async move {
             // `changed` sees a value sent just before the sender was dropped
             // before it reports the channel closed.
             while newest.changed().await.is_ok() {
-                let Some(weights) = newest.borrow_and_update().clone() else {
+                let Some(value) = newest.borrow_and_update().clone() else {
                     continue;
                 };
                 let started = tokio::time::Instant::now();
-                if let Err(error) = write_weights(path.clone(), weights).await {
-                    tracing::error!(job = job_id, %error, "cannot write the checkpoint");
+                let write = write.clone();
+                let written = tokio::task::spawn_blocking(move || write.as_ref()(&value))
+                    .await
+                    .map_err(std::io::Error::other)
+                    .and_then(|r| r);
+                if let Err(error) = written {
+                    tracing::error!(job = job_id, %error, "cannot write the {what}");
                 }
-                tokio::time::sleep_until(started + WRITE_EVERY).await;
+                tokio::time::sleep_until(started + every).await;
             }
         });
         Self { latest }
     }
 
-    /// Hands over the newest checkpoint; returns at once.
-    pub fn save(&self, weights: Vec<WeightTensor>) {
-        self.latest.send_replace(Some(Arc::from(weights)));
+    /// Hands over the newest value; returns at once.
+    pub fn save(&self, value: T) {
+        self.latest.send_replace(Some(Arc::new(value)));
+    }
+}
+
+/// The writer of one job's checkpoint file.
+pub type CheckpointWriter = LatestWriter<Vec<WireTensor>>;
+
+/// The writer of one job's resume file.
+pub type ResumeWriter = LatestWriter<ResumePoint>;
+
+impl LatestWriter<Vec<WireTensor>> {
+    /// The writer of the checkpoint at `path`.
+    pub fn checkpoint(job_id: u64, path: PathBuf) -> Self {
+        Self::spawn(job_id, "checkpoint", WRITE_EVERY, move |weights| {
+            write_file(&path, weights)
+        })
+    }
+}
+
+impl LatestWriter<ResumePoint> {
+    /// The writer of the resume file in `job_dir`.
+    pub fn resume(job_id: u64, job_dir: PathBuf) -> Self {
+        Self::spawn(job_id, "resume point", RESUME_EVERY, move |point| {
+            super::resume::write(&job_dir, point)
+        })
     }
 }
 
 /// Writes `weights` as a safetensors file at `path` (atomically, creating
-/// its folder) on a blocking thread.
-pub async fn write_weights(
-    path: PathBuf,
-    weights: impl AsRef<[WeightTensor]> + Send + 'static,
-) -> std::io::Result<()> {
-    tokio::task::spawn_blocking(move || {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        write_safetensors(&path, weights.as_ref())
-    })
-    .await
-    .map_err(std::io::Error::other)?
+/// its folder); blocking.
+pub fn write_file(path: &Path, weights: &[WireTensor]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    write_wire_safetensors(path, weights)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rookery_job::weights::read_safetensors;
+    use rookery_job::weights::read_wire_safetensors;
+    use rookery_proto::WireDType;
 
-    fn weights(value: f32) -> Vec<WeightTensor> {
-        vec![WeightTensor::f32("w", vec![2], vec![value, value])]
+    fn weights(value: f32) -> Vec<WireTensor> {
+        vec![WireTensor::from_f32(
+            "w",
+            &[2],
+            &[value, value],
+            WireDType::F32,
+        )]
     }
 
     #[tokio::test]
@@ -93,14 +141,14 @@ mod tests {
      {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("job-1").join("checkpoint.safetensors");
-        let writer = CheckpointWriter::spawn(1, path.clone());
+        let writer = CheckpointWriter::checkpoint(1, path.clone());
         for step in 0..50 {
             writer.save(weights(step as f32));
         }
         drop(writer);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
-            if let Ok(read) = read_safetensors(&path)
+            if let Ok(read) = read_wire_safetensors(&path)
                 && read == weights(49.0)
             {
                 break;

@@ -11,8 +11,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rookery_job::weights::{WeightTensor, read_safetensors, write_safetensors};
-use rookery_model::DType;
+use rookery_job::weights::{read_wire_safetensors, write_wire_safetensors};
 use rookery_proto::{ParamOptimState, WireDType, WireTensor};
 
 use crate::run::ResumePoint;
@@ -24,28 +23,28 @@ pub fn path(job_dir: &Path) -> PathBuf {
 
 const HALF: u64 = 1 << 24;
 
-fn counter(name: String, value: u64) -> WeightTensor {
+fn counter(name: String, value: u64) -> WireTensor {
     let (hi, lo) = (value / HALF, value % HALF);
-    WeightTensor::i64(name, vec![2], vec![hi as f32, lo as f32])
+    WireTensor::from_i64(name, &[2], &[hi as i64, lo as i64])
 }
 
-fn read_counter(t: &WeightTensor) -> Result<u64, String> {
-    match t.values[..] {
-        [hi, lo] if hi >= 0.0 && (0.0..HALF as f32).contains(&lo) => {
+fn read_counter(t: &WireTensor) -> Result<u64, String> {
+    match t.to_i64().ok().as_deref() {
+        Some(&[hi, lo]) if hi >= 0 && (0..HALF as i64).contains(&lo) => {
             Ok(hi as u64 * HALF + lo as u64)
         }
         _ => Err(format!("`{}` is not a counter", t.name)),
     }
 }
 
-/// The resume point as named tensors.
-pub fn to_tensors(point: &ResumePoint) -> Result<Vec<WeightTensor>, String> {
+/// The resume point as named tensors, sharing its buffers.
+pub fn to_tensors(point: &ResumePoint) -> Vec<WireTensor> {
     let mut out = vec![
         counter("meta/step".into(), point.step),
         counter("meta/clusters".into(), point.optimizer.len() as u64),
     ];
     for p in &point.params {
-        out.push(WeightTensor {
+        out.push(WireTensor {
             name: format!("param/{}", p.name),
             ..p.clone()
         });
@@ -54,21 +53,19 @@ pub fn to_tensors(point: &ResumePoint) -> Result<Vec<WeightTensor>, String> {
         for state in states {
             out.push(counter(format!("steps/{c}/{}", state.name), state.steps));
             for slot in &state.slots {
-                let values = slot.to_f32().map_err(|e| e.to_string())?;
-                out.push(WeightTensor::f32(
-                    format!("optim/{c}/{}/{}", state.name, slot.name),
-                    slot.shape_usize(),
-                    values,
-                ));
+                out.push(WireTensor {
+                    name: format!("optim/{c}/{}/{}", state.name, slot.name),
+                    ..slot.clone()
+                });
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// The inverse of [`to_tensors`]; any tensor it does not know is an error.
-pub fn from_tensors(tensors: Vec<WeightTensor>) -> Result<ResumePoint, String> {
-    let by_name: BTreeMap<String, WeightTensor> =
+pub fn from_tensors(tensors: Vec<WireTensor>) -> Result<ResumePoint, String> {
+    let by_name: BTreeMap<String, WireTensor> =
         tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
     let meta = |name: &str| {
         by_name
@@ -86,9 +83,9 @@ pub fn from_tensors(tensors: Vec<WeightTensor>) -> Result<ResumePoint, String> {
             .filter(|c| *c < clusters)
             .ok_or_else(|| format!("cluster `{text}` is not one of {clusters}"))
     };
-    for (name, t) in &by_name {
+    for (name, t) in by_name.iter() {
         if let Some(param) = name.strip_prefix("param/") {
-            params.push(WeightTensor {
+            params.push(WireTensor {
                 name: param.to_string(),
                 ..t.clone()
             });
@@ -111,7 +108,7 @@ pub fn from_tensors(tensors: Vec<WeightTensor>) -> Result<ResumePoint, String> {
             let (param, slot) = rest
                 .rsplit_once('/')
                 .ok_or_else(|| format!("`{name}` names no slot"))?;
-            if t.dtype != DType::F32 {
+            if t.dtype != WireDType::F32 {
                 return Err(format!("`{name}` is not f32"));
             }
             let entry = optimizer[cluster_of(c)?]
@@ -121,12 +118,10 @@ pub fn from_tensors(tensors: Vec<WeightTensor>) -> Result<ResumePoint, String> {
                     steps: 0,
                     slots: Vec::new(),
                 });
-            entry.slots.push(WireTensor::from_f32(
-                slot,
-                &t.shape,
-                &t.values,
-                WireDType::F32,
-            ));
+            entry.slots.push(WireTensor {
+                name: slot.to_string(),
+                ..t.clone()
+            });
         } else if !name.starts_with("meta/") {
             return Err(format!("unknown tensor `{name}`"));
         }
@@ -141,21 +136,65 @@ pub fn from_tensors(tensors: Vec<WeightTensor>) -> Result<ResumePoint, String> {
     })
 }
 
-/// Writes the resume point atomically (blocking).
+/// Writes the resume point atomically (blocking), tensor by tensor from
+/// the buffers it shares with the run.
 pub fn write(job_dir: &Path, point: &ResumePoint) -> std::io::Result<()> {
-    let tensors = to_tensors(point).map_err(std::io::Error::other)?;
     std::fs::create_dir_all(job_dir)?;
-    write_safetensors(&path(job_dir), &tensors)
+    write_wire_safetensors(&path(job_dir), &to_tensors(point))
 }
 
-/// The job's last resume point, `None` if it never synced (blocking).
+/// The job's last resume point, `None` if it never synced (blocking). Its
+/// tensors are views into the one buffer holding the file.
 pub fn read(job_dir: &Path) -> Result<Option<ResumePoint>, String> {
     let path = path(job_dir);
     if !path.exists() {
         return Ok(None);
     }
-    let tensors = read_safetensors(&path).map_err(|e| e.to_string())?;
+    let tensors = read_wire_safetensors(&path).map_err(|e| e.to_string())?;
     from_tensors(tensors).map(Some)
+}
+
+/// How many clusters the job's last resume point has, `None` if it never
+/// synced, reading only the file's header and that counter (blocking): a
+/// queued job is planned with the count before its parameters are read.
+pub fn clusters(job_dir: &Path) -> Result<Option<usize>, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let path = path(job_dir);
+    let shown = path.display();
+    let mut file = match std::fs::File::open(&path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{shown}: {e}")),
+    };
+    let size = file.metadata().map_err(|e| format!("{shown}: {e}"))?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let n = u64::from_le_bytes(len);
+    if n > size.saturating_sub(8) {
+        return Err(format!("{shown}: the header claims {n} bytes"));
+    }
+    let mut head = vec![0u8; n as usize];
+    file.read_exact(&mut head)
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let header: serde_json::Value =
+        serde_json::from_slice(&head).map_err(|e| format!("{shown}: header: {e}"))?;
+    let offsets = header
+        .get("meta/clusters")
+        .and_then(|t| t.get("data_offsets"))
+        .and_then(|o| o.as_array())
+        .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
+        .ok_or_else(|| format!("{shown}: `meta/clusters` is missing"))?;
+    if offsets.1 != offsets.0 + 16 || 8 + n + offsets.1 > size {
+        return Err(format!("{shown}: `meta/clusters` is not a counter"));
+    }
+    file.seek(SeekFrom::Start(8 + n + offsets.0))
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let mut data = vec![0u8; 16];
+    file.read_exact(&mut data)
+        .map_err(|e| format!("{shown}: {e}"))?;
+    let t = WireTensor::from_le_bytes("meta/clusters", &[2], WireDType::I64, data);
+    read_counter(&t).map(|c| Some(c as usize))
 }
 
 #[cfg(test)]
@@ -169,8 +208,8 @@ mod tests {
             step: (1 << 30) + 3,
             // In name order, as the file gives them back.
             params: vec![
-                WeightTensor::i64("bn.num_batches_tracked", vec![], vec![7.0]),
-                WeightTensor::f32("fc/0.weight", vec![2], vec![0.5, 1.5]),
+                WireTensor::from_i64("bn.num_batches_tracked", &[], &[7]),
+                WireTensor::from_f32("fc/0.weight", &[2], &[0.5, 1.5], WireDType::F32),
             ],
             optimizer: vec![
                 vec![ParamOptimState {
@@ -193,6 +232,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = point();
         write(dir.path(), &p).unwrap();
+        assert_eq!(clusters(dir.path()).unwrap(), Some(3));
         assert_eq!(read(dir.path()).unwrap(), Some(p));
         assert!(
             !dir.path().join("resume.safetensors.tmp").exists(),
@@ -204,11 +244,17 @@ mod tests {
     fn no_file_is_no_resume_point_and_a_foreign_tensor_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(read(dir.path()).unwrap(), None);
-        let mut tensors = to_tensors(&point()).unwrap();
-        tensors.push(WeightTensor::f32("stray", vec![1], vec![0.0]));
+        assert_eq!(clusters(dir.path()).unwrap(), None);
+        let mut tensors = to_tensors(&point());
+        tensors.push(WireTensor::from_f32("stray", &[1], &[0.0], WireDType::F32));
         assert!(from_tensors(tensors).unwrap_err().contains("stray"));
-        let mut tensors = to_tensors(&point()).unwrap();
-        tensors.push(WeightTensor::f32("optim/9/w/exp_avg", vec![1], vec![0.0]));
+        let mut tensors = to_tensors(&point());
+        tensors.push(WireTensor::from_f32(
+            "optim/9/w/exp_avg",
+            &[1],
+            &[0.0],
+            WireDType::F32,
+        ));
         assert!(from_tensors(tensors).unwrap_err().contains("cluster `9`"));
     }
 }

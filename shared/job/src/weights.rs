@@ -12,6 +12,7 @@ use std::io::{self, Write};
 use std::path::Path;
 
 use rookery_model::DType;
+use rookery_proto::{Bytes, WireDType, WireTensor};
 use safetensors::SafeTensors;
 
 use crate::error::JobError;
@@ -113,6 +114,16 @@ pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
 /// fsynced, then renamed over `path` (and the folder fsynced, where possible).
 pub fn write_safetensors(path: &Path, tensors: &[WeightTensor]) -> io::Result<()> {
     let bytes = to_safetensors_bytes(tensors)?;
+    write_atomically(path, |f| f.write_all(&bytes))
+}
+
+/// Writes a file atomically: `write` fills `PATH.tmp` in the same folder,
+/// which is fsynced and renamed over `path` (and the folder fsynced, where
+/// possible).
+fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut io::BufWriter<File>) -> io::Result<()>,
+) -> io::Result<()> {
     let mut tmp_name = path
         .file_name()
         .ok_or_else(|| invalid(format!("{}: not a file path", path.display())))?
@@ -120,12 +131,14 @@ pub fn write_safetensors(path: &Path, tensors: &[WeightTensor]) -> io::Result<()
     tmp_name.push(".tmp");
     let tmp = path.with_file_name(tmp_name);
     let written = (|| {
-        let mut f = OpenOptions::new()
+        let f = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .open(&tmp)?;
-        f.write_all(&bytes)?;
+        let mut f = io::BufWriter::with_capacity(1 << 20, f);
+        write(&mut f)?;
+        let f = f.into_inner().map_err(io::IntoInnerError::into_error)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)
     })();
@@ -234,4 +247,91 @@ pub(crate) fn parse_safetensors<'a>(
         }
     }
     SafeTensors::deserialize(bytes).map_err(|e| bad(format!("{e:?}")))
+}
+
+/// Writes wire tensors (their bytes are already little-endian, as the file
+/// stores them) as a safetensors file, atomically, each tensor's bytes going
+/// to the file from where they lie: the server writes a large model's
+/// checkpoint without a second copy of it in memory. Errors
+/// (`InvalidInput`) as [`to_safetensors_bytes`].
+pub fn write_wire_safetensors(path: &Path, tensors: &[WireTensor]) -> io::Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0usize;
+    for t in tensors {
+        t.check_size().map_err(|e| invalid(e.to_string()))?;
+        if t.name == "__metadata__" || header.contains_key(&t.name) {
+            return Err(invalid(format!(
+                "weight name `{}` is reserved or repeated",
+                t.name
+            )));
+        }
+        let dtype = match t.dtype {
+            WireDType::F32 => "F32",
+            WireDType::F16 => "F16",
+            WireDType::Bf16 => "BF16",
+            WireDType::I64 => "I64",
+        };
+        let end = offset + t.data.len();
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::to_string(&header).map_err(io::Error::other)?;
+    while (8 + json.len()) % 8 != 0 {
+        json.push(' ');
+    }
+    write_atomically(path, |f| {
+        f.write_all(&(json.len() as u64).to_le_bytes())?;
+        f.write_all(json.as_bytes())?;
+        for t in tensors {
+            f.write_all(&t.data)?;
+        }
+        Ok(())
+    })
+}
+
+/// Reads a safetensors file as wire tensors (F32, F16, BF16 and I64), sorted
+/// by name, each a view into the one buffer holding the file: its data is in
+/// memory once.
+pub fn read_wire_safetensors(path: &Path) -> Result<Vec<WireTensor>, JobError> {
+    let shown = path.display().to_string();
+    let bytes = Bytes::from(
+        std::fs::read(path).map_err(|e| JobError::file(&shown, format!("cannot read: {e}")))?,
+    );
+    let st = parse_safetensors(&bytes, &shown)?;
+    let mut out: Vec<WireTensor> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let dtype = match view.dtype() {
+                safetensors::Dtype::F32 => WireDType::F32,
+                safetensors::Dtype::F16 => WireDType::F16,
+                safetensors::Dtype::BF16 => WireDType::Bf16,
+                safetensors::Dtype::I64 => WireDType::I64,
+                other => {
+                    return Err(JobError::file(
+                        &shown,
+                        format!(
+                            "tensor `{name}` is {other:?}; only F32, F16, BF16 and I64 are read"
+                        ),
+                    ));
+                }
+            };
+            let tensor = WireTensor {
+                shape: view.shape().iter().map(|&d| d as u32).collect(),
+                dtype,
+                data: bytes.slice_ref(view.data()),
+                name,
+            };
+            tensor
+                .check_size()
+                .map_err(|e| JobError::file(&shown, e.to_string()))?;
+            Ok(tensor)
+        })
+        .collect::<Result<_, _>>()?;
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
 }

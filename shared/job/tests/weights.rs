@@ -120,3 +120,39 @@ fn bad_tensors_and_files_are_errors() {
     assert!(e.contains("absent.safetensors"), "{e}");
     assert_eq!(WeightTensor::f32("x", vec![1], vec![0.0]).dtype, DType::F32);
 }
+
+#[test]
+fn wire_tensors_are_written_byte_for_byte_as_weight_tensors_and_read_back_as_views() {
+    use rookery_job::weights::{read_wire_safetensors, write_wire_safetensors};
+    use rookery_proto::{WireDType, WireTensor};
+    let wire: Vec<WireTensor> = state_dict()
+        .iter()
+        .map(|t| {
+            let dtype = match t.dtype {
+                DType::F32 => WireDType::F32,
+                DType::I64 => WireDType::I64,
+            };
+            WireTensor::from_f32(t.name.clone(), &t.shape, &t.values, dtype)
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write_wire_safetensors(&path, &wire).unwrap();
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        to_safetensors_bytes(&state_dict()).unwrap()
+    );
+    let mut want = wire.clone();
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    let read = read_wire_safetensors(&path).unwrap();
+    assert_eq!(read, want);
+    // Every tensor is a view into one buffer holding the file.
+    let start = read[0].data.as_ptr() as usize;
+    assert!(read.iter().all(|t| (t.data.as_ptr() as usize).abs_diff(start) < 4096));
+
+    let twice = [wire[0].clone(), wire[0].clone()];
+    assert!(write_wire_safetensors(&path, &twice).is_err());
+    let mut short = wire[0].clone();
+    short.data = short.data.slice(1..);
+    assert!(write_wire_safetensors(&path, &[short]).is_err());
+}

@@ -120,7 +120,7 @@ fn started_with(clusters: usize, aggregation: Aggregation) -> (JobRun, Vec<Effec
     JobRun::start(
         1,
         spec,
-        &graph,
+        graph,
         &analysis,
         &plan,
         &ids,
@@ -154,8 +154,15 @@ fn faults(effects: &[Effect]) -> Vec<(u64, &str, bool)> {
 }
 
 /// Every stage of `run` uploads its parameters for the sync of step 1,
-/// cluster `c`'s all equal to `value(c)`; the effects of the last upload.
+/// cluster `c`'s all equal to `value(c)`; the effects of the last upload,
+/// with the aggregation it asks for done.
 fn upload_all(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
+    let effects = upload_all_raw(run, value);
+    settle(run, effects)
+}
+
+/// As [`upload_all`], the aggregation left to the caller.
+fn upload_all_raw(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
     let mut last = Vec::new();
     for c in 0..run.clusters.len() {
         for stage in 0..run.clusters[c].stages.len() {
@@ -180,6 +187,22 @@ fn upload_all(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
         }
     }
     last
+}
+
+/// `effects` with each aggregation run, as the coordinator runs it off its
+/// task, and the effects of its result in its place.
+fn settle(run: &mut JobRun, effects: Vec<Effect>) -> Vec<Effect> {
+    let mut out = Vec::new();
+    for effect in effects {
+        match effect {
+            Effect::Aggregate(work) => {
+                let done = run.on_aggregated(work.run());
+                out.extend(settle(run, done));
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {

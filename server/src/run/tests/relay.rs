@@ -128,6 +128,7 @@ fn the_server_feeds_roots_relays_both_ways_and_averages_at_sync() {
                 params,
             }),
         );
+        last = settle(&mut run, last);
     }
     let sets = sends(&last);
     assert_eq!(

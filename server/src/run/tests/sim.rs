@@ -63,6 +63,7 @@ impl Sim {
             }
             for reply in self.answer(p, m) {
                 let effects = run.on_message(p, reply);
+                let effects = settle(run, effects);
                 self.push(effects);
             }
         }
@@ -85,7 +86,7 @@ impl Sim {
             .collect()
     }
 
-    pub(super) fn completed(&self) -> Option<&Vec<WeightTensor>> {
+    pub(super) fn completed(&self) -> Option<&Vec<WireTensor>> {
         self.out.iter().find_map(|e| match e {
             Effect::Completed(w) => Some(w),
             _ => None,
@@ -272,7 +273,7 @@ pub(super) fn recovery_run_with(
     JobRun::start(
         1,
         spec,
-        &graph,
+        graph,
         &analysis,
         &plan,
         &ids,

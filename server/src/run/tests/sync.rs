@@ -16,12 +16,12 @@ fn robust_aggregation_outvotes_a_far_off_cluster_and_counts_it_against_its_provi
         let values = [1.0, 1.2, 1.1, 1e4];
         let effects = upload_all(&mut run, |c| values[c]);
         for (name, p) in &run.params {
-            let worst = p
-                .values
+            let values = p.values();
+            let worst = values
                 .iter()
                 .map(|v| ((v - want) / want).abs())
                 .fold(0.0f32, f32::max);
-            assert!(worst < 0.05, "{rule:?}: {name} is {:?}", &p.values[..2]);
+            assert!(worst < 0.05, "{rule:?}: {name} is {:?}", &values[..2]);
         }
         let found = faults(&effects);
         if counted {
@@ -51,5 +51,127 @@ fn honest_clusters_under_robust_aggregation_are_not_counted() {
         syncing(&mut run);
         let effects = upload_all(&mut run, |c| 1.0 + 0.01 * c as f32);
         assert!(faults(&effects).is_empty(), "{rule:?}");
+    }
+}
+
+#[test]
+fn several_clusters_are_combined_off_the_run_and_the_result_completes_the_sync() {
+    let (mut run, _) = started_with(2, Aggregation::Mean);
+    syncing(&mut run);
+    let before: BTreeMap<String, Vec<f32>> = run
+        .params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.values()))
+        .collect();
+    let effects = upload_all_raw(&mut run, |c| [1.0, 3.0][c]);
+    // Nothing goes out and nothing changes until the work's result is in.
+    let [Effect::Aggregate(work)] = effects.as_slice() else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(work.step_done, 1);
+    assert!(matches!(run.state, State::Syncing { step_done: 1 }));
+    for (n, v) in &run.params {
+        assert_eq!(v.values(), before[n], "{n}");
+    }
+    let Some(Effect::Aggregate(work)) = effects.into_iter().next() else {
+        unreachable!()
+    };
+    let done = run.on_aggregated(work.run());
+    for v in run.params.values() {
+        assert!(v.values().iter().all(|&x| x == 2.0));
+    }
+    let set_params = sends(&done)
+        .iter()
+        .filter(|(_, m)| matches!(m, ToProvider::SetParams(_)))
+        .count();
+    assert_eq!(set_params, 4);
+    assert!(
+        done.iter()
+            .any(|e| matches!(e, Effect::ResumePoint(r) if r.step == 1))
+    );
+    assert_eq!(run.synced, 1);
+}
+
+#[test]
+fn an_aggregation_that_finishes_after_its_sync_was_abandoned_changes_nothing() {
+    let (mut run, _) = started_with(2, Aggregation::Mean);
+    syncing(&mut run);
+    let before: BTreeMap<String, Vec<f32>> = run
+        .params
+        .iter()
+        .map(|(n, v)| (n.clone(), v.values()))
+        .collect();
+    let Some(Effect::Aggregate(work)) = upload_all_raw(&mut run, |c| [1.0, 3.0][c]).pop() else {
+        panic!("no aggregation asked for")
+    };
+    // A stage is lost while the work runs: the sync is redone later.
+    let leaf1 = run.clusters[1].stages[1].provider;
+    run.stage_lost(leaf1, "killed").unwrap();
+    assert!(run.on_aggregated(work.run()).is_empty());
+    for (n, v) in &run.params {
+        assert_eq!(v.values(), before[n], "{n}");
+    }
+    assert_eq!(run.synced, 0);
+}
+
+#[test]
+fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_parameter() {
+    let same = |a: &WireTensor, v: &ParamValue| a.data.as_ptr() == v.data.as_ptr();
+    let (mut run, effects) = started_with(2, Aggregation::Mean);
+    let mut assigned = 0;
+    for (_, m) in sends(&effects) {
+        let ToProvider::Assign(a) = m else { continue };
+        for t in &a.params {
+            assert!(
+                same(t, &run.params[&t.name]),
+                "Assign's `{}` is a copy",
+                t.name
+            );
+            assigned += 1;
+        }
+    }
+    assert_eq!(assigned, 2 * run.params.len());
+    syncing(&mut run);
+    let effects = upload_all(&mut run, |c| [1.0, 3.0][c]);
+    for effect in &effects {
+        let tensors: Vec<&WireTensor> = match effect {
+            Effect::Send(_, ToProvider::SetParams(set)) => set.params.iter().collect(),
+            Effect::Checkpoint(w) => w.iter().collect(),
+            Effect::ResumePoint(r) => r.params.iter().collect(),
+            _ => continue,
+        };
+        for t in tensors {
+            assert!(same(t, &run.params[&t.name]), "`{}` is a copy", t.name);
+        }
+    }
+
+    // One cluster: its upload becomes the parameter as it arrived.
+    let (mut run, _) = started_with(1, Aggregation::Mean);
+    syncing(&mut run);
+    let mut uploaded = Vec::new();
+    for s in 0..2 {
+        let params: Vec<WireTensor> = run.clusters[0].stages[s]
+            .params
+            .iter()
+            .map(|n| {
+                let shape = run.params[n].shape.clone();
+                let len = shape.iter().product();
+                WireTensor::from_f32(n.clone(), &shape, &vec![0.5; len], WireDType::F32)
+            })
+            .collect();
+        uploaded.extend(params.iter().map(|t| (t.name.clone(), t.data.as_ptr())));
+        let provider = run.clusters[0].stages[s].provider;
+        let effects = run.on_message(
+            provider,
+            ToServer::Params(ParamSet {
+                job_id: 1,
+                step: 1,
+                params,
+            }),
+        );
+        assert!(!effects.iter().any(|e| matches!(e, Effect::Aggregate(_))));
+    }
+    for (name, at) in uploaded {
+        assert_eq!(run.params[&name].data.as_ptr(), at, "`{name}` was copied");
     }
 }

@@ -15,7 +15,8 @@ pub(crate) fn read(path: &Path) -> Result<RawArray, JobError> {
         .map_err(|e| JobError::file(&source, format!("not UTF-8 text: {e}")))?;
     let mut cols: Option<usize> = None;
     let mut rows = 0usize;
-    let mut values: Vec<f64> = Vec::new();
+    // Straight to the bytes the array holds: no second f64 copy of the file.
+    let mut data: Vec<u8> = Vec::new();
     let mut first = true;
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -41,7 +42,7 @@ pub(crate) fn read(path: &Path) -> Result<RawArray, JobError> {
                         format!("line {}: {} values, expected {want}", i + 1, row.len()),
                     ));
                 }
-                values.extend(row);
+                data.extend(row.iter().flat_map(|v| v.to_le_bytes()));
                 rows += 1;
             }
             Err(_) if was_first => {} // a header row
@@ -61,6 +62,5 @@ pub(crate) fn read(path: &Path) -> Result<RawArray, JobError> {
     let Some(cols) = cols else {
         return Err(JobError::file(&source, "no data rows"));
     };
-    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    RawArray::new(vec![rows, cols], ElemType::F64, false, bytes, source)
+    RawArray::new(vec![rows, cols], ElemType::F64, false, data, source)
 }
