@@ -638,3 +638,47 @@ fn out_of_range_and_fractional_indices_are_refused_before_any_kernel_runs() {
         assert_eq!(ours.in_flight(), 0);
     }
 }
+
+/// examples/gpt's GPT at toy size as PyTorch exported it
+/// (tests/fixtures/gpt-tiny), imported at a batch of 2; the stages run
+/// micro-batches of 5 and 3.
+fn gpt(name: &str) -> Graph {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/gpt-tiny")
+        .join(name);
+    rookery_model::onnx::import_file(&path, &[2, 16])
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .graph
+}
+
+fn gpt_exports() -> Vec<String> {
+    let mut out = Vec::new();
+    for exporter in ["dynamo", "legacy"] {
+        for attn in ["hand", "mha"] {
+            for layout in ["ntv", "nvt"] {
+                out.push(format!("{exporter}-{attn}-{layout}.onnx"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn imported_gpts_match_libtorch_whole_and_in_two_stages_on_the_cpu_references() {
+    for name in gpt_exports() {
+        let graph = gpt(&name);
+        let n = graph.nodes.len();
+        same_as_torch(CpuDevice, &graph, 0..n, adam());
+        same_as_torch(CpuDevice, &graph, 0..n / 2, sgd_momentum());
+        same_as_torch(CpuDevice, &graph, n / 2..n, sgd_momentum());
+    }
+}
+
+#[test]
+fn imported_gpts_match_libtorch_on_the_gpu() {
+    for name in ["dynamo-mha-nvt.onnx", "legacy-hand-ntv.onnx"] {
+        let graph = gpt(name);
+        let n = graph.nodes.len();
+        same_as_torch(gpu(), &graph, 0..n, adam());
+    }
+}

@@ -16,6 +16,7 @@
 //! `shared/model/proto/onnx.proto` and committed, so no protoc is needed to build.
 
 mod attrs;
+mod batch;
 mod convert;
 mod fold;
 mod fuse;
@@ -82,7 +83,46 @@ pub fn import_named(
         file: file.to_string(),
         reason: e.to_string(),
     })?;
-    convert::Importer::new(file, external_data).run(&model, input_shape)
+    let run = |shape: &[usize]| convert::Importer::new(file, external_data).run(&model, shape);
+    let declared = batch::declared_batch(&model);
+    let fixed = declared.as_ref().and_then(|(input, b)| Some((input.as_str(), (*b)?)));
+    let Some(&b) = input_shape.first() else {
+        return run(input_shape);
+    };
+    let mut imported = match run(input_shape) {
+        Ok(imported) => imported,
+        Err(e) => {
+            // A fixed-batch export read at another batch: if it imports at
+            // its own, the batch is what breaks it, and the user can fix that.
+            if let Some((input, exported)) = fixed
+                && exported != b
+            {
+                let mut own = input_shape.to_vec();
+                own[0] = exported;
+                if run(&own).is_ok() {
+                    return Err(batch::fixed_batch_error(file, input, exported, e));
+                }
+            }
+            return Err(e);
+        }
+    };
+    let mut other_shape = input_shape.to_vec();
+    other_shape[0] = b + 1;
+    let generalized = run(&other_shape)
+        .map_err(|e| e.to_string())
+        .and_then(|other| batch::generalize(imported.graph.clone(), &other.graph));
+    match generalized {
+        Ok(graph) => imported.graph = graph,
+        Err(detail) => match fixed {
+            Some((input, exported)) => {
+                return Err(batch::fixed_batch_error(file, input, exported, detail));
+            }
+            None => imported.warnings.push(format!(
+                "{file}: the graph runs only at batch size {b}: {detail}"
+            )),
+        },
+    }
+    Ok(imported)
 }
 
 /// Imports an ONNX file, reading external data from files beside it.
@@ -102,4 +142,46 @@ pub fn import_file(
         .unwrap_or_default();
     let read = move |location: &str| std::fs::read(dir.join(location));
     import_named(&file, &bytes, &read, input_shape)
+}
+
+/// The dimensions an ONNX file declares for its first graph input, batch
+/// first: `Some(n)` where the export fixed the size, `None` where it is
+/// symbolic (dynamic). `Ok(None)` when the input declares no shape. For
+/// diagnosing an import that failed at a given input shape.
+pub fn declared_input_dims(
+    path: impl AsRef<std::path::Path>,
+) -> Result<Option<Vec<Option<u64>>>, OnnxError> {
+    use pb::tensor_shape_proto::dimension::Value as Dim;
+    let path = path.as_ref();
+    let file = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
+        file: file.clone(),
+        reason: format!("cannot read the file: {e}"),
+    })?;
+    let model = pb::ModelProto::decode(bytes.as_slice()).map_err(|e| OnnxError::Decode {
+        file,
+        reason: e.to_string(),
+    })?;
+    let Some(graph) = model.graph else {
+        return Ok(None);
+    };
+    let first = graph
+        .input
+        .iter()
+        .find(|vi| !graph.initializer.iter().any(|t| t.name() == vi.name()));
+    let tensor = first
+        .and_then(|vi| vi.r#type.as_ref())
+        .and_then(|t| t.value.as_ref());
+    let Some(pb::type_proto::Value::TensorType(tt)) = tensor else {
+        return Ok(None);
+    };
+    Ok(tt.shape.as_ref().map(|s| {
+        s.dim
+            .iter()
+            .map(|d| match d.value {
+                Some(Dim::DimValue(v)) if v > 0 => Some(v as u64),
+                _ => None,
+            })
+            .collect()
+    }))
 }
