@@ -81,10 +81,13 @@ async fn seeded_sampling_repeats_for_a_seed_and_varies_across_seeds() {
 #[tokio::test]
 async fn weights_of_another_model_are_refused_by_name() {
     let vocab = Vocab::load(&fixture("vocab.json")).unwrap();
-    let err = generate(&args("dynamo-hand-ntv.onnx", "mha.safetensors", "abc"), &vocab)
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = generate(
+        &args("dynamo-hand-ntv.onnx", "mha.safetensors", "abc"),
+        &vocab,
+    )
+    .await
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("mha.safetensors") && err.contains("blocks.0.attn.qkv.weight"),
         "{err}"

@@ -52,7 +52,11 @@ fn output_at(graph: &Graph, batch: usize) -> Vec<usize> {
 fn every_gpt_export_imports_without_warnings_and_with_the_state_dict_names() {
     for (name, mha, _) in exports() {
         let imported = import(&name, 2).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(imported.warnings.is_empty(), "{name}: {:?}", imported.warnings);
+        assert!(
+            imported.warnings.is_empty(),
+            "{name}: {:?}",
+            imported.warnings
+        );
         let g = &imported.graph;
         let trainable: Vec<&str> = g
             .params
@@ -79,7 +83,10 @@ fn every_gpt_export_imports_without_warnings_and_with_the_state_dict_names() {
                 .iter()
                 .any(|p| p.kind == ParamKind::Constant && p.dtype == DType::I64),
             "{name}: integer constants {:?}",
-            g.params.iter().filter(|p| p.dtype == DType::I64).collect::<Vec<_>>()
+            g.params
+                .iter()
+                .filter(|p| p.dtype == DType::I64)
+                .collect::<Vec<_>>()
         );
         // q, k and v (or the position rows) are slices.
         assert!(
@@ -146,7 +153,10 @@ fn a_fixed_batch_export_that_cannot_follow_the_batch_is_refused_in_words() {
             "dynamic_shapes={\"tokens\": {0: torch.export.Dim(\"batch\")}}",
             "dynamic_axes={\"tokens\": {0: \"batch\"}}",
         ] {
-            assert!(err.contains(words), "at batch {batch}: {words:?} not in: {err}");
+            assert!(
+                err.contains(words),
+                "at batch {batch}: {words:?} not in: {err}"
+            );
         }
     }
 }

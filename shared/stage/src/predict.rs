@@ -75,8 +75,6 @@ impl<B: Backend> Predictor<B> {
             .iter()
             .find(|(n, _)| *n == self.output)
             .ok_or_else(|| PredictError::Run(format!("no output `{}`", self.output)))?;
-        self.backend
-            .encode(name, y, WireDType::F32)
-            .map_err(run)
+        self.backend.encode(name, y, WireDType::F32).map_err(run)
     }
 }

@@ -164,7 +164,9 @@ impl Bpe {
             let id = id
                 .as_u64()
                 .filter(|&i| (i as usize) < tokens.len())
-                .ok_or_else(|| format!("token {token:?} has id {id}, outside 0..{}", tokens.len()))?;
+                .ok_or_else(|| {
+                    format!("token {token:?} has id {id}, outside 0..{}", tokens.len())
+                })?;
             tokens[id as usize] = token.clone();
             ids.insert(token.clone(), id as u32);
         }
@@ -295,7 +297,10 @@ fn pre_tokenize(text: &str) -> Vec<&str> {
             continue;
         }
         let mut j = i;
-        if chars[i].1 == ' ' && chars.get(i + 1).is_some_and(|&(_, c)| class(c) != Class::Space)
+        if chars[i].1 == ' '
+            && chars
+                .get(i + 1)
+                .is_some_and(|&(_, c)| class(c) != Class::Space)
         {
             j += 1;
         }
@@ -328,7 +333,9 @@ mod tests {
     fn pre_tokenizer_splits_as_gpt2_does() {
         assert_eq!(
             pre_tokenize("Hello  world, it's 42!\n\nYes"),
-            ["Hello", " ", " world", ",", " it", "'s", " 42", "!", "\n", "\n", "Yes"]
+            [
+                "Hello", " ", " world", ",", " it", "'s", " 42", "!", "\n", "\n", "Yes"
+            ]
         );
     }
 

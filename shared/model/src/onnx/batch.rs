@@ -60,7 +60,9 @@ pub(super) fn fixed_batch_error(
 
 /// Folds what differs between `graph` (imported at one batch size) and
 /// `other` (the same file at another) into batch-independent reshape
-/// targets. `Err` names the first difference that is not one.
+/// targets: each dimension the same at both sizes is written out, the one
+/// that follows the batch is copied (`0`, leading and equal to the input's)
+/// or inferred (`-1`). `Err` names the first difference that is not one.
 pub(super) fn generalize(mut graph: Graph, other: &Graph) -> Result<Graph, String> {
     if graph.nodes.len() != other.nodes.len() {
         return Err(format!(
@@ -69,27 +71,45 @@ pub(super) fn generalize(mut graph: Graph, other: &Graph) -> Result<Graph, Strin
             other.nodes.len()
         ));
     }
-    for (node, theirs) in graph.nodes.iter_mut().zip(&other.nodes) {
-        if node.name != theirs.name || node.inputs != theirs.inputs {
+    let (mine, theirs) = match (graph.analyze(), other.analyze()) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => return Err(e.to_string()),
+    };
+    let shape =
+        |a: &crate::graph::Analysis, name: &str| a.tensors.get(name).map(|t| t.shape.clone());
+    for (node, their) in graph.nodes.iter_mut().zip(&other.nodes) {
+        if node.name != their.name || node.inputs != their.inputs {
             return Err(format!(
                 "node `{}` reads other tensors at another batch size",
                 node.name
             ));
         }
-        match (&mut node.op, &theirs.op) {
-            (Op::Reshape { shape }, Op::Reshape { shape: other }) if shape != other => {
-                let differ: Vec<usize> = (0..shape.len())
-                    .filter(|&i| other.get(i) != Some(&shape[i]))
+        match (&mut node.op, &their.op) {
+            (Op::Reshape { shape: target }, Op::Reshape { .. }) => {
+                let (Some(out1), Some(out2), Some(in1), Some(in2)) = (
+                    shape(&mine, &node.name),
+                    shape(&theirs, &node.name),
+                    shape(&mine, &node.inputs[0]),
+                    shape(&theirs, &node.inputs[0]),
+                ) else {
+                    return Err(format!("node `{}` (Reshape) has no shape", node.name));
+                };
+                let differ: Vec<usize> = (0..out1.len())
+                    .filter(|&i| out2.get(i) != Some(&out1[i]))
                     .collect();
-                let inferred = shape.contains(&-1);
-                if shape.len() != other.len() || differ.len() != 1 || inferred {
+                if out1.len() != out2.len() || differ.len() > 1 {
                     return Err(format!(
-                        "node `{}` (Reshape) reshapes to {shape:?} at one batch size and to \
-                         {other:?} at another",
+                        "node `{}` (Reshape) reshapes to {out1:?} at one batch size and to \
+                         {out2:?} at another",
                         node.name
                     ));
                 }
-                shape[differ[0]] = -1;
+                *target = out1.iter().map(|&d| d as i64).collect();
+                if let Some(&p) = differ.first() {
+                    let copies =
+                        p == 0 && in1.first() == Some(&out1[0]) && in2.first() == Some(&out2[0]);
+                    target[p] = if copies { 0 } else { -1 };
+                }
             }
             (mine, theirs) if mine != theirs => {
                 return Err(format!(

@@ -85,7 +85,9 @@ pub fn import_named(
     })?;
     let run = |shape: &[usize]| convert::Importer::new(file, external_data).run(&model, shape);
     let declared = batch::declared_batch(&model);
-    let fixed = declared.as_ref().and_then(|(input, b)| Some((input.as_str(), (*b)?)));
+    let fixed = declared
+        .as_ref()
+        .and_then(|(input, b)| Some((input.as_str(), (*b)?)));
     let Some(&b) = input_shape.first() else {
         return run(input_shape);
     };

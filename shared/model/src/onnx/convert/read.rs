@@ -313,6 +313,12 @@ impl Importer<'_> {
                     self.file,
                     o.name()
                 )),
+                Some(Val::Sequence(_)) => {
+                    return Err(self.model_err(format!(
+                        "graph output `{}` is a sequence of tensors; Rookery's outputs are tensors",
+                        o.name()
+                    )));
+                }
                 None => {
                     return Err(self.model_err(format!(
                         "graph output `{}` is not produced by any node",

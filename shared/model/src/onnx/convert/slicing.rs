@@ -48,7 +48,9 @@ impl Importer<'_> {
         if sizes.iter().sum::<usize>() != dim || sizes.contains(&0) {
             return Err(self.node_err(
                 here,
-                format!("split sizes {sizes:?} do not cut a dimension of {dim} into non-empty parts"),
+                format!(
+                    "split sizes {sizes:?} do not cut a dimension of {dim} into non-empty parts"
+                ),
             ));
         }
         let mut start = 0;
@@ -139,7 +141,10 @@ impl Importer<'_> {
                     .ok()
                     .filter(|&s| s > 0)
                     .ok_or_else(|| self.node_err(here, "the split size must be positive"))?;
-                (self.split_ranges(here, dim, None, dim.div_ceil(size))?, false)
+                (
+                    self.split_ranges(here, dim, None, dim.div_ceil(size))?,
+                    false,
+                )
             }
             Some(t) => (self.split_ranges(here, dim, Some(t.as_i64()), 0)?, false),
             None if here.present(1) => {
@@ -179,9 +184,7 @@ impl Importer<'_> {
         let range = usize::try_from(i)
             .ok()
             .and_then(|i| parts.ranges.get(i).copied())
-            .ok_or_else(|| {
-                self.node_err(here, format!("position {at} of a {n}-part sequence"))
-            })?;
+            .ok_or_else(|| self.node_err(here, format!("position {at} of a {n}-part sequence")))?;
         let out = here.out.clone();
         self.emit_part(here, &out, &parts.source, parts.axis, range, parts.squeeze)
     }
@@ -207,8 +210,7 @@ impl Importer<'_> {
         let ends = known(2, "ends")?.ok_or_else(|| self.node_err(here, "missing ends"))?;
         let axes = known(3, "axes")?.unwrap_or_else(|| (0..starts.len() as i64).collect());
         let steps = known(4, "steps")?.unwrap_or_else(|| vec![1; starts.len()]);
-        if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len()
-        {
+        if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len() {
             return Err(self.node_err(here, "starts, ends, axes and steps differ in length"));
         }
         let mut cuts = Vec::new();
