@@ -78,6 +78,11 @@ impl Vocab {
         }
     }
 
+    /// Whether there are no ids (never, for a loaded vocabulary).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Number of ids.
     pub fn len(&self) -> usize {
         match self {
