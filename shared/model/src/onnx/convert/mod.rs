@@ -57,7 +57,18 @@ enum Val {
         index: usize,
     },
     /// A `SplitToSequence` of a run-time tensor, its parts emitted as read.
-    Sequence(slicing::Parts),
+    Sequence(Parts),
+}
+
+/// The parts a `SplitToSequence` cut, for `SequenceAt` to name one.
+#[derive(Debug, Clone)]
+struct Parts {
+    /// The graph name of the tensor split.
+    source: String,
+    axis: usize,
+    ranges: Vec<(usize, usize)>,
+    /// The axis is dropped from each part (`keepdims = 0` without `split`).
+    squeeze: bool,
 }
 
 /// One initializer.

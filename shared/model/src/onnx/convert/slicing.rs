@@ -4,21 +4,10 @@
 //! a contiguous range, which is how attention takes q, k and v from one
 //! projection and how a position embedding takes its first `T` rows.
 
-use super::{Here, Importer, Val, keep_batch};
+use super::{Here, Importer, Parts, Val, keep_batch};
 use crate::error::OnnxError;
 use crate::onnx::shapes::norm_axis;
 use crate::ops::Op;
-
-/// The parts a `SplitToSequence` cut, for `SequenceAt` to name one.
-#[derive(Debug, Clone)]
-pub(super) struct Parts {
-    /// The graph name of the tensor split.
-    source: String,
-    axis: usize,
-    ranges: Vec<(usize, usize)>,
-    /// The axis is dropped from each part (`keepdims = 0` without `split`).
-    squeeze: bool,
-}
 
 impl Importer<'_> {
     /// `[start, end)` ranges cutting a dimension of `dim` by ONNX's `split`
