@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use rookery_server::cli::{plan, remote, serve, tokens, train};
+use rookery_server::cli::{generate, plan, remote, serve, tokens, train};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -58,6 +58,8 @@ enum Command {
     /// Train a job here: an embedded server and N local providers; writes
     /// DIR/weights.safetensors and DIR/metrics.json.
     Train(train::TrainArgs),
+    /// Sample text from a trained language model on this machine (forward only).
+    Generate(generate::GenerateArgs),
     /// Manage Requesters' API tokens in a server's data directory.
     Token {
         #[command(subcommand)]
@@ -105,6 +107,7 @@ async fn run() -> anyhow::Result<()> {
         Command::Download { id, out, server } => remote::download(id, out, server).await,
         Command::Cancel { id, server } => remote::cancel(id, server).await,
         Command::Train(args) => train::run(args).await,
+        Command::Generate(args) => generate::run(args).await,
         Command::Token { action } => tokens::run(action).await,
     }
 }

@@ -23,7 +23,7 @@ fn dir_from_env(var: &str, default: &str) -> PathBuf {
         .unwrap_or_else(|| workspace_root().join(default))
 }
 
-fn binary(name: &str) -> anyhow::Result<PathBuf> {
+pub fn binary(name: &str) -> anyhow::Result<PathBuf> {
     let path = dir_from_env("ROOKERY_BIN_DIR", "target/debug").join(name);
     if !path.is_file() {
         bail!(

@@ -73,6 +73,11 @@ impl TorchStageFactory {
     pub fn new(device: Device) -> Self {
         Self { device }
     }
+
+    /// Stages on the CPU (for callers that do not link `tch` themselves).
+    pub fn cpu() -> Self {
+        Self::new(Device::Cpu)
+    }
 }
 
 impl BackendFactory for TorchStageFactory {

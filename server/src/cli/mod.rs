@@ -7,9 +7,11 @@
 //! - [`remote`]: `submit`, `jobs`, `watch`, `download`, `cancel` against a
 //!   running server, through [`client`];
 //! - [`plan`]: the planner on a model file and a providers file;
-//! - [`tokens`]: Requesters' API tokens in a data dir.
+//! - [`tokens`]: Requesters' API tokens in a data dir;
+//! - [`generate`]: samples text from a trained language model, forward only.
 
 pub mod client;
+pub mod generate;
 pub mod plan;
 pub mod remote;
 pub mod serve;

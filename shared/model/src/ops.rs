@@ -76,6 +76,13 @@ pub enum Op {
     Concat {
         axis: i64,
     },
+    /// Elements `start..end` along `axis` (ONNX `Slice` with step 1, `Split`,
+    /// and a `Gather` of consecutive constant indices: attention's q, k, v).
+    Slice {
+        axis: i64,
+        start: usize,
+        end: usize,
+    },
     Dropout {
         p: f32,
     },
@@ -237,6 +244,7 @@ impl Op {
             Op::Reshape { .. } => "Reshape",
             Op::Transpose { .. } => "Transpose",
             Op::Concat { .. } => "Concat",
+            Op::Slice { .. } => "Slice",
             Op::Dropout { .. } => "Dropout",
             Op::Gather { .. } => "Gather",
             Op::Identity => "Identity",
@@ -266,6 +274,7 @@ impl Op {
             | Op::Reshape { .. }
             | Op::Transpose { .. }
             | Op::Concat { .. }
+            | Op::Slice { .. }
             | Op::Identity
             | Op::Gather { .. } => 0.0,
             Op::BatchNorm { .. } | Op::LayerNorm { .. } => 2.0,
@@ -565,6 +574,21 @@ impl Op {
                     dtype: x.dtype,
                 })
             }
+            Op::Slice { axis, start, end } => {
+                let a = axis_of(*axis, x.shape.len(), false)?;
+                if start >= end || *end > x.shape[a] {
+                    return shape_err(format!(
+                        "elements {start}..{end} of axis {a} of {:?}",
+                        x.shape
+                    ));
+                }
+                let mut out = x.shape.clone();
+                out[a] = end - start;
+                Ok(TensorInfo {
+                    shape: out,
+                    dtype: x.dtype,
+                })
+            }
             Op::Gather { axis } => {
                 let idx = &ins[1];
                 if idx.dtype != DType::I64 {
@@ -613,6 +637,7 @@ impl Op {
             | Op::Reshape { .. }
             | Op::Transpose { .. }
             | Op::Concat { .. }
+            | Op::Slice { .. }
             | Op::Gather { .. }
             | Op::Identity => 0,
         }

@@ -18,6 +18,7 @@ pub mod device;
 pub mod executor;
 mod kernel;
 mod kernel_backend;
+pub mod predict;
 mod program;
 pub mod session;
 pub mod worker;
@@ -28,6 +29,7 @@ pub use device::{CpuBuffer, CpuDevice, Device};
 pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
 pub use kernel_backend::OwnFactory;
+pub use predict::{PredictError, Predictor};
 pub use worker::{Backend, BackendFactory, StageWorker, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.

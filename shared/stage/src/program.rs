@@ -387,6 +387,15 @@ impl Lowering<'_> {
                 }
                 return Ok(());
             }
+            // A slice is one part of a concatenation: its forward is that
+            // part's backward copy, its backward zeros and the forward copy.
+            Op::Slice { axis, start, end } => {
+                let concat = self.slice(k, op, ins, *axis, *start, *end)?;
+                (
+                    Kernel::ConcatBackward { concat, part: 1 },
+                    vec![Buf::Value(ins[0]), out],
+                )
+            }
             Op::LayerNorm { axis, eps } => {
                 let n = self.layer_norm(k, op, ins, *axis, *eps)?;
                 let mean = self.saved(n.rows);
@@ -642,6 +651,16 @@ impl Lowering<'_> {
                     });
                 }
             }
+            Op::Slice { axis, start, end } => {
+                let concat = self.slice(k, op, ins, *axis, *start, *end)?;
+                let len = numel(self.shape(ins[0]));
+                self.contribute(ins[0], |_, dest| {
+                    vec![
+                        (Kernel::Fill { len, value: 0.0 }, vec![dest]),
+                        (Kernel::Concat { concat, part: 1 }, vec![dy, dest]),
+                    ]
+                });
+            }
             Op::LayerNorm { axis, eps } => {
                 let n = self.layer_norm(k, op, ins, *axis, *eps)?;
                 let kept = self.kept[&k].clone();
@@ -886,6 +905,28 @@ impl Lowering<'_> {
             outer: first[..a].iter().product(),
             sizes,
             inner: first[a + 1..].iter().product(),
+        })
+    }
+
+    /// `[start, end)` of axis `a` as part 1 of a three-part concatenation.
+    fn slice(
+        &self,
+        k: usize,
+        op: &Op,
+        ins: &[Source],
+        a: i64,
+        start: usize,
+        end: usize,
+    ) -> Result<Concat, StageError> {
+        let shape = self.shape(ins[0]);
+        let a = self.axis(k, op, a, shape.len())?;
+        if start >= end || end > shape[a] {
+            return Err(self.unsupported(k, op, "the slice is empty or past the axis' end"));
+        }
+        Ok(Concat {
+            outer: shape[..a].iter().product(),
+            sizes: vec![start, end - start, shape[a] - end],
+            inner: shape[a + 1..].iter().product(),
         })
     }
 

@@ -93,6 +93,7 @@ pub(crate) fn supported(op: &Op) -> bool {
             | Op::Reshape { .. }
             | Op::Transpose { .. }
             | Op::Concat { .. }
+            | Op::Slice { .. }
             | Op::Dropout { .. }
             | Op::Gather { .. }
             | Op::Identity
@@ -200,6 +201,14 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
         }
         Op::Transpose { perm } => x.f_permute(i64s(perm))?,
         Op::Concat { axis } => Tensor::f_cat(ins, *axis)?,
+        Op::Slice {
+            axis: a,
+            start,
+            end,
+        } => {
+            let a = axis(*a, x.dim(), false)?;
+            x.f_narrow(a as i64, *start as i64, end.saturating_sub(*start) as i64)?
+        }
         Op::Dropout { p } => {
             if !ctx.train || *p == 0.0 {
                 x.shallow_clone()

@@ -16,6 +16,7 @@
 //! `shared/model/proto/onnx.proto` and committed, so no protoc is needed to build.
 
 mod attrs;
+mod batch;
 mod convert;
 mod fold;
 mod fuse;
@@ -82,7 +83,48 @@ pub fn import_named(
         file: file.to_string(),
         reason: e.to_string(),
     })?;
-    convert::Importer::new(file, external_data).run(&model, input_shape)
+    let run = |shape: &[usize]| convert::Importer::new(file, external_data).run(&model, shape);
+    let declared = batch::declared_batch(&model);
+    let fixed = declared
+        .as_ref()
+        .and_then(|(input, b)| Some((input.as_str(), (*b)?)));
+    let Some(&b) = input_shape.first() else {
+        return run(input_shape);
+    };
+    let mut imported = match run(input_shape) {
+        Ok(imported) => imported,
+        Err(e) => {
+            // A fixed-batch export read at another batch: if it imports at
+            // its own, the batch is what breaks it, and the user can fix that.
+            if let Some((input, exported)) = fixed
+                && exported != b
+            {
+                let mut own = input_shape.to_vec();
+                own[0] = exported;
+                if run(&own).is_ok() {
+                    return Err(batch::fixed_batch_error(file, input, exported, e));
+                }
+            }
+            return Err(e);
+        }
+    };
+    let mut other_shape = input_shape.to_vec();
+    other_shape[0] = b + 1;
+    let generalized = run(&other_shape)
+        .map_err(|e| e.to_string())
+        .and_then(|other| batch::generalize(imported.graph.clone(), &other.graph));
+    match generalized {
+        Ok(graph) => imported.graph = graph,
+        Err(detail) => match fixed {
+            Some((input, exported)) => {
+                return Err(batch::fixed_batch_error(file, input, exported, detail));
+            }
+            None => imported.warnings.push(format!(
+                "{file}: the graph runs only at batch size {b}: {detail}"
+            )),
+        },
+    }
+    Ok(imported)
 }
 
 /// Imports an ONNX file, reading external data from files beside it.

@@ -194,6 +194,11 @@ impl Importer<'_> {
                 self.emit(here, &here.out, Op::Concat { axis }, inputs)
             }
             "Dropout" => self.dropout(here),
+            "Split" => self.split(here),
+            "SplitToSequence" => self.split_to_sequence(here),
+            "SequenceAt" => self.sequence_at(here),
+            "Slice" => self.slice(here),
+            "Gather" if self.gather_as_slice(here)? => Ok(()),
             "Gather" => {
                 let axis = here.attrs.int("axis").unwrap_or(0);
                 let data = self.input_info(here, 0)?;

@@ -307,9 +307,12 @@ impl Importer<'_> {
                 None if !here.present(1) => 0.5,
                 _ => return Err(self.node_err(here, "the ratio must be a constant scalar")),
             };
+            // A missing training_mode is no sign of an inference export: the
+            // dynamo exporter spells scaled_dot_product_attention's dropout
+            // (nn.MultiheadAttention's) `Dropout(x, p)` in training exports too.
             let training = match self.known(here, 2) {
                 Some(t) if t.len() == 1 => t.as_i64()[0] != 0,
-                None if !here.present(2) => false,
+                None if !here.present(2) => true,
                 _ => return Err(self.node_err(here, "training_mode must be a constant scalar")),
             };
             (p, training)

@@ -15,6 +15,7 @@
 mod dispatch;
 mod layers;
 mod read;
+mod slicing;
 
 use std::collections::HashMap;
 
@@ -34,8 +35,8 @@ use crate::tensor::{DType, TensorInfo};
 const SUPPORTED: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Relu, Gelu, Sigmoid, Tanh, Softmax, \
     LogSoftmax, Conv, MaxPool, AveragePool, GlobalAveragePool, ReduceMean (global pooling), \
     BatchNormalization, LayerNormalization, Flatten, Reshape, Squeeze, Unsqueeze, Transpose, \
-    Concat, Dropout, Gather, Identity, Cast; and, when their inputs are known at import time, \
-    Constant, Shape, Size, Slice, Range, ConstantOfShape, Expand, Where, Mod, Sqrt and other \
+    Concat, Dropout, Gather, Identity, Cast, Split, SplitToSequence with SequenceAt, Slice (step 1); \
+    and, when their inputs are known at import time, Constant, Shape, Size, Range, ConstantOfShape, Expand, Where, Mod, Sqrt and other \
     shape arithmetic";
 
 /// What the importer knows about one ONNX value.
@@ -55,6 +56,19 @@ enum Val {
         op: String,
         index: usize,
     },
+    /// A `SplitToSequence` of a run-time tensor, its parts emitted as read.
+    Sequence(Parts),
+}
+
+/// The parts a `SplitToSequence` cut, for `SequenceAt` to name one.
+#[derive(Debug, Clone)]
+struct Parts {
+    /// The graph name of the tensor split.
+    source: String,
+    axis: usize,
+    ranges: Vec<(usize, usize)>,
+    /// The axis is dropped from each part (`keepdims = 0` without `split`).
+    squeeze: bool,
 }
 
 /// One initializer.
@@ -288,10 +302,11 @@ impl<'a> Importer<'a> {
         Ok(())
     }
 
-    /// Outputs past the first: Rookery ops have one output.
+    /// Outputs past the first: Rookery ops have one output (a `Split`'s
+    /// several are each a node of their own, already known).
     fn mark_extra_outputs(&mut self, here: &Here) {
         for (index, name) in here.proto.output.iter().enumerate().skip(1) {
-            if !name.is_empty() {
+            if !name.is_empty() && !self.vals.contains_key(name) {
                 self.vals.insert(
                     name.clone(),
                     Val::Missing {
@@ -364,7 +379,7 @@ impl<'a> Importer<'a> {
             Val::Const(t, _) => Some(&t.shape),
             Val::Var(i) => Some(&self.inits[*i].tensor.shape),
             Val::Graph(info) => Some(&info.shape),
-            Val::Missing { .. } => None,
+            Val::Missing { .. } | Val::Sequence(_) => None,
         }
     }
 
@@ -379,7 +394,7 @@ impl<'a> Importer<'a> {
                 dtype: dtype_of(self.inits[*i].tensor.elem),
             }),
             Val::Graph(info) => Some(info.clone()),
-            Val::Missing { .. } => None,
+            Val::Missing { .. } | Val::Sequence(_) => None,
         }
     }
 
@@ -424,7 +439,7 @@ impl<'a> Importer<'a> {
                 }
                 name.clone()
             }
-            Val::Missing { .. } => {
+            Val::Missing { .. } | Val::Sequence(_) => {
                 return Err(self.node_err(here, format!("input `{name}` is unavailable")));
             }
         })

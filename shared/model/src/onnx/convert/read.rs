@@ -15,6 +15,7 @@ use crate::tensor::{DType, TensorInfo};
 /// dynamo exporter metadata on initializers: what `torch.export` says each one is.
 const SPEC_KIND: &str = "pkg.torch.export.graph_signature.InputSpec.kind";
 const SPEC_TARGET: &str = "pkg.torch.export.graph_signature.InputSpec.target";
+const SPEC_PERSISTENT: &str = "pkg.torch.export.graph_signature.InputSpec.persistent";
 
 impl Importer<'_> {
     /// Decodes every initializer (loading external data) and decides which are
@@ -39,8 +40,13 @@ impl Importer<'_> {
                 .filter(|n| !n.is_empty())
                 .unwrap_or(t.name())
                 .to_string();
+            // A buffer registered with `persistent=False` (a causal mask, say)
+            // is not in the state_dict: a constant of the module, which
+            // folds like one (a mask sliced to the sequence length).
+            let persistent = m.and_then(|m| m.get(SPEC_PERSISTENT).copied()) != Some("False");
             let kind = match spec_kind {
                 Some("PARAMETER") => Some(ParamKind::Trainable),
+                Some("BUFFER") if !persistent => Some(ParamKind::Constant),
                 Some("BUFFER") => Some(ParamKind::Buffer),
                 Some("CONSTANT_TENSOR") => Some(ParamKind::Constant),
                 _ if generated_name(t.name(), &tensor) => Some(ParamKind::Constant),
@@ -307,6 +313,12 @@ impl Importer<'_> {
                     self.file,
                     o.name()
                 )),
+                Some(Val::Sequence(_)) => {
+                    return Err(self.model_err(format!(
+                        "graph output `{}` is a sequence of tensors; Rookery's outputs are tensors",
+                        o.name()
+                    )));
+                }
                 None => {
                     return Err(self.model_err(format!(
                         "graph output `{}` is not produced by any node",
