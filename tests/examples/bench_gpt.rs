@@ -308,11 +308,48 @@ fn peak_kib(pid: u32) -> Option<u64> {
 
 mod reference {
     use std::path::Path;
+    use std::time::Instant;
+
+    use rookery_test_support::JobBatches;
+    use rookery_torch::exec::reference::whole_batch_step;
+    use rookery_torch::step_seed;
+    use rookery_torch::{TorchExecutor, TorchOptimizer, tensors_from_values};
+    use tch::{Device, Kind, Tensor};
 
     /// The same batches in one process: one libtorch executor over the whole
     /// graph, timed after `warmup` steps.
     pub fn tokens_per_s(job: &Path, warmup: usize) -> anyhow::Result<f64> {
-        let _ = (job, warmup);
-        anyhow::bail!("reference not written yet")
+        let batches = JobBatches::open(job)?;
+        let t = batches.spec.training.clone();
+        let graph = batches.graph.clone();
+        let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
+        let n = graph.analyze()?.nodes.len();
+        let mut exec =
+            TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
+        let mut optimizer = TorchOptimizer::new(t.optimizer)?;
+        let mut started = Instant::now();
+        let mut tokens = 0;
+        for batch in batches {
+            if batch.step == warmup as u64 {
+                started = Instant::now();
+                tokens = 0;
+            }
+            let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+            let x = Tensor::from_slice(&batch.x)
+                .to_kind(Kind::Int64)
+                .reshape(shape.as_slice());
+            let y = Tensor::from_slice(&batch.y).reshape(shape.as_slice());
+            let inputs = [(graph.inputs[0].name.clone(), x)];
+            whole_batch_step(
+                &mut exec,
+                &inputs,
+                &y,
+                t.loss,
+                &mut optimizer,
+                step_seed(t.seed, batch.step),
+            )?;
+            tokens += batch.y.len();
+        }
+        Ok(tokens as f64 / started.elapsed().as_secs_f64())
     }
 }

@@ -8,9 +8,15 @@
 //! cargo xtask demo [--addr HOST:PORT] [--providers N]
 //!                                    server + N native providers + dashboard on
 //!                                    http://127.0.0.1:8080/ until Ctrl-C
+//! cargo xtask demo gpt [--steps N] [--prompt TEXT]
+//!                                    the example GPT trained on Shakespeare across
+//!                                    4 local providers, then sampled
 //! cargo xtask bench plan             planner benchmark (release build)
 //! cargo xtask bench fuzz [--inputs N] fuzz every parser of untrusted bytes
 //!                                    (default 1,000,000 inputs each; zero panics)
+//! cargo xtask bench gpt [--size example|124m] [--steps N]
+//!                                    a GPT across 4 providers: tokens/s against one
+//!                                    process, peak memory, bytes per step
 //! ```
 //!
 //! Setup fills a cache outside the repository, `$ROOKERY_CACHE` (default
@@ -33,6 +39,7 @@
 
 mod bench;
 mod demo;
+mod demo_gpt;
 mod setup;
 mod test;
 mod util;
@@ -42,7 +49,8 @@ use anyhow::{Result, bail};
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cargo xtask <setup | web [--release] | test [--skip-lint] | \
-                     demo [--addr HOST:PORT] [--providers N] | bench plan|pipeline|relay|fuzz>";
+                     demo [--addr HOST:PORT] [--providers N] | demo gpt [--steps N] | \
+                     bench plan|pipeline|relay|fuzz|kernels|load|gpt>";
 
 fn main() -> ExitCode {
     match run() {
@@ -65,7 +73,10 @@ fn run() -> Result<()> {
         "setup" => setup::main(rest),
         "web" => web::main(rest),
         "test" => test::main(rest),
-        "demo" => demo::main(rest),
+        "demo" => match rest.split_first() {
+            Some((gpt, rest)) if gpt == "gpt" => demo_gpt::main(rest),
+            _ => demo::main(rest),
+        },
         "bench" => bench::main(rest),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
