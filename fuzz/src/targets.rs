@@ -16,8 +16,8 @@ use rookery_proto::stream::{Assembler, Incoming, Streamed, encode_streamed, read
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
-    Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION, ParamOptimState, ParamSet,
-    Phase, ProviderKind, StepDone, ToProvider, ToServer,
+    Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION, ParamOptimState, ParamSet, Phase,
+    ProviderKind, StepDone, ToProvider, ToServer,
 };
 
 /// What a target does with one input: whether it parsed (a panic is neither).
@@ -656,7 +656,9 @@ fn protocol_stream() -> Target {
         }),
     ];
     let seed = |frames: Result<Vec<Bytes>, _>| {
-        frames.map(|frames| join_frames(&frames)).unwrap_or_default()
+        frames
+            .map(|frames| join_frames(&frames))
+            .unwrap_or_default()
     };
     // The first byte says who receives: 0 a provider, 1 the server.
     let mut seeds: Vec<Vec<u8>> = to_provider

@@ -736,7 +736,10 @@ mod tests {
                 .collect(),
         });
         let error = encode_streamed(&message, 16 * 1024).unwrap_err();
-        assert!(error.to_string().contains("over the frame limit"), "{error}");
+        assert!(
+            error.to_string().contains("over the frame limit"),
+            "{error}"
+        );
         assert!(encode_streamed(&activations(&[100]), 3).is_err());
     }
 
@@ -841,7 +844,10 @@ mod tests {
                 "not whole f32",
             ),
             (
-                vec![header.clone(), payload(Lane::Params, &[&[0; 8][..], &nan[..]].concat())],
+                vec![
+                    header.clone(),
+                    payload(Lane::Params, &[&[0; 8][..], &nan[..]].concat()),
+                ],
                 "element 2 is not finite",
             ),
             (

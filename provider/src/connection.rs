@@ -231,9 +231,9 @@ where
     let tampered = crate::fault::tamper(message);
     #[cfg(feature = "fault-injection")]
     let message = tampered.as_ref().unwrap_or(message);
-    let frames = session.encode(message).map_err(|error| {
-        SessionEnd::Fatal(format!("cannot encode {}: {error}", kind(message)))
-    })?;
+    let frames = session
+        .encode(message)
+        .map_err(|error| SessionEnd::Fatal(format!("cannot encode {}: {error}", kind(message))))?;
     #[cfg(feature = "fault-injection")]
     let frames = crate::fault::tamper_frames(message, frames);
     // Each frame is flushed on its own so the server relays the first

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use rookery_proto::stream::{self, Assembler};
 use rookery_proto::{
-    Bytes, DEFAULT_MAX_FRAME_BYTES, EncodeError, ErrorCode, ErrorMessage, Hello,
-    PROTOCOL_VERSION, PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer, check_frame_limit,
+    Bytes, DEFAULT_MAX_FRAME_BYTES, EncodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION,
+    PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer, check_frame_limit,
 };
 
 /// What distinguishes one kind of provider's sessions from another's.

@@ -119,7 +119,11 @@ impl Owed {
         let Some(lane) = message.lane().filter(|lane| lane.is_relayed()) else {
             return Ok(());
         };
-        for tensor in message.streamed_tensors().into_iter().filter(|t| t.follows()) {
+        for tensor in message
+            .streamed_tensors()
+            .into_iter()
+            .filter(|t| t.follows())
+        {
             if self.0.len() >= Self::MAX_PENDING {
                 return Err("too many announced tensors outstanding".into());
             }

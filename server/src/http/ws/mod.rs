@@ -298,7 +298,7 @@ where
             Err(ending) => break ending,
         };
         deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-        let message = match rookery_proto::stream::read_frame(&frame, limit) {
+        let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
             Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
                 match owed.take(&payload) {
                     Ok(()) => state.coordinator.send(Event::Payload { id, payload }),

@@ -316,7 +316,12 @@ fn the_session_streams_and_reads_within_the_frame_limit_the_server_announces() {
     let params = ToServer::Params(rookery_proto::ParamSet {
         job_id: 1,
         step: 0,
-        params: vec![WireTensor::from_f32("w", &[3_000_000], &values, WireDType::F32)],
+        params: vec![WireTensor::from_f32(
+            "w",
+            &[3_000_000],
+            &values,
+            WireDType::F32,
+        )],
     });
     let frames = session.encode(&params).unwrap();
     assert!(frames.len() > 20);
