@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 use rookery_job::{DataFormat, DataRef, JobSpec, TokenWindows};
 use rookery_model::{Graph, ModelSpec};
 use rookery_proto::Bytes;
-use rookery_proto::stream::{Assembler, Incoming, encode_streamed, read_frame};
+use rookery_proto::stream::{Assembler, Incoming, Streamed, encode_streamed, read_frame};
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
-    Gradients, Hello, LeafLoss, PROTOCOL_VERSION, ParamSet, Phase, ProviderKind, StepDone,
-    ToProvider, ToServer,
+    Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION, ParamOptimState, ParamSet, Phase,
+    ProviderKind, StepDone, ToProvider, ToServer,
 };
 
 /// What a target does with one input: whether it parsed (a panic is neither).
@@ -189,6 +189,7 @@ fn protocol_to_provider() -> io::Result<Target> {
             provider_id: 4,
             heartbeat_interval_ms: 1000,
             heartbeat_timeout_ms: 4000,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES as u64,
         },
         ToProvider::Heartbeat { seq: 1 },
         ToProvider::Error(ErrorMessage {
@@ -630,11 +631,16 @@ fn join_frames(frames: &[Bytes]) -> Vec<u8> {
         .collect()
 }
 
-/// Sequences of frames, a streamed message and its payloads, into a
-/// provider's [`Assembler`].
+/// The frame limit the stream target's seeds are cut to: small, so that a
+/// seed holds many payload frames.
+const STREAM_SEED_LIMIT: usize = 64 * 1024;
+
+/// Sequences of frames, streamed messages and their payloads, into an
+/// [`Assembler`]: a provider's (activations, gradients, its assignment and
+/// parameters) and the server's (parameters and optimizer state).
 fn protocol_stream() -> Target {
     let big = |name: &str, n: usize| tensor(name, &[n], WireDType::F32);
-    let messages = [
+    let to_provider = [
         ToProvider::Forward(Forward {
             job_id: 1,
             phase: Phase::Train { step: 2 },
@@ -652,41 +658,86 @@ fn protocol_stream() -> Target {
             micro: 1,
             grads: vec![big("g", 17 * 1024), big("h", 16 * 1024)],
         }),
+        ToProvider::SetParams(ParamSet {
+            job_id: 1,
+            step: 2,
+            params: vec![big("w", 20 * 1024), big("b", 8)],
+        }),
     ];
-    let seeds = messages
+    let to_server = [
+        ToServer::Params(ParamSet {
+            job_id: 1,
+            step: 2,
+            params: vec![big("w", 20 * 1024), big("b", 8)],
+        }),
+        ToServer::OptimizerState(OptimizerState {
+            job_id: 1,
+            step: 2,
+            params: vec![ParamOptimState {
+                name: "w".into(),
+                steps: 2,
+                slots: vec![big("exp_avg", 20 * 1024), big("exp_avg_sq", 20 * 1024)],
+            }],
+        }),
+    ];
+    let seed = |frames: Result<Vec<Bytes>, _>| {
+        frames
+            .map(|frames| join_frames(&frames))
+            .unwrap_or_default()
+    };
+    // The first byte says who receives: 0 a provider, 1 the server.
+    let mut seeds: Vec<Vec<u8>> = to_provider
         .iter()
-        .map(|m| {
-            encode_streamed(m)
-                .map(|frames| join_frames(&frames))
-                .unwrap_or_default()
-        })
+        .map(|m| [vec![0], seed(encode_streamed(m, STREAM_SEED_LIMIT))].concat())
         .collect();
+    seeds.extend(
+        to_server
+            .iter()
+            .map(|m| [vec![1], seed(encode_streamed(m, STREAM_SEED_LIMIT))].concat()),
+    );
     Target {
         name: "protocol stream",
         seeds,
         text: false,
-        check: Box::new(|_, bytes| {
-            let mut assembler = Assembler::<ToProvider>::default();
-            let mut complete = false;
-            for frame in split_frames(bytes) {
-                let frame = Bytes::copy_from_slice(frame);
-                let Ok(incoming) = read_frame::<ToProvider>(&frame, DEFAULT_MAX_FRAME_BYTES) else {
-                    return false;
-                };
-                match assembler.push(incoming) {
-                    Ok(Some(ToProvider::Forward(f))) => {
-                        use_tensors(&f.inputs);
-                        complete = true;
-                    }
-                    Ok(Some(ToProvider::Backward(b))) => {
-                        use_tensors(&b.grads);
-                        complete = true;
-                    }
-                    Ok(_) => {}
-                    Err(_) => return false,
+        check: Box::new(|_, bytes| match bytes.split_first() {
+            Some((0, frames)) => assemble::<ToProvider>(frames, |m| match m {
+                ToProvider::Forward(f) => {
+                    use_tensors(&f.inputs);
+                    use_tensors(&f.labels);
                 }
-            }
-            complete
+                ToProvider::Backward(b) => use_tensors(&b.grads),
+                ToProvider::SetParams(p) => use_tensors(&p.params),
+                ToProvider::Assign(a) => use_tensors(&a.params),
+                _ => {}
+            }),
+            Some((_, frames)) => assemble::<ToServer>(frames, |m| match m {
+                ToServer::Params(p) => use_tensors(&p.params),
+                ToServer::OptimizerState(o) => use_tensors(o.params.iter().flat_map(|p| &p.slots)),
+                _ => {}
+            }),
+            None => false,
         }),
     }
+}
+
+/// Feeds `bytes`' frames to an assembler capped as a receiver caps it;
+/// whether a message came out whole and nothing was refused.
+fn assemble<T: Streamed + serde::de::DeserializeOwned>(bytes: &[u8], receive: impl Fn(&T)) -> bool {
+    let mut assembler = Assembler::<T>::new(1 << 24);
+    let mut complete = false;
+    for frame in split_frames(bytes) {
+        let frame = Bytes::copy_from_slice(frame);
+        let Ok(incoming) = read_frame::<T>(&frame, STREAM_SEED_LIMIT) else {
+            return false;
+        };
+        match assembler.push(incoming) {
+            Ok(Some(message)) => {
+                receive(&message);
+                complete = true;
+            }
+            Ok(None) => {}
+            Err(_) => return false,
+        }
+    }
+    complete
 }

@@ -29,11 +29,32 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
-/// Default largest frame a peer may send. Tensor payloads of later protocol
-/// messages fit well inside; anything larger is a misbehaving peer.
+/// Default largest frame either side of a provider connection sends or
+/// accepts. The server announces its own limit in [`ToProvider::Welcome`];
+/// every message with tensors streams in frames within it
+/// ([`stream::encode_streamed`]), so no limit bounds a stage's size.
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+/// The least frame limit a server may set: the link probe's 1 MiB frame and
+/// a streamed message's header must fit.
+pub const MIN_MAX_FRAME_BYTES: usize = 2 * 1024 * 1024;
+/// The greatest frame limit a server may set; a native provider's transport
+/// accepts frames this large, so it reads whatever a server may send.
+pub const MAX_MAX_FRAME_BYTES: usize = 256 * 1024 * 1024;
+
+/// Checks a frame limit (a server's setting, or what a `Welcome` announced)
+/// against [`MIN_MAX_FRAME_BYTES`] and [`MAX_MAX_FRAME_BYTES`].
+pub fn check_frame_limit(bytes: u64) -> Result<usize, String> {
+    let range = MIN_MAX_FRAME_BYTES as u64..=MAX_MAX_FRAME_BYTES as u64;
+    if range.contains(&bytes) {
+        Ok(bytes as usize)
+    } else {
+        Err(format!(
+            "a frame limit of {bytes} bytes is outside {MIN_MAX_FRAME_BYTES}..={MAX_MAX_FRAME_BYTES}"
+        ))
+    }
+}
 
 /// The WebSocket path providers connect to.
 pub const PROVIDER_WS_PATH: &str = "/ws/provider";
@@ -161,6 +182,9 @@ pub enum ToProvider {
         heartbeat_interval_ms: u32,
         /// After this long without any frame the server drops the provider.
         heartbeat_timeout_ms: u32,
+        /// The largest frame the server accepts and sends: the provider
+        /// streams within it (checked by [`check_frame_limit`]).
+        max_frame_bytes: u64,
     },
     Heartbeat {
         seq: u64,
@@ -219,7 +243,7 @@ impl DecodeError {
 
 #[derive(Debug, thiserror::Error)]
 #[error("message does not serialize: {0}")]
-pub struct EncodeError(String);
+pub struct EncodeError(pub(crate) String);
 
 /// Encodes one frame. Messages built from valid Rust values always encode;
 /// the error exists because postcard's API is fallible.
@@ -365,6 +389,7 @@ mod tests {
                 provider_id: 7,
                 heartbeat_interval_ms: 1000,
                 heartbeat_timeout_ms: 5000,
+                max_frame_bytes: DEFAULT_MAX_FRAME_BYTES as u64,
             },
             ToProvider::Heartbeat { seq: 3 },
             ToProvider::Assign(Box::new(Assignment {

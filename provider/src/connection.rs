@@ -14,8 +14,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc as std_mpsc;
 
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
-use rookery_proto::stream;
-use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
+use rookery_proto::{Bytes, Hello, MAX_MAX_FRAME_BYTES, ToProvider, ToServer};
 use rookery_stage::session::{Action, Disconnect, ProviderSession, SessionPolicy};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -83,7 +82,7 @@ where
     let now = || clock.elapsed();
     let mut session = ProviderSession::new(SessionPolicy::NATIVE, hello.clone());
     let hello = session.opened(now());
-    if let Err(end) = send(sink, &hello).await {
+    if let Err(end) = send(sink, &session, &hello).await {
         return (session, end);
     }
     let welcome_deadline = session
@@ -134,14 +133,14 @@ where
     let end = loop {
         let done = tokio::select! {
             _ = ticker.tick() => match session.heartbeat_due(now()) {
-                Action::Send(message) => send(sink, &message).await,
+                Action::Send(message) => send(sink, &session, &message).await,
                 Action::End(disconnect) => Err(disconnect.into()),
                 Action::Joined { .. } | Action::Train(_) => Ok(()),
             },
             frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
                 Err(end) => Err(end),
                 Ok(None | Some(Action::Joined { .. })) => Ok(()),
-                Ok(Some(Action::Send(message))) => send(sink, &message).await,
+                Ok(Some(Action::Send(message))) => send(sink, &session, &message).await,
                 Ok(Some(Action::Train(message))) => worker
                     .inbox
                     .send(message)
@@ -149,7 +148,7 @@ where
                 Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
             },
             replies = worker.replies.recv() => match replies {
-                Some(replies) => send_all(sink, &replies).await,
+                Some(replies) => send_all(sink, &session, &replies).await,
                 // Only a crash ends the thread while the session holds its inbox;
                 // a fresh session gets a fresh trainer.
                 None => Err(SessionEnd::Lost("the training thread crashed".into())),
@@ -217,7 +216,13 @@ impl TrainerThread {
     }
 }
 
-async fn send<Si>(sink: &mut Si, message: &ToServer) -> Result<(), SessionEnd>
+/// Sends `message` as the session frames it: tensors stream in frames
+/// within the frame limit the server announced.
+async fn send<Si>(
+    sink: &mut Si,
+    session: &ProviderSession,
+    message: &ToServer,
+) -> Result<(), SessionEnd>
 where
     Si: Sink<Message> + Unpin,
     Si::Error: Display,
@@ -226,8 +231,9 @@ where
     let tampered = crate::fault::tamper(message);
     #[cfg(feature = "fault-injection")]
     let message = tampered.as_ref().unwrap_or(message);
-    let frames = stream::encode_streamed(message)
-        .map_err(|error| SessionEnd::Fatal(format!("cannot encode {message:?}: {error}")))?;
+    let frames = session
+        .encode(message)
+        .map_err(|error| SessionEnd::Fatal(format!("cannot encode {}: {error}", kind(message))))?;
     #[cfg(feature = "fault-injection")]
     let frames = crate::fault::tamper_frames(message, frames);
     // Each frame is flushed on its own so the server relays the first
@@ -240,15 +246,46 @@ where
     Ok(())
 }
 
-async fn send_all<Si>(sink: &mut Si, messages: &[ToServer]) -> Result<(), SessionEnd>
+async fn send_all<Si>(
+    sink: &mut Si,
+    session: &ProviderSession,
+    messages: &[ToServer],
+) -> Result<(), SessionEnd>
 where
     Si: Sink<Message> + Unpin,
     Si::Error: Display,
 {
     for message in messages {
-        send(sink, message).await?;
+        send(sink, session, message).await?;
     }
     Ok(())
+}
+
+/// A message's kind, for errors (its `Debug` form can hold whole tensors).
+fn kind(message: &ToServer) -> &'static str {
+    match message {
+        ToServer::Hello(_) => "Hello",
+        ToServer::Heartbeat { .. } => "Heartbeat",
+        ToServer::Error(_) => "Error",
+        ToServer::Ready { .. } => "Ready",
+        ToServer::Activations(_) => "Activations",
+        ToServer::Gradients(_) => "Gradients",
+        ToServer::LeafLoss(_) => "LeafLoss",
+        ToServer::StepDone(_) => "StepDone",
+        ToServer::Params(_) => "Params",
+        ToServer::JobFailed { .. } => "JobFailed",
+        ToServer::ProbeAck { .. } => "ProbeAck",
+        ToServer::OptimizerState(_) => "OptimizerState",
+    }
+}
+
+/// The transport's limits: any frame a server may send (its limit is at
+/// most [`MAX_MAX_FRAME_BYTES`]) is read, and the session then holds it to
+/// the limit the server announced.
+fn transport_config() -> tungstenite::protocol::WebSocketConfig {
+    tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(Some(MAX_MAX_FRAME_BYTES))
+        .max_frame_size(Some(MAX_MAX_FRAME_BYTES))
 }
 
 /// The next binary frame.
@@ -313,7 +350,7 @@ pub async fn run(
         // No Nagle: small frames (losses, step reports) must not wait for ACKs.
         let request = upgrade_request(url, token)?;
         let connected = tokio::select! {
-            connected = tokio_tungstenite::connect_async_with_config(request, None, true) => connected,
+            connected = tokio_tungstenite::connect_async_with_config(request, Some(transport_config()), true) => connected,
             _ = shutdown.changed() => return Ok(()),
         };
         match connected {
@@ -394,6 +431,7 @@ mod tests {
                 provider_id: 4,
                 heartbeat_interval_ms: 100,
                 heartbeat_timeout_ms: 10_000,
+                max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
             }))
             .unwrap();
         let (stop_tx, mut stop_rx) = watch::channel(false);
@@ -461,6 +499,7 @@ mod tests {
                 provider_id: 1,
                 heartbeat_interval_ms: 100,
                 heartbeat_timeout_ms: 500,
+                max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
             }))
             .unwrap();
         let (_stop_tx, mut stop_rx) = watch::channel(false);

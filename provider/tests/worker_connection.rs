@@ -127,6 +127,7 @@ async fn drive(
             provider_id: 1,
             heartbeat_interval_ms: 20,
             heartbeat_timeout_ms: 5_000,
+            max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
         }))
         .unwrap();
     let (stop_tx, mut stop_rx) = watch::channel(false);

@@ -84,12 +84,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// What a bench stage accepts in one streamed message (its memory).
+const RECEIVE_CAP: usize = 8 << 30;
+
 type Socket =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 /// Sends a message as providers do: streamed tensors in payload frames.
 async fn send(socket: &mut Socket, message: &ToServer) -> anyhow::Result<()> {
-    for frame in stream::encode_streamed(message)? {
+    for frame in stream::encode_streamed(message, rookery_proto::DEFAULT_MAX_FRAME_BYTES)? {
         socket.send(Message::Binary(frame)).await?;
     }
     Ok(())
@@ -127,7 +130,7 @@ async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
         max_buffer_bytes: None,
     };
     send(&mut socket, &ToServer::Hello(hello)).await?;
-    match receive(&mut socket, &mut Assembler::<ToProvider>::default()).await? {
+    match receive(&mut socket, &mut Assembler::<ToProvider>::new(RECEIVE_CAP)).await? {
         ToProvider::Welcome { .. } => Ok(socket),
         other => bail!("expected Welcome, got {other:?}"),
     }
@@ -141,7 +144,7 @@ async fn stage(
     stamps: mpsc::UnboundedSender<(bool, u64, Instant)>,
 ) -> anyhow::Result<()> {
     let mut assigned = None;
-    let mut assembler = Assembler::default();
+    let mut assembler = Assembler::new(RECEIVE_CAP);
     loop {
         let message = tokio::time::timeout(
             Duration::from_secs(60),
@@ -313,7 +316,7 @@ async fn direct_latencies(framing: Framing) -> anyhow::Result<Vec<f64>> {
     tokio::spawn(async move {
         let (stream, _) = listener.accept().await?;
         let mut socket = tokio_tungstenite::accept_async(stream).await?;
-        let mut assembler = Assembler::default();
+        let mut assembler = Assembler::new(RECEIVE_CAP);
         // Received as a provider receives (a whole frame decodes without a
         // copy) and checked as the server checks, until the sender hangs up.
         while let Ok(message) = receive::<ToServer>(&mut socket, &mut assembler).await {

@@ -282,7 +282,23 @@ pub fn rookery_train(
     providers: usize,
     out: &Path,
 ) -> anyhow::Result<rookery_proto::api::JobMetrics> {
-    let output = Command::new(binary("rookery")?)
+    rookery_train_with(job, providers, out, &[], Duration::from_secs(3600))
+}
+
+/// [`rookery_train`] with more `rookery train` arguments, killed and failed
+/// if it runs past `deadline` (a job that stalls fails its test instead of
+/// hanging it). Its output goes to `OUT/train.log`.
+pub fn rookery_train_with(
+    job: &Path,
+    providers: usize,
+    out: &Path,
+    extra: &[&str],
+    deadline: Duration,
+) -> anyhow::Result<rookery_proto::api::JobMetrics> {
+    std::fs::create_dir_all(out).context("creating the output folder")?;
+    let log_path = out.join("train.log");
+    let log = std::fs::File::create(&log_path).context("creating train.log")?;
+    let mut child: Process = Command::new(binary("rookery")?)
         .args([
             "train",
             &job.display().to_string(),
@@ -291,16 +307,33 @@ pub fn rookery_train(
             "--out",
             &out.display().to_string(),
         ])
+        .args(extra)
         .env("ROOKERY_PROVIDER_BIN", binary("rookery-provider")?)
         .env("RUST_LOG", "warn")
-        .output()
-        .context("running rookery train")?;
-    if !output.status.success() {
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("running rookery train")?
+        .into();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.0.try_wait()? {
+            break status;
+        }
+        if started.elapsed() > deadline {
+            child.kill();
+            bail!(
+                "rookery train ran past {} s:\n{}",
+                deadline.as_secs(),
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    if !status.success() {
         bail!(
-            "rookery train failed ({}):\n{}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
+            "rookery train failed ({status}):\n{}",
+            std::fs::read_to_string(&log_path).unwrap_or_default()
         );
     }
     let text = std::fs::read_to_string(out.join("metrics.json")).context("reading metrics.json")?;

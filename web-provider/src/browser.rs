@@ -274,7 +274,7 @@ where
         match action {
             None => {}
             Some(Action::Send(message)) => {
-                if let Err(reason) = send(&socket, &message) {
+                if let Err(reason) = send(&socket, &message, session.max_frame_bytes()) {
                     break End::Reconnect(reason);
                 }
             }
@@ -295,6 +295,7 @@ where
                     from_session,
                     StageWorker::new(stages.clone()),
                     socket.clone(),
+                    session.max_frame_bytes(),
                     events.clone(),
                     Progress {
                         provider_id,
@@ -322,10 +323,10 @@ where
     end
 }
 
-/// Sends `message`: large activations and gradients go as payload frames
-/// after it, as native providers send them.
-fn send(socket: &Socket, message: &ToServer) -> Result<(), String> {
-    rookery_proto::stream::encode_streamed(message)
+/// Sends `message`: large tensors go as payload frames after it, none
+/// over the frame limit the server announced, as native providers send them.
+fn send(socket: &Socket, message: &ToServer, max_frame_bytes: usize) -> Result<(), String> {
+    rookery_proto::stream::encode_streamed(message, max_frame_bytes)
         .map_err(|error| format!("cannot encode a message: {error}"))?
         .iter()
         .try_for_each(|frame| socket.send(frame))
@@ -346,13 +347,14 @@ async fn train<D: Device + 'static>(
     mut messages: mpsc::UnboundedReceiver<ToProvider>,
     mut worker: StageWorker<OwnFactory<D>>,
     socket: Rc<Socket>,
+    max_frame_bytes: usize,
     events: mpsc::UnboundedSender<Event>,
     progress: Progress,
 ) {
     while let Some(message) = messages.next().await {
         let job_id = rookery_stage::worker::job_of(&message);
         for reply in worker.handle(message).await {
-            if let Err(reason) = send(&socket, &reply) {
+            if let Err(reason) = send(&socket, &reply, max_frame_bytes) {
                 let _ = events.unbounded_send(Event::WorkerLost(reason));
                 return;
             }

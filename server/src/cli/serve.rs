@@ -24,9 +24,8 @@ pub struct ServeArgs {
     /// Milliseconds of silence after which a provider is dropped.
     #[arg(long, default_value_t = 4000)]
     pub heartbeat_timeout_ms: u64,
-    /// Largest WebSocket frame accepted from a provider, in bytes.
-    #[arg(long, default_value_t = rookery_proto::DEFAULT_MAX_FRAME_BYTES)]
-    pub max_frame_bytes: usize,
+    #[command(flatten)]
+    pub frames: FrameLimitArg,
     /// Largest job upload (job file, model and data together), in bytes.
     #[arg(long, default_value_t = Limits::default().max_upload_bytes)]
     pub max_upload_bytes: usize,
@@ -46,12 +45,34 @@ pub struct ServeArgs {
     pub provider_token: Option<String>,
 }
 
+/// The provider connections' frame limit, for `rookery serve` and `rookery
+/// train` alike (tests set it through the environment to run small).
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct FrameLimitArg {
+    /// Largest WebSocket frame sent to or accepted from a provider, in
+    /// bytes; announced to providers, which stream every tensor within it.
+    #[arg(
+        long,
+        env = "ROOKERY_MAX_FRAME_BYTES",
+        default_value_t = rookery_proto::DEFAULT_MAX_FRAME_BYTES,
+        value_parser = frame_limit,
+    )]
+    pub max_frame_bytes: usize,
+}
+
+fn frame_limit(text: &str) -> Result<usize, String> {
+    let bytes: u64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of bytes"))?;
+    rookery_proto::check_frame_limit(bytes)
+}
+
 /// `rookery serve`: prints the API token and the address, then serves
 /// until Ctrl-C or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let heartbeat_timeout = Duration::from_millis(args.heartbeat_timeout_ms.max(100));
     let limits = Limits {
-        max_frame_bytes: args.max_frame_bytes,
+        max_frame_bytes: args.frames.max_frame_bytes,
         heartbeat_interval: heartbeat_timeout / 4,
         heartbeat_timeout,
         max_upload_bytes: args.max_upload_bytes,

@@ -23,6 +23,8 @@ pub struct TrainArgs {
     /// The provider binary (default: `rookery-provider` beside this program).
     #[arg(long, env = "ROOKERY_PROVIDER_BIN")]
     pub provider_bin: Option<PathBuf>,
+    #[command(flatten)]
+    pub frames: super::serve::FrameLimitArg,
 }
 
 /// `rookery train`: everything on this machine, on loopback.
@@ -45,7 +47,11 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let data_dir = tempfile::tempdir().context("creating a data directory")?;
-    let state = AppState::open(data_dir.path(), Limits::default(), None).await?;
+    let limits = Limits {
+        max_frame_bytes: args.frames.max_frame_bytes,
+        ..Limits::default()
+    };
+    let state = AppState::open(data_dir.path(), limits, None).await?;
     let token = state.api_token.secret().to_string();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use rookery_proto::stream::{self, Assembler};
 use rookery_proto::{
-    Bytes, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION,
-    PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer,
+    Bytes, DEFAULT_MAX_FRAME_BYTES, EncodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION,
+    PROVIDER_WS_PATH, ProviderKind, ToProvider, ToServer, check_frame_limit,
 };
 
 /// What distinguishes one kind of provider's sessions from another's.
@@ -172,7 +172,7 @@ pub fn page_provider_url(protocol: &str, host: &str, page_query: &str) -> Option
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// Send this message (streamed: large tensors go as payload frames after
-    /// it, see `rookery_proto::stream::encode_streamed`).
+    /// it, see [`ProviderSession::encode`]).
     Send(ToServer),
     /// The server accepted this provider: heartbeat every
     /// `heartbeat_interval` from now on, and start a stage worker.
@@ -212,6 +212,8 @@ pub struct ProviderSession {
     hello: Hello,
     state: State,
     assembler: Assembler<ToProvider>,
+    /// The server's frame limit once it is announced; the default before.
+    max_frame_bytes: usize,
     opened_at: Duration,
     last_heard: Duration,
     welcomed: bool,
@@ -220,11 +222,15 @@ pub struct ProviderSession {
 
 impl ProviderSession {
     pub fn new(policy: SessionPolicy, hello: Hello) -> Self {
+        // A stage fits the provider's memory, so nothing the server streams
+        // to it is larger.
+        let memory = usize::try_from(hello.memory_bytes).unwrap_or(usize::MAX);
         Self {
             policy,
             hello,
             state: State::Joining,
-            assembler: Assembler::default(),
+            assembler: Assembler::new(memory),
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             opened_at: Duration::ZERO,
             last_heard: Duration::ZERO,
             welcomed: false,
@@ -241,6 +247,18 @@ impl ProviderSession {
         self.opened_at = now;
         self.last_heard = now;
         ToServer::Hello(self.hello.clone())
+    }
+
+    /// The largest frame to send or accept: what the server announced in
+    /// `Welcome`, [`DEFAULT_MAX_FRAME_BYTES`] before.
+    pub fn max_frame_bytes(&self) -> usize {
+        self.max_frame_bytes
+    }
+
+    /// A message's frames within the session's frame limit: the stage
+    /// worker's replies and the session's own messages go out this way.
+    pub fn encode(&self, message: &ToServer) -> Result<Vec<Bytes>, EncodeError> {
+        stream::encode_streamed(message, self.max_frame_bytes)
     }
 
     /// Whether the server has welcomed this provider.
@@ -262,7 +280,7 @@ impl ProviderSession {
     /// heartbeat, or part of a message whose payload frames are still to
     /// come).
     pub fn frame(&mut self, frame: &Bytes, now: Duration) -> Option<Action> {
-        let incoming = match stream::read_frame(frame, DEFAULT_MAX_FRAME_BYTES) {
+        let incoming = match stream::read_frame(frame, self.max_frame_bytes) {
             Ok(incoming) => incoming,
             Err(error) => {
                 return Some(lost(format!(
@@ -302,8 +320,15 @@ impl ProviderSession {
                     provider_id,
                     heartbeat_interval_ms,
                     heartbeat_timeout_ms,
+                    max_frame_bytes,
                 },
             ) => {
+                self.max_frame_bytes = match check_frame_limit(max_frame_bytes) {
+                    Ok(limit) => limit,
+                    Err(problem) => {
+                        return Some(lost(format!("the server's Welcome is unusable: {problem}")));
+                    }
+                };
                 let heartbeat_interval =
                     ms(heartbeat_interval_ms).max(self.policy.min_heartbeat_interval);
                 self.state = State::Joined {

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use rookery_proto::stream::{Lane, Payload, Streamed};
+use rookery_proto::stream::{Lane, Payload, Streamed, check_payload};
 use rookery_proto::{ToProvider, ToServer, WireDType};
 
 /// Measures a provider's link once, right after `Welcome`: an empty probe
@@ -94,56 +94,66 @@ impl LinkProbe {
     }
 }
 
-/// The tensor bytes a provider announced and has not sent yet, tensor by
-/// tensor in order. Each payload frame is checked here, in the provider's own
-/// task, before it is relayed: it must belong to the lane and fit the tensor
-/// it continues, and hold whole, finite elements of the tensor's type.
+/// The tensor bytes a provider announced on the relayed lanes and has not
+/// sent yet, tensor by tensor in order. Each payload frame is checked here,
+/// in the provider's own task, before it is relayed: it must belong to the
+/// lane and fit the tensor it continues, and hold whole, finite elements of
+/// the tensor's type ([`check_payload`]).
 #[derive(Debug, Default)]
-pub(super) struct Owed(VecDeque<(Lane, WireDType, usize)>);
+pub(super) struct Owed(VecDeque<OwedTensor>);
+
+#[derive(Debug)]
+struct OwedTensor {
+    lane: Lane,
+    name: String,
+    dtype: WireDType,
+    done: usize,
+    left: usize,
+}
 
 impl Owed {
     /// Bound on announced-but-unsent tensors: a provider owes at most a few.
     pub(super) const MAX_PENDING: usize = 1024;
 
     pub(super) fn announce(&mut self, message: &ToServer) -> Result<(), String> {
-        let Some(lane) = message.lane() else {
+        let Some(lane) = message.lane().filter(|lane| lane.is_relayed()) else {
             return Ok(());
         };
-        for tensor in message.streamed_tensors().iter().filter(|t| t.follows()) {
+        for tensor in message
+            .streamed_tensors()
+            .into_iter()
+            .filter(|t| t.follows())
+        {
             if self.0.len() >= Self::MAX_PENDING {
                 return Err("too many announced tensors outstanding".into());
             }
-            let len = tensor.expected_len().unwrap_or(0);
-            self.0.push_back((lane, tensor.dtype, len));
+            self.0.push_back(OwedTensor {
+                lane,
+                name: tensor.name.clone(),
+                dtype: tensor.dtype,
+                done: 0,
+                left: tensor.expected_len().unwrap_or(0),
+            });
         }
         Ok(())
     }
 
     pub(super) fn take(&mut self, payload: &Payload) -> Result<(), String> {
-        let Some((lane, dtype, left)) = self.0.front_mut() else {
+        let Some(owed) = self.0.front_mut() else {
             return Err("a payload frame that no message announced".into());
         };
-        let data = payload.data();
-        if payload.lane != *lane {
+        if payload.lane != owed.lane {
             return Err(format!(
                 "a {:?} payload while {:?} bytes are owed",
-                payload.lane, lane
+                payload.lane, owed.lane
             ));
         }
-        if data.is_empty() || data.len() > *left || !data.len().is_multiple_of(dtype.size()) {
-            return Err(format!(
-                "a payload of {} bytes does not fit the {left} bytes of {} owed",
-                data.len(),
-                dtype.as_str()
-            ));
-        }
-        if let Some(index) = dtype.first_non_finite(data) {
-            return Err(format!(
-                "a payload with a non-finite value at element {index}"
-            ));
-        }
-        *left -= data.len();
-        if *left == 0 {
+        let data = payload.data();
+        check_payload(&owed.name, owed.dtype, owed.done, owed.left, data)
+            .map_err(|e| e.to_string())?;
+        owed.done += data.len();
+        owed.left -= data.len();
+        if owed.left == 0 {
             self.0.pop_front();
         }
         Ok(())

@@ -16,7 +16,7 @@ use axum::http::{Extensions, HeaderMap, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
-use rookery_proto::stream::Incoming;
+use rookery_proto::stream::{Assembler, Incoming, Lane, Streamed};
 use rookery_proto::{
     DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer,
 };
@@ -252,11 +252,17 @@ where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
+    let limit = state.limits.max_frame_bytes;
     let welcome = ToProvider::Welcome {
         provider_id: id,
         heartbeat_interval_ms: millis(state.limits.heartbeat_interval),
         heartbeat_timeout_ms: millis(state.limits.heartbeat_timeout),
+        max_frame_bytes: limit as u64,
     };
+    // Parameters and optimizer state end here, so they are assembled here;
+    // a stage fits its provider's memory, and so does what it uploads.
+    let mut params =
+        Assembler::<ToServer>::new(usize::try_from(hello.memory_bytes).unwrap_or(usize::MAX));
     if let Err(ending) = send(sink, &welcome).await {
         return ending;
     }
@@ -276,7 +282,7 @@ where
             frame = next_frame(stream, state, deadline) => frame,
             Some(outgoing) = outbox.recv() => {
                 let sent = match outgoing {
-                    Outgoing::Message(message) => send(sink, &message).await,
+                    Outgoing::Message(message) => send_streamed(sink, &message, limit).await,
                     Outgoing::Payload(frame) => send_frame(sink, frame).await,
                     // The coordinator already counted the fault this answers.
                     Outgoing::Close { reason } => Err(Ending::Expelled(reason)),
@@ -292,10 +298,8 @@ where
             Err(ending) => break ending,
         };
         deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-        let message = match rookery_proto::stream::read_frame(&frame, state.limits.max_frame_bytes)
-        {
-            Ok(Incoming::Message(message)) => Ok(message),
-            Ok(Incoming::Payload(payload)) => {
+        let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
+            Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
                 match owed.take(&payload) {
                     Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
                     Err(problem) => {
@@ -304,6 +308,21 @@ where
                 }
                 continue;
             }
+            Ok(Incoming::Message(message)) if message.lane() != Some(Lane::Params) => Ok(message),
+            Ok(incoming) => match params.push(incoming) {
+                Ok(Some(message)) => {
+                    tracing::debug!(id, message = message_name(&message), "assembled a message");
+                    Ok(message)
+                }
+                Ok(None) => continue,
+                Err(error) => {
+                    break Ending::rejected(
+                        ErrorCode::BadFrame,
+                        close_code::POLICY,
+                        error.to_string(),
+                    );
+                }
+            },
             Err(error) => Err(error),
         };
         match message {
@@ -424,6 +443,43 @@ where
     }
 }
 
+/// Sends a message with tensors as its frames, none over `limit`.
+async fn send_streamed<Si: Sink<Message> + Unpin>(
+    sink: &mut Si,
+    message: &ToProvider,
+    limit: usize,
+) -> Result<(), Ending> {
+    let started = std::time::Instant::now();
+    let frames = rookery_proto::stream::encode_streamed(message, limit)
+        .map_err(|error| Ending::Left(format!("cannot encode a message: {error}")))?;
+    let (count, bytes) = (frames.len(), frames.iter().map(|f| f.len()).sum::<usize>());
+    for frame in frames {
+        send_frame(sink, frame).await?;
+    }
+    if count > 1 {
+        tracing::debug!(
+            message = message_kind(message),
+            frames = count,
+            bytes,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "streamed a message"
+        );
+    }
+    Ok(())
+}
+
+fn message_kind(message: &ToProvider) -> &'static str {
+    match message {
+        ToProvider::Assign(_) => "Assign",
+        ToProvider::Forward(_) => "Forward",
+        ToProvider::Backward(_) => "Backward",
+        ToProvider::SetParams(_) => "SetParams",
+        _ => "other",
+    }
+}
+
+/// Sends a session message (no tensors: `Welcome`, `Heartbeat`, `Probe`,
+/// `Error`) as one frame.
 async fn send<Si: Sink<Message> + Unpin>(
     sink: &mut Si,
     message: &ToProvider,

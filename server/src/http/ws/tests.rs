@@ -304,15 +304,15 @@ async fn payload_frames_must_fit_what_their_message_announced() {
         ),
         (
             vec![announced(), payload(Lane::Forward, &[1.0; 9])],
-            Some("does not fit"),
+            Some("where 32 were left of tensor `h`"),
         ),
-        (vec![announced(), Ok(torn)], Some("does not fit")),
+        (vec![announced(), Ok(torn)], Some("not whole f32 elements")),
         (
             vec![
                 announced(),
                 payload(Lane::Forward, &[1.0, 1.0, f32::NAN, 1.0]),
             ],
-            Some("non-finite value at element 2"),
+            Some("element 2 is not finite"),
         ),
     ];
     for (frames, problem) in cases {
@@ -375,4 +375,109 @@ fn close_reasons_are_cut_on_character_boundaries() {
     let cut = truncate_utf8(&text, MAX_CLOSE_REASON);
     assert!(cut.len() <= MAX_CLOSE_REASON);
     assert_eq!(cut.chars().count(), 61);
+}
+
+/// A stage's parameters of `n` f32, streamed within the tests' 1 KiB frames.
+fn streamed_params(values: &[f32]) -> Vec<Result<Message, std::convert::Infallible>> {
+    let message = ToServer::Params(rookery_proto::ParamSet {
+        job_id: 1,
+        step: 0,
+        params: vec![rookery_proto::WireTensor::from_f32(
+            "w",
+            &[values.len()],
+            values,
+            WireDType::F32,
+        )],
+    });
+    rookery_proto::stream::encode_streamed(&message, 1024)
+        .unwrap()
+        .into_iter()
+        .map(|frame| Ok(Message::Binary(frame)))
+        .collect()
+}
+
+#[tokio::test]
+async fn parameters_are_assembled_from_frames_and_checked_as_they_arrive() {
+    let good: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let mut poisoned = good.clone();
+    poisoned[700] = f32::INFINITY;
+    let cases: Vec<(Hello, Vec<_>, Option<&str>)> = vec![
+        (hello(), streamed_params(&good), None),
+        (
+            hello(),
+            streamed_params(&poisoned),
+            Some("tensor `w`: element 700 is not finite"),
+        ),
+        // The header without its payloads, then an unrelated message: the
+        // parameters are still owed, so nothing is passed on, and the
+        // connection stays up until the peer sends something wrong.
+        (hello(), streamed_params(&good)[..1].to_vec(), None),
+        (
+            hello(),
+            {
+                let mut frames = streamed_params(&good);
+                frames.push(payload(Lane::Params, &[1.0]));
+                frames
+            },
+            Some("no message waiting"),
+        ),
+        // More than the provider's own memory.
+        (
+            Hello {
+                memory_bytes: 3999,
+                ..hello()
+            },
+            streamed_params(&good),
+            Some("announcing 4000 bytes"),
+        ),
+    ];
+    for (hello, frames, problem) in cases {
+        let state = state();
+        let mut all = vec![binary(&ToServer::Hello(hello))];
+        all.extend(frames);
+        all.push(binary(&ToServer::Heartbeat { seq: 1 }));
+        let replies = run(&state, all).await;
+        let last = decode_reply(replies[1].clone());
+        match problem {
+            None => assert_eq!(last, ToProvider::Heartbeat { seq: 1 }),
+            Some(problem) => {
+                let ToProvider::Error(error) = last else {
+                    panic!("expected an error for {problem}, got {last:?}");
+                };
+                assert_eq!(error.code, ErrorCode::BadFrame);
+                assert!(error.message.contains(problem), "{}", error.message);
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_servers_own_tensors_go_out_in_frames_within_its_limit() {
+    let values: Vec<f32> = (0..5000).map(|i| i as f32 * 0.25).collect();
+    let message = ToProvider::SetParams(rookery_proto::ParamSet {
+        job_id: 1,
+        step: 3,
+        params: vec![rookery_proto::WireTensor::from_f32(
+            "w",
+            &[values.len()],
+            &values,
+            WireDType::F32,
+        )],
+    });
+    let (mut out_tx, out_rx) = mpsc::unbounded();
+    send_streamed(&mut out_tx, &message, 1024).await.unwrap();
+    drop(out_tx);
+    let frames: Vec<Message> = out_rx.collect().await;
+    assert!(frames.len() > 20);
+    let mut assembler = Assembler::<ToProvider>::new(1 << 20);
+    let mut whole = None;
+    for frame in frames {
+        let Message::Binary(bytes) = frame else {
+            panic!("expected binary frames")
+        };
+        assert!(bytes.len() <= 1024);
+        let incoming = rookery_proto::stream::read_frame(&bytes, 1024).unwrap();
+        whole = assembler.push(incoming).unwrap();
+    }
+    assert_eq!(whole, Some(message));
 }

@@ -21,10 +21,15 @@ fn frame(message: &ToProvider) -> Bytes {
 }
 
 fn welcome(interval_ms: u32, timeout_ms: u32) -> ToProvider {
+    welcome_limited(interval_ms, timeout_ms, DEFAULT_MAX_FRAME_BYTES as u64)
+}
+
+fn welcome_limited(interval_ms: u32, timeout_ms: u32, max_frame_bytes: u64) -> ToProvider {
     ToProvider::Welcome {
         provider_id: 4,
         heartbeat_interval_ms: interval_ms,
         heartbeat_timeout_ms: timeout_ms,
+        max_frame_bytes,
     }
 }
 
@@ -272,7 +277,7 @@ fn streamed_tensors_are_put_back_into_their_message_and_garbage_is_refused() {
             WireDType::F32,
         )],
     });
-    let frames = stream::encode_streamed(&backward).unwrap();
+    let frames = stream::encode_streamed(&backward, DEFAULT_MAX_FRAME_BYTES).unwrap();
     assert!(
         frames.len() > 1,
         "160 KB of gradients travel as payload frames"
@@ -290,4 +295,78 @@ fn streamed_tensors_are_put_back_into_their_message_and_garbage_is_refused() {
             Some(Action::End(Disconnect::Lost(_)))
         ));
     }
+}
+
+#[test]
+fn the_session_streams_and_reads_within_the_frame_limit_the_server_announces() {
+    let limit = rookery_proto::MIN_MAX_FRAME_BYTES;
+    let mut session = ProviderSession::new(
+        SessionPolicy::NATIVE,
+        SessionPolicy::NATIVE.hello("unit", offer()),
+    );
+    session.opened(Duration::ZERO);
+    assert_eq!(session.max_frame_bytes(), DEFAULT_MAX_FRAME_BYTES);
+    assert!(matches!(
+        session.message(welcome_limited(100, 500, limit as u64), Duration::ZERO),
+        Some(Action::Joined { .. })
+    ));
+    assert_eq!(session.max_frame_bytes(), limit);
+    // 12 MB of parameters go as frames within the limit.
+    let values = vec![0.5f32; 3_000_000];
+    let params = ToServer::Params(rookery_proto::ParamSet {
+        job_id: 1,
+        step: 0,
+        params: vec![WireTensor::from_f32(
+            "w",
+            &[3_000_000],
+            &values,
+            WireDType::F32,
+        )],
+    });
+    let frames = session.encode(&params).unwrap();
+    assert!(frames.len() > 20);
+    assert!(frames.iter().all(|f| f.len() <= limit));
+    // A frame over the announced limit ends the session.
+    let probe = ToProvider::Probe {
+        seq: 1,
+        padding: vec![0; limit].into(),
+    };
+    assert!(matches!(
+        session.frame(&frame(&probe), secs(1)),
+        Some(Action::End(Disconnect::Lost(reason))) if reason.contains("exceeds the limit")
+    ));
+}
+
+#[test]
+fn a_welcome_announcing_an_unusable_frame_limit_ends_the_session() {
+    for limit in [0, 1024, u64::MAX] {
+        let mut session = ProviderSession::new(
+            SessionPolicy::NATIVE,
+            SessionPolicy::NATIVE.hello("unit", offer()),
+        );
+        session.opened(Duration::ZERO);
+        assert!(matches!(
+            session.message(welcome_limited(100, 500, limit), Duration::ZERO),
+            Some(Action::End(Disconnect::Lost(reason))) if reason.contains("frame limit")
+        ));
+    }
+}
+
+#[test]
+fn the_server_cannot_make_a_provider_buffer_more_than_its_memory() {
+    let mut session = joined(SessionPolicy::BROWSER, 100, 500);
+    // The offer's memory is 256 MiB; an Assign announcing 1 GiB is refused
+    // from its header, before any payload.
+    let mut huge = WireTensor::from_f32("w", &[1], &[0.0], WireDType::F32);
+    huge.shape = vec![1 << 28];
+    huge.data = Bytes::new();
+    let set = ToProvider::SetParams(rookery_proto::ParamSet {
+        job_id: 1,
+        step: 0,
+        params: vec![huge],
+    });
+    assert!(matches!(
+        session.frame(&frame(&set), secs(1)),
+        Some(Action::End(Disconnect::Lost(reason))) if reason.contains("accepts")
+    ));
 }
