@@ -66,7 +66,7 @@ fn a_token_job_with_an_integer_input_model_trains_on_real_stages() {
     let (mut run, effects) = JobRun::start(
         1,
         prepared.spec,
-        &prepared.graph,
+        prepared.graph.clone(),
         &prepared.analysis,
         &plan,
         &ids,
