@@ -434,6 +434,7 @@ mod tests {
             phase: Phase::Train { step: 0 },
             micro: 0,
             step_samples: 8,
+            step_targets: 8,
             inputs: vec![WireTensor::from_f32(
                 "x",
                 &[CHUNK_BYTES / 2],

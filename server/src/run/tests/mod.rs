@@ -8,6 +8,7 @@ mod relay;
 mod sim;
 mod stragglers;
 mod sync;
+mod tokens;
 
 use super::*;
 use rookery_job::{
@@ -72,7 +73,7 @@ fn spec() -> JobSpec {
             epochs: 1,
             batch_size: 4,
             micro_batches: 2,
-            loss: Loss::CrossEntropy,
+            loss: Loss::cross_entropy(),
             optimizer: OptimizerConfig::sgd(0.1),
             clusters: ClusterCount::Fixed(2),
             sync_every: 1,
@@ -90,6 +91,7 @@ fn data(n: usize) -> Dataset {
         sample_shape: vec![4],
         inputs: (0..n * 4).map(|i| i as f32 / 10.0).collect(),
         labels: Labels::Classes((0..n as i64).map(|i| i % 3).collect()),
+        label_shape: vec![],
     }
 }
 

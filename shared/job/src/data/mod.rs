@@ -20,7 +20,7 @@ mod npz;
 pub mod raw;
 mod st;
 
-use rookery_model::{Graph, Loss};
+use rookery_model::{ClassAxis, Graph, Loss};
 
 pub use raw::{ElemType, RawArray};
 
@@ -34,29 +34,33 @@ pub enum Split {
     Test,
 }
 
-/// Labels, one per sample.
+/// Labels of every sample, row-major; one sample's labels have the
+/// dataset's [`Dataset::label_shape`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Labels {
-    /// Class indices, for `cross_entropy`.
+    /// Class indices, for `cross_entropy` (`ignore_index` among them).
     Classes(Vec<i64>),
-    /// Regression targets, for `mse`: `values` holds `shape`-shaped samples, row-major.
-    Targets { shape: Vec<usize>, values: Vec<f32> },
+    /// Regression targets, for `mse`.
+    Targets(Vec<f32>),
 }
 
 impl Labels {
-    /// Number of samples.
-    pub fn len(&self) -> usize {
+    /// Number of values (samples times one sample's labels).
+    pub fn numel(&self) -> usize {
         match self {
             Labels::Classes(c) => c.len(),
-            Labels::Targets { shape, values } => match shape.iter().product::<usize>() {
-                0 => 0,
-                k => values.len() / k,
-            },
+            Labels::Targets(t) => t.len(),
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// What a step's mean loss divides by, for labels of `samples` samples:
+    /// the class labels `loss` counts (all but `ignore_index`), or the samples
+    /// for regression targets (MSE's per-sample mean counts once per sample).
+    pub fn targets(&self, loss: Loss, samples: usize) -> u64 {
+        match self {
+            Labels::Classes(c) => c.iter().filter(|&&v| loss.counts(v)).count() as u64,
+            Labels::Targets(_) => samples as u64,
+        }
     }
 }
 
@@ -69,12 +73,18 @@ pub struct Dataset {
     /// normalised: `(x * scale - mean) / std` in f32.
     pub inputs: Vec<f32>,
     pub labels: Labels,
+    /// One sample's labels' shape: `[]` for one class per sample, `[T]` for a
+    /// language model's next tokens, the output's per-sample shape for MSE.
+    pub label_shape: Vec<usize>,
 }
 
 impl Dataset {
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.labels.len()
+        match self.label_numel() {
+            0 => 0,
+            k => self.labels.numel() / k,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -84,6 +94,11 @@ impl Dataset {
     /// Values in one sample.
     pub fn sample_numel(&self) -> usize {
         self.sample_shape.iter().product()
+    }
+
+    /// Labels of one sample.
+    pub fn label_numel(&self) -> usize {
+        self.label_shape.iter().product()
     }
 
     /// The inputs of samples `idx`, in that order, as one batch (row-major).
@@ -97,21 +112,39 @@ impl Dataset {
         out
     }
 
-    /// The labels of samples `idx`, in that order. Panics if an index is out of range.
-    pub fn gather_labels(&self, idx: &[usize]) -> Labels {
+    /// What the mean loss of samples `idx` divides by: [`Labels::targets`]
+    /// without gathering them. Panics if an index is out of range.
+    pub fn targets(&self, idx: &[usize], loss: Loss) -> u64 {
+        let k = self.label_numel();
         match &self.labels {
-            Labels::Classes(c) => Labels::Classes(idx.iter().map(|&i| c[i]).collect()),
-            Labels::Targets { shape, values } => {
-                let k: usize = shape.iter().product();
-                let mut out = Vec::with_capacity(idx.len() * k);
-                for &i in idx {
-                    out.extend_from_slice(&values[i * k..(i + 1) * k]);
-                }
-                Labels::Targets {
-                    shape: shape.clone(),
-                    values: out,
-                }
+            Labels::Classes(c) => idx
+                .iter()
+                .map(|&i| {
+                    c[i * k..(i + 1) * k]
+                        .iter()
+                        .filter(|&&v| loss.counts(v))
+                        .count() as u64
+                })
+                .sum(),
+            Labels::Targets(_) => idx.len() as u64,
+        }
+    }
+
+    /// The labels of samples `idx`, in that order, as one batch of shape
+    /// `[idx.len(), label_shape..]` (row-major). Panics if an index is out
+    /// of range.
+    pub fn gather_labels(&self, idx: &[usize]) -> Labels {
+        fn gather<T: Copy>(values: &[T], k: usize, idx: &[usize]) -> Vec<T> {
+            let mut out = Vec::with_capacity(idx.len() * k);
+            for &i in idx {
+                out.extend_from_slice(&values[i * k..(i + 1) * k]);
             }
+            out
+        }
+        let k = self.label_numel();
+        match &self.labels {
+            Labels::Classes(c) => Labels::Classes(gather(c, k, idx)),
+            Labels::Targets(t) => Labels::Targets(gather(t, k, idx)),
         }
     }
 }
@@ -136,10 +169,11 @@ pub fn read_array(format: DataFormat, r: &DataRef) -> Result<RawArray, JobError>
 /// Reads a split's inputs and labels. `Ok(None)` when the job gives no test split.
 ///
 /// The first dimension of each array is the sample index and the rest one
-/// sample's shape. For `cross_entropy` the labels must be one integer per
-/// sample (integer dtypes, or integral floats) and become [`Labels::Classes`];
-/// for `mse` they become [`Labels::Targets`] (f32). Scale and normalisation
-/// apply to the inputs only.
+/// sample's shape. For `cross_entropy` the labels are integer classes of any
+/// per-sample shape (integer dtypes, or integral floats) and become
+/// [`Labels::Classes`]; for `mse` they become [`Labels::Targets`] (f32).
+/// [`validate_against_model`] checks their shape against the model's output.
+/// Scale and normalisation apply to the inputs only.
 pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Dataset>, JobError> {
     let (inputs, labels, fields) = match split {
         Split::Train => (
@@ -178,30 +212,15 @@ pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Da
             y.source()
         )));
     }
+    if label_shape.contains(&0) {
+        return Err(JobError::file(
+            y.source(),
+            format!("its labels are empty (shape {:?})", y.shape()),
+        ));
+    }
     let labels = match loss {
-        Loss::CrossEntropy => {
-            if label_shape.iter().product::<usize>() != 1 {
-                return Err(JobError::file(
-                    y.source(),
-                    format!(
-                        "cross_entropy needs one integer class per sample; these labels have shape {label_shape:?} per sample"
-                    ),
-                ));
-            }
-            Labels::Classes(y.to_classes()?)
-        }
-        Loss::Mse => {
-            if label_shape.contains(&0) {
-                return Err(JobError::file(
-                    y.source(),
-                    format!("its targets are empty (shape {:?})", y.shape()),
-                ));
-            }
-            Labels::Targets {
-                shape: label_shape,
-                values: y.to_f32(),
-            }
-        }
+        Loss::CrossEntropy { .. } => Labels::Classes(y.to_classes()?),
+        Loss::Mse => Labels::Targets(y.to_f32()),
     };
     drop(y);
     let (scale, mean, std) = spec.normalisation();
@@ -210,6 +229,7 @@ pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Da
         sample_shape,
         inputs,
         labels,
+        label_shape,
     }))
 }
 
@@ -229,9 +249,13 @@ fn split_samples(a: &RawArray) -> Result<(usize, Vec<usize>), JobError> {
 ///
 /// - one sample's shape must be the job's `input_shape`, or hold as many
 ///   values (IDX's `[28, 28]` for `[1, 28, 28]`): `sample_shape` becomes `input_shape`;
-/// - the model must have one output; for `cross_entropy` it must be
-///   `[batch, C]` and every label in `0..C` (the error names the first bad
-///   label and its index); for `mse` the targets' per-sample shape must be the
+/// - the model must have one output; for `cross_entropy` one sample's labels
+///   must be shaped like one sample of the output without its class
+///   dimension (`class_axis`): `[]` for `[batch, C]`, `[T]` for `[batch, C,
+///   T]` or, classes last, `[batch, T, C]`; a label shape of `[1]` for `[]`
+///   is fitted. Every label is in `0..C` or the `ignore_index`
+///   ([`JobError::Labels`] names the first that is not, by sample and
+///   position); for `mse` the targets' per-sample shape must be the
 ///   output's, up to dimensions of size 1 (`[]` or `[1]` for `[batch, 1]`):
 ///   the targets take the output's per-sample shape.
 ///
@@ -264,37 +288,81 @@ pub fn validate_against_model(
         .shape(output)
         .ok_or_else(|| JobError::Mismatch(format!("model: output `{output}` has no shape")))?;
     let per_sample = shape.get(1..).unwrap_or_default();
-    match (loss, &mut data.labels) {
-        (Loss::CrossEntropy, Labels::Classes(classes)) => {
-            let &[c] = per_sample else {
+    match (loss, &data.labels) {
+        (
+            Loss::CrossEntropy {
+                class_axis,
+                ignore_index,
+            },
+            Labels::Classes(classes),
+        ) => {
+            let (Some((_, c, _)), Some(label_shape)) =
+                (class_axis.split(shape), class_axis.label_shape(shape))
+            else {
                 return Err(JobError::Mismatch(format!(
-                    "cross_entropy needs the model's output to be [batch, classes]; it is {shape:?}"
+                    "cross_entropy needs the model's output to have a batch and a class dimension; it is {shape:?}"
                 )));
             };
+            let want = &label_shape[1..];
+            // A column of classes (`[n, 1]`) is one class per sample.
+            let fits = data.label_shape == want || (want.is_empty() && data.label_shape == [1]);
+            if !fits {
+                return Err(JobError::Labels(format!(
+                    "one sample's labels have shape {:?}, but cross_entropy with class_axis = {} over the model's output {shape:?} needs {want:?} (the output's shape without the batch and class dimensions){}",
+                    data.label_shape,
+                    class_axis.index(),
+                    other_axis_hint(shape, class_axis, &data.label_shape)
+                )));
+            }
+            data.label_shape = want.to_vec();
             if let Some((i, v)) = classes
                 .iter()
                 .enumerate()
-                .find(|(_, v)| !(0..c as i64).contains(v))
+                .find(|&(_, &v)| v != ignore_index && !(0..c as i64).contains(&v))
             {
-                return Err(JobError::Mismatch(format!(
-                    "label {v} at index {i} is not a class of the model's output {shape:?} (expected 0..={})",
+                let k = data.label_numel().max(1);
+                let at = if want.is_empty() {
+                    format!("sample {i}")
+                } else {
+                    format!("sample {}, position {}", i / k, i % k)
+                };
+                return Err(JobError::Labels(format!(
+                    "label {v} at {at} is not a class of the model's output {shape:?} (expected 0..={}, or the ignore_index {ignore_index})",
                     c.saturating_sub(1)
                 )));
             }
             Ok(())
         }
-        (Loss::Mse, Labels::Targets { shape: target, .. }) => {
+        (Loss::Mse, Labels::Targets(_)) => {
             let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
-            if squeeze(target) != squeeze(per_sample) {
-                return Err(JobError::Mismatch(format!(
-                    "mse needs targets shaped like one sample of the model's output {per_sample:?}; they are {target:?}"
+            if squeeze(&data.label_shape) != squeeze(per_sample) {
+                return Err(JobError::Labels(format!(
+                    "mse needs targets shaped like one sample of the model's output {per_sample:?}; they are {:?}",
+                    data.label_shape
                 )));
             }
-            *target = per_sample.to_vec();
+            data.label_shape = per_sample.to_vec();
             Ok(())
         }
         (loss, _) => Err(JobError::Mismatch(format!(
-            "the labels were not loaded for the {loss:?} loss"
+            "the labels were not loaded for the {} loss",
+            loss.name()
         ))),
+    }
+}
+
+/// When the labels would fit with the other `class_axis`, says so.
+fn other_axis_hint(shape: &[usize], axis: ClassAxis, labels: &[usize]) -> String {
+    let other = match axis {
+        ClassAxis::Second => ClassAxis::Last,
+        ClassAxis::Last => ClassAxis::Second,
+    };
+    match other.label_shape(shape) {
+        Some(l) if l[1..] == *labels => format!(
+            "; they fit class_axis = {}: write loss = {{ name = \"cross_entropy\", class_axis = {} }}",
+            other.index(),
+            other.index()
+        ),
+        _ => String::new(),
     }
 }
