@@ -193,7 +193,7 @@ fn check(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<(), ExecError> 
                 let hi = counted.f_max()?.f_int64_value(&[])?;
                 if lo < 0 || hi >= classes {
                     return Err(ExecError::Loss(format!(
-                        "labels span [{lo}, {hi}] (ignore_index {ignore_index} aside) but there are {classes} classes"
+                        "labels span [{lo}, {hi}] but there are {classes} classes (the ignore_index {ignore_index} aside)"
                     )));
                 }
             }
