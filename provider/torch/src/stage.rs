@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use rookery_model::Loss;
 use rookery_proto::{ParamOptimState, ToProvider, ToServer, WireDType, WireTensor};
 use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 use crate::exec::loss::{correct, loss_sum, micro_batch_loss};
 use crate::exec::{TorchExecutor, TorchMicroBatch, TorchOptimizer};

@@ -209,7 +209,10 @@ proptest! {
         let l64: Vec<i64> = sample_matrix(outer * inner, seed ^ 4)
             .iter()
             .enumerate()
-            .map(|(i, v)| if i % 3 == 1 { -100 } else { ((((v + 1.0) / 2.0 * axis as f32) as i64).min(axis as i64 - 1)) })
+            .map(|(i, v)| {
+                let class = (((v + 1.0) / 2.0 * axis as f32) as i64).min(axis as i64 - 1);
+                if i % 3 == 1 { -100 } else { class }
+            })
             .collect();
         let labels = class_labels(&l64, axis, -100).expect("labels in range");
         let counted = l64.iter().filter(|&&l| l != -100).count();
