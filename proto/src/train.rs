@@ -107,8 +107,13 @@ pub struct Forward {
     pub job_id: u64,
     pub phase: Phase,
     pub micro: u32,
-    /// Samples in the whole step (the loss scale of a micro-batch is its share).
+    /// Samples in the whole step (how it splits into micro-batches).
     pub step_samples: u32,
+    /// What the step's mean loss divides by (the Leaf's gradient of a
+    /// micro-batch is its summed loss over this): the step's class labels
+    /// other than `ignore_index` for cross-entropy, its samples for MSE.
+    /// Evaluation micro-batches carry their own count.
+    pub step_targets: u64,
     /// The Root's data, or the previous stage's activations.
     pub inputs: Vec<WireTensor>,
     /// For the Leaf only.
@@ -151,9 +156,12 @@ pub struct LeafLoss {
     pub job_id: u64,
     pub phase: Phase,
     pub micro: u32,
-    /// Sum of the per-sample losses of the micro-batch.
+    /// Sum of the micro-batch's per-target losses (over its counted class
+    /// labels for cross-entropy; its mean times its samples for MSE): the
+    /// server divides the step's sum by its `step_targets`.
     pub loss_sum: f64,
-    /// Samples whose predicted class is the label (cross-entropy only).
+    /// Counted class labels the logits predict (first highest logit),
+    /// cross-entropy only.
     pub correct: u64,
     pub samples: u32,
 }

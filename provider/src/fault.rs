@@ -131,17 +131,17 @@ impl<B: Backend> Backend for SlowedStage<B> {
         loss: Loss,
         y: &B::Tensor,
         labels: &WireTensor,
-        batch_size: usize,
+        step_targets: u64,
     ) -> Result<LeafLossValue<B::Tensor>, B::Error> {
-        self.0.leaf_loss(loss, y, labels, batch_size)
+        self.0.leaf_loss(loss, y, labels, step_targets)
     }
 
-    fn loss_value(&self, loss: Loss, y: &B::Tensor, labels: &WireTensor) -> Result<f64, B::Error> {
-        self.0.loss_value(loss, y, labels)
+    fn loss_sum(&self, loss: Loss, y: &B::Tensor, labels: &WireTensor) -> Result<f64, B::Error> {
+        self.0.loss_sum(loss, y, labels)
     }
 
-    fn correct(&self, y: &B::Tensor, labels: &WireTensor) -> Result<u64, B::Error> {
-        self.0.correct(y, labels)
+    fn correct(&self, loss: Loss, y: &B::Tensor, labels: &WireTensor) -> Result<u64, B::Error> {
+        self.0.correct(loss, y, labels)
     }
 }
 

@@ -58,7 +58,7 @@ fn assignment(graph_json: String) -> Assignment {
             nesterov: false,
             weight_decay: 0.0,
         },
-        loss: rookery_model::Loss::CrossEntropy,
+        loss: rookery_model::Loss::cross_entropy(),
         batch_size: 4,
         micro_batches: 1,
         wire_dtype: WireDType::F32,
@@ -74,6 +74,7 @@ fn forward() -> ToProvider {
         phase: Phase::Train { step: 0 },
         micro: 0,
         step_samples: 4,
+        step_targets: 4,
         inputs: vec![WireTensor::from_f32(
             "input",
             &[4, 3],

@@ -15,7 +15,7 @@ use rookery_test_support::{JobBatches, workspace_root};
 use rookery_torch::exec::reference::whole_batch_step;
 use rookery_torch::step_seed;
 use rookery_torch::{TorchExecutor, TorchOptimizer, tensors_from_values};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 const BATCH: usize = 64;
 const STEPS: usize = 40;
@@ -120,7 +120,8 @@ fn reference_samples_per_s(job: &Path) -> anyhow::Result<f64> {
         }
         let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
         let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-        let y = Tensor::from_slice(&batch.y).to_kind(Kind::Int64);
+        let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
+        let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
         let inputs = [(graph.inputs[0].name.clone(), x)];
         whole_batch_step(
             &mut exec,

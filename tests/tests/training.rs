@@ -12,7 +12,7 @@ use rookery_test_support::{Classes, JobBatches, dense_mlp, write_job};
 use rookery_torch::exec::reference::train_step;
 use rookery_torch::step_seed;
 use rookery_torch::{TorchOptimizer, tensors_from_values};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 fn mlp() -> String {
     dense_mlp(12, &[(24, Some("relu")), (16, Some("tanh")), (4, None)])
@@ -66,7 +66,8 @@ fn reference_losses(job_file: &Path) -> Vec<f64> {
         .map(|batch| {
             let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
             let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-            let y = Tensor::from_slice(&batch.y).to_kind(Kind::Int64);
+            let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
+            let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
             let inputs = [(graph.inputs[0].name.clone(), x)];
             train_step(
                 &graph,

@@ -15,9 +15,9 @@ use std::collections::BTreeMap;
 use rookery_model::Loss;
 use rookery_proto::{ParamOptimState, ToProvider, ToServer, WireDType, WireTensor};
 use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
-use crate::exec::loss::{loss_value, micro_batch_loss};
+use crate::exec::loss::{correct, loss_sum, micro_batch_loss};
 use crate::exec::{TorchExecutor, TorchMicroBatch, TorchOptimizer};
 pub use crate::wire::TorchWorkerError;
 use crate::wire::{protocol, tensor_from_wire, tensor_to_wire};
@@ -205,33 +205,32 @@ impl Backend for TorchStage {
         loss: Loss,
         y: &Tensor,
         labels: &WireTensor,
-        batch_size: usize,
+        step_targets: u64,
     ) -> Result<LeafLossValue<Tensor>, TorchWorkerError> {
         let labels = tensor_from_wire(labels)?;
-        let out = micro_batch_loss(loss, y, &labels, batch_size)?;
+        let out = micro_batch_loss(loss, y, &labels, step_targets)?;
         Ok(LeafLossValue {
-            mean: out.mean,
+            sum: out.sum,
             grad: out.grad,
         })
     }
 
-    fn loss_value(
+    fn loss_sum(
         &self,
         loss: Loss,
         y: &Tensor,
         labels: &WireTensor,
     ) -> Result<f64, TorchWorkerError> {
-        Ok(loss_value(loss, y, &tensor_from_wire(labels)?)?)
+        Ok(loss_sum(loss, y, &tensor_from_wire(labels)?)?)
     }
 
-    fn correct(&self, y: &Tensor, labels: &WireTensor) -> Result<u64, TorchWorkerError> {
-        let labels = tensor_from_wire(labels)?;
-        let hits = y
-            .f_argmax(1, false)?
-            .f_eq_tensor(&labels.f_to_device(y.device())?)?
-            .f_sum(Kind::Int64)?
-            .f_int64_value(&[])?;
-        Ok(hits.max(0) as u64)
+    fn correct(
+        &self,
+        loss: Loss,
+        y: &Tensor,
+        labels: &WireTensor,
+    ) -> Result<u64, TorchWorkerError> {
+        Ok(correct(loss, y, &tensor_from_wire(labels)?)?)
     }
 }
 

@@ -200,27 +200,36 @@ fn backward_and_step_misuse_is_refused() {
 #[test]
 fn bad_labels_are_loss_errors() {
     let logits = t(&pseudo(6, 2), &[2, 3]);
-    let e = micro_batch_loss(Loss::CrossEntropy, &logits, &ti(&[0, 3], &[2]), 2).unwrap_err();
+    let e = micro_batch_loss(Loss::cross_entropy(), &logits, &ti(&[0, 3], &[2]), 2).unwrap_err();
     assert!(e.to_string().contains("3 classes"), "{e}");
-    let e = micro_batch_loss(Loss::CrossEntropy, &logits, &ti(&[0, -1], &[2]), 2).unwrap_err();
+    let e = micro_batch_loss(Loss::cross_entropy(), &logits, &ti(&[0, -1], &[2]), 2).unwrap_err();
     assert!(e.to_string().contains("classes"), "{e}");
-    let e = micro_batch_loss(Loss::CrossEntropy, &logits, &t(&[0., 1.], &[2]), 2).unwrap_err();
+    let e = micro_batch_loss(Loss::cross_entropy(), &logits, &t(&[0., 1.], &[2]), 2).unwrap_err();
     assert!(e.to_string().contains("i64"), "{e}");
-    let e = micro_batch_loss(Loss::CrossEntropy, &logits, &ti(&[0, 1, 2], &[3]), 3).unwrap_err();
+    let e = micro_batch_loss(Loss::cross_entropy(), &logits, &ti(&[0, 1, 2], &[3]), 3).unwrap_err();
     assert!(e.to_string().contains("do not fit"), "{e}");
     let e = micro_batch_loss(Loss::Mse, &logits, &t(&[0., 1.], &[2]), 2).unwrap_err();
     assert!(e.to_string().contains("differ"), "{e}");
     let e = micro_batch_loss(Loss::Mse, &logits, &logits, 1).unwrap_err();
-    assert!(e.to_string().contains("batch of 1"), "{e}");
+    assert!(e.to_string().contains("step of 1 targets"), "{e}");
+    // -100 is ignored, not a class; but a step cannot count fewer targets
+    // than one of its micro-batches.
+    micro_batch_loss(Loss::cross_entropy(), &logits, &ti(&[0, -100], &[2]), 1).unwrap();
+    let e = micro_batch_loss(Loss::cross_entropy(), &logits, &ti(&[0, 1], &[2]), 1).unwrap_err();
+    assert!(e.to_string().contains("2 targets"), "{e}");
 }
 
 #[test]
 fn losses_match_their_definitions_and_scale_by_the_micro_batch_share() {
     // Cross-entropy of logits [0, ln 3] for class 1: -log(3 / 4).
     let logits = t(&[0.0, 3f32.ln(), 1.0, 1.0], &[2, 2]);
-    let l = micro_batch_loss(Loss::CrossEntropy, &logits, &ti(&[1, 0], &[2]), 8).unwrap();
+    let l = micro_batch_loss(Loss::cross_entropy(), &logits, &ti(&[1, 0], &[2]), 8).unwrap();
     let want = (-(0.75f64).ln() + 2f64.ln()) / 2.0;
-    assert!((l.mean - want).abs() < 1e-6, "{} vs {want}", l.mean);
+    assert!(
+        (l.sum / 2.0 - want).abs() < 1e-6,
+        "{} vs {want}",
+        l.sum / 2.0
+    );
     assert!((l.scaled - want * 2.0 / 8.0).abs() < 1e-7);
     // d/dlogits of share * mean CE = share / n * (softmax - onehot).
     let g = vals(&l.grad);
@@ -235,9 +244,12 @@ fn losses_match_their_definitions_and_scale_by_the_micro_batch_share() {
     let out = t(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
     let target = t(&[0.0, 2.0, 1.0, 4.0], &[2, 2]);
     let l = micro_batch_loss(Loss::Mse, &out, &target, 2).unwrap();
-    assert!((l.mean - 5.0 / 4.0).abs() < 1e-6);
+    assert!(
+        (l.sum - 2.0 * 5.0 / 4.0).abs() < 1e-6,
+        "MSE's mean, once per sample"
+    );
     assert_close(&vals(&l.grad), &[0.5, 0.0, 1.0, 0.0], 1e-6, "MSE gradient");
-    assert!((loss::loss_value(Loss::Mse, &out, &target).unwrap() - 1.25).abs() < 1e-6);
+    assert!((loss::loss_sum(Loss::Mse, &out, &target).unwrap() - 2.5).abs() < 1e-6);
 }
 
 #[test]

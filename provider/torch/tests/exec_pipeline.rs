@@ -154,7 +154,7 @@ fn mlp_in_three_stages_with_four_micro_batches_matches_one_process_sgd() {
         &g,
         &[0..2, 2..5, 5..7],
         config,
-        Loss::CrossEntropy,
+        Loss::cross_entropy(),
         mlp_batch(),
         4,
         12,
@@ -169,7 +169,7 @@ fn mlp_in_three_stages_with_four_micro_batches_matches_one_process_adam() {
         &g,
         &[0..3, 3..4, 4..7],
         OptimizerConfig::adam(0.01),
-        Loss::CrossEntropy,
+        Loss::cross_entropy(),
         mlp_batch(),
         4,
         12,
@@ -201,7 +201,7 @@ fn cnn_in_three_stages_with_four_micro_batches_matches_one_process_sgd() {
             nesterov: true,
             weight_decay: 0.0,
         },
-        Loss::CrossEntropy,
+        Loss::cross_entropy(),
         cnn_batch(),
         4,
         12,
@@ -216,7 +216,7 @@ fn cnn_in_three_stages_with_four_micro_batches_matches_one_process_adam() {
         &g,
         &[0..3, 3..6, 6..8],
         OptimizerConfig::adam(0.01),
-        Loss::CrossEntropy,
+        Loss::cross_entropy(),
         cnn_batch(),
         4,
         12,
@@ -283,7 +283,7 @@ fn accumulated_micro_batch_gradients_equal_the_whole_batch_gradient() {
             let f = s.forward(&part, true).unwrap();
             let (name, out) = &f.outputs[0];
             let labels = y.narrow(0, k * chunk, chunk);
-            let l = micro_batch_loss(Loss::CrossEntropy, out, &labels, b as usize).unwrap();
+            let l = micro_batch_loss(Loss::cross_entropy(), out, &labels, b as u64).unwrap();
             s.backward(f.micro_batch, &[(name.clone(), l.grad)])
                 .unwrap();
         }

@@ -16,7 +16,7 @@ use proptest::prelude::*;
 use rookery_kernels::conv::Conv2d;
 use rookery_kernels::elementwise::{BINARY_OPS, BinaryOp, Broadcast, Operand, UNARIES, Unary};
 use rookery_kernels::gemm::{Linear, MatMul};
-use rookery_kernels::loss::{CrossEntropy, Mse};
+use rookery_kernels::loss::{CrossEntropy, Mse, class_labels};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
 use rookery_kernels::optim::optimizer_cases;
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
@@ -204,19 +204,25 @@ proptest! {
         close(&rdw, &grad(&w), t, "layer_norm dw")?;
         close(&rdb, &grad(&b), t, "layer_norm db")?;
 
-        // Cross-entropy over [outer, axis, inner] logits, then MSE.
-        let labels: Vec<u32> = sample_matrix(outer * inner, seed ^ 4)
+        // Cross-entropy over [outer, axis, inner] logits, every third target
+        // ignored (torch's ignore_index), then MSE.
+        let l64: Vec<i64> = sample_matrix(outer * inner, seed ^ 4)
             .iter()
-            .map(|v| (((v + 1.0) / 2.0 * axis as f32) as u32).min(axis as u32 - 1))
+            .enumerate()
+            .map(|(i, v)| {
+                let class = (((v + 1.0) / 2.0 * axis as f32) as i64).min(axis as i64 - 1);
+                if i % 3 == 1 { -100 } else { class }
+            })
             .collect();
+        let labels = class_labels(&l64, axis, -100).expect("labels in range");
+        let counted = l64.iter().filter(|&&l| l != -100).count();
         let ce = CrossEntropy { n: outer, classes: axis, inner };
         let x = leaf(&xs, &shape);
-        let l64: Vec<i64> = labels.iter().map(|&v| i64::from(v)).collect();
         let tl = Tensor::from_slice(&l64).reshape([outer as i64, inner as i64]);
         let loss = x.cross_entropy_loss::<Tensor>(&tl, None, Reduction::Mean, -100, 0.0);
         (&loss * 0.75).backward();
-        let (rl, rdx) = ce.reference(&xs, &labels, 0.75);
-        close(&[rl], &vals(&loss), tol_sum(len), "cross_entropy")?;
+        let (rsum, rdx) = ce.reference(&xs, &labels, 0.75 / counted as f32);
+        close(&[(rsum / counted as f64) as f32], &vals(&loss), tol_sum(len), "cross_entropy")?;
         close(&rdx, &grad(&x), tol_sum(axis), "cross_entropy dx")?;
 
         let mse = Mse { len };

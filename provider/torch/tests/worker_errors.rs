@@ -33,7 +33,7 @@ fn job() -> JobConfig {
     JobConfig {
         batch_size: 8,
         micro_batches: 2,
-        ..JobConfig::new(OptimizerConfig::sgd(0.1), Loss::CrossEntropy)
+        ..JobConfig::new(OptimizerConfig::sgd(0.1), Loss::cross_entropy())
     }
 }
 
@@ -59,6 +59,7 @@ fn forward(job_id: u64, step: u64, micro: u32, rows: i64) -> ToProvider {
         phase: Phase::Train { step },
         micro,
         step_samples: 8,
+        step_targets: 8,
         inputs: vec![tensor_to_wire("input", &x, WireDType::F32).unwrap()],
         labels: None,
     })
@@ -247,6 +248,7 @@ fn forward_inputs_of_the_wrong_shape_or_with_nan_fail() {
         phase: Phase::Train { step: 0 },
         micro: 0,
         step_samples: 8,
+        step_targets: 8,
         inputs: vec![WireTensor::from_f32(
             "input",
             &[4, 5],
@@ -269,6 +271,7 @@ fn forward_inputs_of_the_wrong_shape_or_with_nan_fail() {
         phase: Phase::Train { step: 0 },
         micro: 0,
         step_samples: 8,
+        step_targets: 8,
         inputs: vec![WireTensor::from_f32(
             "input",
             &[4, 6],
@@ -307,6 +310,7 @@ fn the_leaf_needs_labels_and_takes_no_backward() {
             phase: Phase::Train { step: 0 },
             micro: 0,
             step_samples: 8,
+            step_targets: 8,
             inputs: vec![h.clone()],
             labels: None,
         })),
@@ -321,6 +325,7 @@ fn the_leaf_needs_labels_and_takes_no_backward() {
             phase: Phase::Train { step: 0 },
             micro: 0,
             step_samples: 8,
+            step_targets: 8,
             inputs: vec![h.clone()],
             labels: Some(WireTensor::from_i64("labels", &[4], &[0, 1, 2, 3])),
         })),

@@ -19,7 +19,7 @@ use rookery_model::{Graph, Init, Loss, Op, from_toml};
 use rookery_proto::{Forward, Phase, ToProvider, ToServer, WireDType, WireTensor};
 use rookery_stage::{CpuDevice, GpuDevice};
 use rookery_test_support::dense_mlp;
-use rookery_torch::exec::loss::loss_value;
+use rookery_torch::exec::loss::loss_sum;
 use rookery_torch::exec::reference::train_step;
 use rookery_torch::exec::{OptimizerConfig, TorchExecutor, TorchOptimizer};
 use rookery_torch::{TorchWorker, step_seed, tensor_to_wire};
@@ -105,7 +105,6 @@ fn train_both_with(
         init.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
     let mut ref_opt = TorchOptimizer::new(job.optimizer).unwrap();
     let mut chain = Chain::with_workers(g, cuts, 0, &init, job, make);
-    let b = x.size()[0] as f64;
     let mut losses = Losses {
         reference: Vec::new(),
         workers: Vec::new(),
@@ -127,7 +126,7 @@ fn train_both_with(
             .unwrap(),
         );
         let report = chain.train_step(step, &xs, &ys);
-        losses.workers.push(report.loss_sum / b);
+        losses.workers.push(report.loss_sum / report.targets as f64);
     }
     let whole: BTreeMap<String, Tensor> = whole
         .into_iter()
@@ -180,7 +179,7 @@ fn assert_same_within(losses: &Losses, what: &str, tolerance: f64, param_toleran
 #[test]
 fn mlp_with_dropout_on_three_workers_trains_exactly_like_one_process_sgd() {
     let g = from_toml(MLP).unwrap();
-    let job = JobConfig::new(sgd(), Loss::CrossEntropy);
+    let job = JobConfig::new(sgd(), Loss::cross_entropy());
     let losses = train_both(&g, &[0..2, 2..5, 5..7], job, mlp_batch(16, 5), STEPS);
     assert_same(&losses, "MLP, SGD");
 }
@@ -188,7 +187,7 @@ fn mlp_with_dropout_on_three_workers_trains_exactly_like_one_process_sgd() {
 #[test]
 fn mlp_with_dropout_on_three_workers_trains_exactly_like_one_process_adam() {
     let g = from_toml(MLP).unwrap();
-    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
+    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy());
     let losses = train_both(&g, &[0..3, 3..4, 4..7], job, mlp_batch(16, 5), STEPS);
     assert_same(&losses, "MLP, Adam");
 }
@@ -206,7 +205,7 @@ fn cnn_on_three_workers_trains_exactly_like_one_process_sgd() {
                 nesterov: true,
                 weight_decay: 0.0,
             },
-            Loss::CrossEntropy,
+            Loss::cross_entropy(),
         )
     };
     let losses = train_both(&g, &[0..2, 2..5, 5..8], job, cnn_batch(8), STEPS);
@@ -218,7 +217,7 @@ fn cnn_on_three_workers_trains_exactly_like_one_process_adam() {
     let g = from_toml(CNN).unwrap();
     let job = JobConfig {
         batch_size: 8,
-        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy)
+        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy())
     };
     let losses = train_both(&g, &[0..3, 3..6, 6..8], job, cnn_batch(8), STEPS);
     assert_same(&losses, "CNN, Adam");
@@ -227,7 +226,7 @@ fn cnn_on_three_workers_trains_exactly_like_one_process_adam() {
 #[test]
 fn one_worker_that_is_root_and_leaf_trains_like_one_process() {
     let g = from_toml(MLP).unwrap();
-    let job = JobConfig::new(OptimizerConfig::adamw(0.01), Loss::CrossEntropy);
+    let job = JobConfig::new(OptimizerConfig::adamw(0.01), Loss::cross_entropy());
     let losses = train_both(&g, &[0..7], job, mlp_batch(16, 5), 10);
     assert_same(&losses, "MLP on one worker, AdamW");
 }
@@ -277,7 +276,7 @@ fn nine_samples_in_four_micro_batches_make_three_as_torch_chunk_does_and_match_m
 fn two_clusters_averaged_after_every_step_train_like_one_process_on_the_doubled_batch() {
     let g = from_toml(MLP_NO_DROPOUT).unwrap();
     let init = init_params(&g, 17);
-    let job = JobConfig::new(sgd(), Loss::CrossEntropy);
+    let job = JobConfig::new(sgd(), Loss::cross_entropy());
     // Averaging goes by name, so the clusters may cut the model differently.
     let mut clusters = [
         Chain::new(&g, &[0..2, 2..4, 4..6], 0, &init, job),
@@ -371,7 +370,7 @@ fn half_precision_wire_dtypes_still_train_and_halve_activation_bytes() {
     let run = |wire_dtype: WireDType| {
         let job = JobConfig {
             wire_dtype,
-            ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy)
+            ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy())
         };
         let mut chain = Chain::new(&g, &cuts, 0, &init, job);
         let mut losses = Vec::new();
@@ -423,7 +422,7 @@ fn half_precision_wire_dtypes_still_train_and_halve_activation_bytes() {
 fn eval_forward_reports_the_loss_and_accuracy_and_leaves_training_untouched() {
     let g = from_toml(MLP).unwrap();
     let init = init_params(&g, 17);
-    let job = JobConfig::new(sgd(), Loss::CrossEntropy);
+    let job = JobConfig::new(sgd(), Loss::cross_entropy());
     let cuts = [0..2, 2..5, 5..7];
     let mut chain = Chain::new(&g, &cuts, 0, &init, job);
     let mut twin = Chain::new(&g, &cuts, 0, &init, job);
@@ -449,7 +448,7 @@ fn eval_forward_reports_the_loss_and_accuracy_and_leaves_training_untouched() {
         let out = exec
             .evaluate(&[("input".into(), ex.shallow_clone())])
             .unwrap();
-        let mean = loss_value(Loss::CrossEntropy, &out[0].1, &ey).unwrap();
+        let mean = loss_sum(Loss::cross_entropy(), &out[0].1, &ey).unwrap() / 10.0;
         let correct = out[0]
             .1
             .argmax(1, false)
@@ -482,7 +481,7 @@ fn uploaded_parameters_are_f32_with_i64_buffers_and_set_params_keeps_optimizer_s
     let init = init_params(&g, 1);
     let job = JobConfig {
         batch_size: 8,
-        ..JobConfig::new(OptimizerConfig::adam(0.05), Loss::CrossEntropy)
+        ..JobConfig::new(OptimizerConfig::adam(0.05), Loss::cross_entropy())
     };
     let cuts = [0..2, 2..3];
     let mut chain = Chain::new(&g, &cuts, 0, &init, job);
@@ -545,7 +544,7 @@ fn continue_after_rebuild(
 ) -> (Vec<f64>, Vec<f64>) {
     let g = from_toml(MLP_NO_DROPOUT).unwrap();
     let init = init_params(&g, 5);
-    let job = JobConfig::new(optimizer, Loss::CrossEntropy);
+    let job = JobConfig::new(optimizer, Loss::cross_entropy());
     let cuts = [0..2, 2..5, 5..g.nodes.len()];
     let (x, y) = mlp_batch(16, 3);
     let mut chain = Chain::new(&g, &cuts, 0, &init, job);
@@ -586,7 +585,7 @@ fn a_chain_rebuilt_from_uploaded_parameters_and_optimizer_state_trains_on_bit_fo
 fn optimizer_state_for_a_parameter_the_stage_lacks_or_of_the_wrong_shape_is_refused() {
     let g = from_toml(MLP_NO_DROPOUT).unwrap();
     let init = init_params(&g, 5);
-    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
+    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy());
     let cuts = [0..2, 2..g.nodes.len()];
     let (x, y) = mlp_batch(16, 3);
     let mut chain = Chain::new(&g, &cuts, 0, &init, job);
@@ -623,7 +622,7 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
     // Dropout masks follow each sample's position in the batch, not arrival order.
     let g = from_toml(MLP).unwrap();
     let init = init_params(&g, 17);
-    let job = JobConfig::new(sgd(), Loss::CrossEntropy);
+    let job = JobConfig::new(sgd(), Loss::cross_entropy());
     let mut in_order = Chain::new(&g, &[0..7], 0, &init, job);
     let mut worker = TorchWorker::new(Device::Cpu);
     let a = assignment(&g, &[0..7], 0, 0, &init, &job);
@@ -642,6 +641,7 @@ fn micro_batches_may_arrive_out_of_order_and_still_match() {
                 phase: Phase::Train { step },
                 micro,
                 step_samples: 16,
+                step_targets: 16,
                 inputs: vec![tensor_to_wire("input", &part(&x), WireDType::F32).unwrap()],
                 labels: Some(labels_wire(&part(&y))),
             }));
@@ -671,7 +671,7 @@ fn wgpu_worker() -> Box<dyn Worker> {
 fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
     let g = from_toml(&mlp_own_ops()).unwrap();
     for (optimizer, name) in [(sgd(), "SGD"), (OptimizerConfig::adam(0.01), "Adam")] {
-        let job = JobConfig::new(optimizer, Loss::CrossEntropy);
+        let job = JobConfig::new(optimizer, Loss::cross_entropy());
         let make = |k: usize| {
             if k == 1 {
                 wgpu_worker()
@@ -688,7 +688,7 @@ fn mlp_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
 #[test]
 fn mlp_entirely_on_our_kernels_gpu_root_and_cpu_leaf_trains_like_one_process() {
     let g = from_toml(&mlp_own_ops()).unwrap();
-    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy);
+    let job = JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy());
     let make = |k: usize| -> Box<dyn Worker> {
         if k == 0 {
             wgpu_worker()
@@ -706,7 +706,7 @@ fn mlp_entirely_on_our_kernels_gpu_root_and_cpu_leaf_trains_like_one_process() {
 fn mlp_with_dropout_and_layer_norm_on_a_wgpu_stem_trains_like_one_process() {
     let g = from_toml(MLP).unwrap();
     for (optimizer, name) in [(sgd(), "SGD"), (OptimizerConfig::adam(0.01), "Adam")] {
-        let job = JobConfig::new(optimizer, Loss::CrossEntropy);
+        let job = JobConfig::new(optimizer, Loss::cross_entropy());
         let make = |k: usize| {
             if k == 1 {
                 wgpu_worker()
@@ -729,7 +729,7 @@ fn cnn_with_a_wgpu_stem_between_libtorch_stages_trains_like_one_process() {
     let g = from_toml(CNN).unwrap();
     let job = JobConfig {
         batch_size: 8,
-        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy)
+        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy())
     };
     let make = |k: usize| {
         if k == 1 {
@@ -778,7 +778,7 @@ fn batch_norm_cnn_with_a_wgpu_stem_trains_like_one_process() {
     let job = JobConfig {
         batch_size: 8,
         micro_batches: 1,
-        ..JobConfig::new(sgd(), Loss::CrossEntropy)
+        ..JobConfig::new(sgd(), Loss::cross_entropy())
     };
     let make = |k: usize| {
         if k == 1 {

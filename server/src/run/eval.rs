@@ -45,10 +45,10 @@ impl JobRun {
                     &self.graph_input,
                     test,
                     run,
-                    self.job_id,
+                    (self.job_id, self.spec.training.loss),
                     phase,
                     m as u32,
-                    chunk.len(),
+                    (chunk.len(), None),
                     chunk,
                 )
             })
@@ -57,12 +57,15 @@ impl JobRun {
 
     pub(super) fn finish_eval(&mut self, epoch: u64) -> Vec<Effect> {
         let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
-        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / samples.max(1) as f64;
+        // Per target: per sample for one class a sample, per token for a
+        // language model, the ignored labels counting nowhere.
+        let targets: u64 = self.clusters.iter().map(|r| r.targets).sum();
+        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / targets.max(1) as f64;
         let correct: u64 = self.clusters.iter().map(|r| r.correct).sum();
         let mut effects = vec![Effect::Epoch(EpochRecord {
             epoch,
             test_loss: loss,
-            test_accuracy: correct as f64 / samples.max(1) as f64,
+            test_accuracy: correct as f64 / targets.max(1) as f64,
             samples,
         })];
         let spe = self.schedule.steps_per_epoch as u64;

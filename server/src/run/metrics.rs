@@ -65,7 +65,8 @@ impl JobRun {
         let elapsed_ms = self.step_started.elapsed().as_secs_f64() * 1e3;
         self.step_started = Instant::now();
         let samples: u64 = parts.iter().map(|p| p.samples).sum();
-        let loss = parts.iter().map(|p| p.loss_sum).sum::<f64>() / samples.max(1) as f64;
+        let targets: u64 = parts.iter().map(|p| p.targets).sum();
+        let loss = parts.iter().map(|p| p.loss_sum).sum::<f64>() / targets.max(1) as f64;
         let spe = self.schedule.steps_per_epoch as u64;
         let stages = parts
             .iter()

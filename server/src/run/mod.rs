@@ -209,6 +209,8 @@ enum ClusterState {
 struct ClusterStep {
     loss_sum: f64,
     samples: u64,
+    /// What the step's mean loss divides by (`Forward::step_targets`).
+    targets: u64,
     /// (provider, compute ms) per stage.
     stages: Vec<(u64, f64)>,
 }
@@ -227,11 +229,14 @@ struct ClusterRun {
     labels: HashMap<(Phase, u32), WireTensor>,
     /// Samples in each micro-batch of the current step or evaluation, for shape checks.
     micro_samples: HashMap<(Phase, u32), usize>,
+    /// Targets (counted labels, or samples for MSE) in each of those micro-batches.
+    micro_targets: HashMap<(Phase, u32), u64>,
     /// Micro-batches whose loss the Leaf has reported.
     reported: HashSet<(Phase, u32)>,
     loss_sum: f64,
     correct: u64,
     samples: u64,
+    targets: u64,
 }
 
 impl ClusterRun {
@@ -239,10 +244,25 @@ impl ClusterRun {
     fn reset(&mut self) {
         self.labels.clear();
         self.micro_samples.clear();
+        self.micro_targets.clear();
         self.reported.clear();
         self.loss_sum = 0.0;
         self.correct = 0;
         self.samples = 0;
+        self.targets = 0;
+    }
+
+    /// What the Leaf's mean loss for micro-batch `micro` of `phase` divides
+    /// by: the whole step's targets in training, its own in evaluation.
+    fn step_targets(&self, phase: Phase, micro: u32) -> u64 {
+        match phase {
+            Phase::Train { .. } => self.micro_targets.values().sum(),
+            Phase::Eval { .. } => self
+                .micro_targets
+                .get(&(phase, micro))
+                .copied()
+                .unwrap_or(0),
+        }
     }
 }
 

@@ -195,10 +195,12 @@ impl JobRun {
                 pending_optimizer: BTreeMap::new(),
                 labels: HashMap::new(),
                 micro_samples: HashMap::new(),
+                micro_targets: HashMap::new(),
                 reported: Default::default(),
                 loss_sum: 0.0,
                 correct: 0,
                 samples: 0,
+                targets: 0,
             });
         }
         let mut run = JobRun {

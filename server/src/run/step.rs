@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use rookery_job::{Dataset, Labels, epoch_permutation, micro_batch_ranges};
-use rookery_model::DType;
+use rookery_model::{DType, Loss};
 use rookery_proto::{
     Activations, Backward, Forward, Gradients, LeafLoss, Phase, StepDone, ToProvider, ToServer,
     WireDType, WireTensor,
@@ -196,6 +196,7 @@ impl JobRun {
             stage.compute_ms = 0.0;
         }
         run.reset();
+        let step_targets = self.train.targets(&idx, self.spec.training.loss);
         let mut effects = Vec::new();
         for (m, r) in ranges.iter().enumerate() {
             let chunk = &idx[r.clone()];
@@ -203,10 +204,10 @@ impl JobRun {
                 &self.graph_input,
                 &self.train,
                 run,
-                self.job_id,
+                (self.job_id, self.spec.training.loss),
                 phase,
                 m as u32,
-                batch,
+                (batch, Some(step_targets)),
                 chunk,
             ));
         }
@@ -249,6 +250,7 @@ impl JobRun {
             Phase::Train { .. } => self.spec.training.batch_size,
             Phase::Eval { .. } => samples,
         };
+        let step_targets = run.step_targets(a.phase, a.micro);
         let next = run.stages[s + 1].provider;
         Ok(vec![Effect::Send(
             next,
@@ -257,6 +259,7 @@ impl JobRun {
                 phase: a.phase,
                 micro: a.micro,
                 step_samples: step_samples as u32,
+                step_targets,
                 inputs: a.outputs,
                 labels,
             }),
@@ -320,21 +323,24 @@ impl JobRun {
             .micro_samples
             .get(&(l.phase, l.micro))
             .ok_or_else(|| format!("micro-batch {} is not in flight", l.micro))?;
+        let targets = run
+            .micro_targets
+            .get(&(l.phase, l.micro))
+            .copied()
+            .unwrap_or(0);
         if !run.reported.insert((l.phase, l.micro)) {
             return Err(format!("micro-batch {}'s loss was already reported", l.micro).into());
         }
-        if samples != l.samples as usize
-            || !l.loss_sum.is_finite()
-            || l.correct > u64::from(l.samples)
-        {
+        if samples != l.samples as usize || !l.loss_sum.is_finite() || l.correct > targets {
             return Err(Rejected::Fault(format!(
-                "implausible loss report: {} samples (expected {samples}), loss {}, {} correct",
+                "implausible loss report: {} samples (expected {samples}), loss {}, {} correct of {targets} targets",
                 l.samples, l.loss_sum, l.correct
             )));
         }
         run.loss_sum += l.loss_sum;
         run.correct += l.correct;
         run.samples += u64::from(l.samples);
+        run.targets += targets;
         if let State::Evaluating { epoch, expected } = self.state {
             let got: u64 = self.clusters.iter().map(|r| r.samples).sum();
             if got == expected {
@@ -373,6 +379,7 @@ impl JobRun {
             let totals = ClusterStep {
                 loss_sum: run.loss_sum,
                 samples: run.samples,
+                targets: run.targets,
                 stages: run
                     .stages
                     .iter()
@@ -400,16 +407,18 @@ impl JobRun {
 }
 
 /// Sends one micro-batch of `data` to the cluster's Root and keeps its labels
-/// for the Leaf (or sends them along when the Root is the Leaf).
+/// for the Leaf (or sends them along when the Root is the Leaf). `step` is
+/// the step's samples and the targets its mean loss divides by (`None` for
+/// an evaluation micro-batch: its own).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn feed(
     input: &(String, DType),
     data: &Dataset,
     run: &mut ClusterRun,
-    job_id: u64,
+    (job_id, loss): (u64, Loss),
     phase: Phase,
     micro: u32,
-    step_samples: usize,
+    (step_samples, step_targets): (usize, Option<u64>),
     idx: &[usize],
 ) -> Effect {
     let mut shape = vec![idx.len()];
@@ -424,19 +433,19 @@ pub(super) fn feed(
             on_wire(input.1, WireDType::F32),
         ),
     }];
-    let labels = match data.gather_labels(idx) {
-        Labels::Classes(classes) => {
-            let mut shape = vec![idx.len()];
-            shape.extend_from_slice(&data.label_shape);
-            WireTensor::from_i64("labels", &shape, &classes)
-        }
-        Labels::Targets { shape: per, values } => {
-            let mut shape = vec![idx.len()];
-            shape.extend(per);
-            WireTensor::from_f32("labels", &shape, &values, WireDType::F32)
+    // Labels travel as `[samples, label_shape..]`: i64 classes or f32 targets.
+    let mut label_shape = vec![idx.len()];
+    label_shape.extend_from_slice(&data.label_shape);
+    let gathered = data.gather_labels(idx);
+    let targets = gathered.targets(loss, idx.len());
+    let labels = match gathered {
+        Labels::Classes(classes) => WireTensor::from_i64("labels", &label_shape, &classes),
+        Labels::Targets(values) => {
+            WireTensor::from_f32("labels", &label_shape, &values, WireDType::F32)
         }
     };
     run.micro_samples.insert((phase, micro), idx.len());
+    run.micro_targets.insert((phase, micro), targets);
     let single = run.stages.len() == 1;
     let labels = if single {
         Some(labels)
@@ -452,6 +461,7 @@ pub(super) fn feed(
             phase,
             micro,
             step_samples: step_samples as u32,
+            step_targets: step_targets.unwrap_or(targets),
             inputs,
             labels,
         }),

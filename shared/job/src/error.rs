@@ -25,6 +25,10 @@ pub enum JobError {
     /// Data and model (or data and schedule) do not fit together.
     #[error("{0}")]
     Mismatch(String),
+    /// The labels do not fit the model's output or the loss (their shape, or
+    /// a class out of range); [`crate::prepare`] names the labels' file.
+    #[error("the labels: {0}")]
+    Labels(String),
 }
 
 impl JobError {

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+use rookery_model::{ClassAxis, ClusterCount, Loss, OptimizerConfig};
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -141,7 +141,7 @@ pub struct TrainingFile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub micro_batches: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loss: Option<Loss>,
+    pub loss: Option<LossFile>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer: Option<OptimizerFile>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -375,6 +375,141 @@ impl From<OptimizerConfig> for OptimizerFile {
                 ..OptimizerFile::default()
             },
         }
+    }
+}
+
+/// `loss = "cross_entropy"` (or `"mse"`), or a table with the name and
+/// cross-entropy's options: `loss = { name = "cross_entropy", class_axis =
+/// -1, ignore_index = -100 }` (`class_axis`: 1, torch's layout and the
+/// default, or -1 for classes last; `ignore_index`: default -100).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LossFile {
+    pub name: String,
+    pub class_axis: Option<i64>,
+    pub ignore_index: Option<i64>,
+}
+
+impl LossFile {
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            ..Self::default()
+        }
+    }
+
+    pub(crate) fn into_loss(self) -> Result<Loss, JobError> {
+        match self.name.to_ascii_lowercase().as_str() {
+            "cross_entropy" => {
+                let class_axis = match self.class_axis {
+                    None => ClassAxis::Second,
+                    Some(i) => ClassAxis::from_index(i).ok_or_else(|| {
+                        JobError::field(
+                            "training.loss.class_axis",
+                            format!(
+                                "must be 1 (logits [N, C, ..], torch's layout) or -1 (logits [N, .., C]); got {i}"
+                            ),
+                        )
+                    })?,
+                };
+                Ok(Loss::CrossEntropy {
+                    class_axis,
+                    ignore_index: self
+                        .ignore_index
+                        .unwrap_or(rookery_model::loss::TORCH_IGNORE_INDEX),
+                })
+            }
+            "mse" => {
+                for (key, given) in [
+                    ("class_axis", self.class_axis.is_some()),
+                    ("ignore_index", self.ignore_index.is_some()),
+                ] {
+                    if given {
+                        return Err(JobError::field(
+                            format!("training.loss.{key}"),
+                            "mse has no such option (only cross_entropy takes class_axis and ignore_index)",
+                        ));
+                    }
+                }
+                Ok(Loss::Mse)
+            }
+            _ => Err(JobError::field(
+                "training.loss",
+                format!(
+                    "unknown loss `{}`; expected cross_entropy or mse",
+                    self.name
+                ),
+            )),
+        }
+    }
+}
+
+impl From<Loss> for LossFile {
+    fn from(loss: Loss) -> Self {
+        match loss {
+            Loss::CrossEntropy { .. } if loss == Loss::cross_entropy() => {
+                Self::named("cross_entropy")
+            }
+            Loss::CrossEntropy {
+                class_axis,
+                ignore_index,
+            } => Self {
+                name: "cross_entropy".into(),
+                class_axis: Some(class_axis.index()),
+                ignore_index: Some(ignore_index),
+            },
+            Loss::Mse => Self::named("mse"),
+        }
+    }
+}
+
+/// The table form of [`LossFile`].
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LossTable {
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    class_axis: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ignore_index: Option<i64>,
+}
+
+impl Serialize for LossFile {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.class_axis.is_none() && self.ignore_index.is_none() {
+            return s.serialize_str(&self.name);
+        }
+        LossTable {
+            name: self.name.clone(),
+            class_axis: self.class_axis,
+            ignore_index: self.ignore_index,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for LossFile {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = LossFile;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a loss name or a table { name = .., class_axis = .., ignore_index = .. }",
+                )
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<LossFile, E> {
+                Ok(LossFile::named(v))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<LossFile, A::Error> {
+                let t = LossTable::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(LossFile {
+                    name: t.name,
+                    class_axis: t.class_axis,
+                    ignore_index: t.ignore_index,
+                })
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 

@@ -74,14 +74,20 @@ pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
     let mut train = load_split(&spec.data, Split::Train, loss)?
         .ok_or_else(|| "the job has no training data".to_string())?;
     let mut test = load_split(&spec.data, Split::Test, loss)?;
-    validate_against_model(&loaded.graph, &spec.model.input_shape, &mut train, loss)?;
+    // A label error names the labels' file.
+    let naming = |labels: Option<&crate::spec::DataRef>, e: JobError| match (e, labels) {
+        (JobError::Labels(reason), Some(file)) => JobError::file(file, reason),
+        (e, _) => e,
+    };
+    validate_against_model(&loaded.graph, &spec.model.input_shape, &mut train, loss)
+        .map_err(|e| naming(Some(&spec.data.train_labels), e))?;
     if let Some(test) = test.as_mut() {
-        validate_against_model(&loaded.graph, &spec.model.input_shape, test, loss).map_err(
-            |e| PrepareError {
+        validate_against_model(&loaded.graph, &spec.model.input_shape, test, loss)
+            .map_err(|e| naming(spec.data.test_labels.as_ref(), e))
+            .map_err(|e| PrepareError {
                 message: format!("test set: {e}"),
                 ..PrepareError::from(e)
-            },
-        )?;
+            })?;
     }
     let analysis = loaded
         .graph

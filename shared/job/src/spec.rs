@@ -19,7 +19,9 @@
 //! epochs = 2                   # default 1
 //! batch_size = 64              # per cluster per step (required)
 //! micro_batches = 4            # default 1
-//! loss = "cross_entropy"       # cross_entropy (default) | mse
+//! loss = "cross_entropy"       # cross_entropy (default) | mse, or a table:
+//! # loss = { name = "cross_entropy", class_axis = -1, ignore_index = -100 }
+//! #   class_axis: 1 (logits [N, C, ..], default) | -1 (logits [N, .., C])
 //! optimizer = { name = "adam", lr = 0.001 }   # default: sgd with lr 0.01
 //! clusters = "auto"            # default "auto", or a number
 //! sync_every = 1               # default 1
@@ -522,7 +524,10 @@ impl JobSpec {
             epochs: t.epochs.unwrap_or(1),
             batch_size: t.batch_size,
             micro_batches: t.micro_batches.unwrap_or(1),
-            loss: t.loss.unwrap_or(Loss::CrossEntropy),
+            loss: match t.loss {
+                Some(l) => l.into_loss()?,
+                None => Loss::cross_entropy(),
+            },
             optimizer: match t.optimizer {
                 Some(o) => o.into_config()?,
                 None => OptimizerConfig::sgd(0.01),
@@ -716,7 +721,7 @@ impl From<JobSpec> for JobFile {
                 epochs: Some(t.epochs),
                 batch_size: t.batch_size,
                 micro_batches: Some(t.micro_batches),
-                loss: Some(t.loss),
+                loss: Some(t.loss.into()),
                 optimizer: Some(t.optimizer.into()),
                 clusters: Some(Clusters(t.clusters)),
                 sync_every: Some(t.sync_every),

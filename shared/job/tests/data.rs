@@ -17,7 +17,7 @@ use rookery_job::{
     DataFormat, DataRef, Dataset, JobError, JobSpec, Labels, Samples, Split, load_split,
     validate_against_model,
 };
-use rookery_model::{Graph, Loss};
+use rookery_model::{ClassAxis, Graph, Loss};
 
 fn repo() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
@@ -109,12 +109,12 @@ fn missing_test_split_is_none() {
     let y = write(dir.path(), "y.npy", &npy("<i8", "(2,)", &i64_le(&[0, 1])));
     let spec = data_spec(DataFormat::Npy, DataRef::file(x), DataRef::file(y));
     assert!(
-        load_split(&spec, Split::Test, Loss::CrossEntropy)
+        load_split(&spec, Split::Test, Loss::cross_entropy())
             .unwrap()
             .is_none()
     );
     assert_eq!(
-        load_split(&spec, Split::Train, Loss::CrossEntropy)
+        load_split(&spec, Split::Train, Loss::cross_entropy())
             .unwrap()
             .unwrap()
             .len(),
@@ -315,7 +315,7 @@ fn npz_reads_named_arrays_stored_and_deflated() {
             DataRef::member(&p, "x_train"),
             DataRef::member(&p, "y_train"),
         );
-        let d = load_split(&spec, Split::Train, Loss::CrossEntropy)
+        let d = load_split(&spec, Split::Train, Loss::cross_entropy())
             .unwrap()
             .unwrap();
         assert_eq!(d.sample_shape, [2]);
@@ -391,7 +391,7 @@ fn safetensors_reads_named_tensors_of_each_dtype() {
         DataRef::member(&p, "labels"),
     );
     spec.scale = Some(1.0 / 255.0);
-    let d = load_split(&spec, Split::Train, Loss::CrossEntropy)
+    let d = load_split(&spec, Split::Train, Loss::cross_entropy())
         .unwrap()
         .unwrap();
     assert_eq!(d.sample_shape, [2, 2]);
@@ -412,11 +412,8 @@ fn safetensors_reads_named_tensors_of_each_dtype() {
     spec.train_labels = Some(DataRef::member(&p, "targets"));
     let d = load_split(&spec, Split::Train, Loss::Mse).unwrap().unwrap();
     assert_eq!(
-        *labels_of(&d),
-        Labels::Targets {
-            shape: vec![3],
-            values: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-        }
+        (labels_of(&d).clone(), d.label_shape.clone()),
+        (Labels::Targets(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), vec![3])
     );
     let e = read_array(DataFormat::Safetensors, &DataRef::file(&p))
         .unwrap_err()
@@ -436,7 +433,7 @@ fn csv_reads_rows_with_or_without_a_header() {
     let labels = write(dir.path(), "y.csv", b"label\n3\n1\n");
     for x in [with, without] {
         let spec = data_spec(DataFormat::Csv, DataRef::file(&x), DataRef::file(&labels));
-        let d = load_split(&spec, Split::Train, Loss::CrossEntropy)
+        let d = load_split(&spec, Split::Train, Loss::cross_entropy())
             .unwrap()
             .unwrap();
         assert_eq!(d.sample_shape, [3]);
@@ -485,7 +482,7 @@ fn labels_follow_the_loss() {
     let short = write(dir.path(), "ys.npy", &npy("<i8", "(2,)", &i64_le(&[0, 1])));
 
     let spec = |y: &Path| data_spec(DataFormat::Npy, DataRef::file(&x), DataRef::file(y));
-    let d = load_split(&spec(&integral), Split::Train, Loss::CrossEntropy)
+    let d = load_split(&spec(&integral), Split::Train, Loss::cross_entropy())
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -497,25 +494,23 @@ fn labels_follow_the_loss() {
         .unwrap()
         .unwrap();
     assert_eq!(
-        *labels_of(&d),
-        Labels::Targets {
-            shape: vec![1],
-            values: vec![2.0, 0.0, 1.0]
-        }
+        (labels_of(&d).clone(), d.label_shape.clone()),
+        (Labels::Targets(vec![2.0, 0.0, 1.0]), vec![1])
     );
 
-    let e = load_split(&spec(&fractional), Split::Train, Loss::CrossEntropy)
+    let e = load_split(&spec(&fractional), Split::Train, Loss::cross_entropy())
         .unwrap_err()
         .to_string();
     assert!(
         e.contains("yh.npy") && e.contains("2.5") && e.contains("index 2"),
         "{e}"
     );
-    let e = load_split(&spec(&wide), Split::Train, Loss::CrossEntropy)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("yw.npy") && e.contains("[2]"), "{e}");
-    let e = load_split(&spec(&short), Split::Train, Loss::CrossEntropy)
+    // Any per-sample label shape loads; validation fits it to the model.
+    let d = load_split(&spec(&wide), Split::Train, Loss::cross_entropy())
+        .unwrap()
+        .unwrap();
+    assert_eq!((d.len(), d.label_shape), (3, vec![2]));
+    let e = load_split(&spec(&short), Split::Train, Loss::cross_entropy())
         .unwrap_err()
         .to_string();
     assert!(
@@ -540,7 +535,7 @@ fn inputs_are_scaled_then_normalised() {
     spec.scale = Some(1.0 / 255.0);
     spec.mean = Some(0.5);
     spec.std = Some(0.25);
-    let d = load_split(&spec, Split::Train, Loss::CrossEntropy)
+    let d = load_split(&spec, Split::Train, Loss::cross_entropy())
         .unwrap()
         .unwrap();
     let want: Vec<f32> = [0.0f32, 255.0, 51.0, 102.0]
@@ -555,41 +550,68 @@ fn gather_takes_samples_in_the_given_order() {
     let d = arrays(
         vec![2],
         vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5],
-        Labels::Targets {
-            shape: vec![1],
-            values: vec![10.0, 11.0, 12.0],
-        },
+        Labels::Targets(vec![10.0, 11.0, 12.0]),
+        vec![1],
     );
     assert_eq!((d.len(), d.is_empty(), d.sample_numel()), (3, false, 2));
     assert_eq!(d.gather_inputs(&[2, 0, 2]), [2.0, 2.5, 0.0, 0.5, 2.0, 2.5]);
     assert_eq!(d.gather_input_ids(&[2, 1]), [2, 2, 1, 1]);
-    assert_eq!(
-        d.gather_labels(&[1, 2]),
-        Labels::Targets {
-            shape: vec![1],
-            values: vec![11.0, 12.0]
-        }
-    );
+    assert_eq!(d.gather_labels(&[1, 2]), Labels::Targets(vec![11.0, 12.0]));
+    assert_eq!(d.targets(&[1, 2], Loss::Mse), 2);
     let c = arrays(
         vec![2],
-        inputs_of(&d).to_vec(),
+        d.gather_inputs(&[0, 1, 2]),
         Labels::Classes(vec![4, 5, 6]),
+        vec![],
     );
     assert_eq!(c.gather_labels(&[2, 1]), Labels::Classes(vec![6, 5]));
 }
 
-fn arrays(sample_shape: Vec<usize>, inputs: Vec<f32>, labels: Labels) -> Dataset {
-    Dataset {
-        sample_shape,
-        label_shape: vec![],
-        samples: Samples::Arrays { inputs, labels },
-    }
+#[test]
+fn per_token_labels_gather_whole_samples_and_count_what_is_not_ignored() {
+    let d = arrays(
+        vec![3],
+        (0..9).map(|v| v as f32).collect(),
+        Labels::Classes(vec![1, 2, 3, -100, 5, 6, 7, -100, -100]),
+        vec![3],
+    );
+    assert_eq!(d.len(), 3);
+    let gathered = d.gather_labels(&[2, 0]);
+    assert_eq!(gathered, Labels::Classes(vec![7, -100, -100, 1, 2, 3]));
+    let ce = Loss::cross_entropy();
+    assert_eq!(gathered.targets(ce, 2), 4);
+    assert_eq!(d.targets(&[2, 0], ce), 4);
+    assert_eq!(d.targets(&[0, 1, 2], ce), 6);
+    let keep_all = Loss::CrossEntropy {
+        class_axis: ClassAxis::Last,
+        ignore_index: -1,
+    };
+    assert_eq!(d.targets(&[0, 1, 2], keep_all), 9);
 }
 
-fn inputs_of(d: &Dataset) -> &[f32] {
-    match &d.samples {
-        Samples::Arrays { inputs, .. } => inputs,
-        Samples::Tokens(_) => panic!("token windows, not arrays"),
+fn graph(spec: &str) -> Graph {
+    rookery_model::from_toml(spec).unwrap()
+}
+
+const CLASSIFIER: &str = "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 3\n";
+const REGRESSOR: &str = "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 2\n";
+
+fn dataset(sample_shape: Vec<usize>, labels: Labels, label_shape: Vec<usize>) -> Dataset {
+    let n = labels.numel() / label_shape.iter().product::<usize>();
+    let inputs = vec![0.0; n * sample_shape.iter().product::<usize>()];
+    arrays(sample_shape, inputs, labels, label_shape)
+}
+
+fn arrays(
+    sample_shape: Vec<usize>,
+    inputs: Vec<f32>,
+    labels: Labels,
+    label_shape: Vec<usize>,
+) -> Dataset {
+    Dataset {
+        sample_shape,
+        label_shape,
+        samples: Samples::Arrays { inputs, labels },
     }
 }
 
@@ -600,28 +622,19 @@ fn labels_of(d: &Dataset) -> &Labels {
     }
 }
 
-fn graph(spec: &str) -> Graph {
-    rookery_model::from_toml(spec).unwrap()
-}
-
-const CLASSIFIER: &str = "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 3\n";
-const REGRESSOR: &str = "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 2\n";
-
-fn dataset(sample_shape: Vec<usize>, labels: Labels) -> Dataset {
-    let n = labels.len();
-    let inputs = vec![0.0; n * sample_shape.iter().product::<usize>()];
-    arrays(sample_shape, inputs, labels)
-}
-
 #[test]
 fn validation_reshapes_to_the_input_shape_and_checks_labels_against_the_output() {
     let ce = graph(CLASSIFIER);
-    let mut d = dataset(vec![2, 2], Labels::Classes(vec![0, 2, 1]));
-    validate_against_model(&ce, &[4], &mut d, Loss::CrossEntropy).unwrap();
+    let mut d = dataset(vec![2, 2], Labels::Classes(vec![0, 2, 1]), vec![]);
+    validate_against_model(&ce, &[4], &mut d, Loss::cross_entropy()).unwrap();
     assert_eq!(d.sample_shape, [4]);
+    // A column of classes is one class per sample.
+    let mut d = dataset(vec![4], Labels::Classes(vec![0, 2, 1]), vec![1]);
+    validate_against_model(&ce, &[4], &mut d, Loss::cross_entropy()).unwrap();
+    assert_eq!((d.len(), d.label_shape.clone()), (3, vec![]));
 
-    let mut d = dataset(vec![5], Labels::Classes(vec![0]));
-    let e = validate_against_model(&ce, &[4], &mut d, Loss::CrossEntropy)
+    let mut d = dataset(vec![5], Labels::Classes(vec![0]), vec![]);
+    let e = validate_against_model(&ce, &[4], &mut d, Loss::cross_entropy())
         .unwrap_err()
         .to_string();
     assert!(
@@ -630,42 +643,24 @@ fn validation_reshapes_to_the_input_shape_and_checks_labels_against_the_output()
     );
 
     for (labels, bad, index) in [
-        (vec![0, 1, 3, -1], "label 3", "index 2"),
-        (vec![-1, 0], "label -1", "index 0"),
+        (vec![0, 1, 3, -100], "label 3", "sample 2"),
+        (vec![-1, 0], "label -1", "sample 0"),
     ] {
-        let mut d = dataset(vec![4], Labels::Classes(labels));
-        let e = validate_against_model(&ce, &[4], &mut d, Loss::CrossEntropy)
+        let mut d = dataset(vec![4], Labels::Classes(labels), vec![]);
+        let e = validate_against_model(&ce, &[4], &mut d, Loss::cross_entropy())
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains(bad) && e.contains(index) && e.contains("0..=2"),
+            e.contains(bad) && e.contains(index) && e.contains("0..=2") && e.contains("-100"),
             "{e}"
         );
     }
 
     let mse = graph(REGRESSOR);
-    let mut d = dataset(
-        vec![4],
-        Labels::Targets {
-            shape: vec![1, 2],
-            values: vec![0.0; 4],
-        },
-    );
+    let mut d = dataset(vec![4], Labels::Targets(vec![0.0; 4]), vec![1, 2]);
     validate_against_model(&mse, &[4], &mut d, Loss::Mse).unwrap();
-    assert_eq!(
-        *labels_of(&d),
-        Labels::Targets {
-            shape: vec![2],
-            values: vec![0.0; 4]
-        }
-    );
-    let mut d = dataset(
-        vec![4],
-        Labels::Targets {
-            shape: vec![3],
-            values: vec![0.0; 6],
-        },
-    );
+    assert_eq!(d.label_shape, [2]);
+    let mut d = dataset(vec![4], Labels::Targets(vec![0.0; 6]), vec![3]);
     let e = validate_against_model(&mse, &[4], &mut d, Loss::Mse)
         .unwrap_err()
         .to_string();
@@ -673,20 +668,79 @@ fn validation_reshapes_to_the_input_shape_and_checks_labels_against_the_output()
         e.contains("mse") && e.contains("[2]") && e.contains("[3]"),
         "{e}"
     );
-    let mut d = dataset(vec![4], Labels::Classes(vec![0]));
+    let mut d = dataset(vec![4], Labels::Classes(vec![0]), vec![]);
     assert!(validate_against_model(&mse, &[4], &mut d, Loss::Mse).is_err());
-    // cross_entropy needs [batch, classes].
+    // A conv's [batch, 2, 4, 4] output takes [4, 4] labels per sample, not one.
     let conv = graph(
         "input_shape = [1, 4, 4]\n[[layers]]\ntype = \"Conv2D\"\nfilters = 2\nkernel_size = 1\n",
     );
-    let mut d = dataset(vec![16], Labels::Classes(vec![0]));
-    let e = validate_against_model(&conv, &[1, 4, 4], &mut d, Loss::CrossEntropy)
+    let mut d = dataset(vec![16], Labels::Classes(vec![0]), vec![]);
+    let e = validate_against_model(&conv, &[1, 4, 4], &mut d, Loss::cross_entropy())
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("[batch, classes]") && e.contains("[1, 2, 4, 4]"),
+        e.contains("[1, 2, 4, 4]") && e.contains("needs [4, 4]") && e.contains("have shape []"),
         "{e}"
     );
+    let mut d = dataset(vec![16], Labels::Classes(vec![1; 16]), vec![4, 4]);
+    validate_against_model(&conv, &[1, 4, 4], &mut d, Loss::cross_entropy()).unwrap();
+}
+
+/// A language model's logits: `[batch, 5, 7]`, read as `[N, V = 5, T = 7]`
+/// (classes second) or `[N, T = 5, V = 7]` (classes last).
+fn lm_logits() -> Graph {
+    graph("input_shape = [5, 3]\n[[layers]]\ntype = \"Dense\"\nunits = 7\n")
+}
+
+#[test]
+fn per_token_labels_fit_either_class_axis_and_say_which_when_they_do_not() {
+    let lm = lm_logits();
+    assert_eq!(
+        lm.analyze().unwrap().shape(&lm.outputs[0]).unwrap(),
+        [1, 5, 7]
+    );
+    let last = Loss::CrossEntropy {
+        class_axis: ClassAxis::Last,
+        ignore_index: -100,
+    };
+    // Classes last: [N, T = 5, V = 7], labels [5] per sample in 0..7.
+    let tokens = vec![0, 6, -100, 3, 2, 1, 1, 1, 1, -100];
+    let mut d = dataset(vec![15], Labels::Classes(tokens.clone()), vec![5]);
+    validate_against_model(&lm, &[5, 3], &mut d, last).unwrap();
+    assert_eq!((d.len(), d.label_shape.clone()), (2, vec![5]));
+    // The same labels with classes second ([N, V = 5, T = 7]) need [7]: the
+    // error says what fits.
+    let mut d = dataset(vec![15], Labels::Classes(tokens.clone()), vec![5]);
+    let e = validate_against_model(&lm, &[5, 3], &mut d, Loss::cross_entropy()).unwrap_err();
+    assert!(matches!(e, JobError::Labels(_)), "{e:?}");
+    let e = e.to_string();
+    assert!(
+        e.contains("have shape [5]") && e.contains("needs [7]") && e.contains("class_axis = -1"),
+        "{e}"
+    );
+    // Classes second with [7] labels in 0..5: 6 is out of range.
+    let mut d = dataset(
+        vec![15],
+        Labels::Classes(vec![0, 1, 2, 3, 4, -100, 6]),
+        vec![7],
+    );
+    let e = validate_against_model(&lm, &[5, 3], &mut d, Loss::cross_entropy())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("label 6 at sample 0, position 6") && e.contains("0..=4"),
+        "{e}"
+    );
+    // A label equal to another ignore_index is a class like any other.
+    let other = Loss::CrossEntropy {
+        class_axis: ClassAxis::Last,
+        ignore_index: -1,
+    };
+    let mut d = dataset(vec![15], Labels::Classes(tokens), vec![5]);
+    let e = validate_against_model(&lm, &[5, 3], &mut d, other)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("label -100 at sample 0, position 2"), "{e}");
 }
 
 /// `(file name, format, bytes, words the error must contain)`.

@@ -76,3 +76,38 @@ fn a_missing_file_is_named_as_the_field_it_concerns() {
     let field = error.field.clone().unwrap_or_default();
     assert!(field.contains("y.npy"), "{error}: {field}");
 }
+
+#[test]
+fn a_class_out_of_range_is_refused_naming_the_labels_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = job(dir.path(), 4);
+    // -100 is the ignore_index, so it passes; 3 is not a class of [batch, 3].
+    let labels = [0, 1, -100, 2, 0, 3, 1, 1];
+    write(dir.path(), "y.npy", &npy("<i8", "(8,)", &i64_le(&labels)));
+    let error = prepare(spec).unwrap_err();
+    let field = error.field.clone().unwrap_or_default();
+    assert!(field.ends_with("y.npy"), "{error}: {field}");
+    assert!(
+        error.message.contains("label 3 at sample 5") && error.message.contains("0..=2"),
+        "{error}"
+    );
+}
+
+#[test]
+fn per_token_labels_that_do_not_fit_the_logits_name_the_labels_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = job(dir.path(), 4);
+    write(
+        dir.path(),
+        "ty.npy",
+        &npy("<i8", "(2, 3)", &i64_le(&[0; 6])),
+    );
+    let error = prepare(spec).unwrap_err();
+    assert!(
+        error.message.starts_with("test set: ")
+            && error.message.contains("ty.npy")
+            && error.message.contains("[3]")
+            && error.message.contains("needs []"),
+        "{error}"
+    );
+}

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use rookery_job::{Aggregation, DataFormat, DataRef, JobError, JobSpec, ModelSource, WireDType};
-use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+use rookery_model::{ClassAxis, ClusterCount, Loss, OptimizerConfig};
 
 const EXAMPLE: &str = r#"
 [model]
@@ -102,7 +102,7 @@ fn documented_example_parses_to_the_expected_spec() {
     );
     let t = &job.training;
     assert_eq!((t.epochs, t.batch_size, t.micro_batches), (2, 64, 4));
-    assert_eq!(t.loss, Loss::CrossEntropy);
+    assert_eq!(t.loss, Loss::cross_entropy());
     assert_eq!(t.optimizer, OptimizerConfig::adam(0.001));
     assert_eq!(t.clusters, ClusterCount::Auto);
     assert_eq!((t.sync_every, t.shuffle, t.seed), (1, true, 42));
@@ -151,7 +151,7 @@ batch_size = 10
         (t.epochs, t.micro_batches, t.sync_every, t.seed),
         (1, 1, 1, 0)
     );
-    assert_eq!(t.loss, Loss::CrossEntropy);
+    assert_eq!(t.loss, Loss::cross_entropy());
     assert_eq!(t.optimizer, OptimizerConfig::sgd(0.01));
     assert_eq!(t.clusters, ClusterCount::Auto);
     assert!(t.shuffle);
@@ -248,6 +248,54 @@ fn clusters_wire_dtype_and_loss_take_every_documented_value() {
 }
 
 #[test]
+fn loss_tables_set_the_class_axis_and_ignore_index_with_torch_defaults() {
+    let dir = base();
+    let loss = |with: &str| {
+        JobSpec::from_toml(&example_with("loss = \"cross_entropy\"", with), dir.path())
+            .unwrap()
+            .training
+            .loss
+    };
+    let torch = Loss::CrossEntropy {
+        class_axis: ClassAxis::Second,
+        ignore_index: -100,
+    };
+    assert_eq!(loss("loss = \"cross_entropy\""), torch);
+    assert_eq!(loss("loss = { name = \"cross_entropy\" }"), torch);
+    assert_eq!(
+        loss("loss = { name = \"cross_entropy\", class_axis = 1 }"),
+        torch
+    );
+    assert_eq!(
+        loss("loss = { name = \"cross_entropy\", class_axis = -1, ignore_index = -100 }"),
+        Loss::CrossEntropy {
+            class_axis: ClassAxis::Last,
+            ignore_index: -100,
+        }
+    );
+    assert_eq!(
+        loss("loss = { name = \"cross_entropy\", ignore_index = 0 }"),
+        Loss::CrossEntropy {
+            class_axis: ClassAxis::Second,
+            ignore_index: 0,
+        }
+    );
+    assert_eq!(loss("loss = { name = \"mse\" }"), Loss::Mse);
+    // The dashboard's form and the JSON API write the same keys.
+    let json = r#"{"model": {"spec": "model.toml", "input_shape": [4]},
+        "data": {"format": "npy", "train_inputs": "x.npy", "train_labels": "y.npy"},
+        "training": {"batch_size": 4, "loss": {"name": "cross_entropy", "class_axis": -1}}}"#;
+    let job = JobSpec::from_json(json, dir.path()).unwrap();
+    assert_eq!(
+        job.training.loss,
+        Loss::CrossEntropy {
+            class_axis: ClassAxis::Last,
+            ignore_index: -100,
+        }
+    );
+}
+
+#[test]
 fn an_integer_wire_dtype_is_refused_naming_the_field() {
     let dir = base();
     let text = example_with("wire_dtype = \"f32\"", "wire_dtype = \"i64\"");
@@ -327,6 +375,10 @@ fn to_json_round_trips_through_from_json() {
         .replacen("onnx = \"cnn.onnx\"", "spec = \"model.toml\"", 1)
         .replacen("format = \"idx\"", "format = \"safetensors\"", 1)
         .replacen("\"train-images-idx3-ubyte.gz\"", "\"data.npz:images\"", 1),
+        example_with(
+            "loss = \"cross_entropy\"",
+            "loss = { name = \"cross_entropy\", class_axis = -1, ignore_index = 0 }",
+        ),
     ];
     for text in variants {
         let job = JobSpec::from_toml(&text, dir.path()).unwrap();
@@ -552,6 +604,30 @@ const INVALID: &[(&str, &str, &str, &[&str])] = &[
         "sync_every = 1",
         "sync_every = 0",
         &["training.sync_every"],
+    ),
+    (
+        "class axis neither 1 nor -1",
+        "loss = \"cross_entropy\"",
+        "loss = { name = \"cross_entropy\", class_axis = 2 }",
+        &["training.loss.class_axis", "must be 1", "-1", "got 2"],
+    ),
+    (
+        "mse with an ignore_index",
+        "loss = \"cross_entropy\"",
+        "loss = { name = \"mse\", ignore_index = -100 }",
+        &["training.loss.ignore_index", "mse"],
+    ),
+    (
+        "unknown loss option",
+        "loss = \"cross_entropy\"",
+        "loss = { name = \"cross_entropy\", label_smoothing = 0.1 }",
+        &["training.loss", "label_smoothing"],
+    ),
+    (
+        "unknown loss in a table",
+        "loss = \"cross_entropy\"",
+        "loss = { name = \"hinge\" }",
+        &["training.loss", "hinge", "cross_entropy", "mse"],
     ),
     (
         "unknown loss",

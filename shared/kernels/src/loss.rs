@@ -1,12 +1,14 @@
-//! The losses, with `reduction="mean"` as torch's: cross-entropy over logits
-//! `[N, C, inner..]` with integer class labels, and mean squared error. Each
+//! The losses: cross-entropy over logits `[N, C, inner..]` with integer
+//! class labels and an ignored label (summed; the caller takes torch's
+//! `reduction="mean"` over the counted rows), and mean squared error. Each
 //! forward is one workgroup that sums per-row (or per-element) terms with a
 //! tree reduction in workgroup memory; each backward is elementwise and
 //! scales by the upstream gradient `dloss` read from a one-element buffer,
 //! so a micro-batch's share of the batch's loss needs no recompilation.
 //!
 //! Labels arrive as i64 on the provider side; on the GPU they are u32 (the
-//! caller converts after checking them against `[0, C)`).
+//! caller converts with [`class_labels`], which checks them against `[0, C)`
+//! and maps `ignore_index` to [`IGNORED`]).
 
 use super::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, declare, kinds, one_d};
 
@@ -62,8 +64,39 @@ fn main(@builtin(local_invocation_id) local: vec3<u32>) {{
     }
 }
 
+/// The label that marks a target cross-entropy ignores (torch's
+/// `ignore_index`): no loss, no gradient, not counted.
+pub const IGNORED: u32 = u32::MAX;
+
+/// Class labels as the kernels take them: `ignore_index` becomes [`IGNORED`],
+/// every other label must be in `[0, classes)`; `Err((position, label))` names
+/// the first that is not.
+pub fn class_labels(
+    labels: &[i64],
+    classes: usize,
+    ignore_index: i64,
+) -> Result<Vec<u32>, (usize, i64)> {
+    labels
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            if c == ignore_index {
+                return Ok(IGNORED);
+            }
+            u32::try_from(c)
+                .ok()
+                .filter(|&c| (c as usize) < classes)
+                .ok_or((i, c))
+        })
+        .collect()
+}
+
 /// Cross-entropy over logits `[n, classes, inner]` (inner = product of any
-/// trailing dimensions, 1 for `[N, C]`), labels `[n, inner]`.
+/// trailing dimensions, 1 for `[N, C]`; logits with the classes last are
+/// `[rows, classes, 1]`), labels `[n, inner]` with [`IGNORED`] rows skipped.
+/// The kernels compute the *sum* over counted rows; the caller divides (by
+/// the count of counted rows of the whole step, for a micro-batch's share of
+/// the step's mean), so the mean's denominator is never baked into a shader.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CrossEntropy {
     pub n: usize,
@@ -97,10 +130,11 @@ fn log_sum_exp(base: u32) -> f32 {{
         )
     }
 
-    /// Forward: bindings `x` (logits), `labels` (u32), `loss` (1 element).
+    /// Forward: `loss[0]` = the sum of the counted rows' losses; bindings `x`
+    /// (logits), `labels` (u32), `loss` (1 element).
     pub fn forward(&self) -> KernelSpec {
         let helpers = format!(
-            "{}fn term(r: u32) -> f32 {{\n    let base = base_of(r);\n    return log_sum_exp(base) - x[base + labels[r] * {}u];\n}}\n",
+            "{}fn term(r: u32) -> f32 {{\n    if (labels[r] == {IGNORED}u) {{\n        return 0.0;\n    }}\n    let base = base_of(r);\n    return log_sum_exp(base) - x[base + labels[r] * {}u];\n}}\n",
             self.row_helpers(),
             self.inner
         );
@@ -113,29 +147,33 @@ fn log_sum_exp(base: u32) -> f32 {{
             ],
             &helpers,
             self.rows(),
-            1.0 / self.rows() as f32,
+            1.0,
             "loss",
         )
     }
 
-    /// Backward: `dx = (softmax(x) - onehot(label)) * dloss / rows`; bindings
-    /// `x`, `labels`, `dloss` (1 element), `dx`.
+    /// Backward: `dx = (softmax(x) - onehot(label)) * dsum`, 0 on ignored
+    /// rows, where `dsum` (1 element) is the gradient w.r.t. the forward's
+    /// sum; bindings `x`, `labels`, `dsum`, `dx`.
     pub fn backward(&self) -> KernelSpec {
         let (c, inner) = (self.classes, self.inner);
         let body = format!(
             "    let r = (i / ({c}u * {inner}u)) * {inner}u + i % {inner}u;\n\
+             \x20   if (labels[r] == {IGNORED}u) {{\n\
+             \x20       dx[i] = 0.0;\n\
+             \x20       return;\n\
+             \x20   }}\n\
              \x20   let cls = (i / {inner}u) % {c}u;\n\
              \x20   let p = exp(x[i] - log_sum_exp(base_of(r)));\n\
              \x20   let hot = select(0.0, 1.0, labels[r] == cls);\n\
-             \x20   dx[i] = (p - hot) * (dloss[0] * {});",
-            super::spec::f32_lit(1.0 / self.rows() as f32)
+             \x20   dx[i] = (p - hot) * dsum[0];"
         );
         one_d(
             "cross_entropy_bwd",
             &[
                 ("x", Binding::Read, "f32"),
                 ("labels", Binding::Read, "u32"),
-                ("dloss", Binding::Read, "f32"),
+                ("dsum", Binding::Read, "f32"),
                 ("dx", Binding::ReadWrite, "f32"),
             ],
             &self.row_helpers(),
@@ -145,25 +183,28 @@ fn log_sum_exp(base: u32) -> f32 {{
         )
     }
 
-    /// CPU reference: `(mean loss, dx)` for upstream gradient `dloss`, in f64.
-    pub fn reference(&self, x: &[f32], labels: &[u32], dloss: f32) -> (f32, Vec<f32>) {
+    /// CPU reference, in f64: `(sum of the counted rows' losses, dx)` for
+    /// `dsum`, the gradient w.r.t. that sum. Labels must be [`IGNORED`] or
+    /// in `[0, classes)`.
+    pub fn reference(&self, x: &[f32], labels: &[u32], dsum: f32) -> (f64, Vec<f32>) {
         let (c, inner) = (self.classes, self.inner);
-        let rows = self.rows();
         let mut total = 0.0f64;
         let mut dx = vec![0.0f32; x.len()];
-        for r in 0..rows {
+        for (r, &label) in labels.iter().enumerate().take(self.rows()) {
+            if label == IGNORED {
+                continue;
+            }
             let base = (r / inner) * c * inner + r % inner;
             let at = |k: usize| f64::from(x[base + k * inner]);
             let hi = (0..c).map(at).fold(f64::NEG_INFINITY, f64::max);
             let lse = hi + (0..c).map(|k| (at(k) - hi).exp()).sum::<f64>().ln();
-            total += lse - at(labels[r] as usize);
+            total += lse - at(label as usize);
             for k in 0..c {
-                let hot = if labels[r] as usize == k { 1.0 } else { 0.0 };
-                dx[base + k * inner] =
-                    (((at(k) - lse).exp() - hot) * f64::from(dloss) / rows as f64) as f32;
+                let hot = if label as usize == k { 1.0 } else { 0.0 };
+                dx[base + k * inner] = (((at(k) - lse).exp() - hot) * f64::from(dsum)) as f32;
             }
         }
-        ((total / rows as f64) as f32, dx)
+        (total, dx)
     }
 }
 
@@ -253,8 +294,30 @@ mod tests {
             classes: 4,
             inner: 1,
         };
-        let (loss, dx) = ce.reference(&[0.0; 8], &[1, 3], 1.0);
-        assert!((loss - 4f32.ln()).abs() < 1e-6);
+        let (sum, dx) = ce.reference(&[0.0; 8], &[1, 3], 0.5);
+        assert!((sum - 2.0 * 4f64.ln()).abs() < 1e-12);
         assert!((dx[1] - (0.25 - 1.0) / 2.0).abs() < 1e-7 && (dx[0] - 0.125).abs() < 1e-7);
+    }
+
+    #[test]
+    fn ignored_rows_add_no_loss_and_no_gradient() {
+        let ce = CrossEntropy {
+            n: 1,
+            classes: 2,
+            inner: 3,
+        };
+        let x = [0.5, -1.0, 2.0, 0.0, 1.0, -2.0];
+        let labels = class_labels(&[1, -100, 0], 2, -100).unwrap();
+        assert_eq!(labels[1], IGNORED);
+        let (sum, dx) = ce.reference(&x, &labels, 1.0);
+        let alone = |a: f64, b: f64, k: usize| {
+            let lse = a.max(b) + ((a - a.max(b)).exp() + (b - a.max(b)).exp()).ln();
+            lse - [a, b][k]
+        };
+        let want = alone(0.5, 0.0, 1) + alone(2.0, -2.0, 0);
+        assert!((sum - want).abs() < 1e-12);
+        assert_eq!((dx[1], dx[4]), (0.0, 0.0), "the ignored row's column");
+        assert_eq!(class_labels(&[0, 2], 2, -100), Err((1, 2)));
+        assert_eq!(class_labels(&[-1], 2, -100), Err((0, -1)));
     }
 }

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::GraphError;
 use crate::init::Init;
+pub use crate::loss::{ClassAxis, Loss};
 use crate::ops::{Op, OpError};
 use crate::tensor::{DType, TensorInfo};
 
@@ -65,15 +66,6 @@ pub struct Node {
     #[serde(flatten)]
     pub op: Op,
     pub inputs: Vec<String>,
-}
-
-/// The training objective; job configuration, not a graph node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Loss {
-    /// Over logits with integer class labels, as `nn.CrossEntropyLoss`.
-    CrossEntropy,
-    Mse,
 }
 
 /// A model: data only.

@@ -13,6 +13,7 @@ pub mod graph;
 pub mod init;
 pub mod layout;
 pub mod load;
+pub mod loss;
 pub mod onnx;
 pub mod ops;
 pub mod spec;
@@ -20,9 +21,10 @@ pub mod tensor;
 
 pub use clusters::ClusterCount;
 pub use error::{GraphError, OnnxError, SpecError};
-pub use graph::{Analysis, Graph, Input, Loss, Node, NodeInfo, Param, ParamKind};
+pub use graph::{Analysis, Graph, Input, Node, NodeInfo, Param, ParamKind};
 pub use init::Init;
 pub use layout::{LayoutError, Source, StageLayout};
+pub use loss::{ClassAxis, Loss};
 pub use onnx::Imported;
 pub use ops::Op;
 /// The optimizer settings of a job: defined beside the kernels that step

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use rookery_kernels::loss::{CrossEntropy, Mse};
+use rookery_kernels::loss::{CrossEntropy, IGNORED, Mse, class_labels};
 use rookery_model::Loss;
 use rookery_proto::WireTensor;
 
@@ -230,22 +230,11 @@ impl<D: Device> Backend for StageExecutor<D> {
         loss: Loss,
         y: &HostTensor,
         labels: &WireTensor,
-        batch_size: usize,
+        step_targets: u64,
     ) -> Result<LeafLossValue<HostTensor>, StageError> {
-        let samples = y.shape.first().copied().unwrap_or(0);
-        if samples == 0 || batch_size == 0 || samples > batch_size {
-            return Err(StageError::Grad {
-                name: "loss".into(),
-                reason: format!(
-                    "a micro-batch of {samples} samples cannot be part of a batch of {batch_size}"
-                ),
-            });
-        }
-        // The gradient of this micro-batch's share of the step's mean loss.
-        let share = samples as f32 / batch_size as f32;
-        let (mean, grad) = host_loss(loss, y, labels, share)?;
+        let (sum, grad) = host_loss(loss, y, labels, Some(step_targets))?;
         Ok(LeafLossValue {
-            mean: f64::from(mean),
+            sum,
             grad: HostTensor {
                 shape: y.shape.clone(),
                 data: grad,
@@ -253,89 +242,116 @@ impl<D: Device> Backend for StageExecutor<D> {
         })
     }
 
-    fn loss_value(
-        &self,
-        loss: Loss,
-        y: &HostTensor,
-        labels: &WireTensor,
-    ) -> Result<f64, StageError> {
-        Ok(f64::from(host_loss(loss, y, labels, 1.0)?.0))
+    fn loss_sum(&self, loss: Loss, y: &HostTensor, labels: &WireTensor) -> Result<f64, StageError> {
+        Ok(host_loss(loss, y, labels, None)?.0)
     }
 
-    fn correct(&self, y: &HostTensor, labels: &WireTensor) -> Result<u64, StageError> {
+    fn correct(&self, loss: Loss, y: &HostTensor, labels: &WireTensor) -> Result<u64, StageError> {
         let labels = labels.to_i64().map_err(|e| StageError::Grad {
             name: "labels".into(),
             reason: e.to_string(),
         })?;
-        Ok(count_correct(y, &labels))
+        Ok(count_correct(loss, y, &labels))
     }
 }
 
-/// The mean loss and its gradient scaled by `scale`, as `nn.CrossEntropyLoss`
-/// and `nn.MSELoss` compute them.
+fn bad_labels(reason: String) -> StageError {
+    StageError::Grad {
+        name: "labels".into(),
+        reason,
+    }
+}
+
+/// The micro-batch's summed per-target loss and, for a step whose mean
+/// divides by `step_targets`, the gradient of its share `sum / step_targets`
+/// (zeros without a step), as `nn.CrossEntropyLoss(ignore_index=..)` and
+/// `nn.MSELoss` compute them.
 fn host_loss(
     loss: Loss,
     y: &HostTensor,
     labels: &WireTensor,
-    scale: f32,
-) -> Result<(f32, Vec<f32>), StageError> {
-    let bad = |reason: String| StageError::Grad {
-        name: "labels".into(),
-        reason,
-    };
+    step_targets: Option<u64>,
+) -> Result<(f64, Vec<f32>), StageError> {
+    let labels_shape: Vec<usize> = labels.shape.iter().map(|&d| d as usize).collect();
     match loss {
-        Loss::CrossEntropy => {
-            let (Some(&n), Some(&classes)) = (y.shape.first(), y.shape.get(1)) else {
-                return Err(bad(format!(
-                    "cross-entropy needs logits [N, C, ..], got shape {:?}",
+        Loss::CrossEntropy {
+            class_axis,
+            ignore_index,
+        } => {
+            let (Some((n, classes, inner)), Some(want)) =
+                (class_axis.split(&y.shape), class_axis.label_shape(&y.shape))
+            else {
+                return Err(bad_labels(format!(
+                    "cross-entropy needs logits with a batch and a class dimension, got shape {:?}",
                     y.shape
                 )));
             };
-            let inner: usize = y.shape.iter().skip(2).product();
-            let classes_of = labels.to_i64().map_err(|e| bad(e.to_string()))?;
-            if classes_of.len() != n * inner {
-                return Err(bad(format!(
-                    "{} labels for {} rows of logits",
-                    classes_of.len(),
-                    n * inner
+            if labels_shape != want {
+                return Err(bad_labels(format!(
+                    "labels of shape {labels_shape:?} do not fit logits {:?} with classes at dimension {} (expected {want:?})",
+                    y.shape,
+                    class_axis.index()
                 )));
             }
-            let labels = classes_of
-                .iter()
-                .map(|&c| {
-                    u32::try_from(c)
-                        .ok()
-                        .filter(|&c| (c as usize) < classes)
-                        .ok_or_else(|| bad(format!("class {c} is outside 0..{classes}")))
-                })
-                .collect::<Result<Vec<u32>, _>>()?;
-            Ok(CrossEntropy { n, classes, inner }.reference(&y.data, &labels, scale))
+            let values = labels.to_i64().map_err(|e| bad_labels(e.to_string()))?;
+            let classes_of = class_labels(&values, classes, ignore_index).map_err(|(i, c)| {
+                bad_labels(format!(
+                    "label {c} at position {i} is outside 0..{classes} and is not the ignore_index {ignore_index}"
+                ))
+            })?;
+            let counted = classes_of.iter().filter(|&&c| c != IGNORED).count() as u64;
+            let dsum = match step_targets {
+                Some(t) if counted > t => {
+                    return Err(bad_labels(format!(
+                        "a micro-batch of {counted} counted targets cannot be part of a step of {t}"
+                    )));
+                }
+                Some(0) | None => 0.0,
+                Some(t) => 1.0 / t as f32,
+            };
+            Ok(CrossEntropy { n, classes, inner }.reference(&y.data, &classes_of, dsum))
         }
         Loss::Mse => {
-            let target = from_wire(labels).map_err(|e| bad(e.to_string()))?;
+            let target = from_wire(labels).map_err(|e| bad_labels(e.to_string()))?;
             if target.shape != y.shape {
-                return Err(bad(format!(
+                return Err(bad_labels(format!(
                     "targets of shape {:?} for outputs of shape {:?}",
                     target.shape, y.shape
                 )));
             }
-            Ok(Mse { len: y.data.len() }.reference(&y.data, &target.data, scale))
+            let samples = y.shape.first().copied().unwrap_or(0) as u64;
+            let share = match step_targets {
+                Some(t) if samples == 0 || samples > t => {
+                    return Err(bad_labels(format!(
+                        "a micro-batch of {samples} samples cannot be part of a step of {t}"
+                    )));
+                }
+                Some(t) => samples as f32 / t as f32,
+                None => 0.0,
+            };
+            let (mean, grad) = Mse { len: y.data.len() }.reference(&y.data, &target.data, share);
+            Ok((f64::from(mean) * samples as f64, grad))
         }
     }
 }
 
-/// Samples of `y` (`[N, C, inner..]` logits) whose first highest class is
-/// their label (`[N, inner..]`).
-pub fn count_correct(y: &HostTensor, labels: &[i64]) -> u64 {
-    let (Some(&n), Some(&classes)) = (y.shape.first(), y.shape.get(1)) else {
+/// Counted labels (every label but cross-entropy's `ignore_index`) whose
+/// first highest logit is the label; 0 when the shapes do not fit.
+pub fn count_correct(loss: Loss, y: &HostTensor, labels: &[i64]) -> u64 {
+    let Loss::CrossEntropy { class_axis, .. } = loss else {
         return 0;
     };
-    let inner: usize = y.shape.iter().skip(2).product();
+    let Some((n, classes, inner)) = class_axis.split(&y.shape) else {
+        return 0;
+    };
     if n * inner != labels.len() || classes == 0 {
         return 0;
     }
     let mut hits = 0;
     for (row, &label) in labels.iter().enumerate() {
+        if !loss.counts(label) {
+            continue;
+        }
         let base = (row / inner) * classes * inner + row % inner;
         let mut best = 0;
         for c in 1..classes {
@@ -388,7 +404,48 @@ mod tests {
             shape: vec![3, 3],
             data: vec![0.1, 0.9, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 2.0],
         };
-        assert_eq!(count_correct(&y, &[1, 0, 1]), 2);
-        assert_eq!(count_correct(&y, &[1, 1]), 0, "mismatched label count");
+        let ce = Loss::cross_entropy();
+        assert_eq!(count_correct(ce, &y, &[1, 0, 1]), 2);
+        assert_eq!(count_correct(ce, &y, &[1, 1]), 0, "mismatched label count");
+        assert_eq!(
+            count_correct(ce, &y, &[-100, 0, 2]),
+            2,
+            "ignored rows count nowhere"
+        );
+        assert_eq!(count_correct(Loss::Mse, &y, &[1, 0, 1]), 0);
+    }
+
+    #[test]
+    fn correct_counts_per_token_with_classes_last_or_second() {
+        // [1, 2, 3] with classes last: tokens predict 2 and 0.
+        let y = HostTensor {
+            shape: vec![1, 2, 3],
+            data: vec![0.0, 1.0, 2.0, 5.0, 1.0, 0.0],
+        };
+        let last = Loss::CrossEntropy {
+            class_axis: rookery_model::ClassAxis::Last,
+            ignore_index: -1,
+        };
+        assert_eq!(count_correct(last, &y, &[2, 0]), 2);
+        assert_eq!(count_correct(last, &y, &[2, -1]), 1);
+        // The same numbers with classes second: 3 tokens of 2 classes predict 1, 0 (a tie), 0.
+        assert_eq!(count_correct(Loss::cross_entropy(), &y, &[1, 0, 1]), 2);
+    }
+
+    #[test]
+    fn a_micro_batch_gradient_is_its_share_of_the_step_mean() {
+        let y = HostTensor {
+            shape: vec![2, 2],
+            data: vec![0.0, 0.0, 1.0, -1.0],
+        };
+        let labels = WireTensor::from_i64("labels", &[2], &[0, -100]);
+        let (sum, grad) = host_loss(Loss::cross_entropy(), &y, &labels, Some(4)).unwrap();
+        assert!((sum - 2f64.ln()).abs() < 1e-7);
+        assert_eq!(grad, vec![(0.5 - 1.0) / 4.0, 0.5 / 4.0, 0.0, 0.0]);
+        let e = host_loss(Loss::cross_entropy(), &y, &labels, Some(0)).unwrap_err();
+        assert!(e.to_string().contains("1 counted targets"), "{e}");
+        let wrong = WireTensor::from_i64("labels", &[2, 1], &[0, 1]);
+        let e = host_loss(Loss::cross_entropy(), &y, &wrong, Some(4)).unwrap_err();
+        assert!(e.to_string().contains("expected [2]"), "{e}");
     }
 }

@@ -59,9 +59,10 @@ pub struct StageSpec<'a> {
 
 /// The loss of one micro-batch on the Leaf.
 pub struct LeafLossValue<T> {
-    /// The micro-batch's own mean loss.
-    pub mean: f64,
-    /// The gradient of its share of the step's mean loss w.r.t. the output.
+    /// The micro-batch's summed per-target loss, as `LeafLoss::loss_sum`.
+    pub sum: f64,
+    /// The gradient of its share of the step's mean loss (`sum /
+    /// step_targets`) w.r.t. the output.
     pub grad: T,
 }
 
@@ -111,24 +112,30 @@ pub trait Backend {
     fn optimizer_state(
         &mut self,
     ) -> impl Future<Output = Result<Vec<ParamOptimState>, Self::Error>>;
-    /// The Leaf's loss of output `y` against `labels` in a step of
-    /// `batch_size` samples.
+    /// The Leaf's loss of output `y` against `labels` in a step whose mean
+    /// divides by `step_targets` (`Forward::step_targets`).
     fn leaf_loss(
         &self,
         loss: Loss,
         y: &Self::Tensor,
         labels: &WireTensor,
-        batch_size: usize,
+        step_targets: u64,
     ) -> Result<LeafLossValue<Self::Tensor>, Self::Error>;
-    /// The mean loss of an evaluation micro-batch.
-    fn loss_value(
+    /// The summed per-target loss of an evaluation micro-batch.
+    fn loss_sum(
         &self,
         loss: Loss,
         y: &Self::Tensor,
         labels: &WireTensor,
     ) -> Result<f64, Self::Error>;
-    /// Samples whose highest logit (the first, on ties) is their label.
-    fn correct(&self, y: &Self::Tensor, labels: &WireTensor) -> Result<u64, Self::Error>;
+    /// Counted labels (cross-entropy's, `ignore_index` aside) whose first
+    /// highest logit is the label.
+    fn correct(
+        &self,
+        loss: Loss,
+        y: &Self::Tensor,
+        labels: &WireTensor,
+    ) -> Result<u64, Self::Error>;
 }
 
 /// Builds backends for assignments.
@@ -566,14 +573,14 @@ impl<B: Backend> Stage<B> {
         let y = single_output(&outputs, &output)?;
         let loss = self
             .exec
-            .leaf_loss(self.loss, y, labels, f.step_samples as usize)
+            .leaf_loss(self.loss, y, labels, f.step_targets)
             .map_err(backend)?;
         let samples = self.exec.samples(y).unwrap_or(0);
         out.push(ToServer::LeafLoss(LeafLoss {
             job_id: self.job_id,
             phase: f.phase,
             micro,
-            loss_sum: loss.mean * samples as f64,
+            loss_sum: loss.sum,
             correct: self.correct(y, labels)?,
             samples: samples as u32,
         }));
@@ -684,28 +691,25 @@ impl<B: Backend> Stage<B> {
             .as_ref()
             .ok_or_else(|| protocol("the Leaf got a Forward without labels"))?;
         let y = single_output(&outputs, output)?;
-        let mean = self
-            .exec
-            .loss_value(self.loss, y, labels)
-            .map_err(backend)?;
+        let loss_sum = self.exec.loss_sum(self.loss, y, labels).map_err(backend)?;
         let samples = self.exec.samples(y).unwrap_or(0);
         out.push(ToServer::LeafLoss(LeafLoss {
             job_id: self.job_id,
             phase: f.phase,
             micro: f.micro,
-            loss_sum: mean * samples as f64,
+            loss_sum,
             correct: self.correct(y, labels)?,
             samples: samples as u32,
         }));
         Ok(())
     }
 
-    /// Samples whose highest logit is their label; 0 for regression.
+    /// Counted labels the logits predict; 0 for regression.
     fn correct(&self, y: &B::Tensor, labels: &WireTensor) -> Result<u64, WorkerError> {
-        if self.loss != Loss::CrossEntropy {
+        if !self.loss.is_cross_entropy() {
             return Ok(0);
         }
-        self.exec.correct(y, labels).map_err(backend)
+        self.exec.correct(self.loss, y, labels).map_err(backend)
     }
 
     fn decode_all(&self, tensors: &[WireTensor]) -> Result<Vec<(String, B::Tensor)>, WorkerError> {

@@ -139,6 +139,9 @@ pub struct StepBatch {
     pub shape: Vec<usize>,
     pub x: Vec<f32>,
     pub y: Vec<i64>,
+    /// The labels' shape: the batch, then one sample's labels (`[B]` for
+    /// one class a sample, `[B, T]` for a language model's tokens).
+    pub y_shape: Vec<usize>,
 }
 
 /// The batches of a job, step by step, as a single process trains on them:
@@ -208,11 +211,14 @@ impl Iterator for JobBatches {
             // Reference runs compare classifiers; regression labels have no classes.
             return None;
         };
+        let mut y_shape = vec![idx.len()];
+        y_shape.extend_from_slice(&self.data.label_shape);
         Some(StepBatch {
             step,
             shape,
             x: self.data.gather_inputs(idx),
             y,
+            y_shape,
         })
     }
 }

@@ -1,14 +1,16 @@
 //! Losses the Leaf computes: cross-entropy over logits with i64 class labels
-//! and mean squared error, both with PyTorch's `reduction="mean"`.
+//! (classes at dimension 1 or last, with `ignore_index`) and mean squared
+//! error, both with PyTorch's `reduction="mean"`.
 //!
-//! Micro-batching: a batch of `B` samples split into micro-batches of `m_i`
-//! samples gives the same gradients as one pass with the mean loss when each
-//! micro-batch's mean loss is scaled by its share `m_i / B`, because
-//! `mean_B = sum_i (m_i / B) * mean_{m_i}`. [`micro_batch_loss`] applies that
-//! scale, so summing the returned values over a step's micro-batches gives the
-//! batch's mean loss and the accumulated parameter gradients are the batch's.
+//! Micro-batching: a step's mean loss is the sum of its per-target losses
+//! over its `T` targets (cross-entropy: the labels that are not
+//! `ignore_index`; MSE: its samples, each sample's mean counting once). A
+//! micro-batch contributes `sum_i / T`, which is what [`micro_batch_loss`]
+//! backpropagates, so summing the returned `scaled` over a step's
+//! micro-batches gives the step's mean loss and the accumulated parameter
+//! gradients are the whole step's, however the ignored targets fall.
 
-use rookery_model::Loss;
+use rookery_model::{ClassAxis, Loss};
 use tch::{Kind, Reduction, Tensor};
 
 use super::ExecError;
@@ -16,63 +18,97 @@ use super::ExecError;
 /// One micro-batch's loss and the gradient that starts backward on the Leaf.
 #[derive(Debug)]
 pub struct LossOutput {
-    /// The micro-batch's own mean loss.
-    pub mean: f64,
-    /// `mean * m_i / B`: this micro-batch's contribution to the batch's mean loss.
+    /// The micro-batch's summed per-target loss.
+    pub sum: f64,
+    /// `sum / step_targets`: this micro-batch's contribution to the step's mean loss.
     pub scaled: f64,
     /// Gradient of the scaled loss w.r.t. the output, for [`super::TorchExecutor::backward`].
     pub grad: Tensor,
 }
 
-/// The loss of one micro-batch whose step has `batch_size` samples in all
-/// (dimension 0 of `output` and `labels` is the micro-batch's sample count).
+/// The targets a step's mean loss divides by: `labels`' entries other than
+/// `ignore_index` for cross-entropy, its samples (dimension 0) for MSE.
+pub fn loss_targets(loss: Loss, labels: &Tensor) -> Result<u64, ExecError> {
+    Ok(match loss {
+        Loss::CrossEntropy { ignore_index, .. } => labels
+            .f_ne(ignore_index)?
+            .f_sum(Kind::Int64)?
+            .f_int64_value(&[])?
+            .max(0) as u64,
+        Loss::Mse => labels.size().first().copied().unwrap_or(0).max(0) as u64,
+    })
+}
+
+/// The loss of one micro-batch of a step whose mean divides by
+/// `step_targets` ([`loss_targets`] of the whole step's labels).
 ///
-/// - [`Loss::CrossEntropy`]: `output` is logits `[N, C]` or `[N, C, d..]`,
-///   `labels` i64 classes `[N]` or `[N, d..]` in `[0, C)`; as `nn.CrossEntropyLoss()`.
+/// - [`Loss::CrossEntropy`]: `output` is logits `[N, C, d..]` (classes at
+///   dimension 1) or `[N, d.., C]` (classes last), `labels` i64 classes
+///   shaped like the logits without the class dimension, each in `[0, C)` or
+///   `ignore_index`; as `nn.CrossEntropyLoss(ignore_index=..)`.
 /// - [`Loss::Mse`]: `labels` floats shaped like `output`; as `nn.MSELoss()`.
 pub fn micro_batch_loss(
     loss: Loss,
     output: &Tensor,
     labels: &Tensor,
-    batch_size: usize,
+    step_targets: u64,
 ) -> Result<LossOutput, ExecError> {
     check(loss, output, labels)?;
+    let own = loss_targets(loss, labels)?;
     let samples = output.size().first().copied().unwrap_or(0);
-    if samples <= 0 || batch_size == 0 || samples as usize > batch_size {
+    if samples <= 0 || own > step_targets {
         return Err(ExecError::Loss(format!(
-            "a micro-batch of {samples} samples cannot be part of a batch of {batch_size}"
+            "a micro-batch of {samples} samples and {own} targets cannot be part of a step of {step_targets} targets"
         )));
     }
-    let share = samples as f64 / batch_size as f64;
     let labels = place_labels(loss, output, labels)?;
     let x = output.f_detach()?.f_set_requires_grad(true)?;
-    let (mean, scaled) = tch::with_grad(|| -> Result<_, ExecError> {
-        let mean = raw(loss, &x, &labels)?;
-        let scaled = if share == 1.0 {
-            mean.shallow_clone()
-        } else {
-            mean.f_mul_scalar(share)?
-        };
+    let (sum, scaled) = tch::with_grad(|| -> Result<_, ExecError> {
+        let sum = summed(loss, &x, &labels)?;
+        // With every target ignored there is nothing to learn (torch's mean
+        // would be 0/0); the gradient is zero rather than NaN.
+        let scaled = sum.f_div_scalar(step_targets.max(1) as f64)?;
         scaled.f_backward()?;
-        Ok((mean, scaled))
+        Ok((sum, scaled))
     })?;
     let grad = x.f_grad()?;
     if !grad.defined() {
         return Err(ExecError::Loss("the loss produced no gradient".into()));
     }
     Ok(LossOutput {
-        mean: mean.f_double_value(&[])?,
+        sum: sum.f_double_value(&[])?,
         scaled: scaled.f_double_value(&[])?,
         grad,
     })
 }
 
-/// The mean loss without gradients, for evaluation.
-pub fn loss_value(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<f64, ExecError> {
+/// The summed per-target loss without gradients, for evaluation.
+pub fn loss_sum(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<f64, ExecError> {
     check(loss, output, labels)?;
     let labels = place_labels(loss, output, labels)?;
-    let value = tch::no_grad(|| raw(loss, output, &labels))?;
+    let value = tch::no_grad(|| summed(loss, output, &labels))?;
     Ok(value.f_double_value(&[])?)
+}
+
+/// Counted labels whose first highest logit is the label (cross-entropy;
+/// 0 for MSE).
+pub fn correct(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<u64, ExecError> {
+    let Loss::CrossEntropy {
+        class_axis,
+        ignore_index,
+    } = loss
+    else {
+        return Ok(0);
+    };
+    let dim = class_axis.dim(output.dim()) as i64;
+    let labels = labels.f_to_device(output.device())?;
+    let hits = output
+        .f_argmax(dim, false)?
+        .f_eq_tensor(&labels)?
+        .f_logical_and(&labels.f_ne(ignore_index)?)?
+        .f_sum(Kind::Int64)?
+        .f_int64_value(&[])?;
+    Ok(hits.max(0) as u64)
 }
 
 /// Labels on the output's device; MSE targets also in its float kind, which
@@ -80,17 +116,38 @@ pub fn loss_value(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<f64, E
 fn place_labels(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<Tensor, ExecError> {
     let labels = labels.f_to_device(output.device())?;
     Ok(match loss {
-        Loss::CrossEntropy => labels,
+        Loss::CrossEntropy { .. } => labels,
         Loss::Mse => labels.f_to_kind(output.kind())?,
     })
 }
 
-fn raw(loss: Loss, x: &Tensor, labels: &Tensor) -> Result<Tensor, ExecError> {
+/// The summed per-target loss: cross-entropy summed over counted targets,
+/// MSE's mean times the samples.
+fn summed(loss: Loss, x: &Tensor, labels: &Tensor) -> Result<Tensor, ExecError> {
     Ok(match loss {
-        Loss::CrossEntropy => {
-            x.f_cross_entropy_loss(labels, None::<Tensor>, Reduction::Mean, -100, 0.0)?
+        Loss::CrossEntropy {
+            class_axis: ClassAxis::Second,
+            ignore_index,
+        } => x.f_cross_entropy_loss(labels, None::<Tensor>, Reduction::Sum, ignore_index, 0.0)?,
+        Loss::CrossEntropy {
+            class_axis: ClassAxis::Last,
+            ignore_index,
+        } => {
+            // As users write it: `logits.view(-1, C)` against `labels.view(-1)`.
+            let classes = x.size().last().copied().unwrap_or(0);
+            x.f_reshape([-1, classes])?.f_cross_entropy_loss(
+                &labels.f_reshape([-1])?,
+                None::<Tensor>,
+                Reduction::Sum,
+                ignore_index,
+                0.0,
+            )?
         }
-        Loss::Mse => x.f_mse_loss(labels, Reduction::Mean)?,
+        Loss::Mse => {
+            let samples = x.size().first().copied().unwrap_or(0);
+            x.f_mse_loss(labels, Reduction::Mean)?
+                .f_mul_scalar(samples as f64)?
+        }
     })
 }
 
@@ -105,31 +162,38 @@ fn check(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<(), ExecError> 
         )));
     }
     match loss {
-        Loss::CrossEntropy => {
+        Loss::CrossEntropy {
+            class_axis,
+            ignore_index,
+        } => {
             if labels.kind() != Kind::Int64 {
                 return Err(ExecError::Loss(format!(
                     "cross-entropy labels must be i64 class indices, got {:?}",
                     labels.kind()
                 )));
             }
-            let mut expected = o.clone();
             if o.len() < 2 {
                 return Err(ExecError::Loss(format!(
-                    "cross-entropy needs logits [N, C, ..], got shape {o:?}"
+                    "cross-entropy needs logits with a batch and a class dimension, got shape {o:?}"
                 )));
             }
-            let classes = expected.remove(1);
+            let dim = class_axis.dim(o.len());
+            let classes = o[dim];
+            let mut expected = o.clone();
+            expected.remove(dim);
             if l != expected {
                 return Err(ExecError::Loss(format!(
-                    "labels of shape {l:?} do not fit logits {o:?} (expected {expected:?})"
+                    "labels of shape {l:?} do not fit logits {o:?} with classes at dimension {} (expected {expected:?})",
+                    class_axis.index()
                 )));
             }
-            if labels.numel() > 0 {
-                let lo = labels.f_min()?.f_int64_value(&[])?;
-                let hi = labels.f_max()?.f_int64_value(&[])?;
+            let counted = labels.f_masked_select(&labels.f_ne(ignore_index)?)?;
+            if counted.numel() > 0 {
+                let lo = counted.f_min()?.f_int64_value(&[])?;
+                let hi = counted.f_max()?.f_int64_value(&[])?;
                 if lo < 0 || hi >= classes {
                     return Err(ExecError::Loss(format!(
-                        "labels span [{lo}, {hi}] but there are {classes} classes"
+                        "labels span [{lo}, {hi}] but there are {classes} classes (the ignore_index {ignore_index} aside)"
                     )));
                 }
             }

@@ -28,7 +28,7 @@ use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
 pub use rookery_stage::StageError;
 use tch::{Device, Kind, Tensor};
 
-pub use loss::{LossOutput, micro_batch_loss};
+pub use loss::{LossOutput, loss_targets, micro_batch_loss};
 pub use optim::{OptimizerConfig, TorchOptimizer};
 
 use ops::{OpContext, OpFailure};

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use rookery_model::{Graph, Loss};
 use tch::{Device, Tensor};
 
+use super::loss::loss_targets;
 use super::{ExecError, StageError, TorchExecutor, TorchOptimizer, micro_batch_loss};
 
 /// One training step of the whole model on one batch: forward in training
@@ -59,11 +60,11 @@ pub fn whole_batch_step(
                 "the loss needs exactly one model output, got {names:?}"
             ))
         })?;
-    let batch = batch_size(batch_inputs)?;
+    batch_size(batch_inputs)?;
     exec.set_step_seed(step_seed);
     let fwd = exec.forward(batch_inputs, true)?;
     let out = single(&fwd.outputs, &out_name)?;
-    let l = micro_batch_loss(loss, out, labels, batch)?;
+    let l = micro_batch_loss(loss, out, labels, loss_targets(loss, labels)?)?;
     exec.backward(fwd.micro_batch, &[(out_name, l.grad)])?;
     exec.step(optimizer)?;
     Ok(l.scaled)
@@ -72,7 +73,8 @@ pub fn whole_batch_step(
 /// One step of a cluster in one process, in the sync (GPipe) schedule: the batch
 /// is cut into `micro_batches` chunks along dimension 0 (as `torch.chunk`),
 /// every chunk goes forward through `stages` in order, the last stage's single
-/// output gets the chunk's share of the mean loss, gradients go back stage by
+/// output gets the chunk's share of the step's mean loss (its summed loss over
+/// the whole batch's targets), gradients go back stage by
 /// stage, and each stage steps its own optimizer once all chunks are done.
 /// Tensors a stage does not list as inputs stay available to later stages, and
 /// gradients arriving for the same tensor from several stages are summed.
@@ -102,6 +104,7 @@ pub fn pipeline_train_step(
         }
     };
     let batch = batch_size(batch_inputs)?;
+    let step_targets = loss_targets(loss, labels)?;
     let chunk = batch.div_ceil(micro_batches.max(1));
     for s in stages.iter_mut() {
         s.set_step_seed(step_seed);
@@ -140,7 +143,7 @@ pub fn pipeline_train_step(
             name: leaf_output.clone(),
             reason: "not produced".into(),
         })?;
-        let l = micro_batch_loss(loss, out, &narrow(labels)?, batch)?;
+        let l = micro_batch_loss(loss, out, &narrow(labels)?, step_targets)?;
         total += l.scaled;
         handles.push((per_stage, l.grad));
         start += len;

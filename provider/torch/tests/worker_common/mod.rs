@@ -14,7 +14,7 @@ use rookery_proto::{
     WireDType, WireTensor,
 };
 use rookery_stage::{Device as StageDevice, OwnFactory, StageWorker};
-use rookery_torch::exec::stage_boundary;
+use rookery_torch::exec::{loss_targets, stage_boundary};
 use rookery_torch::{TorchWorker, tensor_to_wire};
 use tch::{Device, Kind, Tensor};
 
@@ -121,6 +121,9 @@ pub struct StepReport {
     pub loss_sum: f64,
     pub correct: u64,
     pub samples: u64,
+    /// What the step's mean divides by (`Forward::step_targets`); in
+    /// evaluation, summed over the micro-batches (each carries its own).
+    pub targets: u64,
     /// StepDone per stage, in the order they came.
     pub step_done: Vec<usize>,
     /// Encoded sizes of every Activations frame.
@@ -221,6 +224,13 @@ impl Chain {
         };
         let last = self.last();
         let labels_for = |k: usize, m: u32| (k == last).then(|| labels_wire(&part(y, m)));
+        // As the server: a training step's targets are the whole batch's, an
+        // evaluation micro-batch's its own.
+        let loss = self.job.loss;
+        let targets_of = |m: u32| match phase {
+            Phase::Train { .. } => loss_targets(loss, y).unwrap(),
+            Phase::Eval { .. } => loss_targets(loss, &part(y, m)).unwrap(),
+        };
         let mut queue: VecDeque<(usize, ToProvider)> = (0..count)
             .map(|m| {
                 (
@@ -230,6 +240,7 @@ impl Chain {
                         phase,
                         micro: m,
                         step_samples: b,
+                        step_targets: targets_of(m),
                         inputs: vec![
                             tensor_to_wire(&self.input, &part(x, m), WireDType::F32).unwrap(),
                         ],
@@ -259,6 +270,7 @@ impl Chain {
                                 phase: a.phase,
                                 micro: a.micro,
                                 step_samples: b,
+                                step_targets: targets_of(a.micro),
                                 inputs: a.outputs,
                                 labels: labels_for(k + 1, a.micro),
                             }),
@@ -294,6 +306,10 @@ impl Chain {
                 }
             }
         }
+        report.targets = match phase {
+            Phase::Train { .. } => targets_of(0),
+            Phase::Eval { .. } => (0..count).map(targets_of).sum(),
+        };
         assert_eq!(report.leaf_losses, count as usize);
         assert_eq!(report.samples, u64::from(b));
         report

@@ -3,6 +3,7 @@
 // Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
 #![allow(clippy::unwrap_used)]
 
+mod labels;
 mod recovery;
 mod relay;
 mod sim;
@@ -76,7 +77,7 @@ fn spec() -> JobSpec {
             epochs: 1,
             batch_size: 4,
             micro_batches: 2,
-            loss: Loss::CrossEntropy,
+            loss: Loss::cross_entropy(),
             optimizer: OptimizerConfig::sgd(0.1),
             clusters: ClusterCount::Fixed(2),
             sync_every: 1,

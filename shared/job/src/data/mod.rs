@@ -23,7 +23,7 @@ pub mod raw;
 mod st;
 pub mod tokens;
 
-use rookery_model::{DType, Graph, Loss, Op, ParamKind};
+use rookery_model::{ClassAxis, DType, Graph, Loss, Op, ParamKind};
 
 pub use raw::{ElemType, RawArray};
 pub use tokens::{TokenDType, TokenIds, TokenWindows};
@@ -38,29 +38,33 @@ pub enum Split {
     Test,
 }
 
-/// Labels, one per sample.
+/// Labels of every sample, row-major; one sample's labels have the
+/// dataset's [`Dataset::label_shape`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Labels {
-    /// Class indices, for `cross_entropy`.
+    /// Class indices, for `cross_entropy` (`ignore_index` among them).
     Classes(Vec<i64>),
-    /// Regression targets, for `mse`: `values` holds `shape`-shaped samples, row-major.
-    Targets { shape: Vec<usize>, values: Vec<f32> },
+    /// Regression targets, for `mse`.
+    Targets(Vec<f32>),
 }
 
 impl Labels {
-    /// Number of samples.
-    pub fn len(&self) -> usize {
+    /// Number of values (samples times one sample's labels).
+    pub fn numel(&self) -> usize {
         match self {
             Labels::Classes(c) => c.len(),
-            Labels::Targets { shape, values } => match shape.iter().product::<usize>() {
-                0 => 0,
-                k => values.len() / k,
-            },
+            Labels::Targets(t) => t.len(),
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// What a step's mean loss divides by, for labels of `samples` samples:
+    /// the class labels `loss` counts (all but `ignore_index`), or the samples
+    /// for regression targets (MSE's per-sample mean counts once per sample).
+    pub fn targets(&self, loss: Loss, samples: usize) -> u64 {
+        match self {
+            Labels::Classes(c) => c.iter().filter(|&&v| loss.counts(v)).count() as u64,
+            Labels::Targets(_) => samples as u64,
+        }
     }
 }
 
@@ -91,7 +95,10 @@ impl Dataset {
     /// Number of samples.
     pub fn len(&self) -> usize {
         match &self.samples {
-            Samples::Arrays { labels, .. } => labels.len(),
+            Samples::Arrays { labels, .. } => match self.label_numel() {
+                0 => 0,
+                k => labels.numel() / k,
+            },
             Samples::Tokens(t) => t.len(),
         }
     }
@@ -136,23 +143,33 @@ impl Dataset {
         }
     }
 
-    /// The labels of samples `idx`, in that order (`label_shape` each).
-    /// Panics if an index is out of range.
+    /// Labels of one sample.
+    pub fn label_numel(&self) -> usize {
+        self.label_shape.iter().product()
+    }
+
+    /// What the mean loss of samples `idx` divides by: [`Labels::targets`]
+    /// of their labels. Panics if an index is out of range.
+    pub fn targets(&self, idx: &[usize], loss: Loss) -> u64 {
+        self.gather_labels(idx).targets(loss, idx.len())
+    }
+
+    /// The labels of samples `idx`, in that order, as one batch of shape
+    /// `[idx.len(), label_shape..]` (row-major). Panics if an index is out
+    /// of range.
     pub fn gather_labels(&self, idx: &[usize]) -> Labels {
+        fn gather<T: Copy>(values: &[T], k: usize, idx: &[usize]) -> Vec<T> {
+            let mut out = Vec::with_capacity(idx.len() * k);
+            for &i in idx {
+                out.extend_from_slice(&values[i * k..(i + 1) * k]);
+            }
+            out
+        }
+        let k = self.label_numel();
         match &self.samples {
             Samples::Arrays { labels, .. } => match labels {
-                Labels::Classes(c) => Labels::Classes(idx.iter().map(|&i| c[i]).collect()),
-                Labels::Targets { shape, values } => {
-                    let k: usize = shape.iter().product();
-                    let mut out = Vec::with_capacity(idx.len() * k);
-                    for &i in idx {
-                        out.extend_from_slice(&values[i * k..(i + 1) * k]);
-                    }
-                    Labels::Targets {
-                        shape: shape.clone(),
-                        values: out,
-                    }
-                }
+                Labels::Classes(c) => Labels::Classes(gather(c, k, idx)),
+                Labels::Targets(t) => Labels::Targets(gather(t, k, idx)),
             },
             Samples::Tokens(t) => Labels::Classes(t.gather_labels(idx)),
         }
@@ -183,11 +200,12 @@ pub fn read_array(format: DataFormat, r: &DataRef) -> Result<RawArray, JobError>
 /// Reads a split's inputs and labels. `Ok(None)` when the job gives no test split.
 ///
 /// The first dimension of each array is the sample index and the rest one
-/// sample's shape. For `cross_entropy` the labels must be one integer per
-/// sample (integer dtypes, or integral floats) and become [`Labels::Classes`];
-/// for `mse` they become [`Labels::Targets`] (f32). Scale and normalisation
-/// apply to the inputs only. A token file (`format = "tokens"`) has no labels
-/// file: its windows' next tokens are the labels.
+/// sample's shape. For `cross_entropy` the labels are integer classes of any
+/// per-sample shape (integer dtypes, or integral floats) and become
+/// [`Labels::Classes`]; for `mse` they become [`Labels::Targets`] (f32).
+/// [`validate_against_model`] checks their shape against the model's output.
+/// Scale and normalisation apply to the inputs only. A token file (`format =
+/// "tokens"`) has no labels file: its windows' next tokens are the labels.
 pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Dataset>, JobError> {
     if spec.format == DataFormat::Tokens {
         return load_tokens(spec, split);
@@ -229,36 +247,17 @@ pub fn load_split(spec: &DataSpec, split: Split, loss: Loss) -> Result<Option<Da
             y.source()
         )));
     }
+    if label_shape.contains(&0) {
+        return Err(JobError::file(
+            y.source(),
+            format!("its labels are empty (shape {:?})", y.shape()),
+        ));
+    }
     let labels = match loss {
-        Loss::CrossEntropy => {
-            if label_shape.iter().product::<usize>() != 1 {
-                return Err(JobError::file(
-                    y.source(),
-                    format!(
-                        "cross_entropy needs one integer class per sample; these labels have shape {label_shape:?} per sample"
-                    ),
-                ));
-            }
-            Labels::Classes(y.to_classes()?)
-        }
-        Loss::Mse => {
-            if label_shape.contains(&0) {
-                return Err(JobError::file(
-                    y.source(),
-                    format!("its targets are empty (shape {:?})", y.shape()),
-                ));
-            }
-            Labels::Targets {
-                shape: label_shape,
-                values: y.to_f32(),
-            }
-        }
+        Loss::CrossEntropy { .. } => Labels::Classes(y.to_classes()?),
+        Loss::Mse => Labels::Targets(y.to_f32()),
     };
     drop(y);
-    let label_shape = match &labels {
-        Labels::Classes(_) => Vec::new(),
-        Labels::Targets { shape, .. } => shape.clone(),
-    };
     let (scale, mean, std) = spec.normalisation();
     let inputs = x.map_f32(|v| (v * scale - mean) / std);
     Ok(Some(Dataset {
@@ -307,9 +306,13 @@ fn split_samples(a: &RawArray) -> Result<(usize, Vec<usize>), JobError> {
 ///
 /// - one sample's shape must be the job's `input_shape`, or hold as many
 ///   values (IDX's `[28, 28]` for `[1, 28, 28]`): `sample_shape` becomes `input_shape`;
-/// - the model must have one output; for `cross_entropy` it must be
-///   `[batch, C]` and every label in `0..C` (the error names the first bad
-///   label and its index); for `mse` the targets' per-sample shape must be the
+/// - the model must have one output; for `cross_entropy` one sample's labels
+///   must be shaped like one sample of the output without its class
+///   dimension (`class_axis`): `[]` for `[batch, C]`, `[T]` for `[batch, C,
+///   T]` or, classes last, `[batch, T, C]`; a label shape of `[1]` for `[]`
+///   is fitted. Every label is in `0..C` or the `ignore_index`
+///   ([`JobError::Labels`] names the first that is not, by sample and
+///   position); for `mse` the targets' per-sample shape must be the
 ///   output's, up to dimensions of size 1 (`[]` or `[1]` for `[batch, 1]`):
 ///   the targets take the output's per-sample shape;
 /// - for a model whose input is i64 (token ids), the inputs must be integers,
@@ -360,37 +363,64 @@ pub fn validate_against_model(
         check_input_ids(inputs, embedding)?;
     }
     match (loss, labels) {
-        (Loss::CrossEntropy, Labels::Classes(classes)) => {
-            let &[c] = per_sample else {
+        (
+            Loss::CrossEntropy {
+                class_axis,
+                ignore_index,
+            },
+            Labels::Classes(classes),
+        ) => {
+            let (Some((_, c, _)), Some(label_shape)) =
+                (class_axis.split(shape), class_axis.label_shape(shape))
+            else {
                 return Err(JobError::Mismatch(format!(
-                    "cross_entropy needs the model's output to be [batch, classes]; it is {shape:?}"
+                    "cross_entropy needs the model's output to have a batch and a class dimension; it is {shape:?}"
                 )));
             };
+            let want = &label_shape[1..];
+            // A column of classes (`[n, 1]`) is one class per sample.
+            let fits = data.label_shape == want || (want.is_empty() && data.label_shape == [1]);
+            if !fits {
+                return Err(JobError::Labels(format!(
+                    "one sample's labels have shape {:?}, but cross_entropy with class_axis = {} over the model's output {shape:?} needs {want:?} (the output's shape without the batch and class dimensions){}",
+                    data.label_shape,
+                    class_axis.index(),
+                    other_axis_hint(shape, class_axis, &data.label_shape)
+                )));
+            }
+            data.label_shape = want.to_vec();
             if let Some((i, v)) = classes
                 .iter()
                 .enumerate()
-                .find(|(_, v)| !(0..c as i64).contains(v))
+                .find(|&(_, &v)| v != ignore_index && !(0..c as i64).contains(&v))
             {
-                return Err(JobError::Mismatch(format!(
-                    "label {v} at index {i} is not a class of the model's output {shape:?} (expected 0..={})",
+                let k = data.label_numel().max(1);
+                let at = if want.is_empty() {
+                    format!("sample {i}")
+                } else {
+                    format!("sample {}, position {}", i / k, i % k)
+                };
+                return Err(JobError::Labels(format!(
+                    "label {v} at {at} is not a class of the model's output {shape:?} (expected 0..={}, or the ignore_index {ignore_index})",
                     c.saturating_sub(1)
                 )));
             }
             Ok(())
         }
-        (Loss::Mse, Labels::Targets { shape: target, .. }) => {
+        (Loss::Mse, Labels::Targets(_)) => {
             let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
-            if squeeze(target) != squeeze(per_sample) {
-                return Err(JobError::Mismatch(format!(
-                    "mse needs targets shaped like one sample of the model's output {per_sample:?}; they are {target:?}"
+            if squeeze(&data.label_shape) != squeeze(per_sample) {
+                return Err(JobError::Labels(format!(
+                    "mse needs targets shaped like one sample of the model's output {per_sample:?}; they are {:?}",
+                    data.label_shape
                 )));
             }
-            *target = per_sample.to_vec();
             data.label_shape = per_sample.to_vec();
             Ok(())
         }
         (loss, _) => Err(JobError::Mismatch(format!(
-            "the labels were not loaded for the {loss:?} loss"
+            "the labels were not loaded for the {} loss",
+            loss.name()
         ))),
     }
 }
@@ -495,8 +525,10 @@ fn check_input_ids(inputs: &[f32], embedding: Option<(&str, usize)>) -> Result<(
 }
 
 /// Token windows against the model: ids below the vocabulary, and an output
-/// of `[batch, classes, seq_len]` (or `[batch, classes]` for windows of one),
-/// whose per-sample shape without the classes becomes `label_shape`.
+/// with the classes at `class_axis` and one row per position
+/// (`[batch, classes, seq_len]` or, classes last, `[batch, seq_len,
+/// classes]`; `[batch, classes]` for windows of one), whose per-sample shape
+/// without the classes becomes `label_shape`.
 fn validate_tokens(
     t: &TokenWindows,
     embedding: Option<(&str, usize)>,
@@ -504,15 +536,16 @@ fn validate_tokens(
     shape: &[usize],
     label_shape: &mut Vec<usize>,
 ) -> Result<(), JobError> {
-    if loss != Loss::CrossEntropy {
+    let Loss::CrossEntropy { class_axis, .. } = loss else {
         return Err(JobError::field(
             "training.loss",
             format!(
                 "format = \"tokens\" labels every position with its next token, a class: use \
-                 loss = \"cross_entropy\" (not {loss:?})"
+                 loss = \"cross_entropy\" (not {})",
+                loss.name()
             ),
         ));
-    }
+    };
     if let Some((table, rows)) = embedding
         && let Some((i, v)) = t.ids().first_at_or_above(rows as u64)
     {
@@ -527,15 +560,33 @@ fn validate_tokens(
     let seq_len = t.seq_len();
     let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
     let fits = |inner: &[usize]| squeeze(inner) == squeeze(&[seq_len]);
-    let (classes, inner) = match shape.get(1..).and_then(|s| s.split_first()) {
-        Some((&c, inner)) if fits(inner) => (c, inner),
-        _ => {
-            return Err(JobError::Mismatch(format!(
-                "cross_entropy over token windows of data.seq_len {seq_len} needs the model's \
-                 output to be [batch, vocabulary, {seq_len}] (torch's layout; [batch, vocabulary] \
-                 when seq_len is 1); it is {shape:?}"
-            )));
-        }
+    let layout = |axis: ClassAxis| {
+        let (_, classes, _) = axis.split(shape)?;
+        let inner = axis.label_shape(shape)?;
+        fits(&inner[1..]).then(|| (classes, inner[1..].to_vec()))
+    };
+    let Some((classes, inner)) = layout(class_axis) else {
+        let other = match class_axis {
+            ClassAxis::Second => ClassAxis::Last,
+            ClassAxis::Last => ClassAxis::Second,
+        };
+        let hint = if layout(other).is_some() {
+            format!(
+                "; it fits class_axis = {0}: write loss = {{ name = \"cross_entropy\", class_axis = {0} }}",
+                other.index()
+            )
+        } else {
+            String::new()
+        };
+        return Err(JobError::Mismatch(format!(
+            "cross_entropy with class_axis = {} over token windows of data.seq_len {seq_len} needs \
+             the model's output to be {} ([batch, vocabulary] when seq_len is 1); it is {shape:?}{hint}",
+            class_axis.index(),
+            match class_axis {
+                ClassAxis::Second => format!("[batch, vocabulary, {seq_len}]"),
+                ClassAxis::Last => format!("[batch, {seq_len}, vocabulary]"),
+            }
+        )));
     };
     if let Some((i, v)) = t.ids().first_at_or_above(classes as u64) {
         return Err(JobError::file(
@@ -547,6 +598,22 @@ fn validate_tokens(
             ),
         ));
     }
-    *label_shape = inner.to_vec();
+    *label_shape = inner;
     Ok(())
+}
+
+/// When the labels would fit with the other `class_axis`, says so.
+fn other_axis_hint(shape: &[usize], axis: ClassAxis, labels: &[usize]) -> String {
+    let other = match axis {
+        ClassAxis::Second => ClassAxis::Last,
+        ClassAxis::Last => ClassAxis::Second,
+    };
+    match other.label_shape(shape) {
+        Some(l) if l[1..] == *labels => format!(
+            "; they fit class_axis = {}: write loss = {{ name = \"cross_entropy\", class_axis = {} }}",
+            other.index(),
+            other.index()
+        ),
+        _ => String::new(),
+    }
 }

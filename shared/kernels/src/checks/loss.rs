@@ -2,13 +2,15 @@
 //! log-softmax, which share their `exp`/`log` tolerance.
 
 use super::{Builder, Check, tol};
-use crate::loss::{CrossEntropy, Mse};
+use crate::loss::{CrossEntropy, IGNORED, Mse};
 use crate::reduce::Softmax;
 use crate::sample_matrix;
 
 /// Cross-entropy forward and backward on logits `[n, classes, inner]` in
-/// `[-3, 3)`; tolerance: `exp`/`log` in f32 summed over rows.
-pub fn cross_entropy(n: usize, classes: usize, inner: usize, seed: u64) -> Check {
+/// `[-3, 3)`, every third target [`IGNORED`] when `ignored`; the backward
+/// takes the mean over the counted rows. Tolerance: `exp`/`log` in f32
+/// summed over rows.
+pub fn cross_entropy(n: usize, classes: usize, inner: usize, ignored: bool, seed: u64) -> Check {
     let ce = CrossEntropy { n, classes, inner };
     let x: Vec<f32> = sample_matrix(n * classes * inner, seed)
         .iter()
@@ -16,18 +18,27 @@ pub fn cross_entropy(n: usize, classes: usize, inner: usize, seed: u64) -> Check
         .collect();
     let labels: Vec<u32> = sample_matrix(n * inner, seed ^ 1)
         .iter()
-        .map(|v| (((v + 1.0) / 2.0 * classes as f32) as u32).min(classes as u32 - 1))
+        .enumerate()
+        .map(|(i, v)| {
+            if ignored && i % 3 == 1 {
+                IGNORED
+            } else {
+                (((v + 1.0) / 2.0 * classes as f32) as u32).min(classes as u32 - 1)
+            }
+        })
         .collect();
-    let dloss = 0.75;
-    let (want_loss, want_dx) = ce.reference(&x, &labels, dloss);
+    let counted = labels.iter().filter(|&&l| l != IGNORED).count().max(1);
+    let dsum = 0.75 / counted as f32;
+    let (want_sum, want_dx) = ce.reference(&x, &labels, dsum);
     let mut c = Builder::default();
-    let (x, labels, dloss) = (c.f32(x), c.u32(labels), c.f32(vec![dloss]));
+    let (x, labels, dsum) = (c.f32(x), c.u32(labels), c.f32(vec![dsum]));
     let (loss, dx) = (c.zeros(1), c.zeros(n * classes * inner));
     c.step(ce.forward(), [x, labels, loss]);
-    c.step(ce.backward(), [x, labels, dloss, dx]);
-    c.expect("loss", loss, vec![want_loss], tol::LOSS);
+    c.step(ce.backward(), [x, labels, dsum, dx]);
+    c.expect("loss", loss, vec![want_sum as f32], tol::LOSS);
     c.expect("dx", dx, want_dx, tol::LOSS);
-    c.build(format!("cross_entropy({n}x{classes}x{inner})"))
+    let tag = if ignored { ", ignoring" } else { "" };
+    c.build(format!("cross_entropy({n}x{classes}x{inner}{tag})"))
 }
 
 /// MSE forward and backward over `len` elements.

@@ -56,7 +56,11 @@ pub fn standard_checks() -> Vec<Check> {
         checks.push(linear(rows, inputs, outputs, false, i as u64));
     }
     for (n, c, inner) in [(1, 1, 1), (32, 10, 1), (5, 3, 7), (300, 17, 1)] {
-        checks.push(cross_entropy(n, c, inner, n as u64));
+        checks.push(cross_entropy(n, c, inner, false, n as u64));
+    }
+    // Language-model layouts with ignored targets: `[N, V, T]` and `[N * T, V]`.
+    for (n, c, inner) in [(2, 37, 9), (18, 37, 1)] {
+        checks.push(cross_entropy(n, c, inner, true, c as u64));
     }
     for len in [1, 255, 1000] {
         checks.push(mse(len, len as u64));
