@@ -219,6 +219,8 @@ fn protocol_to_provider() -> io::Result<Target> {
             seed: 42,
             start_step: 0,
             optimizer_state: Vec::new(),
+            lr_schedule: rookery_model::LrSchedule::default(),
+            clip_grad_norm: None,
         })),
         ToProvider::Forward(Forward {
             job_id: 1,

@@ -63,6 +63,12 @@ impl JobRun {
         let t = &spec.training;
         let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)?;
         let total_steps = schedule.steps_per_epoch as u64 * t.epochs;
+        let lr_schedule = t
+            .lr_schedule
+            .resolve(t.optimizer.lr(), total_steps)
+            .map_err(|e| {
+                JobError::field(format!("training.lr_schedule.{}", e.field), e.message)
+            })?;
         let input = graph.inputs.first().ok_or(StartError::NoInput)?;
         let mut initial = graph.initial_values(t.seed);
         if let Some(resume) = &resume {
@@ -153,6 +159,7 @@ impl JobRun {
                     slowness: None,
                     slow_steps: 0,
                     ready: false,
+                    grad_sum_of_squares: None,
                     step_done: false,
                     compute_ms: 0.0,
                     uploaded: false,
@@ -186,6 +193,7 @@ impl JobRun {
             test,
             schedule,
             total_steps,
+            lr_schedule,
             perm: Vec::new(),
             perm_epoch: None,
             clusters,
@@ -237,6 +245,8 @@ impl JobRun {
                 .iter()
                 .filter_map(|n| run.optimizer.get(n).cloned())
                 .collect(),
+            lr_schedule: self.lr_schedule,
+            clip_grad_norm: t.clip_grad_norm,
         }
     }
 
@@ -249,6 +259,7 @@ impl JobRun {
         run.finished.clear();
         for stage in &mut run.stages {
             stage.ready = false;
+            stage.grad_sum_of_squares = None;
             stage.step_done = false;
             stage.uploaded = false;
             stage.compute_ms = 0.0;

@@ -338,7 +338,8 @@ impl ProviderSession {
                 | ToProvider::Backward(_)
                 | ToProvider::UploadParams { .. }
                 | ToProvider::SetParams(_)
-                | ToProvider::Release { .. }),
+                | ToProvider::Release { .. }
+                | ToProvider::GradScale(_)),
             ) => Some(Action::Train(message)),
         }
     }
@@ -384,6 +385,7 @@ fn kind(message: &ToProvider) -> &'static str {
         ToProvider::SetParams(_) => "SetParams",
         ToProvider::Release { .. } => "Release",
         ToProvider::Probe { .. } => "Probe",
+        ToProvider::GradScale(_) => "GradScale",
     }
 }
 

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod recovery;
+mod clip;
 mod relay;
 mod sim;
 mod stragglers;
@@ -81,6 +82,8 @@ fn spec() -> JobSpec {
             seed: 7,
             wire_dtype: WireDType::F32,
             aggregation: Aggregation::Mean,
+            lr_schedule: rookery_model::LrSchedule::default(),
+            clip_grad_norm: None,
         },
     }
 }
