@@ -16,8 +16,8 @@ use rookery_proto::stream::{Assembler, Incoming, encode_streamed, read_frame};
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
-    Gradients, Hello, LeafLoss, PROTOCOL_VERSION, ParamSet, Phase, ProviderKind, StepDone,
-    ToProvider, ToServer,
+    GradNorm, GradScale, Gradients, Hello, LeafLoss, PROTOCOL_VERSION, ParamSet, Phase,
+    ProviderKind, StepDone, ToProvider, ToServer,
 };
 
 /// What a target does with one input: whether it parsed (a panic is neither).
@@ -150,6 +150,11 @@ fn protocol_to_server() -> Target {
             job_id: 1,
             message: "out of memory".into(),
         },
+        ToServer::GradNorm(GradNorm {
+            job_id: 1,
+            step: 9,
+            sum_of_squares: 4.5,
+        }),
     ];
     Target {
         name: "protocol ToServer",
@@ -243,6 +248,11 @@ fn protocol_to_provider() -> io::Result<Target> {
             params: vec![tensor("fc.bias", &[10], WireDType::F32)],
         }),
         ToProvider::Release { job_id: 1 },
+        ToProvider::GradScale(GradScale {
+            job_id: 1,
+            step: 9,
+            scale: 0.25,
+        }),
     ];
     Ok(Target {
         name: "protocol ToProvider",
