@@ -20,7 +20,7 @@ use rookery_proto::{Forward, Phase, ToProvider, ToServer, WireDType, WireTensor}
 use rookery_stage::{CpuDevice, GpuDevice};
 use rookery_test_support::dense_mlp;
 use rookery_torch::exec::loss::loss_value;
-use rookery_torch::exec::reference::train_step_clipped;
+use rookery_torch::exec::reference::{train_step, train_step_clipped};
 use rookery_torch::exec::{OptimizerConfig, TorchExecutor, TorchOptimizer};
 use rookery_torch::{TorchWorker, step_seed, tensor_to_wire};
 use tch::{Device, Kind, Tensor};
@@ -726,7 +726,8 @@ fn our_kernels_with_a_step_schedule_and_clipping_train_like_one_process() {
             step_size: 5,
             gamma: 0.5,
         },
-        clip_grad_norm: Some(0.5),
+        // This model's gradients are small: most steps clip at 0.02.
+        clip_grad_norm: Some(0.02),
         ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy)
     };
     let make = |k: usize| -> Box<dyn Worker> {

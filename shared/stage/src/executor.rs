@@ -567,10 +567,12 @@ impl<D: Device> StageExecutor<D> {
                 self.optimizer_kernels
                     .insert(state.len, self.device.prepare(&kernel));
             }
+            // The CPU device reads the settings from the call (the GPU the
+            // uniform, written above): both get this step's lr.
             kernels.push((
                 p,
                 Kernel::OptimizerStep {
-                    optimizer: self.optimizer,
+                    optimizer,
                     len: state.len,
                     step: state.steps,
                 },

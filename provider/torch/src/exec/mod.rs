@@ -539,7 +539,7 @@ impl TorchExecutor {
             }
             let mut g = p.tensor.f_grad()?;
             if g.defined() {
-                tch::no_grad(|| g.f_mul_scalar_(scale))?;
+                let _ = tch::no_grad(|| g.f_mul_scalar_(scale))?;
             }
         }
         Ok(())
