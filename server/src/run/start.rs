@@ -21,6 +21,9 @@ pub enum StartError {
     /// The training data does not fill a step of the plan's clusters.
     #[error(transparent)]
     Schedule(#[from] JobError),
+    /// The schedule is longer than the job (it names its field).
+    #[error(transparent)]
+    LrSchedule(#[from] rookery_model::ScheduleError),
     #[error("the model has no input")]
     NoInput,
     #[error("the checkpoint has {checkpoint} clusters, the plan {plan}")]
@@ -63,12 +66,7 @@ impl JobRun {
         let t = &spec.training;
         let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)?;
         let total_steps = schedule.steps_per_epoch as u64 * t.epochs;
-        let lr_schedule = t
-            .lr_schedule
-            .resolve(t.optimizer.lr(), total_steps)
-            .map_err(|e| {
-                JobError::field(format!("training.lr_schedule.{}", e.field), e.message)
-            })?;
+        let lr_schedule = t.lr_schedule.resolve(t.optimizer.lr(), total_steps)?;
         let input = graph.inputs.first().ok_or(StartError::NoInput)?;
         let mut initial = graph.initial_values(t.seed);
         if let Some(resume) = &resume {
