@@ -372,7 +372,11 @@ fn same_as_torch_scheduled<D: Device>(
                 "{what}: step {step}: gradient sum of squares {got}, libtorch {want}"
             );
             let scale = clip_scale(want, max_norm);
-            assert!(scale < 1.0, "{what}: step {step} should clip (norm {})", want.sqrt());
+            assert!(
+                scale < 1.0,
+                "{what}: step {step} should clip (norm {})",
+                want.sqrt()
+            );
             torch.scale_grads(scale).unwrap();
             pollster::block_on(ours.scale_grads(scale as f32)).unwrap();
         }

@@ -214,7 +214,11 @@ fn three_workers_with_a_cosine_schedule_and_clipping_train_exactly_like_one_proc
         };
         let losses = train_both(&g, &[0..2, 2..5, 5..7], job, mlp_batch(16, 5), STEPS);
         assert_same(&losses, &format!("MLP, cosine + clipping, {optimizer:?}"));
-        assert!(losses.clipped > STEPS as usize / 2, "only {} steps clipped", losses.clipped);
+        assert!(
+            losses.clipped > STEPS as usize / 2,
+            "only {} steps clipped",
+            losses.clipped
+        );
     }
 }
 

@@ -25,7 +25,9 @@ pub mod weights;
 
 pub use data::{Dataset, Labels, Split, load_split, validate_against_model};
 pub use error::JobError;
-pub use file::{Clusters, DataFile, JobFile, LrScheduleFile, ModelFile, OptimizerFile, TrainingFile};
+pub use file::{
+    Clusters, DataFile, JobFile, LrScheduleFile, ModelFile, OptimizerFile, TrainingFile,
+};
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{

@@ -149,7 +149,10 @@ fn lr_schedules_and_clipping_parse_with_step_lr_defaults_and_survive_json() {
         assert_eq!(again, job, "{table}");
     }
     let plain = JobSpec::from_toml(EXAMPLE, dir.path()).unwrap();
-    assert_eq!(plain.training.lr_schedule, LrSchedule::Constant { warmup_steps: 0 });
+    assert_eq!(
+        plain.training.lr_schedule,
+        LrSchedule::Constant { warmup_steps: 0 }
+    );
     assert_eq!(plain.training.clip_grad_norm, None);
 }
 

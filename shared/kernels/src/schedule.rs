@@ -85,7 +85,9 @@ impl LrSchedule {
                 if !(min_lr.is_finite() && min_lr >= 0.0 && min_lr <= base_lr) {
                     return Err(error(
                         "min_lr",
-                        format!("must be between 0 and the optimizer's lr {base_lr} (got {min_lr})"),
+                        format!(
+                            "must be between 0 and the optimizer's lr {base_lr} (got {min_lr})"
+                        ),
                     ));
                 }
                 check_warmup(warmup_steps, total_steps)
@@ -201,13 +203,10 @@ impl LrSchedule {
                 let total = total_steps.unwrap_or(warmup);
                 let progress = (step.min(total) - warmup) as f64 / (total - warmup).max(1) as f64;
                 let min_lr_rate = min_lr / base_lr;
-                let factor =
-                    0.5 * (1.0 + (std::f64::consts::PI * 0.5 * 2.0 * progress).cos());
+                let factor = 0.5 * (1.0 + (std::f64::consts::PI * 0.5 * 2.0 * progress).cos());
                 (factor * (1.0 - min_lr_rate) + min_lr_rate).max(0.0)
             }
-            LrSchedule::Step { step_size, gamma } => {
-                gamma.powf((step / step_size.max(1)) as f64)
-            }
+            LrSchedule::Step { step_size, gamma } => gamma.powf((step / step_size.max(1)) as f64),
         }
     }
 
@@ -272,9 +271,8 @@ mod tests {
     }
 
     fn cases() -> Vec<Case> {
-        let f: Fixture =
-            serde_json::from_str(include_str!("../tests/fixtures/lr_schedules.json"))
-                .expect("the fixture parses");
+        let f: Fixture = serde_json::from_str(include_str!("../tests/fixtures/lr_schedules.json"))
+            .expect("the fixture parses");
         f.cases
     }
 
@@ -331,7 +329,11 @@ mod tests {
         };
         let e = linear.resolve(1e-3, 100).unwrap_err();
         assert_eq!(e.field, "total_steps");
-        assert!(e.to_string().starts_with("training.lr_schedule.total_steps"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("training.lr_schedule.total_steps"),
+            "{e}"
+        );
         let step = LrSchedule::Step {
             step_size: 50,
             gamma: 0.5,

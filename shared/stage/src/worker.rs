@@ -404,7 +404,9 @@ impl<B: Backend> Stage<B> {
         if let Some(n) = a.clip_grad_norm
             && !(n > 0.0 && n.is_finite())
         {
-            return Err(protocol(format!("clip_grad_norm {n} is not a positive number")));
+            return Err(protocol(format!(
+                "clip_grad_norm {n} is not a positive number"
+            )));
         }
         let exec = factory
             .build(StageSpec {
@@ -703,7 +705,11 @@ impl<B: Backend> Stage<B> {
     }
 
     /// The server's clipping multiplier for the step awaiting it.
-    async fn grad_scale(&mut self, g: GradScale, out: &mut Vec<ToServer>) -> Result<(), WorkerError> {
+    async fn grad_scale(
+        &mut self,
+        g: GradScale,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
         let started = Clock::now();
         let so_far = match &self.step {
             Some(s) if s.step == g.step && s.awaiting_scale => s.compute_ms,
@@ -721,7 +727,8 @@ impl<B: Backend> Stage<B> {
                 g.scale
             )));
         }
-        self.finish_step(g.step, g.scale, so_far, started, out).await
+        self.finish_step(g.step, g.scale, so_far, started, out)
+            .await
     }
 
     /// Steps the optimizer with the step's scheduled learning rate.

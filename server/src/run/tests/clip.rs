@@ -73,7 +73,10 @@ fn a_norm_within_max_norm_leaves_gradients_alone() {
     run.on_message(11, norm(0, 1.0));
     let effects = run.on_message(10, norm(0, 3.0));
     for (_, m) in sends(&effects) {
-        assert!(matches!(m, ToProvider::GradScale(g) if g.scale == 1.0), "{m:?}");
+        assert!(
+            matches!(m, ToProvider::GradScale(g) if g.scale == 1.0),
+            "{m:?}"
+        );
     }
 }
 
@@ -104,7 +107,10 @@ fn a_norm_in_a_job_that_does_not_clip_or_for_another_step_is_dropped() {
 
     let mut run = clipping(1.0);
     let late = run.on_message(10, norm(3, 1.0));
-    assert!(sends(&late).is_empty() && faults(&late).is_empty(), "{late:?}");
+    assert!(
+        sends(&late).is_empty() && faults(&late).is_empty(),
+        "{late:?}"
+    );
 }
 
 #[test]
@@ -121,8 +127,7 @@ fn a_schedule_longer_than_the_job_fails_its_start_naming_the_field() {
     let plan = two_stage_plan(&graph, 10..12, 1);
     let ids = (10..12).map(|i: u64| (i.to_string(), i)).collect();
     let analysis = graph.analyze().unwrap();
-    let Err(e) = JobRun::start(1, spec, &graph, &analysis, &plan, &ids, data(8), None, None)
-    else {
+    let Err(e) = JobRun::start(1, spec, &graph, &analysis, &plan, &ids, data(8), None, None) else {
         panic!("a 3-step warm-up in a 2-step job started")
     };
     let text = e.to_string();

@@ -3,8 +3,8 @@
 // Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
 #![allow(clippy::unwrap_used)]
 
-mod recovery;
 mod clip;
+mod recovery;
 mod relay;
 mod sim;
 mod stragglers;
