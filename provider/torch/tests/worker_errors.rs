@@ -12,7 +12,8 @@ mod worker_common;
 use exec_common::*;
 use rookery_model::{Loss, LrSchedule, OptimizerConfig, from_toml};
 use rookery_proto::{
-    Assignment, Backward, Forward, GradScale, ParamSet, Phase, ToProvider, ToServer, WireDType, WireTensor,
+    Assignment, Backward, Forward, GradScale, ParamSet, Phase, ToProvider, ToServer, WireDType,
+    WireTensor,
 };
 use rookery_torch::{TorchWorker, tensor_to_wire};
 use tch::{Device, Tensor};
