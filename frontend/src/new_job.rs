@@ -297,6 +297,8 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             seed,
             wire_dtype,
             aggregation: None,
+            lr_schedule: None,
+            clip_grad_norm: None,
         },
     })
 }

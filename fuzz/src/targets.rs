@@ -16,7 +16,8 @@ use rookery_proto::stream::{Assembler, Incoming, Streamed, encode_streamed, read
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
-    Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION, ParamOptimState, ParamSet, Phase,
+    GradNorm, GradScale, Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION, ParamOptimState,
+    ParamSet, Phase,
     ProviderKind, StepDone, ToProvider, ToServer,
 };
 
@@ -150,6 +151,11 @@ fn protocol_to_server() -> Target {
             job_id: 1,
             message: "out of memory".into(),
         },
+        ToServer::GradNorm(GradNorm {
+            job_id: 1,
+            step: 9,
+            sum_of_squares: 4.5,
+        }),
     ];
     Target {
         name: "protocol ToServer",
@@ -220,6 +226,8 @@ fn protocol_to_provider() -> io::Result<Target> {
             seed: 42,
             start_step: 0,
             optimizer_state: Vec::new(),
+            lr_schedule: rookery_model::LrSchedule::default(),
+            clip_grad_norm: None,
         })),
         ToProvider::Forward(Forward {
             job_id: 1,
@@ -243,6 +251,11 @@ fn protocol_to_provider() -> io::Result<Target> {
             params: vec![tensor("fc.bias", &[10], WireDType::F32)],
         }),
         ToProvider::Release { job_id: 1 },
+        ToProvider::GradScale(GradScale {
+            job_id: 1,
+            step: 9,
+            scale: 0.25,
+        }),
     ];
     Ok(Target {
         name: "protocol ToProvider",

@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 pub use tensor::{TensorError, WireDType, WireTensor};
 pub use train::{
-    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
-    ParamOptimState, ParamSet, Phase, StepDone,
+    Activations, Assignment, Backward, Forward, GradNorm, GradScale, Gradients, LeafLoss,
+    OptimizerState, ParamOptimState, ParamSet, Phase, StepDone,
 };
 
 /// Bumped on every incompatible change to [`ToServer`] or [`ToProvider`].
@@ -170,6 +170,8 @@ pub enum ToServer {
     /// Sent just before [`ToServer::Params`] in answer to
     /// [`ToProvider::UploadParams`].
     OptimizerState(OptimizerState),
+    /// A stage's share of the global gradient norm (jobs that clip).
+    GradNorm(GradNorm),
 }
 
 /// Frames the server sends to a provider.
@@ -216,6 +218,9 @@ pub enum ToProvider {
         #[serde(with = "crate::tensor::frame_bytes")]
         padding: Bytes,
     },
+    /// Scale the step's gradients and step (answer to every stage's
+    /// [`ToServer::GradNorm`]).
+    GradScale(GradScale),
 }
 
 /// Everything that can go wrong turning bytes into a message.
@@ -371,6 +376,11 @@ mod tests {
                     slots: vec![tensor()],
                 }],
             }),
+            ToServer::GradNorm(GradNorm {
+                job_id: 1,
+                step: 5,
+                sum_of_squares: 2.25,
+            }),
         ]
     }
 
@@ -421,6 +431,12 @@ mod tests {
                     steps: 3,
                     slots: vec![tensor()],
                 }],
+                lr_schedule: rookery_model::LrSchedule::Cosine {
+                    warmup_steps: 10,
+                    total_steps: Some(100),
+                    min_lr: 1e-5,
+                },
+                clip_grad_norm: Some(1.0),
             })),
             ToProvider::Forward(Forward {
                 job_id: 1,
@@ -448,6 +464,11 @@ mod tests {
                 seq: 1,
                 padding: Bytes::from(vec![0; 100]),
             },
+            ToProvider::GradScale(GradScale {
+                job_id: 1,
+                step: 5,
+                scale: 0.5,
+            }),
         ];
         for code in [
             ErrorCode::VersionMismatch,

@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use rookery_model::{Loss, OptimizerConfig};
+use rookery_model::{Loss, LrSchedule, OptimizerConfig};
 
 use crate::tensor::{WireDType, WireTensor};
 
@@ -66,6 +66,13 @@ pub struct Assignment {
     /// rebuilt after its provider left, or resumed after a server restart,
     /// carries on exactly where the checkpoint it restarts from stood.
     pub optimizer_state: Vec<ParamOptimState>,
+    /// The learning rate of each step, with its lengths resolved for the
+    /// job: the optimizer's `lr` is its base.
+    pub lr_schedule: LrSchedule,
+    /// `clip_grad_norm_`'s `max_norm`: when set, the stage reports
+    /// [`GradNorm`] after a step's last backward and steps only once the
+    /// server answers [`GradScale`].
+    pub clip_grad_norm: Option<f64>,
 }
 
 /// The names of optimizer state slots, as `torch.optim` names them in a
@@ -182,4 +189,24 @@ pub struct ParamSet {
     /// Steps done when the values were taken.
     pub step: u64,
     pub params: Vec<WireTensor>,
+}
+
+/// Provider to server, when the job clips gradients: the sum of the squares
+/// of every element of the stage's parameter gradients for step `step`,
+/// taken in f64 in parameter order (`rookery_model::sum_of_squares`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GradNorm {
+    pub job_id: u64,
+    pub step: u64,
+    pub sum_of_squares: f64,
+}
+
+/// Server to provider: multiply the step's parameter gradients by `scale`
+/// (`rookery_model::clip_scale` of the cluster's summed [`GradNorm`]s, at
+/// most 1), then step the optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GradScale {
+    pub job_id: u64,
+    pub step: u64,
+    pub scale: f64,
 }

@@ -110,8 +110,12 @@ impl<B: Backend> Backend for SlowedStage<B> {
         self.0.backward(micro_batch, grads).await
     }
 
-    async fn step(&mut self) -> Result<(), B::Error> {
-        self.0.step().await
+    async fn grad_sum_of_squares(&mut self) -> Result<f64, B::Error> {
+        self.0.grad_sum_of_squares().await
+    }
+
+    async fn step(&mut self, lr: f64, grad_scale: f64) -> Result<(), B::Error> {
+        self.0.step(lr, grad_scale).await
     }
 
     async fn parameters(&mut self) -> Result<Vec<WireTensor>, B::Error> {

@@ -65,6 +65,8 @@ fn assignment(graph_json: String) -> Assignment {
         seed: 1,
         start_step: 0,
         optimizer_state: Vec::new(),
+        lr_schedule: rookery_model::LrSchedule::default(),
+        clip_grad_norm: None,
     }
 }
 

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use rookery_e2e::rookery_train;
 use rookery_test_support::{Classes, JobBatches, dense_mlp, write_job};
-use rookery_torch::exec::reference::train_step;
+use rookery_torch::exec::reference::train_step_clipped;
 use rookery_torch::step_seed;
 use rookery_torch::{TorchOptimizer, tensors_from_values};
 use tch::Tensor;
@@ -55,21 +55,30 @@ fn job(
 }
 
 /// The per-step losses of training the job in one process, with its whole
-/// step batch (every cluster's samples) at once.
+/// step batch (every cluster's samples) at once, its learning-rate schedule
+/// and its gradient clipping.
 fn reference_losses(job_file: &Path) -> Vec<f64> {
     let batches = JobBatches::open(job_file).unwrap();
     let t = batches.spec.training.clone();
     let graph = batches.graph.clone();
     let mut params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
     let mut optimizer = TorchOptimizer::new(t.optimizer).unwrap();
+    let base_lr = t.optimizer.lr();
+    let lr_schedule = t
+        .lr_schedule
+        .resolve(base_lr, batches.total_steps())
+        .unwrap();
     batches
         .map(|batch| {
+            optimizer
+                .set_lr(lr_schedule.lr(base_lr, batch.step))
+                .unwrap();
             let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
             let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
             let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
             let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
             let inputs = [(graph.inputs[0].name.clone(), x)];
-            train_step(
+            train_step_clipped(
                 &graph,
                 &mut params,
                 &inputs,
@@ -77,6 +86,7 @@ fn reference_losses(job_file: &Path) -> Vec<f64> {
                 t.loss,
                 &mut optimizer,
                 step_seed(t.seed, batch.step),
+                t.clip_grad_norm,
             )
             .unwrap()
         })
@@ -146,6 +156,27 @@ fn one_cluster_of_three_stages_matches_the_reference_cnn_sgd_and_adam() {
         let job = job(dir.path(), CNN, &[1, 8, 8], 30 * 8, &training);
         // 30 small steps move a CNN on noise too little to promise progress.
         assert_same_losses(&job, 3, 30, 1e-5, false);
+    }
+}
+
+/// A cosine schedule with warm-up plus clipping by the global norm across
+/// three stages (each stage's squared norm summed by the server) trains as
+/// one process clipping its whole model's gradients does. `max_norm` is
+/// small enough that most steps clip.
+#[test]
+fn three_stages_with_a_cosine_schedule_and_clipping_match_the_reference() {
+    for optimizer in [
+        "{ name = \"adamw\", lr = 0.01 }",
+        "{ name = \"sgd\", lr = 0.2, momentum = 0.9 }",
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let training = format!(
+            "epochs = 1\nbatch_size = 16\nmicro_batches = 4\noptimizer = {optimizer}\n\
+             clusters = 1\nstages = 3\nseed = 5\nclip_grad_norm = 0.5\n\
+             [training.lr_schedule]\nkind = \"cosine\"\nwarmup_steps = 5\nmin_lr = 1e-4\n"
+        );
+        let job = job(dir.path(), &mlp(), &[12], 30 * 16, &training);
+        assert_same_losses(&job, 3, 30, 1e-5, true);
     }
 }
 

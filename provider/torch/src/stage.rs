@@ -166,7 +166,13 @@ impl Backend for TorchStage {
         Ok(self.exec.backward(micro_batch, grads)?)
     }
 
-    async fn step(&mut self) -> Result<(), TorchWorkerError> {
+    async fn grad_sum_of_squares(&mut self) -> Result<f64, TorchWorkerError> {
+        Ok(self.exec.grad_sum_of_squares()?)
+    }
+
+    async fn step(&mut self, lr: f64, grad_scale: f64) -> Result<(), TorchWorkerError> {
+        self.exec.scale_grads(grad_scale)?;
+        self.optimizer.set_lr(lr)?;
         Ok(self.exec.step(&mut self.optimizer)?)
     }
 

@@ -13,7 +13,7 @@ mod exec_common;
 use std::collections::BTreeMap;
 
 use exec_common::*;
-use rookery_model::{DType, Graph, Init, Op, OptimizerConfig, from_toml};
+use rookery_model::{DType, Graph, Init, LrSchedule, Op, OptimizerConfig, clip_scale, from_toml};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor};
 use rookery_test_support::bounds::{
     ErrorBound, WGSL_DIVISION_ULPS, WGSL_INVERSE_SQRT_ULPS, tensor_magnitudes, wgsl_exp_ulps,
@@ -268,6 +268,21 @@ fn same_as_torch<D: Device>(
     range: std::ops::Range<usize>,
     config: OptimizerConfig,
 ) {
+    same_as_torch_scheduled(device, graph, range, config, LrSchedule::default(), None);
+}
+
+/// [`same_as_torch`] with the learning rate of `schedule` each step and,
+/// with `clip`, both sides' gradients scaled by one `clip_grad_norm_`
+/// multiplier (libtorch's, as the server sends one multiplier to all)
+/// after checking the two sums of squares agree.
+fn same_as_torch_scheduled<D: Device>(
+    device: D,
+    graph: &Graph,
+    range: std::ops::Range<usize>,
+    config: OptimizerConfig,
+    schedule: LrSchedule,
+    clip: Option<f64>,
+) {
     let what = format!("{} nodes {range:?}", device.describe());
     let bounds = stage_bounds(graph, range.clone(), MICRO_BATCHES[0]);
     // Each step's rounding carries into the next (parameters, running
@@ -349,8 +364,26 @@ fn same_as_torch<D: Device>(
                 );
             }
         }
+        if let Some(max_norm) = clip {
+            let want = torch.grad_sum_of_squares().unwrap();
+            let got = pollster::block_on(ours.grad_sum_of_squares()).unwrap();
+            assert!(
+                (got - want).abs() <= 1e-5 * want,
+                "{what}: step {step}: gradient sum of squares {got}, libtorch {want}"
+            );
+            let scale = clip_scale(want, max_norm);
+            assert!(
+                scale < 1.0,
+                "{what}: step {step} should clip (norm {})",
+                want.sqrt()
+            );
+            torch.scale_grads(scale).unwrap();
+            pollster::block_on(ours.scale_grads(scale as f32)).unwrap();
+        }
+        let lr = schedule.lr(config.lr(), step);
+        torch_opt.set_lr(lr).unwrap();
         torch.step(&mut torch_opt).unwrap();
-        pollster::block_on(ours.step()).unwrap();
+        pollster::block_on(ours.step_at_lr(lr)).unwrap();
         let want = torch.parameters().unwrap();
         let got = pollster::block_on(ours.parameters()).unwrap();
         for ((name, g), (_, w)) in got.iter().zip(&want) {
@@ -481,6 +514,26 @@ fn mlp_stages_on_the_cpu_references_match_libtorch_step_for_step() {
     let n = graph.analyze().unwrap().nodes.len();
     for (range, config) in [(2..5, adam()), (0..n, sgd_momentum())] {
         same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn stages_with_a_cosine_schedule_and_clipping_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(&mlp()).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    let cosine = LrSchedule::Cosine {
+        warmup_steps: 2,
+        total_steps: Some(STEPS),
+        min_lr: 1e-3,
+    };
+    let step = LrSchedule::Step {
+        step_size: 2,
+        gamma: 0.5,
+    };
+    for (range, config, schedule) in [(2..5, adam(), cosine), (0..n, sgd_momentum(), step)] {
+        // A tiny max_norm, so every step clips.
+        same_as_torch_scheduled(gpu(), &graph, range.clone(), config, schedule, Some(1e-3));
+        same_as_torch_scheduled(CpuDevice, &graph, range, config, schedule, Some(1e-3));
     }
 }
 

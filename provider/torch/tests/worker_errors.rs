@@ -10,9 +10,10 @@ mod exec_common;
 mod worker_common;
 
 use exec_common::*;
-use rookery_model::{Loss, OptimizerConfig, from_toml};
+use rookery_model::{Loss, LrSchedule, OptimizerConfig, from_toml};
 use rookery_proto::{
-    Assignment, Backward, Forward, ParamSet, Phase, ToProvider, ToServer, WireDType, WireTensor,
+    Assignment, Backward, Forward, GradScale, ParamSet, Phase, ToProvider, ToServer, WireDType,
+    WireTensor,
 };
 use rookery_torch::{TorchWorker, tensor_to_wire};
 use tch::{Device, Tensor};
@@ -233,6 +234,23 @@ fn impossible_assignments_fail_with_the_reason() {
                 ..assign(0)
             },
             "learning rate",
+        ),
+        (
+            Assignment {
+                lr_schedule: LrSchedule::Linear {
+                    warmup_steps: 0,
+                    total_steps: None,
+                },
+                ..assign(0)
+            },
+            "total_steps",
+        ),
+        (
+            Assignment {
+                clip_grad_norm: Some(f64::NAN),
+                ..assign(0)
+            },
+            "clip_grad_norm",
         ),
     ] {
         let message = failure(w.handle(ToProvider::Assign(Box::new(a))), 7);
@@ -466,4 +484,71 @@ fn release_drops_the_stage() {
         &failure(w.handle(forward(7, 0, 0, 4)), 7),
         &["no stage is assigned"],
     );
+}
+
+/// A Root that clips: after its last backward it reports its gradients'
+/// sum of squares and steps only on a `GradScale` for that step, which
+/// must lie in (0, 1].
+#[test]
+fn a_clipping_stage_waits_for_its_scale_and_refuses_a_bad_one() {
+    let scale = |step: u64, scale: f64| {
+        ToProvider::GradScale(GradScale {
+            job_id: 7,
+            step,
+            scale,
+        })
+    };
+    let mut w = ready(0);
+    let message = failure(w.handle(scale(0, 0.5)), 7);
+    assert_mentions(&message, &["GradScale of step 0", "no training step"]);
+
+    let clipping = || {
+        let mut w = TorchWorker::new(Device::Cpu);
+        let a = Assignment {
+            clip_grad_norm: Some(1.0),
+            ..assign(0)
+        };
+        assert_eq!(
+            w.handle(ToProvider::Assign(Box::new(a))),
+            [ToServer::Ready { job_id: 7 }]
+        );
+        let mut replies = Vec::new();
+        for micro in 0..2 {
+            let [ToServer::Activations(a)] = &w.handle(forward(7, 0, micro, 4))[..] else {
+                panic!("no activations")
+            };
+            let grads = a
+                .outputs
+                .iter()
+                .map(|o| {
+                    let shape = o.shape_usize();
+                    let n = shape.iter().product::<usize>();
+                    WireTensor::from_f32(&o.name, &shape, &vec![0.25; n], WireDType::F32)
+                })
+                .collect();
+            replies = w.handle(ToProvider::Backward(Backward {
+                job_id: 7,
+                step: 0,
+                micro,
+                grads,
+            }));
+        }
+        let [ToServer::GradNorm(n)] = &replies[..] else {
+            panic!("expected GradNorm, got {replies:?}")
+        };
+        assert_eq!((n.job_id, n.step), (7, 0));
+        assert!(n.sum_of_squares > 0.0 && n.sum_of_squares.is_finite());
+        w
+    };
+    let mut w = clipping();
+    // Nothing else of the step may start while the scale is awaited.
+    failure(w.handle(forward(7, 1, 0, 4)), 7);
+    let mut w = clipping();
+    let message = failure(w.handle(scale(0, 2.0)), 7);
+    assert_mentions(&message, &["scale of 2"]);
+    let mut w = clipping();
+    assert!(matches!(
+        &w.handle(scale(0, 0.5))[..],
+        [ToServer::StepDone(d)] if d.step == 0
+    ));
 }

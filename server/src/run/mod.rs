@@ -56,7 +56,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use rookery_job::{Dataset, JobSpec, Schedule};
-use rookery_model::{DType, ParamKind};
+use rookery_model::{DType, LrSchedule, ParamKind};
 use rookery_proto::{Bytes, ParamOptimState, Phase, ToProvider, WireDType, WireTensor};
 
 pub use aggregate::{AggregateWork, Aggregated};
@@ -185,6 +185,8 @@ struct StageSlot {
     /// Consecutive steps this stage was a straggler.
     slow_steps: u32,
     ready: bool,
+    /// This step's share of the squared gradient norm (jobs that clip).
+    grad_sum_of_squares: Option<f64>,
     step_done: bool,
     compute_ms: f64,
     uploaded: bool,
@@ -293,6 +295,8 @@ pub struct JobRun {
     test: Option<Dataset>,
     schedule: Schedule,
     total_steps: u64,
+    /// The job's learning-rate schedule, its lengths resolved.
+    lr_schedule: LrSchedule,
     perm: Vec<usize>,
     perm_epoch: Option<u64>,
     clusters: Vec<ClusterRun>,

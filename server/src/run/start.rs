@@ -21,6 +21,9 @@ pub enum StartError {
     /// The training data does not fill a step of the plan's clusters.
     #[error(transparent)]
     Schedule(#[from] JobError),
+    /// The schedule is longer than the job (it names its field).
+    #[error(transparent)]
+    LrSchedule(#[from] rookery_model::ScheduleError),
     #[error("the model has no input")]
     NoInput,
     #[error("the checkpoint has {checkpoint} clusters, the plan {plan}")]
@@ -67,6 +70,7 @@ impl JobRun {
         let t = &spec.training;
         let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)?;
         let total_steps = schedule.steps_per_epoch as u64 * t.epochs;
+        let lr_schedule = t.lr_schedule.resolve(t.optimizer.lr(), total_steps)?;
         let input = graph.inputs.first().ok_or(StartError::NoInput)?.clone();
         let (synced, mut optimizer, mut resumed) = match resume {
             None => (0, None, HashMap::new()),
@@ -178,6 +182,7 @@ impl JobRun {
                     slowness: None,
                     slow_steps: 0,
                     ready: false,
+                    grad_sum_of_squares: None,
                     step_done: false,
                     compute_ms: 0.0,
                     uploaded: false,
@@ -212,6 +217,7 @@ impl JobRun {
             test,
             schedule,
             total_steps,
+            lr_schedule,
             perm: Vec::new(),
             perm_epoch: None,
             clusters,
@@ -265,6 +271,8 @@ impl JobRun {
                 .iter()
                 .filter_map(|n| run.optimizer.get(n).cloned())
                 .collect(),
+            lr_schedule: self.lr_schedule,
+            clip_grad_norm: t.clip_grad_norm,
         }
     }
 
@@ -277,6 +285,7 @@ impl JobRun {
         run.finished.clear();
         for stage in &mut run.stages {
             stage.ready = false;
+            stage.grad_sum_of_squares = None;
             stage.step_done = false;
             stage.uploaded = false;
             stage.compute_ms = 0.0;

@@ -7,10 +7,10 @@
 use std::time::Instant;
 
 use rookery_job::{Dataset, Labels, epoch_permutation, micro_batch_ranges};
-use rookery_model::{DType, Loss};
+use rookery_model::{DType, Loss, clip_scale};
 use rookery_proto::{
-    Activations, Backward, Forward, Gradients, LeafLoss, Phase, StepDone, ToProvider, ToServer,
-    WireDType, WireTensor,
+    Activations, Backward, Forward, GradNorm, GradScale, Gradients, LeafLoss, Phase, StepDone,
+    ToProvider, ToServer, WireDType, WireTensor,
 };
 
 use super::{ClusterRun, ClusterState, ClusterStep, Effect, JobRun, Rejected, State, on_wire};
@@ -42,6 +42,7 @@ impl JobRun {
             | ToServer::StepDone(_)
             | ToServer::Params(_)
             | ToServer::OptimizerState(_)
+            | ToServer::GradNorm(_)
                 if rebuilding =>
             {
                 Ok(Vec::new())
@@ -64,6 +65,9 @@ impl JobRun {
             ToServer::Params(p) => self
                 .check_job(p.job_id)
                 .and_then(|()| self.on_params(c, s, p)),
+            ToServer::GradNorm(g) => self
+                .check_job(g.job_id)
+                .and_then(|()| self.on_grad_norm(c, s, g)),
             ToServer::JobFailed { job_id, message } => self.check_job(job_id).map(|()| {
                 self.state = State::Over;
                 vec![Effect::Failed(format!(
@@ -193,6 +197,7 @@ impl JobRun {
         run.state = ClusterState::Training { step };
         for stage in &mut run.stages {
             stage.step_done = false;
+            stage.grad_sum_of_squares = None;
             stage.compute_ms = 0.0;
         }
         run.reset();
@@ -368,6 +373,58 @@ impl JobRun {
             return Ok(Vec::new());
         }
         Ok(self.finish_cluster_step(c, d.step))
+    }
+
+    /// A stage's share of the squared gradient norm: once every stage of the
+    /// cluster has reported, each gets the `clip_grad_norm_` multiplier of
+    /// their sum (taken in stage order, so it is the same every run).
+    pub(super) fn on_grad_norm(
+        &mut self,
+        c: usize,
+        s: usize,
+        g: GradNorm,
+    ) -> Result<Vec<Effect>, Rejected> {
+        let Some(max_norm) = self.spec.training.clip_grad_norm else {
+            return Err(Rejected::Fault(
+                "a gradient norm for a job that does not clip".into(),
+            ));
+        };
+        if !(g.sum_of_squares.is_finite() && g.sum_of_squares >= 0.0) {
+            return Err(Rejected::Fault(format!(
+                "a gradient norm's sum of squares of {} (must be finite and not negative)",
+                g.sum_of_squares
+            )));
+        }
+        self.current_phase_ok(c, Phase::Train { step: g.step })?;
+        let run = &mut self.clusters[c];
+        let stage = &mut run.stages[s];
+        if stage.grad_sum_of_squares.is_some() || stage.step_done {
+            return Err(format!("step {}'s gradient norm was already reported", g.step).into());
+        }
+        stage.grad_sum_of_squares = Some(g.sum_of_squares);
+        let Some(total) = run
+            .stages
+            .iter()
+            .map(|s| s.grad_sum_of_squares)
+            .sum::<Option<f64>>()
+        else {
+            return Ok(Vec::new());
+        };
+        let scale = clip_scale(total, max_norm);
+        Ok(run
+            .stages
+            .iter()
+            .map(|s| {
+                Effect::Send(
+                    s.provider,
+                    ToProvider::GradScale(GradScale {
+                        job_id: self.job_id,
+                        step: g.step,
+                        scale,
+                    }),
+                )
+            })
+            .collect())
     }
 
     /// Cluster `c` has done `step`: its totals wait for the other clusters'

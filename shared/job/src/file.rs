@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use rookery_model::{ClassAxis, ClusterCount, Loss, OptimizerConfig};
+use rookery_model::{ClassAxis, ClusterCount, Loss, LrSchedule, OptimizerConfig};
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -158,6 +158,125 @@ pub struct TrainingFile {
     pub wire_dtype: Option<WireDType>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aggregation: Option<Aggregation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_schedule: Option<LrScheduleFile>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_grad_norm: Option<f64>,
+}
+
+/// `[training.lr_schedule]`, tagged by `kind`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LrScheduleFile {
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_lr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gamma: Option<f64>,
+}
+
+impl LrScheduleFile {
+    pub(crate) fn into_schedule(self) -> Result<LrSchedule, JobError> {
+        let kind = self.kind.to_ascii_lowercase();
+        let takes: &[&str] = match kind.as_str() {
+            "constant" => &["warmup_steps"],
+            "linear" => &["warmup_steps", "total_steps"],
+            "cosine" => &["warmup_steps", "total_steps", "min_lr"],
+            "step" => &["step_size", "gamma"],
+            _ => {
+                return Err(JobError::field(
+                    "training.lr_schedule.kind",
+                    format!(
+                        "unknown schedule `{}`; expected one of constant, linear, cosine, step",
+                        self.kind
+                    ),
+                ));
+            }
+        };
+        let given = [
+            ("warmup_steps", self.warmup_steps.is_some()),
+            ("total_steps", self.total_steps.is_some()),
+            ("min_lr", self.min_lr.is_some()),
+            ("step_size", self.step_size.is_some()),
+            ("gamma", self.gamma.is_some()),
+        ];
+        if let Some((key, _)) = given.iter().find(|(k, g)| *g && !takes.contains(k)) {
+            return Err(JobError::field(
+                format!("training.lr_schedule.{key}"),
+                format!(
+                    "a {kind} schedule has no `{key}` (it takes {})",
+                    takes.join(", ")
+                ),
+            ));
+        }
+        let warmup_steps = self.warmup_steps.unwrap_or(0);
+        Ok(match kind.as_str() {
+            "constant" => LrSchedule::Constant { warmup_steps },
+            "linear" => LrSchedule::Linear {
+                warmup_steps,
+                total_steps: self.total_steps,
+            },
+            "cosine" => LrSchedule::Cosine {
+                warmup_steps,
+                total_steps: self.total_steps,
+                min_lr: self.min_lr.unwrap_or(0.0),
+            },
+            _ => LrSchedule::Step {
+                step_size: self.step_size.ok_or_else(|| {
+                    JobError::field(
+                        "training.lr_schedule.step_size",
+                        "missing: a step schedule needs step_size",
+                    )
+                })?,
+                // StepLR's default.
+                gamma: self.gamma.unwrap_or(0.1),
+            },
+        })
+    }
+}
+
+impl From<LrSchedule> for LrScheduleFile {
+    fn from(s: LrSchedule) -> Self {
+        match s {
+            LrSchedule::Constant { warmup_steps } => LrScheduleFile {
+                kind: "constant".into(),
+                warmup_steps: Some(warmup_steps),
+                ..LrScheduleFile::default()
+            },
+            LrSchedule::Linear {
+                warmup_steps,
+                total_steps,
+            } => LrScheduleFile {
+                kind: "linear".into(),
+                warmup_steps: Some(warmup_steps),
+                total_steps,
+                ..LrScheduleFile::default()
+            },
+            LrSchedule::Cosine {
+                warmup_steps,
+                total_steps,
+                min_lr,
+            } => LrScheduleFile {
+                kind: "cosine".into(),
+                warmup_steps: Some(warmup_steps),
+                total_steps,
+                min_lr: Some(min_lr),
+                ..LrScheduleFile::default()
+            },
+            LrSchedule::Step { step_size, gamma } => LrScheduleFile {
+                kind: "step".into(),
+                step_size: Some(step_size),
+                gamma: Some(gamma),
+                ..LrScheduleFile::default()
+            },
+        }
+    }
 }
 
 /// `torch.optim` parameter names, tagged by `name`.

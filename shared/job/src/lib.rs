@@ -28,7 +28,9 @@ pub use data::{
     Dataset, Labels, Samples, Split, TokenIds, TokenWindows, load_split, validate_against_model,
 };
 pub use error::JobError;
-pub use file::{Clusters, DataFile, JobFile, LossFile, ModelFile, OptimizerFile, TrainingFile};
+pub use file::{
+    Clusters, DataFile, JobFile, LossFile, LrScheduleFile, ModelFile, OptimizerFile, TrainingFile,
+};
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{

@@ -30,7 +30,22 @@
 //! seed = 42                    # default 0
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16
 //! aggregation = "mean"         # mean (default) | median | centered_clip
+//! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
+//! [training.lr_schedule]       # optional (default: constant)
+//! kind = "cosine"              # constant | linear | cosine | step
+//! warmup_steps = 10            # constant, linear, cosine (default 0)
+//! total_steps = 1000           # linear, cosine (default: epochs * steps per epoch)
+//! min_lr = 1e-5                # cosine (default 0)
+//! # step_size = 100, gamma = 0.1   # step (gamma default 0.1, as StepLR)
 //! ```
+//!
+//! `lr_schedule` is `rookery_model::LrSchedule` (its docs give each kind's
+//! exact `torch.optim.lr_scheduler.LambdaLR` equivalent); the learning rate
+//! of a step depends on that step alone. `clip_grad_norm` clips the
+//! gradients of every stage of a cluster together by their global norm, as
+//! `torch.nn.utils.clip_grad_norm_` does in one process. A schedule longer
+//! than the job (its warm-up, `total_steps` or `step_size` beyond the job's
+//! steps) is refused when the job starts and its steps are known.
 //!
 //! `aggregation` is how a sync combines the clusters' parameters: a plain
 //! mean (exactly C clusters' SGD = one process with C times the batch), or,
@@ -73,7 +88,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use rookery_model::load::{LoadedModel, load_model_file};
-use rookery_model::{ClusterCount, Loss, OptimizerConfig};
+use rookery_model::{ClusterCount, Loss, LrSchedule, OptimizerConfig};
 use serde::Serialize;
 
 pub use rookery_proto::WireDType;
@@ -189,6 +204,10 @@ pub struct TrainingSpec {
     pub seed: u64,
     pub wire_dtype: WireDType,
     pub aggregation: Aggregation,
+    /// The learning rate over the job (lengths not yet resolved).
+    pub lr_schedule: LrSchedule,
+    /// `clip_grad_norm_`'s `max_norm` across all stages, if clipping.
+    pub clip_grad_norm: Option<f64>,
 }
 
 /// A whole job. Serializes as the JSON form of the job file (paths absolute
@@ -430,6 +449,17 @@ impl JobSpec {
         t.optimizer.validate().map_err(|m| {
             JobError::field(format!("training.optimizer.{}", optimizer_field(&m)), m)
         })?;
+        t.lr_schedule
+            .validate(t.optimizer.lr())
+            .map_err(|e| JobError::field(format!("training.lr_schedule.{}", e.field), e.message))?;
+        if let Some(n) = t.clip_grad_norm
+            && !(n > 0.0 && n.is_finite())
+        {
+            return Err(JobError::field(
+                "training.clip_grad_norm",
+                format!("must be greater than 0 (got {n})"),
+            ));
+        }
         Ok(())
     }
 
@@ -550,6 +580,11 @@ impl JobSpec {
                 }
             },
             aggregation: t.aggregation.unwrap_or_default(),
+            lr_schedule: match t.lr_schedule {
+                Some(s) => s.into_schedule()?,
+                None => LrSchedule::default(),
+            },
+            clip_grad_norm: t.clip_grad_norm,
         };
         let spec = JobSpec {
             model: ModelSection {
@@ -730,6 +765,8 @@ impl From<JobSpec> for JobFile {
                 seed: Some(t.seed),
                 wire_dtype: Some(t.wire_dtype),
                 aggregation: Some(t.aggregation),
+                lr_schedule: Some(t.lr_schedule.into()),
+                clip_grad_norm: t.clip_grad_norm,
             },
         }
     }

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use rookery_job::{Aggregation, DataFormat, DataRef, JobError, JobSpec, ModelSource, WireDType};
-use rookery_model::{ClassAxis, ClusterCount, Loss, OptimizerConfig};
+use rookery_model::{ClassAxis, ClusterCount, Loss, LrSchedule, OptimizerConfig};
 
 const EXAMPLE: &str = r#"
 [model]
@@ -108,6 +108,52 @@ fn documented_example_parses_to_the_expected_spec() {
     assert_eq!((t.sync_every, t.shuffle, t.seed), (1, true, 42));
     assert_eq!(t.wire_dtype, WireDType::F32);
     assert_eq!(job.micro_batch_size(), 16);
+}
+
+#[test]
+fn lr_schedules_and_clipping_parse_with_step_lr_defaults_and_survive_json() {
+    let dir = base();
+    for (table, want) in [
+        (
+            "kind = \"cosine\"\nwarmup_steps = 10\nmin_lr = 1e-5",
+            LrSchedule::Cosine {
+                warmup_steps: 10,
+                total_steps: None,
+                min_lr: 1e-5,
+            },
+        ),
+        (
+            "kind = \"linear\"\ntotal_steps = 500",
+            LrSchedule::Linear {
+                warmup_steps: 0,
+                total_steps: Some(500),
+            },
+        ),
+        (
+            "kind = \"constant\"\nwarmup_steps = 3",
+            LrSchedule::Constant { warmup_steps: 3 },
+        ),
+        (
+            "kind = \"step\"\nstep_size = 30",
+            LrSchedule::Step {
+                step_size: 30,
+                gamma: 0.1,
+            },
+        ),
+    ] {
+        let text = format!("{EXAMPLE}clip_grad_norm = 1.0\n[training.lr_schedule]\n{table}\n");
+        let job = JobSpec::from_toml(&text, dir.path()).unwrap();
+        assert_eq!(job.training.lr_schedule, want, "{table}");
+        assert_eq!(job.training.clip_grad_norm, Some(1.0));
+        let again = JobSpec::from_json(&serde_json::to_string(&job).unwrap(), dir.path()).unwrap();
+        assert_eq!(again, job, "{table}");
+    }
+    let plain = JobSpec::from_toml(EXAMPLE, dir.path()).unwrap();
+    assert_eq!(
+        plain.training.lr_schedule,
+        LrSchedule::Constant { warmup_steps: 0 }
+    );
+    assert_eq!(plain.training.clip_grad_norm, None);
 }
 
 #[test]
@@ -767,6 +813,48 @@ const INVALID: &[(&str, &str, &str, &[&str])] = &[
         "seed = 42",
         "seed = 42\naggregation = \"trimmed_mean\"",
         &["training.aggregation", "mean", "median", "centered_clip"],
+    ),
+    (
+        "unknown schedule",
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\n[training.lr_schedule]\nkind = \"onecycle\"",
+        &["training.lr_schedule.kind", "onecycle", "cosine", "step"],
+    ),
+    (
+        "schedule field of another kind",
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\n[training.lr_schedule]\nkind = \"step\"\nstep_size = 3\nmin_lr = 0.1",
+        &["training.lr_schedule.min_lr", "step_size, gamma"],
+    ),
+    (
+        "step schedule without step_size",
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\n[training.lr_schedule]\nkind = \"step\"",
+        &["training.lr_schedule.step_size"],
+    ),
+    (
+        "warm-up longer than the schedule",
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\n[training.lr_schedule]\nkind = \"linear\"\nwarmup_steps = 20\ntotal_steps = 10",
+        &["training.lr_schedule.warmup_steps", "20", "10"],
+    ),
+    (
+        "min_lr above lr",
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\n[training.lr_schedule]\nkind = \"cosine\"\nmin_lr = 0.5",
+        &["training.lr_schedule.min_lr", "0.001"],
+    ),
+    (
+        "negative gamma",
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\n[training.lr_schedule]\nkind = \"step\"\nstep_size = 3\ngamma = -0.5",
+        &["training.lr_schedule.gamma"],
+    ),
+    (
+        "zero clip norm",
+        "seed = 42",
+        "seed = 42\nclip_grad_norm = 0.0",
+        &["training.clip_grad_norm"],
     ),
     (
         "unknown training field",

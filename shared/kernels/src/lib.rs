@@ -8,7 +8,8 @@
 //! [`gemm`] (the tiled GEMM template: MatMul, Linear), [`loss`]
 //! (cross-entropy, MSE), [`optimizer`] (the one optimizer settings type,
 //! [`OptimizerConfig`], as data), [`optim`] (its steps: SGD, Adam/AdamW,
-//! RMSprop), [`reduce`]
+//! RMSprop), [`schedule`] (learning-rate schedules and the gradient
+//! clipping multiplier, pure functions of the step), [`reduce`]
 //! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
 //! (transpose, concat, gather), [`conv`] (Conv2d as implicit GEMM), [`pool`]
 //! (max, average, global average), `matmul`
@@ -31,6 +32,7 @@ pub mod optim;
 pub mod optimizer;
 pub mod pool;
 pub mod reduce;
+pub mod schedule;
 pub mod shape;
 pub mod spec;
 
@@ -42,6 +44,7 @@ pub use matmul::{
     matmul_reference, sample_matrix, try_matmul_reference,
 };
 pub use optimizer::OptimizerConfig;
+pub use schedule::{LrSchedule, ScheduleError, clip_scale, sum_of_squares};
 pub use spec::{Binding, KernelSpec, Tol};
 
 #[cfg(feature = "gpu")]

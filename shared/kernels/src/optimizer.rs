@@ -92,6 +92,17 @@ impl OptimizerConfig {
         }
     }
 
+    /// The same settings with learning rate `lr` (a schedule's value).
+    pub fn with_lr(mut self, lr: f64) -> Self {
+        match &mut self {
+            OptimizerConfig::Sgd { lr: l, .. }
+            | OptimizerConfig::Adam { lr: l, .. }
+            | OptimizerConfig::AdamW { lr: l, .. }
+            | OptimizerConfig::RmsProp { lr: l, .. } => *l = lr,
+        }
+        self
+    }
+
     pub fn lr(&self) -> f64 {
         match *self {
             OptimizerConfig::Sgd { lr, .. }

@@ -30,6 +30,8 @@ pub use ops::Op;
 /// The optimizer settings of a job: defined beside the kernels that step
 /// them, so every crate names the same type.
 pub use rookery_kernels::OptimizerConfig;
+/// Learning-rate schedules and the clipping multiplier, beside the optimizer.
+pub use rookery_kernels::{LrSchedule, ScheduleError, clip_scale, sum_of_squares};
 
 pub use spec::{LayerSpec, ModelSpec, from_toml};
 pub use tensor::{DType, TensorInfo};

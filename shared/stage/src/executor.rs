@@ -16,7 +16,7 @@ use std::ops::Range;
 use rookery_kernels::OptimizerConfig;
 use rookery_kernels::dropout;
 use rookery_kernels::spec::numel;
-use rookery_model::{DType, Graph, ParamKind, Source, StageLayout};
+use rookery_model::{DType, Graph, ParamKind, Source, StageLayout, sum_of_squares};
 
 use crate::device::{BoundCall, Device};
 use crate::kernel::Kernel;
@@ -500,7 +500,46 @@ impl<D: Device> StageExecutor<D> {
     /// gradient since the last step (as PyTorch skips those whose `.grad` is
     /// None), then clears the gradients.
     pub async fn step(&mut self) -> Result<(), StageError> {
+        self.step_at_lr(self.optimizer.lr()).await
+    }
+
+    /// The sum of the squares of every accumulated parameter gradient, in
+    /// f64, parameter by parameter in the stage's order (read back from the
+    /// device: WGSL has no f64, and the sum must be the same everywhere).
+    pub async fn grad_sum_of_squares(&self) -> Result<f64, StageError> {
+        self.idle("measuring gradients")?;
+        let mut acc = 0.0;
+        for state in self.params.iter().filter(|s| s.has_grad) {
+            acc = sum_of_squares(acc, &self.device.read_f32(&state.grad).await?);
+        }
+        Ok(acc)
+    }
+
+    /// Multiplies every accumulated parameter gradient by `scale` in f32, as
+    /// `clip_grad_norm_`'s `grad.mul_(clip_coef)`; 1 changes nothing.
+    pub async fn scale_grads(&mut self, scale: f32) -> Result<(), StageError> {
+        self.idle("scaling gradients")?;
+        if scale == 1.0 {
+            return Ok(());
+        }
+        for state in self.params.iter().filter(|s| s.has_grad) {
+            let scaled: Vec<f32> = self
+                .device
+                .read_f32(&state.grad)
+                .await?
+                .into_iter()
+                .map(|g| g * scale)
+                .collect();
+            self.device.write_f32(&state.grad, &scaled)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::step`] with learning rate `lr` (a schedule's value at this
+    /// step) in place of the optimizer's: only the uniform changes.
+    pub async fn step_at_lr(&mut self, lr: f64) -> Result<(), StageError> {
         self.idle("stepping")?;
+        let optimizer = self.optimizer.with_lr(lr);
         let state_count = self.optimizer.state_names().len();
         let mut kernels = Vec::new();
         for (p, state) in self.params.iter_mut().enumerate() {
@@ -518,7 +557,7 @@ impl<D: Device> StageExecutor<D> {
             };
             state.steps += 1;
             self.device
-                .write_u32(uniform, &self.optimizer.uniform(state.steps))?;
+                .write_u32(uniform, &optimizer.uniform(state.steps))?;
             if !self.optimizer_kernels.contains_key(&state.len) {
                 let kernel = Kernel::OptimizerStep {
                     optimizer: self.optimizer,
@@ -528,10 +567,12 @@ impl<D: Device> StageExecutor<D> {
                 self.optimizer_kernels
                     .insert(state.len, self.device.prepare(&kernel));
             }
+            // The CPU device reads the settings from the call (the GPU the
+            // uniform, written above): both get this step's lr.
             kernels.push((
                 p,
                 Kernel::OptimizerStep {
-                    optimizer: self.optimizer,
+                    optimizer,
                     len: state.len,
                     step: state.steps,
                 },

@@ -180,8 +180,13 @@ impl<D: Device> Backend for StageExecutor<D> {
         StageExecutor::backward(self, micro_batch, grads).await
     }
 
-    async fn step(&mut self) -> Result<(), StageError> {
-        StageExecutor::step(self).await
+    async fn grad_sum_of_squares(&mut self) -> Result<f64, StageError> {
+        StageExecutor::grad_sum_of_squares(self).await
+    }
+
+    async fn step(&mut self, lr: f64, grad_scale: f64) -> Result<(), StageError> {
+        StageExecutor::scale_grads(self, grad_scale as f32).await?;
+        StageExecutor::step_at_lr(self, lr).await
     }
 
     async fn parameters(&mut self) -> Result<Vec<WireTensor>, StageError> {

@@ -363,7 +363,8 @@ impl ProviderSession {
                 | ToProvider::Backward(_)
                 | ToProvider::UploadParams { .. }
                 | ToProvider::SetParams(_)
-                | ToProvider::Release { .. }),
+                | ToProvider::Release { .. }
+                | ToProvider::GradScale(_)),
             ) => Some(Action::Train(message)),
         }
     }
@@ -409,6 +410,7 @@ fn kind(message: &ToProvider) -> &'static str {
         ToProvider::SetParams(_) => "SetParams",
         ToProvider::Release { .. } => "Release",
         ToProvider::Probe { .. } => "Probe",
+        ToProvider::GradScale(_) => "GradScale",
     }
 }
 

@@ -12,7 +12,9 @@
 //!   [`step_seed`] and those sample positions;
 //! - once a stage has run backward for all of a step's micro-batches it steps
 //!   its optimizer and sends `StepDone`, after the last micro-batch's
-//!   `Gradients`;
+//!   `Gradients`; in a job that clips it first sends `GradNorm` and steps
+//!   when `GradScale` comes back. The learning rate of step `s` is the
+//!   assignment's `lr_schedule` at `s`, on the optimizer's `lr`;
 //! - `UploadParams` is answered with the optimizer state, then the
 //!   parameters;
 //! - after `JobFailed` the stage is gone: later messages for that job get
@@ -26,10 +28,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Display;
 use std::future::Future;
 
-use rookery_model::{Graph, Loss, OptimizerConfig};
+use rookery_model::{Graph, Loss, LrSchedule, OptimizerConfig};
 use rookery_proto::{
-    Activations, Assignment, Backward, Forward, Gradients, LeafLoss, OptimizerState,
-    ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType, WireTensor,
+    Activations, Assignment, Backward, Forward, GradNorm, GradScale, Gradients, LeafLoss,
+    OptimizerState, ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType,
+    WireTensor,
 };
 
 /// The dropout seed of step `step` of a job seeded `job_seed`: every stage of
@@ -105,7 +108,13 @@ pub trait Backend {
         micro_batch: Self::MicroBatch,
         grads: &[(String, Self::Tensor)],
     ) -> impl Future<Output = Result<Vec<(String, Self::Tensor)>, Self::Error>>;
-    fn step(&mut self) -> impl Future<Output = Result<(), Self::Error>>;
+    /// The sum of the squares of every element of the parameter gradients
+    /// accumulated since the last step, in f64, parameter by parameter in
+    /// the stage's order ([`rookery_model::sum_of_squares`]).
+    fn grad_sum_of_squares(&mut self) -> impl Future<Output = Result<f64, Self::Error>>;
+    /// Multiplies the accumulated gradients by `grad_scale` (as f32; 1 leaves
+    /// them alone), then steps the optimizer with learning rate `lr`.
+    fn step(&mut self, lr: f64, grad_scale: f64) -> impl Future<Output = Result<(), Self::Error>>;
     /// Every parameter and buffer, floats as f32.
     fn parameters(&mut self) -> impl Future<Output = Result<Vec<WireTensor>, Self::Error>>;
     fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), Self::Error>;
@@ -268,6 +277,7 @@ pub fn job_of(message: &ToProvider) -> Option<u64> {
         ToProvider::Backward(b) => Some(b.job_id),
         ToProvider::UploadParams { job_id, .. } | ToProvider::Release { job_id } => Some(*job_id),
         ToProvider::SetParams(p) => Some(p.job_id),
+        ToProvider::GradScale(g) => Some(g.job_id),
         ToProvider::Welcome { .. }
         | ToProvider::Heartbeat { .. }
         | ToProvider::Error(_)
@@ -296,6 +306,7 @@ fn describe(message: &ToProvider) -> String {
         }
         ToProvider::UploadParams { step, .. } => format!("UploadParams at step {step}"),
         ToProvider::SetParams(p) => format!("SetParams at step {}", p.step),
+        ToProvider::GradScale(g) => format!("GradScale of step {}", g.step),
         ToProvider::Assign(_) => "Assign".into(),
         ToProvider::Release { .. } => "Release".into(),
         ToProvider::Welcome { .. } => "Welcome".into(),
@@ -342,6 +353,10 @@ struct Stage<B: Backend> {
     next_step: u64,
     step: Option<StepState<B::MicroBatch>>,
     micro_batches_done: u64,
+    /// The optimizer's `lr`, which the schedule scales.
+    base_lr: f64,
+    lr_schedule: LrSchedule,
+    clip_grad_norm: Option<f64>,
 }
 
 struct StepState<M> {
@@ -355,6 +370,9 @@ struct StepState<M> {
     in_flight: BTreeMap<u32, M>,
     finished: u32,
     compute_ms: f64,
+    /// Every micro-batch is done and the `GradNorm` went out: the step waits
+    /// for `GradScale`.
+    awaiting_scale: bool,
 }
 
 impl<B: Backend> Stage<B> {
@@ -384,6 +402,19 @@ impl<B: Backend> Stage<B> {
             )));
         }
         let leaf_output = leaf.then(|| a.outputs[0].clone());
+        if !a.lr_schedule.is_resolved() {
+            return Err(protocol(format!(
+                "the learning-rate schedule {:?} has no total_steps",
+                a.lr_schedule
+            )));
+        }
+        if let Some(n) = a.clip_grad_norm
+            && !(n > 0.0 && n.is_finite())
+        {
+            return Err(protocol(format!(
+                "clip_grad_norm {n} is not a positive number"
+            )));
+        }
         let exec = factory
             .build(StageSpec {
                 graph: &graph,
@@ -411,6 +442,9 @@ impl<B: Backend> Stage<B> {
             next_step: a.start_step,
             step: None,
             micro_batches_done: 0,
+            base_lr: a.optimizer.lr(),
+            lr_schedule: a.lr_schedule,
+            clip_grad_norm: a.clip_grad_norm,
         })
     }
 
@@ -455,6 +489,7 @@ impl<B: Backend> Stage<B> {
                 Ok(())
             }
             ToProvider::SetParams(p) => self.set_params(&p),
+            ToProvider::GradScale(g) => self.grad_scale(g, out).await,
             other => Err(protocol(format!(
                 "{} is not a stage message",
                 describe(&other)
@@ -505,6 +540,7 @@ impl<B: Backend> Stage<B> {
                     in_flight: BTreeMap::new(),
                     finished: 0,
                     compute_ms: 0.0,
+                    awaiting_scale: false,
                 });
             }
         }
@@ -656,8 +692,63 @@ impl<B: Backend> Stage<B> {
             state.compute_ms += started.elapsed_ms();
             return Ok(());
         }
+        if self.clip_grad_norm.is_some() {
+            let sum_of_squares = self.exec.grad_sum_of_squares().await.map_err(backend)?;
+            let state = self
+                .step
+                .as_mut()
+                .ok_or_else(|| protocol("the step state vanished"))?;
+            state.awaiting_scale = true;
+            state.compute_ms += started.elapsed_ms();
+            out.push(ToServer::GradNorm(GradNorm {
+                job_id: self.job_id,
+                step,
+                sum_of_squares,
+            }));
+            return Ok(());
+        }
         let so_far = state.compute_ms;
-        self.exec.step().await.map_err(backend)?;
+        self.finish_step(step, 1.0, so_far, started, out).await
+    }
+
+    /// The server's clipping multiplier for the step awaiting it.
+    async fn grad_scale(
+        &mut self,
+        g: GradScale,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
+        let started = Clock::now();
+        let so_far = match &self.step {
+            Some(s) if s.step == g.step && s.awaiting_scale => s.compute_ms,
+            Some(s) => {
+                return Err(protocol(format!(
+                    "no gradient norm of step {} awaits a scale (the stage is in step {}, {} of {} micro-batches backpropagated)",
+                    g.step, s.step, s.finished, s.count
+                )));
+            }
+            None => return Err(protocol("no training step is in progress on this stage")),
+        };
+        if !(g.scale > 0.0 && g.scale <= 1.0) {
+            return Err(protocol(format!(
+                "a gradient scale of {} (clipping scales by a number in (0, 1])",
+                g.scale
+            )));
+        }
+        self.finish_step(g.step, g.scale, so_far, started, out)
+            .await
+    }
+
+    /// Steps the optimizer with the step's scheduled learning rate.
+    async fn finish_step(
+        &mut self,
+        step: u64,
+        grad_scale: f64,
+        so_far: f64,
+        started: Clock,
+        out: &mut Vec<ToServer>,
+    ) -> Result<(), WorkerError> {
+        let lr = self.lr_schedule.lr(self.base_lr, step);
+        self.exec.step(lr, grad_scale).await.map_err(backend)?;
         self.step = None;
         self.next_step = step + 1;
         out.push(ToServer::StepDone(StepDone {

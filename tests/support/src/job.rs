@@ -187,6 +187,14 @@ impl JobBatches {
     }
 }
 
+impl JobBatches {
+    /// Optimizer steps in the whole job (epochs * steps per epoch), which
+    /// a learning-rate schedule is resolved against.
+    pub fn total_steps(&self) -> u64 {
+        self.schedule.steps_per_epoch as u64 * self.spec.training.epochs
+    }
+}
+
 impl Iterator for JobBatches {
     type Item = StepBatch;
 

@@ -501,6 +501,50 @@ impl TorchExecutor {
         self.zero_grad()
     }
 
+    /// The sum of the squares of every accumulated gradient element, in f64,
+    /// parameter by parameter in the stage's order, read on the host so the
+    /// order (and so the sum) is the same on every device and backend.
+    pub fn grad_sum_of_squares(&self) -> Result<f64, ExecError> {
+        let mut acc = 0.0;
+        for p in &self.params {
+            if p.kind != ParamKind::Trainable {
+                continue;
+            }
+            let g = p.tensor.f_grad()?;
+            if g.defined() {
+                let g = g
+                    .f_detach()?
+                    .f_to_device(tch::Device::Cpu)?
+                    .f_to_kind(tch::Kind::Float)?
+                    .f_contiguous()?;
+                let numel = g.numel();
+                let mut values = vec![0f32; numel];
+                g.f_copy_data(&mut values, numel)?;
+                acc = rookery_model::sum_of_squares(acc, &values);
+            }
+        }
+        Ok(acc)
+    }
+
+    /// Multiplies every accumulated gradient by `scale` rounded to f32, as
+    /// `clip_grad_norm_`'s `grad.mul_(clip_coef)`; 1 changes nothing.
+    pub fn scale_grads(&mut self, scale: f64) -> Result<(), ExecError> {
+        let scale = f64::from(scale as f32);
+        if scale == 1.0 {
+            return Ok(());
+        }
+        for p in &self.params {
+            if p.kind != ParamKind::Trainable {
+                continue;
+            }
+            let mut g = p.tensor.f_grad()?;
+            if g.defined() {
+                let _ = tch::no_grad(|| g.f_mul_scalar_(scale))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Drops accumulated gradients. A parameter becomes a fresh leaf sharing its
     /// storage, which is PyTorch's `zero_grad(set_to_none=True)`: tch cannot
     /// set `.grad` back to None otherwise, and a zeroed gradient would still

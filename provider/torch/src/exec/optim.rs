@@ -97,13 +97,7 @@ impl TorchOptimizer {
 
     /// Changes the learning rate (for schedules), keeping the state.
     pub fn set_lr(&mut self, lr: f64) -> Result<(), ExecError> {
-        let mut config = self.config;
-        match &mut config {
-            OptimizerConfig::Sgd { lr: l, .. }
-            | OptimizerConfig::Adam { lr: l, .. }
-            | OptimizerConfig::AdamW { lr: l, .. }
-            | OptimizerConfig::RmsProp { lr: l, .. } => *l = lr,
-        }
+        let config = self.config.with_lr(lr);
         config.validate().map_err(ExecError::Optimizer)?;
         self.config = config;
         Ok(())

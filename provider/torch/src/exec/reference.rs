@@ -2,11 +2,15 @@
 //! the whole graph as one stage with one micro-batch (the oracle the pipeline
 //! must match), and [`pipeline_train_step`] drives a chain of stages through the
 //! sync schedule in one process (what a cluster does over the network), so the
-//! two can be compared step by step.
+//! two can be compared step by step. The `_clipped` forms clip gradients by
+//! their global norm before stepping, as a cluster does (each stage's sum of
+//! squares in f64, summed over the stages in order, one multiplier for all);
+//! a learning-rate schedule is the caller's `TorchOptimizer::set_lr` with
+//! `LrSchedule::lr` of the step, before the step.
 
 use std::collections::{BTreeMap, HashMap};
 
-use rookery_model::{Graph, Loss};
+use rookery_model::{Graph, Loss, clip_scale};
 use tch::{Device, Tensor};
 
 use super::loss::loss_targets;
@@ -26,6 +30,31 @@ pub fn train_step(
     optimizer: &mut TorchOptimizer,
     step_seed: u64,
 ) -> Result<f64, ExecError> {
+    train_step_clipped(
+        graph,
+        params,
+        batch_inputs,
+        labels,
+        loss,
+        optimizer,
+        step_seed,
+        None,
+    )
+}
+
+/// [`train_step`] clipping the gradients to global norm `clip_grad_norm`
+/// before the step.
+#[allow(clippy::too_many_arguments)]
+pub fn train_step_clipped(
+    graph: &Graph,
+    params: &mut BTreeMap<String, Tensor>,
+    batch_inputs: &[(String, Tensor)],
+    labels: &Tensor,
+    loss: Loss,
+    optimizer: &mut TorchOptimizer,
+    step_seed: u64,
+    clip_grad_norm: Option<f64>,
+) -> Result<f64, ExecError> {
     let device = batch_inputs
         .first()
         .map_or(Device::Cpu, |(_, t)| t.device());
@@ -35,7 +64,15 @@ pub fn train_step(
         .map(|(k, v)| (k.clone(), v.shallow_clone()))
         .collect();
     let mut exec = TorchExecutor::new(graph, 0..n, graph.outputs.clone(), given, device)?;
-    let value = whole_batch_step(&mut exec, batch_inputs, labels, loss, optimizer, step_seed)?;
+    let value = whole_batch_step_clipped(
+        &mut exec,
+        batch_inputs,
+        labels,
+        loss,
+        optimizer,
+        step_seed,
+        clip_grad_norm,
+    )?;
     for (name, t) in exec.parameters()? {
         params.insert(name, t);
     }
@@ -52,6 +89,20 @@ pub fn whole_batch_step(
     optimizer: &mut TorchOptimizer,
     step_seed: u64,
 ) -> Result<f64, ExecError> {
+    whole_batch_step_clipped(exec, batch_inputs, labels, loss, optimizer, step_seed, None)
+}
+
+/// [`whole_batch_step`] clipping the gradients to global norm
+/// `clip_grad_norm` (`clip_grad_norm_`'s `max_norm`) before the step.
+pub fn whole_batch_step_clipped(
+    exec: &mut TorchExecutor,
+    batch_inputs: &[(String, Tensor)],
+    labels: &Tensor,
+    loss: Loss,
+    optimizer: &mut TorchOptimizer,
+    step_seed: u64,
+    clip_grad_norm: Option<f64>,
+) -> Result<f64, ExecError> {
     let [out_name] = exec
         .output_names()
         .try_into()
@@ -66,6 +117,7 @@ pub fn whole_batch_step(
     let out = single(&fwd.outputs, &out_name)?;
     let l = micro_batch_loss(loss, out, labels, loss_targets(loss, labels)?)?;
     exec.backward(fwd.micro_batch, &[(out_name, l.grad)])?;
+    clip(std::slice::from_mut(exec), clip_grad_norm)?;
     exec.step(optimizer)?;
     Ok(l.scaled)
 }
@@ -87,6 +139,31 @@ pub fn pipeline_train_step(
     loss: Loss,
     micro_batches: usize,
     step_seed: u64,
+) -> Result<f64, ExecError> {
+    pipeline_train_step_clipped(
+        stages,
+        optimizers,
+        batch_inputs,
+        labels,
+        loss,
+        micro_batches,
+        step_seed,
+        None,
+    )
+}
+
+/// [`pipeline_train_step`] clipping the gradients of all stages together
+/// to global norm `clip_grad_norm` before the stages step.
+#[allow(clippy::too_many_arguments)]
+pub fn pipeline_train_step_clipped(
+    stages: &mut [TorchExecutor],
+    optimizers: &mut [TorchOptimizer],
+    batch_inputs: &[(String, Tensor)],
+    labels: &Tensor,
+    loss: Loss,
+    micro_batches: usize,
+    step_seed: u64,
+    clip_grad_norm: Option<f64>,
 ) -> Result<f64, ExecError> {
     if stages.is_empty() || stages.len() != optimizers.len() {
         return Err(ExecError::Optimizer(format!(
@@ -168,10 +245,30 @@ pub fn pipeline_train_step(
             }
         }
     }
+    clip(stages, clip_grad_norm)?;
     for (s, opt) in stages.iter_mut().zip(optimizers.iter_mut()) {
         s.step(opt)?;
     }
     Ok(total)
+}
+
+/// Clips the accumulated gradients of `stages` together, as the server
+/// does for a cluster: each stage's sum of squares, summed in stage order,
+/// gives one multiplier ([`clip_scale`]) for every gradient. Returns the
+/// multiplier (1 without clipping).
+pub fn clip(stages: &mut [TorchExecutor], clip_grad_norm: Option<f64>) -> Result<f64, ExecError> {
+    let Some(max_norm) = clip_grad_norm else {
+        return Ok(1.0);
+    };
+    let mut total = 0.0;
+    for s in stages.iter() {
+        total += s.grad_sum_of_squares()?;
+    }
+    let scale = clip_scale(total, max_norm);
+    for s in stages.iter_mut() {
+        s.scale_grads(scale)?;
+    }
+    Ok(scale)
 }
 
 fn batch_size(inputs: &[(String, Tensor)]) -> Result<usize, ExecError> {

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
-use rookery_model::{Graph, Loss, OptimizerConfig};
+use rookery_model::{Graph, Loss, LrSchedule, OptimizerConfig};
 use rookery_proto::{
     Assignment, Backward, Forward, ParamOptimState, ParamSet, Phase, ToProvider, ToServer,
     WireDType, WireTensor,
@@ -55,6 +55,8 @@ pub struct JobConfig {
     pub batch_size: u32,
     pub wire_dtype: WireDType,
     pub seed: u64,
+    pub lr_schedule: LrSchedule,
+    pub clip_grad_norm: Option<f64>,
 }
 
 impl JobConfig {
@@ -67,6 +69,8 @@ impl JobConfig {
             batch_size: 16,
             wire_dtype: WireDType::F32,
             seed: 1234,
+            lr_schedule: LrSchedule::default(),
+            clip_grad_norm: None,
         }
     }
 }
@@ -108,6 +112,8 @@ pub fn assignment(
         seed: job.seed,
         start_step: 0,
         optimizer_state: Vec::new(),
+        lr_schedule: job.lr_schedule,
+        clip_grad_norm: job.clip_grad_norm,
     }
 }
 
@@ -131,6 +137,8 @@ pub struct StepReport {
     /// Payload bytes of every Activations frame's tensors.
     pub activation_bytes: Vec<usize>,
     pub leaf_losses: usize,
+    /// The clipping multiplier sent back, in a job that clips.
+    pub grad_scale: Option<f64>,
 }
 
 /// Makes the worker of stage `k` of a chain.
@@ -250,6 +258,7 @@ impl Chain {
             })
             .collect();
         let mut report = StepReport::default();
+        let mut norms: Vec<Option<f64>> = vec![None; self.workers.len()];
         while let Some((k, message)) = queue.pop_front() {
             for reply in self.workers[k].handle(message) {
                 match reply {
@@ -300,6 +309,26 @@ impl Chain {
                         assert_eq!(Phase::Train { step: d.step }, phase);
                         assert!(d.compute_ms >= 0.0);
                         report.step_done.push(k);
+                    }
+                    ToServer::GradNorm(n) => {
+                        assert_eq!(Phase::Train { step: n.step }, phase);
+                        assert!(norms[k].replace(n.sum_of_squares).is_none());
+                        // As the server: the stages' sums, added in stage order.
+                        if let Some(total) = norms.iter().copied().sum::<Option<f64>>() {
+                            let max_norm = self.job.clip_grad_norm.expect("the job clips");
+                            let scale = rookery_model::clip_scale(total, max_norm);
+                            report.grad_scale = Some(scale);
+                            for s in 0..self.workers.len() {
+                                queue.push_back((
+                                    s,
+                                    ToProvider::GradScale(rookery_proto::GradScale {
+                                        job_id: n.job_id,
+                                        step: n.step,
+                                        scale,
+                                    }),
+                                ));
+                            }
+                        }
                     }
                     ToServer::JobFailed { message, .. } => panic!("stage {k} failed: {message}"),
                     other => panic!("stage {k} sent {other:?}"),

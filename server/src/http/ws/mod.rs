@@ -556,6 +556,7 @@ fn message_name(message: &ToServer) -> &'static str {
         ToServer::JobFailed { .. } => "JobFailed",
         ToServer::ProbeAck { .. } => "ProbeAck",
         ToServer::OptimizerState(_) => "OptimizerState",
+        ToServer::GradNorm(_) => "GradNorm",
     }
 }
 

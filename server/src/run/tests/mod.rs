@@ -3,6 +3,7 @@
 // Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
 #![allow(clippy::unwrap_used)]
 
+mod clip;
 mod labels;
 mod recovery;
 mod relay;
@@ -86,6 +87,8 @@ fn spec() -> JobSpec {
             seed: 7,
             wire_dtype: WireDType::F32,
             aggregation: Aggregation::Mean,
+            lr_schedule: rookery_model::LrSchedule::default(),
+            clip_grad_norm: None,
         },
     }
 }
