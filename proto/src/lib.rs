@@ -174,6 +174,28 @@ pub enum ToServer {
     GradNorm(GradNorm),
 }
 
+impl ToServer {
+    /// The message's kind, for logs and errors (its `Debug` form can hold
+    /// whole tensors).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ToServer::Hello(_) => "Hello",
+            ToServer::Heartbeat { .. } => "Heartbeat",
+            ToServer::Error(_) => "Error",
+            ToServer::Ready { .. } => "Ready",
+            ToServer::Activations(_) => "Activations",
+            ToServer::Gradients(_) => "Gradients",
+            ToServer::LeafLoss(_) => "LeafLoss",
+            ToServer::StepDone(_) => "StepDone",
+            ToServer::Params(_) => "Params",
+            ToServer::JobFailed { .. } => "JobFailed",
+            ToServer::ProbeAck { .. } => "ProbeAck",
+            ToServer::OptimizerState(_) => "OptimizerState",
+            ToServer::GradNorm(_) => "GradNorm",
+        }
+    }
+}
+
 /// Frames the server sends to a provider.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ToProvider {

@@ -233,7 +233,7 @@ where
     let message = tampered.as_ref().unwrap_or(message);
     let frames = session
         .encode(message)
-        .map_err(|error| SessionEnd::Fatal(format!("cannot encode {}: {error}", kind(message))))?;
+        .map_err(|error| SessionEnd::Fatal(format!("cannot encode {}: {error}", message.kind())))?;
     #[cfg(feature = "fault-injection")]
     let frames = crate::fault::tamper_frames(message, frames);
     // Each frame is flushed on its own so the server relays the first
@@ -261,23 +261,6 @@ where
     Ok(())
 }
 
-/// A message's kind, for errors (its `Debug` form can hold whole tensors).
-fn kind(message: &ToServer) -> &'static str {
-    match message {
-        ToServer::Hello(_) => "Hello",
-        ToServer::Heartbeat { .. } => "Heartbeat",
-        ToServer::Error(_) => "Error",
-        ToServer::Ready { .. } => "Ready",
-        ToServer::Activations(_) => "Activations",
-        ToServer::Gradients(_) => "Gradients",
-        ToServer::LeafLoss(_) => "LeafLoss",
-        ToServer::StepDone(_) => "StepDone",
-        ToServer::Params(_) => "Params",
-        ToServer::JobFailed { .. } => "JobFailed",
-        ToServer::ProbeAck { .. } => "ProbeAck",
-        ToServer::OptimizerState(_) => "OptimizerState",
-    }
-}
 
 /// The transport's limits: any frame a server may send (its limit is at
 /// most [`MAX_MAX_FRAME_BYTES`]) is read, and the session then holds it to

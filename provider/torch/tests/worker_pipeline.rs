@@ -209,7 +209,7 @@ fn three_workers_with_a_cosine_schedule_and_clipping_train_exactly_like_one_proc
                 min_lr: 1e-4,
             },
             clip_grad_norm: Some(0.5),
-            ..JobConfig::new(optimizer, Loss::CrossEntropy)
+            ..JobConfig::new(optimizer, Loss::cross_entropy())
         };
         let losses = train_both(&g, &[0..2, 2..5, 5..7], job, mlp_batch(16, 5), STEPS);
         assert_same(&losses, &format!("MLP, cosine + clipping, {optimizer:?}"));
@@ -732,7 +732,7 @@ fn our_kernels_with_a_step_schedule_and_clipping_train_like_one_process() {
         },
         // This model's gradients are small: most steps clip at 0.02.
         clip_grad_norm: Some(0.02),
-        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::CrossEntropy)
+        ..JobConfig::new(OptimizerConfig::adam(0.01), Loss::cross_entropy())
     };
     let make = |k: usize| -> Box<dyn Worker> {
         match k {

@@ -80,7 +80,7 @@ pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
         (e, _) => e,
     };
     validate_against_model(&loaded.graph, &spec.model.input_shape, &mut train, loss)
-        .map_err(|e| naming(Some(&spec.data.train_labels), e))?;
+        .map_err(|e| naming(spec.data.train_labels.as_ref(), e))?;
     if let Some(test) = test.as_mut() {
         validate_against_model(&loaded.graph, &spec.model.input_shape, test, loss)
             .map_err(|e| naming(spec.data.test_labels.as_ref(), e))

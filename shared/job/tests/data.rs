@@ -615,6 +615,13 @@ fn arrays(
     }
 }
 
+fn inputs_of(d: &Dataset) -> &[f32] {
+    match &d.samples {
+        Samples::Arrays { inputs, .. } => inputs,
+        Samples::Tokens(_) => panic!("token windows, not arrays"),
+    }
+}
+
 fn labels_of(d: &Dataset) -> &Labels {
     match &d.samples {
         Samples::Arrays { labels, .. } => labels,

@@ -353,7 +353,7 @@ fn token_windows_need_cross_entropy_and_an_output_per_position() {
     let train: Vec<u16> = (0..20).map(|i| (i % 8) as u16).collect();
     let spec = token_job(dir.path(), "spec = \"bigram.toml\"", 1, &train).unwrap();
     let graph = spec.load_model().unwrap().graph;
-    let mut d = load_split(&spec.data, Split::Train, Loss::CrossEntropy)
+    let mut d = load_split(&spec.data, Split::Train, Loss::cross_entropy())
         .unwrap()
         .unwrap();
     let e = validate_against_model(&graph, &[1], &mut d.clone(), Loss::Mse).unwrap_err();
@@ -365,12 +365,12 @@ fn token_windows_need_cross_entropy_and_an_output_per_position() {
     let mut two = spec.clone();
     two.data.seq_len = Some(2);
     two.model.input_shape = vec![2];
-    let mut d2 = load_split(&two.data, Split::Train, Loss::CrossEntropy)
+    let mut d2 = load_split(&two.data, Split::Train, Loss::cross_entropy())
         .unwrap()
         .unwrap();
-    let e = validate_against_model(&graph, &[2], &mut d2, Loss::CrossEntropy).unwrap_err();
+    let e = validate_against_model(&graph, &[2], &mut d2, Loss::cross_entropy()).unwrap_err();
     assert!(e.to_string().contains("[batch, vocabulary, 2]"), "{e}");
-    validate_against_model(&graph, &[1], &mut d, Loss::CrossEntropy).unwrap();
+    validate_against_model(&graph, &[1], &mut d, Loss::cross_entropy()).unwrap();
 }
 
 // A tiny GPT-shaped ONNX export: token and position embeddings (positions

@@ -202,7 +202,7 @@ where
             close_code::POLICY,
             format!(
                 "the first frame must be Hello, got {}",
-                message_name(&other)
+                other.kind()
             ),
         )),
         Err(error) => Err(Ending::bad_frame(error)),
@@ -311,7 +311,7 @@ where
             Ok(Incoming::Message(message)) if message.lane() != Some(Lane::Params) => Ok(message),
             Ok(incoming) => match params.push(incoming) {
                 Ok(Some(message)) => {
-                    tracing::debug!(id, message = message_name(&message), "assembled a message");
+                    tracing::debug!(id, message = message.kind(), "assembled a message");
                     Ok(message)
                 }
                 Ok(None) => continue,
@@ -542,23 +542,6 @@ fn truncate_utf8(text: &str, max_bytes: usize) -> &str {
     &text[..end]
 }
 
-fn message_name(message: &ToServer) -> &'static str {
-    match message {
-        ToServer::Hello(_) => "Hello",
-        ToServer::Heartbeat { .. } => "Heartbeat",
-        ToServer::Error(_) => "Error",
-        ToServer::Ready { .. } => "Ready",
-        ToServer::Activations(_) => "Activations",
-        ToServer::Gradients(_) => "Gradients",
-        ToServer::LeafLoss(_) => "LeafLoss",
-        ToServer::StepDone(_) => "StepDone",
-        ToServer::Params(_) => "Params",
-        ToServer::JobFailed { .. } => "JobFailed",
-        ToServer::ProbeAck { .. } => "ProbeAck",
-        ToServer::OptimizerState(_) => "OptimizerState",
-        ToServer::GradNorm(_) => "GradNorm",
-    }
-}
 
 fn millis(duration: std::time::Duration) -> u32 {
     u32::try_from(duration.as_millis()).unwrap_or(u32::MAX)

@@ -394,7 +394,7 @@ pub fn validate_against_model(
                 .enumerate()
                 .find(|&(_, &v)| v != ignore_index && !(0..c as i64).contains(&v))
             {
-                let k = data.label_numel().max(1);
+                let k = data.label_shape.iter().product::<usize>().max(1);
                 let at = if want.is_empty() {
                     format!("sample {i}")
                 } else {
