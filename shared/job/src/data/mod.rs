@@ -462,7 +462,8 @@ pub fn input_embedding(graph: &Graph) -> Option<(&str, usize)> {
 
 /// Position tables: parameters gathered along axis 0 by indices that do not
 /// depend on any graph input (an `arange` over the sequence, folded at
-/// import), with their rows, the most positions the model has.
+/// import, usually into a slice of the table's first rows), with their rows,
+/// the most positions the model has.
 pub fn position_tables(graph: &Graph) -> Vec<(&str, usize)> {
     let mut dependent: Vec<&str> = graph.inputs.iter().map(|i| i.name.as_str()).collect();
     loop {
@@ -482,6 +483,14 @@ pub fn position_tables(graph: &Graph) -> Vec<(&str, usize)> {
         .nodes
         .iter()
         .filter_map(|n| match n.op {
+            // Import turns a gather of a constant range into a slice.
+            Op::Slice { axis: 0, .. } => {
+                let table = graph
+                    .params
+                    .iter()
+                    .find(|p| Some(&p.name) == n.inputs.first() && p.kind != ParamKind::Constant)?;
+                Some((table.name.as_str(), *table.shape.first()?))
+            }
             Op::Gather { axis: 0 }
                 if n.inputs
                     .get(1)
