@@ -16,9 +16,8 @@ use rookery_proto::stream::{Assembler, Incoming, Streamed, encode_streamed, read
 use rookery_proto::tensor::{WireDType, WireTensor};
 use rookery_proto::{
     Activations, Assignment, Backward, DEFAULT_MAX_FRAME_BYTES, ErrorCode, ErrorMessage, Forward,
-    GradNorm, GradScale, Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION, ParamOptimState,
-    ParamSet, Phase,
-    ProviderKind, StepDone, ToProvider, ToServer,
+    GradNorm, GradScale, Gradients, Hello, LeafLoss, OptimizerState, PROTOCOL_VERSION,
+    ParamOptimState, ParamSet, Phase, ProviderKind, StepDone, ToProvider, ToServer,
 };
 
 /// What a target does with one input: whether it parsed (a panic is neither).

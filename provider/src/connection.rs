@@ -261,7 +261,6 @@ where
     Ok(())
 }
 
-
 /// The transport's limits: any frame a server may send (its limit is at
 /// most [`MAX_MAX_FRAME_BYTES`]) is read, and the session then holds it to
 /// the limit the server announced.

@@ -27,8 +27,7 @@ fn fixture_copy() -> tempfile::TempDir {
 
 fn expected_losses(dir: &Path, run: &str) -> Vec<f64> {
     let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     serde_json::from_value(expected["runs"][run]["losses"].clone()).unwrap()
 }
 

@@ -34,7 +34,14 @@ pub fn main(args: &[String]) -> Result<()> {
     let python = setup::ensure_torch_python()?;
     step("build server and provider (release)", || {
         let mut cmd = env.cargo();
-        cmd.args(["build", "--release", "-p", "rookery-server", "-p", "rookery-provider"]);
+        cmd.args([
+            "build",
+            "--release",
+            "-p",
+            "rookery-server",
+            "-p",
+            "rookery-provider",
+        ]);
         run(cmd.args(["--features", "rookery-provider/torch"]))
     })?;
     let dir = target_dir().join("demo-gpt");
@@ -69,7 +76,14 @@ pub fn main(args: &[String]) -> Result<()> {
             .arg(out.join("weights.safetensors"))
             .arg("--tokenizer")
             .arg(examples.join("data/tokenizer.json"))
-            .args(["--prompt", &prompt, "--tokens", "200", "--temperature", "0.8"])
+            .args([
+                "--prompt",
+                &prompt,
+                "--tokens",
+                "200",
+                "--temperature",
+                "0.8",
+            ])
             .args(["--seed", "1"]);
         run(&mut cmd)
     })

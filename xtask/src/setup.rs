@@ -449,7 +449,10 @@ pub fn ensure_torch_python() -> Result<PathBuf> {
     let venv = cache_dir()?.join("torch-venv");
     let python = venv.join("bin/python");
     let mut check = Command::new(&python);
-    check.args(["-c", "import torch, onnx, onnxscript, safetensors, tokenizers"]);
+    check.args([
+        "-c",
+        "import torch, onnx, onnxscript, safetensors, tokenizers",
+    ]);
     if probe(&mut check).is_some() {
         println!("{} has torch", python.display());
         return Ok(python);

@@ -148,7 +148,10 @@ fn wire_tensors_are_written_byte_for_byte_as_weight_tensors_and_read_back_as_vie
     assert_eq!(read, want);
     // Every tensor is a view into one buffer holding the file.
     let start = read[0].data.as_ptr() as usize;
-    assert!(read.iter().all(|t| (t.data.as_ptr() as usize).abs_diff(start) < 4096));
+    assert!(
+        read.iter()
+            .all(|t| (t.data.as_ptr() as usize).abs_diff(start) < 4096)
+    );
 
     let twice = [wire[0].clone(), wire[0].clone()];
     assert!(write_wire_safetensors(&path, &twice).is_err());

@@ -200,10 +200,7 @@ where
         Ok(other) => Err(Ending::rejected(
             ErrorCode::UnexpectedMessage,
             close_code::POLICY,
-            format!(
-                "the first frame must be Hello, got {}",
-                other.kind()
-            ),
+            format!("the first frame must be Hello, got {}", other.kind()),
         )),
         Err(error) => Err(Ending::bad_frame(error)),
     }
@@ -541,7 +538,6 @@ fn truncate_utf8(text: &str, max_bytes: usize) -> &str {
     }
     &text[..end]
 }
-
 
 fn millis(duration: std::time::Duration) -> u32 {
     u32::try_from(duration.as_millis()).unwrap_or(u32::MAX)

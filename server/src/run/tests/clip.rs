@@ -15,8 +15,18 @@ fn clipping(max_norm: f64) -> JobRun {
     let plan = two_stage_plan(&graph, 10..12, 1);
     let ids = (10..12).map(|i: u64| (i.to_string(), i)).collect();
     let analysis = graph.analyze().unwrap();
-    let (mut run, effects) =
-        JobRun::start(1, spec, graph.clone(), &analysis, &plan, &ids, data(8), None, None).unwrap();
+    let (mut run, effects) = JobRun::start(
+        1,
+        spec,
+        graph.clone(),
+        &analysis,
+        &plan,
+        &ids,
+        data(8),
+        None,
+        None,
+    )
+    .unwrap();
     for (_, m) in sends(&effects) {
         let ToProvider::Assign(a) = m else {
             panic!("{m:?}")
@@ -127,7 +137,17 @@ fn a_schedule_longer_than_the_job_fails_its_start_naming_the_field() {
     let plan = two_stage_plan(&graph, 10..12, 1);
     let ids = (10..12).map(|i: u64| (i.to_string(), i)).collect();
     let analysis = graph.analyze().unwrap();
-    let Err(e) = JobRun::start(1, spec, graph.clone(), &analysis, &plan, &ids, data(8), None, None) else {
+    let Err(e) = JobRun::start(
+        1,
+        spec,
+        graph.clone(),
+        &analysis,
+        &plan,
+        &ids,
+        data(8),
+        None,
+        None,
+    ) else {
         panic!("a 3-step warm-up in a 2-step job started")
     };
     let text = e.to_string();

@@ -27,7 +27,18 @@ fn one_cluster_over(train: Dataset) -> (JobRun, Vec<Effect>) {
     let plan = two_stage_plan(&graph, 10..12, 1);
     let ids = (10..12).map(|i| (i.to_string(), i)).collect();
     let analysis = graph.analyze().unwrap();
-    JobRun::start(1, spec, graph.clone(), &analysis, &plan, &ids, train, None, None).unwrap()
+    JobRun::start(
+        1,
+        spec,
+        graph.clone(),
+        &analysis,
+        &plan,
+        &ids,
+        train,
+        None,
+        None,
+    )
+    .unwrap()
 }
 
 fn leaf_loss(micro: u32, loss_sum: f64, correct: u64) -> ToServer {
