@@ -414,22 +414,6 @@ fn check_ldd(so: &Path) -> Result<()> {
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::locked_version;
-
-    #[test]
-    fn reads_the_locked_version() {
-        let lock = "[[package]]\nname = \"wasm-bindgen-futures\"\nversion = \"0.4.1\"\n\n\
-                    [[package]]\nname = \"wasm-bindgen\"\nversion = \"0.2.130\"\n";
-        assert_eq!(
-            locked_version(lock, "wasm-bindgen").as_deref(),
-            Some("0.2.130")
-        );
-        assert_eq!(locked_version(lock, "leptos"), None);
-    }
-}
-
 /// What the GPT example's Python needs, pinned: PyTorch to export the model,
 /// the exporter's `onnx`/`onnxscript`, `safetensors` for the initial weights
 /// and `tokenizers` for the corpus.
@@ -469,4 +453,20 @@ pub fn ensure_torch_python() -> Result<PathBuf> {
             .args(TORCH_PYTHON_PACKAGES))
     })?;
     Ok(python)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::locked_version;
+
+    #[test]
+    fn reads_the_locked_version() {
+        let lock = "[[package]]\nname = \"wasm-bindgen-futures\"\nversion = \"0.4.1\"\n\n\
+                    [[package]]\nname = \"wasm-bindgen\"\nversion = \"0.2.130\"\n";
+        assert_eq!(
+            locked_version(lock, "wasm-bindgen").as_deref(),
+            Some("0.2.130")
+        );
+        assert_eq!(locked_version(lock, "leptos"), None);
+    }
 }
