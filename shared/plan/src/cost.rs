@@ -89,8 +89,12 @@ impl Costs {
             hold_diff[t.to + 1] -= i128::from(per_sample);
             for (c, send) in cut_send.iter_mut().enumerate().take(t.to + 1).skip(t.from) {
                 // Gradients flow back only for floats between stages.
-                let both_ways = c > 0 && c < n && t.dtype == DType::F32;
+                let between = c > 0 && c < n;
+                let both_ways = between && t.dtype == DType::F32;
                 *send += per_sample * if both_ways { 2 } else { 1 };
+                if between && !t.per_sample {
+                    *send += UNSENDABLE_BYTES;
+                }
             }
         }
         cut_send[n] = 0;
@@ -246,7 +250,16 @@ pub(crate) struct Crossing {
     pub(crate) to: usize,
     pub(crate) bytes: u64,
     dtype: DType,
+    /// Whether it depends on a graph input, so has the batch in front. A
+    /// tensor made from parameters alone (a position embedding's rows) has
+    /// no batch dimension, and the wire carries only batched tensors.
+    per_sample: bool,
 }
+
+/// What a cut costs when a tensor without a batch dimension would cross it:
+/// far more than any real transfer, so a plan never cuts there while it has
+/// another choice.
+const UNSENDABLE_BYTES: u64 = 1 << 40;
 
 pub(crate) fn crossing_tensors(a: &Analysis, g: &Graph) -> Vec<Crossing> {
     let n = a.nodes.len();
@@ -260,6 +273,15 @@ pub(crate) fn crossing_tensors(a: &Analysis, g: &Graph) -> Vec<Crossing> {
     for o in &g.outputs {
         // Outputs must reach the end of the chain, where the loss is computed.
         last_use.insert(o.as_str(), n);
+    }
+    // Tensors that depend on a graph input; nodes are in topological order.
+    let mut batched: std::collections::HashSet<&str> =
+        g.inputs.iter().map(|i| i.name.as_str()).collect();
+    for nd in &a.nodes {
+        let node = &g.nodes[nd.index];
+        if node.inputs.iter().any(|i| batched.contains(i.as_str())) {
+            batched.insert(nd.name.as_str());
+        }
     }
     let mut out = Vec::new();
     let produced = g.inputs.iter().map(|i| (i.name.as_str(), 0usize)).chain(
@@ -282,6 +304,7 @@ pub(crate) fn crossing_tensors(a: &Analysis, g: &Graph) -> Vec<Crossing> {
                 to,
                 bytes: t.bytes(),
                 dtype: t.dtype,
+                per_sample: batched.contains(name),
             });
         }
     }

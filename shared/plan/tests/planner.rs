@@ -651,3 +651,42 @@ fn a_fixed_stage_count_gives_the_fastest_provider_the_most_work() {
         render(&plan)
     );
 }
+
+/// A GPT's position embedding is made from a parameter alone: `[T, d]`, no
+/// batch in front. The wire carries batched tensors only, so no plan may cut
+/// where it would cross, however slow the provider before it (the failure
+/// this guards against: a slow browser Root holding only the token embedding,
+/// and the position rows planned to cross to the Leaf).
+#[test]
+fn no_cut_sends_a_tensor_without_a_batch_dimension() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/gpt-tiny/dynamo-hand-ntv.onnx"
+    );
+    let g = rookery_model::load::load_model_file(std::path::Path::new(path), Some(&[16]), 2)
+        .unwrap()
+        .graph;
+    for root_gflops in [0.01, 0.1, 1.0, 50.0] {
+        let provs = vec![
+            provider("slow", ProviderKind::Browser, 1 << 10, root_gflops, 100.0),
+            provider("a", ProviderKind::Native, 1 << 14, 50.0, 1000.0),
+            provider("b", ProviderKind::Native, 1 << 14, 50.0, 1000.0),
+        ];
+        let options = PlanOptions {
+            stages_per_cluster: Some(3),
+            ..opts(2, ClusterCount::Fixed(1))
+        };
+        let plan = clusterize(&g, &provs, &options).unwrap();
+        for stage in &plan.clusters[0].stages {
+            for t in stage.inputs.iter().chain(&stage.outputs) {
+                assert_eq!(
+                    t.shape.first(),
+                    Some(&2),
+                    "{} crosses a cut without the batch in front\n{}",
+                    t.name,
+                    render(&plan)
+                );
+            }
+        }
+    }
+}
