@@ -288,15 +288,26 @@ impl JobRun {
             .micro_samples
             .get(&(Phase::Train { step: g.step }, g.micro))
             .ok_or_else(|| format!("micro-batch {} is not in flight", g.micro))?;
-        // Gradients come for the stage's float inputs, in any subset.
-        let expected: Vec<_> = run.stages[s]
-            .inputs
-            .iter()
-            .filter(|(name, _, dtype)| {
-                *dtype == DType::F32 && g.grads.iter().any(|t| &t.name == name)
-            })
-            .cloned()
-            .collect();
+        // Gradients come for the stage's float inputs, in any subset and any
+        // order (an executor lists its inputs as its nodes first read them;
+        // the receiving stage matches them by name), each at most once.
+        let mut expected = Vec::with_capacity(g.grads.len());
+        for (k, t) in g.grads.iter().enumerate() {
+            if g.grads[..k].iter().any(|u| u.name == t.name) {
+                return Err(Rejected::Fault(format!("tensor `{}` sent twice", t.name)));
+            }
+            let Some(input) = run.stages[s]
+                .inputs
+                .iter()
+                .find(|(name, _, dtype)| *dtype == DType::F32 && *name == t.name)
+            else {
+                return Err(Rejected::Fault(format!(
+                    "tensor `{}` is not a float input of this stage",
+                    t.name
+                )));
+            };
+            expected.push(input.clone());
+        }
         check_tensors(&g.grads, &expected, samples, self.spec.training.wire_dtype)
             .map_err(Rejected::Fault)?;
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
