@@ -7,6 +7,7 @@ mod clip;
 mod labels;
 mod recovery;
 mod relay;
+mod residual;
 mod sim;
 mod stragglers;
 mod sync;
