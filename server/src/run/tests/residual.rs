@@ -18,7 +18,7 @@ fn residual_graph() -> Graph {
         }],
         ..Graph::default()
     };
-    let mut linear = |g: &mut Graph, name: &str, input: &str, out: usize| {
+    let linear = |g: &mut Graph, name: &str, input: &str, out: usize| {
         for (what, shape, init) in [
             ("weight", vec![out, 4], Init::torch_weight(4)),
             ("bias", vec![out], Init::torch_bias(4)),
