@@ -49,6 +49,9 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
     let data_dir = tempfile::tempdir().context("creating a data directory")?;
     let limits = Limits {
         max_frame_bytes: args.frames.max_frame_bytes,
+        // The embedded server takes only this machine's own job files: a
+        // model of any size (GPT-2 small exports to 650 MB) is uploaded whole.
+        max_upload_bytes: usize::MAX,
         ..Limits::default()
     };
     let state = AppState::open(data_dir.path(), limits, None).await?;
