@@ -42,7 +42,8 @@ pub fn main(args: &[String]) -> Result<()> {
             "-p",
             "rookery-provider",
         ]);
-        run(cmd.args(["--features", "rookery-provider/torch"]))
+        // `rookery` with libtorch too, so `generate` samples at libtorch's speed.
+        run(cmd.args(["--features", "rookery-provider/torch,rookery-server/torch"]))
     })?;
     let dir = target_dir().join("demo-gpt");
     std::fs::create_dir_all(&dir)?;

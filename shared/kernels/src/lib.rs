@@ -20,6 +20,7 @@
 // strides) by the same index; iterator zips of four would read worse.
 #![allow(clippy::needless_range_loop)]
 
+pub mod accuracy;
 pub mod checks;
 pub mod conv;
 pub mod dropout;

@@ -18,16 +18,35 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
+    /// Elements of the `mean` buffer the forward saves: each row's mean as
+    /// f32 (`mean[i]`), then its residual (`mean[rows + i]`, the mean of
+    /// `x - mean[i]`), so centred values stay accurate when a row's values
+    /// are nearly equal and the f32 mean alone loses most of their spread.
+    pub fn saved_mean_len(&self) -> usize {
+        2 * self.rows
+    }
+
+    /// WGSL for `xc`, row `i`'s element `c` centred with the corrected mean.
+    fn centred(&self, row: &str, col: &str) -> String {
+        let (d, rows) = (self.cols, self.rows);
+        format!("((x[{row} * {d}u + {col}] - mean[{row}]) - mean[{rows}u + {row}])")
+    }
+
     /// Forward, one invocation per row: bindings `x`, `w`, `b`, `y`, `mean`
-    /// and `rstd` (per row, kept for the backward).
+    /// ([`Self::saved_mean_len`]) and `rstd` (per row, kept for the
+    /// backward). The variance is the corrected two-pass one: `(sum t^2 -
+    /// (sum t)^2 / d) / d` with `t = x - mean`.
     pub fn forward(&self) -> KernelSpec {
-        let d = self.cols;
+        let (d, rows) = (self.cols, self.rows);
+        let xc = self.centred("i", "c");
         let body = format!(
             "    let base = i * {d}u;\n    var sum = 0.0;\n    for (var c = 0u; c < {d}u; c += 1u) {{ sum += x[base + c]; }}\n\
-             \x20   let mu = sum / f32({d});\n    var sq = 0.0;\n\
-             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ let t = x[base + c] - mu; sq += t * t; }}\n\
-             \x20   let r = inverseSqrt(sq / f32({d}) + {eps});\n    mean[i] = mu;\n    rstd[i] = r;\n\
-             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ y[base + c] = (x[base + c] - mu) * r * w[c] + b[c]; }}",
+             \x20   let mu = sum / f32({d});\n    var s0 = 0.0;\n    var sq = 0.0;\n\
+             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ let t = x[base + c] - mu; s0 += t; sq += t * t; }}\n\
+             \x20   let lo = s0 / f32({d});\n\
+             \x20   let r = inverseSqrt(max(sq - s0 * lo, 0.0) / f32({d}) + {eps});\n\
+             \x20   mean[i] = mu;\n    mean[{rows}u + i] = lo;\n    rstd[i] = r;\n\
+             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ y[base + c] = {xc} * r * w[c] + b[c]; }}",
             eps = f32_lit(self.eps)
         );
         one_d(
@@ -47,15 +66,19 @@ impl LayerNorm {
         )
     }
 
-    /// `dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat))`, one
-    /// invocation per row: bindings `x`, `w`, `mean`, `rstd`, `dy`, `dx`.
+    /// `dx = rstd (g - mean(g) - xc sum(g xc) rstd^2 / d)` with `g = dy w`,
+    /// one invocation per row: bindings `x`, `w`, `mean`, `rstd`, `dy`,
+    /// `dx`. With few columns the bracket nearly cancels (over two columns
+    /// it is `(1 - var rstd^2)` times its terms), so its error is measured
+    /// against the terms: see [`Self::error_bounds`].
     pub fn backward_x(&self) -> KernelSpec {
         let d = self.cols;
+        let xc = self.centred("i", "c");
         let body = format!(
-            "    let base = i * {d}u;\n    let mu = mean[i];\n    let r = rstd[i];\n    var s1 = 0.0;\n    var s2 = 0.0;\n\
-             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ let g = dy[base + c] * w[c]; s1 += g; s2 += g * (x[base + c] - mu) * r; }}\n\
-             \x20   let m1 = s1 / f32({d});\n    let m2 = s2 / f32({d});\n\
-             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ let xh = (x[base + c] - mu) * r; dx[base + c] = r * (dy[base + c] * w[c] - m1 - xh * m2); }}"
+            "    let base = i * {d}u;\n    let r = rstd[i];\n    var s1 = 0.0;\n    var s2 = 0.0;\n\
+             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ let g = dy[base + c] * w[c]; s1 += g; s2 += g * {xc}; }}\n\
+             \x20   let m1 = s1 / f32({d});\n    let k = s2 * r * r / f32({d});\n\
+             \x20   for (var c = 0u; c < {d}u; c += 1u) {{ dx[base + c] = r * ((dy[base + c] * w[c] - m1) - {xc} * k); }}"
         );
         one_d(
             "layer_norm_bwd_x",
@@ -78,9 +101,10 @@ impl LayerNorm {
     /// column: bindings `x`, `mean`, `rstd`, `dy`, `dw`, `db`.
     pub fn backward_params(&self) -> KernelSpec {
         let (rows, d) = (self.rows, self.cols);
+        let xc = self.centred("r", "i");
         let body = format!(
             "    var sw = 0.0;\n    var sb = 0.0;\n\
-             \x20   for (var r = 0u; r < {rows}u; r += 1u) {{ let g = dy[r * {d}u + i]; sw += g * (x[r * {d}u + i] - mean[r]) * rstd[r]; sb += g; }}\n\
+             \x20   for (var r = 0u; r < {rows}u; r += 1u) {{ let g = dy[r * {d}u + i]; sw += g * ({xc} * rstd[r]); sb += g; }}\n\
              \x20   dw[i] = sw;\n    db[i] = sb;"
         );
         one_d(
@@ -98,6 +122,103 @@ impl LayerNorm {
             DEFAULT_WORKGROUP,
             &body,
         )
+    }
+
+    /// How far the kernels' `(y, dx, dw, db)` may be from the exact values,
+    /// element by element: the first-order error of each f32 operation in
+    /// the order the kernels do them, with WGSL's stated accuracy for
+    /// division and `inverseSqrt` and the worst-case bound for each sum,
+    /// doubled for the terms a first-order model leaves out.
+    pub fn error_bounds(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        dy: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        use crate::accuracy::{DIV, INVERSE_SQRT, SAFETY, U, sum_error};
+        let (d, rows) = (self.cols, self.rows);
+        let df = d as f64;
+        let mut by = vec![0.0f32; x.len()];
+        let mut bdx = vec![0.0f32; x.len()];
+        let mut bdw = vec![0.0f64; d];
+        let mut bdb = vec![0.0f64; d];
+        let mut dw_terms = vec![0.0f64; d];
+        let (mut dw, mut db) = (vec![0.0f64; d], vec![0.0f64; d]);
+        for r in 0..rows {
+            let at = |c: usize| r * d + c;
+            let row: Vec<f64> = (0..d).map(|c| f64::from(x[at(c)])).collect();
+            let mu = row.iter().sum::<f64>() / df;
+            let xc: Vec<f64> = row.iter().map(|v| v - mu).collect();
+            let abs_xc: f64 = xc.iter().map(|v| v.abs()).sum();
+            let s = xc.iter().map(|v| v * v).sum::<f64>();
+            let var = s / df;
+            let rs = 1.0 / (var + f64::from(self.eps)).sqrt();
+            // `t = x - mean` and `t - lo`, each rounded, plus the error of
+            // `lo` (a sum of `d` values of about `|xc|`, then a division).
+            let e_xc: Vec<f64> = xc
+                .iter()
+                .map(|v| 2.0 * U * v.abs() + (sum_error(d, abs_xc) + U * abs_xc) / df)
+                .collect();
+            let e_s = 2.0 * xc.iter().zip(&e_xc).map(|(v, e)| v.abs() * e).sum::<f64>()
+                + sum_error(d, s)
+                + U * s;
+            let e_var = e_s / df + DIV * var;
+            let e_denominator = e_var + U * (var + f64::from(self.eps));
+            let rel_r = 0.5 * e_denominator / (var + f64::from(self.eps)) + INVERSE_SQRT;
+            let xh: Vec<f64> = xc.iter().map(|v| v * rs).collect();
+            let e_xh: Vec<f64> = (0..d)
+                .map(|c| rs * e_xc[c] + xh[c].abs() * (rel_r + U))
+                .collect();
+            let g: Vec<f64> = (0..d)
+                .map(|c| f64::from(dy[at(c)]) * f64::from(w[c]))
+                .collect();
+            let abs_g: f64 = g.iter().map(|v| v.abs()).sum();
+            let m1 = g.iter().sum::<f64>() / df;
+            let e_m1 = (sum_error(d, abs_g) + U * abs_g) / df + DIV * m1.abs();
+            let s2: f64 = g.iter().zip(&xc).map(|(a, b)| a * b).sum();
+            let abs_gxc: f64 = g.iter().zip(&xc).map(|(a, b)| (a * b).abs()).sum();
+            let e_s2 = g.iter().zip(&e_xc).map(|(a, e)| a.abs() * e).sum::<f64>()
+                + 2.0 * U * abs_gxc
+                + sum_error(d, abs_gxc);
+            let k = s2 * rs * rs / df;
+            let e_k = e_s2 * rs * rs / df + k.abs() * (2.0 * rel_r + 2.0 * U + DIV);
+            for c in 0..d {
+                let wc = f64::from(w[c]);
+                let scaled = xh[c] * wc;
+                let y = scaled + f64::from(b[c]);
+                // The last `U |y|` is the reference's own rounding to f32.
+                by[at(c)] = (SAFETY * (wc.abs() * e_xh[c] + U * scaled.abs() + U * y.abs())
+                    + U * y.abs()) as f32;
+                let a = g[c] - m1;
+                let p = xc[c] * k;
+                let t = a - p;
+                let e_t = U * g[c].abs()
+                    + e_m1
+                    + U * a.abs()
+                    + xc[c].abs() * e_k
+                    + k.abs() * e_xc[c]
+                    + U * p.abs()
+                    + U * t.abs();
+                let dx = rs * t;
+                bdx[at(c)] = (SAFETY * (rs * e_t + t.abs() * rs * rel_r + U * dx.abs())) as f32;
+                let dyv = f64::from(dy[at(c)]);
+                bdw[c] += dyv.abs() * e_xh[c] + 2.0 * U * (dyv * xh[c]).abs();
+                dw_terms[c] += (dyv * xh[c]).abs();
+                dw[c] += dyv * xh[c];
+                db[c] += dyv;
+                bdb[c] += dyv.abs();
+            }
+        }
+        let bdw = (0..d)
+            .map(|c| (SAFETY * (bdw[c] + sum_error(rows, dw_terms[c])) + U * dw[c].abs()) as f32)
+            .collect();
+        let bdb = bdb
+            .iter()
+            .zip(&db)
+            .map(|(&total, sum)| (SAFETY * sum_error(rows, total) + U * sum.abs()) as f32)
+            .collect();
+        (by, bdx, bdw, bdb)
     }
 
     /// CPU reference in f64: `(y, dx, dw, db)`.
@@ -388,5 +509,117 @@ mod tests {
         let (y, ..) = l.reference(&[1.0, 2.0, 3.0, 4.0], &[1.0; 4], &[0.0; 4], &[0.0; 4]);
         assert!(y.iter().sum::<f32>().abs() < 1e-6);
         assert!((y.iter().map(|v| v * v).sum::<f32>() / 4.0 - 1.0).abs() < 1e-6);
+    }
+
+    /// The kernels' operations in their order, in f32 with correct
+    /// rounding (one implementation WGSL allows): `(y, dx, dw)`.
+    fn emulate(l: &LayerNorm, x: &[f32], w: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (rows, d) = (l.rows, l.cols);
+        let (mut y, mut dx, mut dw) = (vec![0.0; x.len()], vec![0.0; x.len()], vec![0.0; d]);
+        let mut stats = Vec::new();
+        for r in 0..rows {
+            let row = &x[r * d..(r + 1) * d];
+            let mu = row.iter().fold(0.0f32, |a, v| a + v) / d as f32;
+            let (mut s0, mut sq) = (0.0f32, 0.0f32);
+            for v in row {
+                let t = v - mu;
+                s0 += t;
+                sq += t * t;
+            }
+            let lo = s0 / d as f32;
+            let rs = 1.0 / ((sq - s0 * lo).max(0.0) / d as f32 + l.eps).sqrt();
+            let xc = |c: usize| (row[c] - mu) - lo;
+            let (mut s1, mut s2) = (0.0f32, 0.0f32);
+            for c in 0..d {
+                let g = dy[r * d + c] * w[c];
+                s1 += g;
+                s2 += g * xc(c);
+                y[r * d + c] = xc(c) * rs * w[c];
+            }
+            let (m1, k) = (s1 / d as f32, s2 * rs * rs / d as f32);
+            for c in 0..d {
+                dx[r * d + c] = rs * ((dy[r * d + c] * w[c] - m1) - xc(c) * k);
+            }
+            stats.push((mu, lo, rs));
+        }
+        for (c, out) in dw.iter_mut().enumerate() {
+            for (r, &(mu, lo, rs)) in stats.iter().enumerate() {
+                *out += dy[r * d + c] * (((x[r * d + c] - mu) - lo) * rs);
+            }
+        }
+        (y, dx, dw)
+    }
+
+    /// Rows whose values spread by `spread` around `centre`.
+    fn rows_near(rows: usize, cols: usize, centre: f32, spread: f32, seed: u64) -> Vec<f32> {
+        crate::sample_matrix(rows * cols, seed)
+            .iter()
+            .map(|v| centre + v * spread)
+            .collect()
+    }
+
+    fn within(what: &str, got: &[f32], want: &[f32], bound: &[f32]) {
+        for (i, ((g, w), b)) in got.iter().zip(want).zip(bound).enumerate() {
+            let err = (f64::from(*g) - f64::from(*w)).abs();
+            assert!(
+                err <= f64::from(*b),
+                "{what}[{i}]: {g} vs {w}, error {err:e} over its bound {b:e}"
+            );
+        }
+    }
+
+    #[test]
+    fn layer_norm_in_f32_stays_within_its_error_bounds_even_over_two_nearly_equal_values() {
+        for (rows, cols, centre, spread) in [
+            (12, 2, 0.5, 3.0),
+            (40, 2, 3.0, 1e-2),
+            (40, 2, 3.0, 1e-3),
+            (20, 3, -7.0, 1e-3),
+            (8, 64, 0.5, 3.0),
+            (8, 768, 100.0, 0.1),
+        ] {
+            let l = LayerNorm {
+                rows,
+                cols,
+                eps: 1e-5,
+            };
+            for seed in 0..4u64 {
+                let x = rows_near(rows, cols, centre, spread, seed);
+                let w = crate::sample_matrix(cols, seed ^ 1);
+                let dy = crate::sample_matrix(rows * cols, seed ^ 3);
+                let (want_y, want_dx, want_dw, _) = l.reference(&x, &w, &vec![0.0; cols], &dy);
+                let (by, bdx, bdw, _) = l.error_bounds(&x, &w, &vec![0.0; cols], &dy);
+                let (y, dx, dw) = emulate(&l, &x, &w, &dy);
+                let case = format!("{rows}x{cols} around {centre} by {spread}, seed {seed}");
+                within(&format!("y ({case})"), &y, &want_y, &by);
+                within(&format!("dx ({case})"), &dx, &want_dx, &bdx);
+                within(&format!("dw ({case})"), &dw, &want_dw, &bdw);
+            }
+        }
+    }
+
+    #[test]
+    fn layer_norm_error_bounds_are_tight_where_the_data_is_well_conditioned() {
+        let l = LayerNorm {
+            rows: 16,
+            cols: 256,
+            eps: 1e-5,
+        };
+        let x = rows_near(16, 256, 0.5, 3.0, 7);
+        let w = crate::sample_matrix(256, 8);
+        let dy = crate::sample_matrix(16 * 256, 9);
+        let (_, want_dx, ..) = l.reference(&x, &w, &vec![0.0; 256], &dy);
+        let (by, bdx, ..) = l.error_bounds(&x, &w, &vec![0.0; 256], &dy);
+        let scale = want_dx.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let worst = bdx.iter().fold(0.0f32, |m, v| m.max(*v));
+        assert!(
+            worst < 1e-4 * scale,
+            "dx bound {worst:e} against values up to {scale:e}"
+        );
+        assert!(
+            by.iter().all(|b| *b < 1e-4),
+            "y bounds up to {:e}",
+            by.iter().fold(0.0f32, |m, v| m.max(*v))
+        );
     }
 }

@@ -398,7 +398,7 @@ impl Lowering<'_> {
             }
             Op::LayerNorm { axis, eps } => {
                 let n = self.layer_norm(k, op, ins, *axis, *eps)?;
-                let mean = self.saved(n.rows);
+                let mean = self.saved(n.saved_mean_len());
                 let rstd = self.saved(n.rows);
                 let mut args = vec![Buf::Value(ins[0])];
                 let mut kept = vec![mean, rstd];

@@ -2,7 +2,8 @@
 
 use super::{
     Check, batch_norm, binary, concat, conv_cases, conv2d, cross_entropy, dropout, gather,
-    global_avg_pool, layer_norm, linear, matmul, mse, optimizer, pool2d, softmax, transpose, unary,
+    global_avg_pool, layer_norm, layer_norm_around, linear, matmul, mse, optimizer, pool2d,
+    softmax, transpose, unary,
 };
 use crate::elementwise::{BINARY_OPS, UNARIES};
 use crate::optim::optimizer_cases;
@@ -75,6 +76,12 @@ pub fn standard_checks() -> Vec<Check> {
     }
     for (rows, cols) in [(1, 1), (7, 33), (64, 128)] {
         checks.push(layer_norm(rows, cols, cols as u64));
+    }
+    // Nearly equal values over few columns: the ill-conditioned rows.
+    for (rows, cols, centre, spread) in
+        [(24, 2, 3.0, 1e-2), (24, 2, -40.0, 1e-3), (9, 3, 7.0, 1e-3)]
+    {
+        checks.push(layer_norm_around(rows, cols, centre, spread, rows as u64));
     }
     for (n, c, sp) in [(2, 1, 1), (4, 3, 25), (32, 8, 49), (1, 5, 2)] {
         checks.push(batch_norm(n, c, sp, sp as u64));
