@@ -20,20 +20,12 @@
 //! the computation's reductions and functions and check every element of
 //! its result with [`ErrorBound::check`].
 
-/// The unit roundoff of f32: half an ULP at 1, 2^-24.
-pub const F32_UNIT_ROUNDOFF: f64 = 1.0 / 16_777_216.0;
-
-/// WGSL's accuracy of `x / y` on f32, in ULPs (2.5 for `|y|` in
-/// [2^-126, 2^126]).
-pub const WGSL_DIVISION_ULPS: f64 = 2.5;
-
-/// WGSL's accuracy of `inverseSqrt` on f32, in ULPs.
-pub const WGSL_INVERSE_SQRT_ULPS: f64 = 2.0;
-
-/// WGSL's accuracy of `exp(x)` on f32, in ULPs: `3 + 2 * |x|`.
-pub fn wgsl_exp_ulps(x: f64) -> f64 {
-    3.0 + 2.0 * x.abs()
-}
+// WGSL's stated accuracy lives with the kernels, whose own checks are
+// bounded by it too.
+pub use rookery_kernels::accuracy::{
+    DIVISION_ULPS as WGSL_DIVISION_ULPS, INVERSE_SQRT_ULPS as WGSL_INVERSE_SQRT_ULPS,
+    U as F32_UNIT_ROUNDOFF, exp_ulps as wgsl_exp_ulps,
+};
 
 /// `gamma(n) = n u / (1 - n u)`: the relative error bound of a sum of `n`
 /// terms (or a dot product of length `n`) in f32, whatever the order.

@@ -13,8 +13,8 @@
 
 use super::pb::ModelProto;
 use crate::error::OnnxError;
-use crate::graph::Graph;
 use crate::graph::ParamKind;
+use crate::graph::{Graph, Node};
 use crate::ops::Op;
 
 /// The first graph input that is not an initializer, and its declared
@@ -62,8 +62,9 @@ pub(super) fn fixed_batch_error(
 /// `other` (the same file at another) into batch-independent reshape
 /// targets: each dimension the same at both sizes is written out, the one
 /// that follows the batch is copied (`0`, leading and equal to the input's)
-/// or inferred (`-1`). `Err` names the first difference that is not one.
-pub(super) fn generalize(mut graph: Graph, other: &Graph) -> Result<Graph, String> {
+/// or inferred (`-1`): the nodes `graph` should have. `Err` names the first
+/// difference that is not one.
+pub(super) fn generalize(graph: &Graph, other: &Graph) -> Result<Vec<Node>, String> {
     if graph.nodes.len() != other.nodes.len() {
         return Err(format!(
             "the graph has {} nodes at one batch size and {} at another",
@@ -77,7 +78,8 @@ pub(super) fn generalize(mut graph: Graph, other: &Graph) -> Result<Graph, Strin
     };
     let shape =
         |a: &crate::graph::Analysis, name: &str| a.tensors.get(name).map(|t| t.shape.clone());
-    for (node, their) in graph.nodes.iter_mut().zip(&other.nodes) {
+    let mut nodes = graph.nodes.clone();
+    for (node, their) in nodes.iter_mut().zip(&other.nodes) {
         if node.name != their.name || node.inputs != their.inputs {
             return Err(format!(
                 "node `{}` reads other tensors at another batch size",
@@ -122,12 +124,13 @@ pub(super) fn generalize(mut graph: Graph, other: &Graph) -> Result<Graph, Strin
         }
     }
     for (p, theirs) in graph.params.iter().zip(&other.params) {
-        if p.kind == ParamKind::Constant && (p.shape != theirs.shape || p.init != theirs.init) {
+        // Weights' values are not read at the other size, only their shapes.
+        if p.shape != theirs.shape || (p.kind == ParamKind::Constant && p.init != theirs.init) {
             return Err(format!(
                 "constant `{}` is {:?} at one batch size and {:?} at another",
                 p.name, p.shape, theirs.shape
             ));
         }
     }
-    Ok(graph)
+    Ok(nodes)
 }

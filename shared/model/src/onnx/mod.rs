@@ -45,6 +45,15 @@ use crate::graph::ParamKind;
 /// Reads an external-data file (ONNX `location`, relative to the model file).
 pub type ExternalData<'a> = &'a dyn Fn(&str) -> Result<Vec<u8>, io::Error>;
 
+/// Where an import finds external data: whole files from a caller, or
+/// files beside the model on disk, read one tensor's bytes at a time (a
+/// GPT-2's 650 MB of weights are never all in memory as raw bytes).
+#[derive(Clone, Copy)]
+pub(crate) enum External<'a> {
+    Whole(ExternalData<'a>),
+    Beside(&'a std::path::Path),
+}
+
 /// A successfully imported model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Imported {
@@ -79,12 +88,32 @@ pub fn import_named(
     external_data: ExternalData,
     input_shape: &[usize],
 ) -> Result<Imported, OnnxError> {
-    let model = pb::ModelProto::decode(bytes).map_err(|e| OnnxError::Decode {
+    let model = decode(file, bytes)?;
+    import_model(file, &model, External::Whole(external_data), input_shape)
+}
+
+fn decode(file: &str, bytes: &[u8]) -> Result<pb::ModelProto, OnnxError> {
+    pb::ModelProto::decode(bytes).map_err(|e| OnnxError::Decode {
         file: file.to_string(),
         reason: e.to_string(),
-    })?;
-    let run = |shape: &[usize]| convert::Importer::new(file, external_data).run(&model, shape);
-    let declared = batch::declared_batch(&model);
+    })
+}
+
+/// Imports at `input_shape`, then (reading only the shapes of large
+/// weights) at the next batch size to make the graph batch-independent.
+fn import_model(
+    file: &str,
+    model: &pb::ModelProto,
+    external: External,
+    input_shape: &[usize],
+) -> Result<Imported, OnnxError> {
+    let run = |shape: &[usize]| convert::Importer::new(file, external).run(model, shape);
+    let probe = |shape: &[usize]| {
+        convert::Importer::new(file, external)
+            .shapes_only()
+            .run(model, shape)
+    };
+    let declared = batch::declared_batch(model);
     let fixed = declared
         .as_ref()
         .and_then(|(input, b)| Some((input.as_str(), (*b)?)));
@@ -101,7 +130,7 @@ pub fn import_named(
             {
                 let mut own = input_shape.to_vec();
                 own[0] = exported;
-                if run(&own).is_ok() {
+                if probe(&own).is_ok() {
                     return Err(batch::fixed_batch_error(file, input, exported, e));
                 }
             }
@@ -110,11 +139,11 @@ pub fn import_named(
     };
     let mut other_shape = input_shape.to_vec();
     other_shape[0] = b + 1;
-    let generalized = run(&other_shape)
+    let generalized = probe(&other_shape)
         .map_err(|e| e.to_string())
-        .and_then(|other| batch::generalize(imported.graph.clone(), &other.graph));
+        .and_then(|other| batch::generalize(&imported.graph, &other.graph));
     match generalized {
-        Ok(graph) => imported.graph = graph,
+        Ok(nodes) => imported.graph.nodes = nodes,
         Err(detail) => match fixed {
             Some((input, exported)) => {
                 return Err(batch::fixed_batch_error(file, input, exported, detail));
@@ -138,12 +167,10 @@ pub fn import_file(
         file: file.clone(),
         reason: format!("cannot read the file: {e}"),
     })?;
-    let dir = path
-        .parent()
-        .map(std::path::Path::to_path_buf)
-        .unwrap_or_default();
-    let read = move |location: &str| std::fs::read(dir.join(location));
-    import_named(&file, &bytes, &read, input_shape)
+    let model = decode(&file, &bytes)?;
+    drop(bytes);
+    let dir = path.parent().unwrap_or(std::path::Path::new(""));
+    import_model(&file, &model, External::Beside(dir), input_shape)
 }
 
 /// The dimensions an ONNX file declares for its first graph input, batch

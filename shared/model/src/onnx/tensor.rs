@@ -213,9 +213,8 @@ pub(crate) fn external_ref(t: &TensorProto) -> Result<Option<ExternalRef>, Strin
     }))
 }
 
-/// Decodes a tensor's values. `external` holds the bytes of an externally stored
-/// tensor (already cut to its offset and length), else `None` for inline data.
-pub(crate) fn decode(t: &TensorProto, external: Option<&[u8]>) -> Result<Tensor, String> {
+/// A tensor's element type, shape and element count, without its values.
+pub(crate) fn header(t: &TensorProto) -> Result<(Elem, Vec<usize>, usize), String> {
     let code = t.data_type();
     let elem = Elem::from_onnx(code).ok_or_else(|| {
         let name = DataType::try_from(code).map_or("unknown", |d| d.as_str_name());
@@ -233,6 +232,13 @@ pub(crate) fn decode(t: &TensorProto, external: Option<&[u8]>) -> Result<Tensor,
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(|| format!("dimensions {:?} overflow", t.dims))?;
+    Ok((elem, shape, n))
+}
+
+/// Decodes a tensor's values. `external` holds the bytes of an externally stored
+/// tensor (already cut to its offset and length), else `None` for inline data.
+pub(crate) fn decode(t: &TensorProto, external: Option<&[u8]>) -> Result<Tensor, String> {
+    let (elem, shape, n) = header(t)?;
     let raw = external.or(t.raw_data.as_deref().filter(|r| !r.is_empty()));
     let data = match raw {
         Some(bytes) => from_le_bytes(elem, bytes, n)?,
@@ -247,6 +253,30 @@ pub(crate) fn decode(t: &TensorProto, external: Option<&[u8]>) -> Result<Tensor,
         ));
     }
     Ok(tensor)
+}
+
+/// A floating-point tensor's values as f32, as a weight keeps them: raw f32
+/// bytes go straight across (a model's weights are most of its file, so no
+/// wider copy is made of them).
+pub(crate) fn decode_f32(t: &TensorProto, external: Option<&[u8]>) -> Result<Vec<f32>, String> {
+    let (elem, _, n) = header(t)?;
+    let raw = external.or(t.raw_data.as_deref().filter(|r| !r.is_empty()));
+    match (elem, raw) {
+        (Elem::F32, Some(bytes)) => {
+            if n.checked_mul(4) != Some(bytes.len()) {
+                return Err(format!(
+                    "has {} bytes of data, {n} elements of 4 bytes need {}",
+                    bytes.len(),
+                    n.saturating_mul(4)
+                ));
+            }
+            Ok(bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        }
+        _ => decode(t, external).map(|t| t.to_f32()),
+    }
 }
 
 fn from_le_bytes(elem: Elem, bytes: &[u8], n: usize) -> Result<Data, String> {

@@ -23,8 +23,8 @@ use super::attrs::Attrs;
 use super::fold;
 use super::fuse::{fuse_linear, prune};
 use super::pb::{ModelProto, NodeProto};
-use super::tensor::{Elem, Tensor};
-use super::{ExternalData, Imported, TRAINING_EXPORT_HINT};
+use super::tensor::{Data, Elem, Tensor};
+use super::{External, Imported, TRAINING_EXPORT_HINT};
 use crate::error::OnnxError;
 use crate::graph::{Graph, Node, Param, ParamKind};
 use crate::init::Init;
@@ -75,7 +75,12 @@ struct Parts {
 struct InitInfo {
     /// Name in the graph: the `state_dict` name.
     name: String,
+    /// A weight's element type and shape, with no values (they are in
+    /// `weights`); any other initializer's values, for folding.
     tensor: Tensor,
+    /// A weight's values, as f32; `None` where a shapes-only import skipped
+    /// them.
+    weights: Option<Vec<f32>>,
     kind: Option<ParamKind>,
     /// Marked for the final parameter list once a node reads it.
     used: bool,
@@ -104,8 +109,11 @@ impl Here<'_> {
 
 pub(crate) struct Importer<'a> {
     file: &'a str,
-    external: ExternalData<'a>,
+    external: External<'a>,
     external_cache: HashMap<String, Vec<u8>>,
+    /// Reads large weights' shapes, not their values (their parameters
+    /// come out zero): enough to compare graphs at two batch sizes.
+    shapes_only: bool,
     opset: i64,
     batch: usize,
     /// The batch size the exporter traced with (the first input's declared
@@ -125,11 +133,12 @@ pub(crate) struct Importer<'a> {
 }
 
 impl<'a> Importer<'a> {
-    pub(crate) fn new(file: &'a str, external: ExternalData<'a>) -> Self {
+    pub(crate) fn new(file: &'a str, external: External<'a>) -> Self {
         Importer {
             file,
             external,
             external_cache: HashMap::new(),
+            shapes_only: false,
             opset: 0,
             batch: 1,
             exported_batch: None,
@@ -141,6 +150,12 @@ impl<'a> Importer<'a> {
             warnings: Vec::new(),
             inference_signs: Vec::new(),
         }
+    }
+
+    /// See [`Importer::shapes_only`](Self#structfield.shapes_only).
+    pub(crate) fn shapes_only(mut self) -> Self {
+        self.shapes_only = true;
+        self
     }
 
     fn model_err(&self, reason: impl Into<String>) -> OnnxError {
@@ -403,7 +418,14 @@ impl<'a> Importer<'a> {
     fn known(&self, here: &Here, i: usize) -> Option<Tensor> {
         match here.ins.get(i)?.as_ref()? {
             Val::Const(t, _) => Some(t.clone()),
-            Val::Var(i) => Some(self.inits[*i].tensor.clone()),
+            Val::Var(i) => {
+                let init = &self.inits[*i];
+                let values = init.weights.as_ref()?;
+                Some(Tensor {
+                    data: Data::Float(values.iter().map(|&v| f64::from(v)).collect()),
+                    ..init.tensor.clone()
+                })
+            }
             _ => None,
         }
     }

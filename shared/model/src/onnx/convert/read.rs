@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::{Importer, InitInfo, Val, dtype_of};
+use super::{External, Importer, InitInfo, Val, dtype_of};
 use crate::error::OnnxError;
 use crate::graph::{Input, Param, ParamKind};
 use crate::init::Init;
@@ -30,7 +30,8 @@ impl Importer<'_> {
             }
         }
         for t in &graph.initializer {
-            let tensor = self.decode_initializer(t)?;
+            let (elem, shape, numel) =
+                tensor::header(t).map_err(|reason| self.tensor_err(t, reason))?;
             let m = meta.get(t.name());
             let spec_kind = m.and_then(|m| m.get(SPEC_KIND).copied());
             // torch.export knows each tensor's state_dict name; older exporters
@@ -49,23 +50,33 @@ impl Importer<'_> {
                 Some("BUFFER") if !persistent => Some(ParamKind::Constant),
                 Some("BUFFER") => Some(ParamKind::Buffer),
                 Some("CONSTANT_TENSOR") => Some(ParamKind::Constant),
-                _ if generated_name(t.name(), &tensor) => Some(ParamKind::Constant),
-                _ if !tensor.elem.is_float() => Some(ParamKind::Buffer),
+                _ if generated_name(t.name(), numel) => Some(ParamKind::Constant),
+                _ if !elem.is_float() => Some(ParamKind::Buffer),
                 _ if is_statistic(&name) => Some(ParamKind::Buffer),
                 _ => None,
             };
             let index = self.inits.len();
             // Weights stay variables even where a node could fold them (a
             // Transpose of a weight must be trained through, not baked in).
-            let val = if tensor.elem.is_float() && kind != Some(ParamKind::Constant) {
-                Val::Var(index)
+            let (tensor, weights) = if elem.is_float() && kind != Some(ParamKind::Constant) {
+                let weights = if self.shapes_only && numel >= SHAPES_ONLY_ABOVE {
+                    None
+                } else {
+                    Some(self.decode_weights(t)?)
+                };
+                self.vals.insert(t.name().to_string(), Val::Var(index));
+                let data = tensor::Data::Float(Vec::new());
+                (Tensor { elem, shape, data }, weights)
             } else {
-                Val::Const(tensor.clone(), Some(index))
+                let tensor = self.decode_initializer(t)?;
+                let val = Val::Const(tensor.clone(), Some(index));
+                self.vals.insert(t.name().to_string(), val);
+                (tensor, None)
             };
-            self.vals.insert(t.name().to_string(), val);
             self.inits.push(InitInfo {
                 name,
                 tensor,
+                weights,
                 kind,
                 used: false,
             });
@@ -73,22 +84,30 @@ impl Importer<'_> {
         Ok(())
     }
 
-    fn decode_initializer(&mut self, t: &TensorProto) -> Result<Tensor, OnnxError> {
-        let tensor_err = |reason: String| OnnxError::Tensor {
+    fn tensor_err(&self, t: &TensorProto, reason: String) -> OnnxError {
+        OnnxError::Tensor {
             file: self.file.to_string(),
             tensor: t.name().to_string(),
             reason,
-        };
-        let external = tensor::external_ref(t).map_err(tensor_err)?;
+        }
+    }
+
+    fn decode_weights(&mut self, t: &TensorProto) -> Result<Vec<f32>, OnnxError> {
+        let external = tensor::external_ref(t).map_err(|reason| self.tensor_err(t, reason))?;
         let bytes = match &external {
             None => None,
             Some(r) => Some(self.external_bytes(t.name(), r)?),
         };
-        tensor::decode(t, bytes.as_deref()).map_err(|reason| OnnxError::Tensor {
-            file: self.file.to_string(),
-            tensor: t.name().to_string(),
-            reason,
-        })
+        tensor::decode_f32(t, bytes.as_deref()).map_err(|reason| self.tensor_err(t, reason))
+    }
+
+    fn decode_initializer(&mut self, t: &TensorProto) -> Result<Tensor, OnnxError> {
+        let external = tensor::external_ref(t).map_err(|reason| self.tensor_err(t, reason))?;
+        let bytes = match &external {
+            None => None,
+            Some(r) => Some(self.external_bytes(t.name(), r)?),
+        };
+        tensor::decode(t, bytes.as_deref()).map_err(|reason| self.tensor_err(t, reason))
     }
 
     /// The slice of an external-data file one tensor occupies.
@@ -114,8 +133,22 @@ impl Importer<'_> {
                 "the location must be a path relative to the model's folder".into(),
             ));
         }
+        let past_end = |end: Option<usize>, len: usize| {
+            format!(
+                "bytes {}..{} are past the end of the {len}-byte file (truncated?)",
+                r.offset,
+                end.map_or_else(|| "?".to_string(), |e| e.to_string()),
+            )
+        };
+        let whole = match self.external {
+            External::Beside(dir) => {
+                return read_range(&dir.join(&r.location), r.offset, r.length, past_end)
+                    .map_err(err);
+            }
+            External::Whole(read) => read,
+        };
         if !self.external_cache.contains_key(&r.location) {
-            let data = (self.external)(&r.location).map_err(|e| err(e.to_string()))?;
+            let data = whole(&r.location).map_err(|e| err(e.to_string()))?;
             self.external_cache.insert(r.location.clone(), data);
         }
         let data = self
@@ -129,12 +162,7 @@ impl Importer<'_> {
         };
         match end {
             Some(end) if r.offset <= end && end <= data.len() => Ok(data[r.offset..end].to_vec()),
-            _ => Err(err(format!(
-                "bytes {}..{} are past the end of the {}-byte file (truncated?)",
-                r.offset,
-                end.map_or_else(|| "?".to_string(), |e| e.to_string()),
-                data.len()
-            ))),
+            _ => Err(err(past_end(end, data.len()))),
         }
     }
 
@@ -267,16 +295,24 @@ impl Importer<'_> {
     pub(super) fn params(&mut self) -> Vec<Param> {
         let mut params = Vec::new();
         let mut synthesized = std::mem::take(&mut self.synthesized);
-        for (i, init) in self.inits.iter().enumerate() {
+        let shapes_only = self.shapes_only;
+        for (i, init) in self.inits.iter_mut().enumerate() {
             if init.used {
+                let values = match init.weights.take() {
+                    Some(data) => Init::Values { data },
+                    None if init.tensor.len() == 0 && init.tensor.numel() > 0 && shapes_only => {
+                        Init::Zeros
+                    }
+                    None => Init::Values {
+                        data: init.tensor.to_f32(),
+                    },
+                };
                 params.push(Param {
                     name: init.name.clone(),
                     shape: init.tensor.shape.clone(),
                     dtype: dtype_of(init.tensor.elem),
                     kind: init.kind.unwrap_or(ParamKind::Trainable),
-                    init: Init::Values {
-                        data: init.tensor.to_f32(),
-                    },
+                    init: values,
                 });
             }
             synthesized.retain(|(after, p)| {
@@ -344,14 +380,44 @@ fn show_dims(d: &[Option<i64>]) -> String {
 
 /// Names exporters give to constants they created (the dynamo optimizer's
 /// `val_N`; the legacy exporter's `onnx::Op_N` scalars), as opposed to weights.
-fn generated_name(name: &str, t: &Tensor) -> bool {
+fn generated_name(name: &str, numel: usize) -> bool {
     let val_n = name
         .strip_prefix("val_")
         .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()));
-    val_n || (name.starts_with("onnx::") && t.numel() <= 1)
+    val_n || (name.starts_with("onnx::") && numel <= 1)
 }
+
+/// Weights of at least this many elements keep only their shape in a
+/// shapes-only import; smaller ones (scalars a node reads as attributes)
+/// are read.
+const SHAPES_ONLY_ABOVE: usize = 1024;
 
 /// BatchNorm statistics, which are buffers in PyTorch.
 fn is_statistic(name: &str) -> bool {
     name.ends_with("running_mean") || name.ends_with("running_var")
+}
+
+/// Bytes `offset..offset + length` (or to the end) of the file at `path`.
+fn read_range(
+    path: &std::path::Path,
+    offset: usize,
+    length: Option<usize>,
+    past_end: impl Fn(Option<usize>, usize) -> String,
+) -> Result<Vec<u8>, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    let end = match length {
+        Some(n) => offset.checked_add(n),
+        None => Some(len),
+    };
+    let Some(end) = end.filter(|&end| offset <= end && end <= len) else {
+        return Err(past_end(end, len));
+    };
+    file.seek(SeekFrom::Start(offset as u64))
+        .map_err(|e| e.to_string())?;
+    let mut bytes = vec![0; end - offset];
+    file.read_exact(&mut bytes).map_err(|e| e.to_string())?;
+    Ok(bytes)
 }
