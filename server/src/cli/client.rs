@@ -133,12 +133,19 @@ impl Client {
             reqwest::multipart::Part::text(spec.to_json()?).file_name(job_name),
         );
         for (name, path) in files {
-            let bytes = tokio::fs::read(&path)
+            // Streamed from disk: a GPT-2's weights need not sit in memory.
+            let file = tokio::fs::File::open(&path)
                 .await
                 .with_context(|| format!("reading {}", path.display()))?;
+            let len = file
+                .metadata()
+                .await
+                .with_context(|| format!("reading {}", path.display()))?
+                .len();
+            let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
             form = form.part(
                 name.clone(),
-                reqwest::multipart::Part::bytes(bytes).file_name(name),
+                reqwest::multipart::Part::stream_with_length(body, len).file_name(name),
             );
         }
         let response = self

@@ -12,6 +12,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use rookery_job::{JobSpec, PrepareError, Prepared};
 use rookery_proto::api::{ApiError, DatasetInfo, JobCreated, JobEvent, JobEventBody, PlanPreview};
+use tokio::io::AsyncWriteExt;
 
 use super::error::AppError;
 use super::jobs::log_line;
@@ -298,36 +299,36 @@ async fn receive(
         .map_err(|e| AppError::Internal(format!("creating {}: {e}", dir.display())))?;
     let mut job = None;
     let mut dataset = None;
-    while let Some(field) = multipart
+    while let Some(mut field) = multipart
         .next_field()
         .await
         .map_err(|e| multipart_error(&e, "unreadable upload", limit))?
     {
         let part = field.name().unwrap_or_default().to_string();
         let file_name = field.file_name().map(str::to_string);
-        let bytes = field
-            .bytes()
-            .await
-            .map_err(|e| multipart_error(&e, &format!("part `{part}`"), limit))?;
-        if part == JOB_PART {
-            let text = String::from_utf8(bytes.to_vec())
-                .map_err(|_| AppError::BadRequest("the job file is not UTF-8 text".into()))?;
-            let name = file_name
-                .as_deref()
-                .and_then(|f| Path::new(f).file_stem())
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "job".into());
-            job = Some((name, text));
-            continue;
-        }
-        if part == DATASET_PART {
-            let name = String::from_utf8(bytes.to_vec()).map_err(|_| AppError::Field {
-                field: part.clone(),
-                message: "the dataset name is not UTF-8 text".into(),
-            })?;
-            let name = name.trim().to_string();
-            datasets::check_name(&name)?;
-            dataset = Some(name);
+        if part == JOB_PART || part == DATASET_PART {
+            let bytes = field
+                .bytes()
+                .await
+                .map_err(|e| multipart_error(&e, &format!("part `{part}`"), limit))?;
+            if part == JOB_PART {
+                let text = String::from_utf8(bytes.to_vec())
+                    .map_err(|_| AppError::BadRequest("the job file is not UTF-8 text".into()))?;
+                let name = file_name
+                    .as_deref()
+                    .and_then(|f| Path::new(f).file_stem())
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "job".into());
+                job = Some((name, text));
+            } else {
+                let name = String::from_utf8(bytes.to_vec()).map_err(|_| AppError::Field {
+                    field: part.clone(),
+                    message: "the dataset name is not UTF-8 text".into(),
+                })?;
+                let name = name.trim().to_string();
+                datasets::check_name(&name)?;
+                dataset = Some(name);
+            }
             continue;
         }
         let relative = safe_relative(&part)?;
@@ -337,9 +338,19 @@ async fn receive(
                 .await
                 .map_err(|e| AppError::Internal(format!("creating {}: {e}", parent.display())))?;
         }
-        tokio::fs::write(&path, &bytes)
+        // Straight to disk as it arrives: a model's weights are hundreds of
+        // megabytes, and the server keeps no copy of them in memory.
+        let writing =
+            |e: std::io::Error| AppError::Internal(format!("writing {}: {e}", path.display()));
+        let mut file = tokio::fs::File::create(&path).await.map_err(writing)?;
+        while let Some(chunk) = field
+            .chunk()
             .await
-            .map_err(|e| AppError::Internal(format!("writing {}: {e}", path.display())))?;
+            .map_err(|e| multipart_error(&e, &format!("part `{part}`"), limit))?
+        {
+            file.write_all(&chunk).await.map_err(writing)?;
+        }
+        file.flush().await.map_err(writing)?;
     }
     let (name, text) = job.ok_or_else(|| {
         AppError::BadRequest(format!(

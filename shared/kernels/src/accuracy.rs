@@ -31,6 +31,9 @@ pub const DIV: f64 = DIVISION_ULPS * ULP;
 /// [`INVERSE_SQRT_ULPS`] as a relative error.
 pub const INVERSE_SQRT: f64 = INVERSE_SQRT_ULPS * ULP;
 
+/// `sqrt(x)`: inherited from `1.0 / inverseSqrt(x)`.
+pub const SQRT: f64 = INVERSE_SQRT + DIV;
+
 /// Error models here are first order (products of two errors are left
 /// out), and a GPU may fuse a multiply and an add into one rounding; this
 /// factor covers both.
@@ -41,4 +44,90 @@ pub const SAFETY: f64 = 2.0;
 /// first order).
 pub fn sum_error(n: usize, abs_total: f64) -> f64 {
     n.saturating_sub(1) as f64 * U * abs_total
+}
+
+/// A value computed in f32 with a bound on its distance from the exact
+/// result (running error analysis, to first order): each operation adds
+/// its own rounding or WGSL's stated accuracy to the errors its operands
+/// carry, scaled by how much the operation amplifies them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tracked {
+    /// The exact result, approximated in f64.
+    pub value: f64,
+    /// How far an f32 evaluation may be from it.
+    pub error: f64,
+}
+
+impl Tracked {
+    /// A value held exactly.
+    pub fn exact(v: f32) -> Self {
+        Self {
+            value: f64::from(v),
+            error: 0.0,
+        }
+    }
+
+    fn rounded(value: f64, error: f64, relative: f64) -> Self {
+        Self {
+            value,
+            error: error + relative * value.abs(),
+        }
+    }
+
+    /// `sqrt`: near zero the derivative bound is useless, and `|sqrt(x) -
+    /// sqrt(y)| <= sqrt(|x - y|)` takes over.
+    pub fn sqrt(self) -> Self {
+        let value = self.value.max(0.0).sqrt();
+        let propagated = if value > 0.0 {
+            (self.error / (2.0 * value)).min(self.error.sqrt())
+        } else {
+            self.error.sqrt()
+        };
+        Self::rounded(value, propagated, SQRT)
+    }
+
+    /// `max`: exact, so only the operands' errors.
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            value: self.value.max(other.value),
+            error: self.error.max(other.error),
+        }
+    }
+
+    /// How far two f32 evaluations (the kernel's and the reference's), each
+    /// within `error` of the exact value, may be from each other.
+    pub fn between_two(self) -> f32 {
+        (SAFETY * 2.0 * self.error) as f32
+    }
+}
+
+impl std::ops::Add for Tracked {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
+        Self::rounded(self.value + o.value, self.error + o.error, U)
+    }
+}
+
+impl std::ops::Sub for Tracked {
+    type Output = Self;
+    fn sub(self, o: Self) -> Self {
+        Self::rounded(self.value - o.value, self.error + o.error, U)
+    }
+}
+
+impl std::ops::Mul for Tracked {
+    type Output = Self;
+    fn mul(self, o: Self) -> Self {
+        let error = self.value.abs() * o.error + o.value.abs() * self.error;
+        Self::rounded(self.value * o.value, error, U)
+    }
+}
+
+impl std::ops::Div for Tracked {
+    type Output = Self;
+    fn div(self, o: Self) -> Self {
+        let value = self.value / o.value;
+        let error = (self.error + value.abs() * o.error) / o.value.abs();
+        Self::rounded(value, error, DIV)
+    }
 }

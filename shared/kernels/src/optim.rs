@@ -7,6 +7,7 @@
 //! per-step bias corrections computed in f64 as Python does, travel in a
 //! uniform written each step ([`OptimizerConfig::uniform`]).
 
+use crate::accuracy::Tracked;
 use crate::optimizer::OptimizerConfig;
 use crate::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, one_d};
 
@@ -21,11 +22,51 @@ fn lerp(a: f32, b: f32, w: f32) -> f32 {
 struct U { v0: vec4<f32>, v1: vec4<f32> }
 ";
 
-fn lerp(a: f32, b: f32, w: f32) -> f32 {
+fn lerp<T: StepArith>(a: T, b: T, w: f32) -> T {
     if w.abs() < 0.5 {
-        a + w * (b - a)
+        a + T::of(w) * (b - a)
     } else {
-        b - (b - a) * (1.0 - w)
+        b - (b - a) * T::of(1.0 - w)
+    }
+}
+
+/// The arithmetic of an optimizer step: f32 itself (the reference) or
+/// [`Tracked`] (the reference with its error bound).
+trait StepArith:
+    Copy
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+{
+    /// A value both the kernel and the reference hold exactly (an input or
+    /// a uniform).
+    fn of(v: f32) -> Self;
+    fn sqrt(self) -> Self;
+    fn max(self, other: Self) -> Self;
+}
+
+impl StepArith for f32 {
+    fn of(v: f32) -> Self {
+        v
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
+}
+
+impl StepArith for Tracked {
+    fn of(v: f32) -> Self {
+        Tracked::exact(v)
+    }
+    fn sqrt(self) -> Self {
+        Tracked::sqrt(self)
+    }
+    fn max(self, other: Self) -> Self {
+        Tracked::max(self, other)
     }
 }
 
@@ -224,79 +265,114 @@ impl OptimizerConfig {
         grad: &[f32],
         state: &mut [Vec<f32>],
     ) {
+        self.each_element(step, param, grad, state);
+    }
+
+    /// [`Self::reference_step`] on values that carry a bound on their
+    /// distance from the exact result (WGSL's accuracy for each operation
+    /// of the kernel), for checks whose conditioning depends on the data
+    /// (centered RMSprop subtracts two nearly equal averages).
+    pub fn tracked_step(
+        &self,
+        step: u64,
+        param: &mut [Tracked],
+        grad: &[f32],
+        state: &mut [Vec<Tracked>],
+    ) {
+        self.each_element(step, param, grad, state);
+    }
+
+    fn each_element<T: StepArith>(
+        &self,
+        step: u64,
+        param: &mut [T],
+        grad: &[f32],
+        state: &mut [Vec<T>],
+    ) {
         let u: Vec<f32> = self.uniform(step).into_iter().map(f32::from_bits).collect();
-        let decoupled = matches!(self, OptimizerConfig::AdamW { .. });
+        let mut slots = [T::of(0.0); 3];
         for i in 0..param.len() {
-            let p = param[i];
-            match *self {
-                OptimizerConfig::Sgd {
-                    momentum, nesterov, ..
-                } => {
-                    let mut d_p = grad[i] + p * u[3];
-                    if momentum != 0.0 {
-                        let buf = if u[4] != 0.0 {
-                            d_p
-                        } else {
-                            state[0][i] * u[1] + d_p * u[2]
-                        };
-                        state[0][i] = buf;
-                        d_p = if nesterov { d_p + buf * u[1] } else { buf };
-                    }
-                    param[i] = p + d_p * -u[0];
-                }
-                OptimizerConfig::Adam {
-                    weight_decay,
-                    amsgrad,
-                    ..
-                }
-                | OptimizerConfig::AdamW {
-                    weight_decay,
-                    amsgrad,
-                    ..
-                } => {
-                    let (mut p, mut g) = (p, grad[i]);
-                    if weight_decay != 0.0 {
-                        if decoupled {
-                            p *= u[7];
-                        } else {
-                            g += p * u[5];
-                        }
-                    }
-                    let m = lerp(state[0][i], g, u[1]);
-                    state[0][i] = m;
-                    let v = state[1][i] * u[2] + g * u[3] * g;
-                    state[1][i] = v;
-                    let second = if amsgrad {
-                        let s = state[2][i].max(v);
-                        state[2][i] = s;
-                        s
+            for (slot, s) in slots.iter_mut().zip(state.iter()) {
+                *slot = s[i];
+            }
+            param[i] = self.element(&u, param[i], T::of(grad[i]), &mut slots[..state.len()]);
+            for (s, slot) in state.iter_mut().zip(slots) {
+                s[i] = slot;
+            }
+        }
+    }
+
+    /// One parameter's step: the kernel's operations in its order.
+    fn element<T: StepArith>(&self, u: &[f32], p: T, grad: T, state: &mut [T]) -> T {
+        let c = |k: usize| T::of(u[k]);
+        match *self {
+            OptimizerConfig::Sgd {
+                momentum, nesterov, ..
+            } => {
+                let mut d_p = grad + p * c(3);
+                if momentum != 0.0 {
+                    let buf = if u[4] != 0.0 {
+                        d_p
                     } else {
-                        v
+                        state[0] * c(1) + d_p * c(2)
                     };
-                    let denom = second.sqrt() / u[6] + u[4];
-                    param[i] = p + m / denom * -u[0];
+                    state[0] = buf;
+                    d_p = if nesterov { d_p + buf * c(1) } else { buf };
                 }
-                OptimizerConfig::RmsProp {
-                    momentum, centered, ..
-                } => {
-                    let g = grad[i] + p * u[4];
-                    let sa = state[0][i] * u[1] + g * u[2] * g;
-                    state[0][i] = sa;
-                    let avg = if centered {
-                        let ga = lerp(state[1][i], g, u[2]);
-                        state[1][i] = ga;
-                        (sa - ga * ga).sqrt() + u[3]
+                p + d_p * T::of(-u[0])
+            }
+            OptimizerConfig::Adam {
+                weight_decay,
+                amsgrad,
+                ..
+            }
+            | OptimizerConfig::AdamW {
+                weight_decay,
+                amsgrad,
+                ..
+            } => {
+                let (mut p, mut g) = (p, grad);
+                if weight_decay != 0.0 {
+                    if matches!(self, OptimizerConfig::AdamW { .. }) {
+                        p = p * c(7);
                     } else {
-                        sa.sqrt() + u[3]
-                    };
-                    if momentum > 0.0 {
-                        let slot = state.len() - 1;
-                        let buf = state[slot][i] * u[5] + g / avg;
-                        state[slot][i] = buf;
-                        param[i] = p + buf * -u[0];
-                    } else {
-                        param[i] = p + g / avg * -u[0];
+                        g = g + p * c(5);
                     }
+                }
+                let m = lerp(state[0], g, u[1]);
+                state[0] = m;
+                let v = state[1] * c(2) + g * c(3) * g;
+                state[1] = v;
+                let second = if amsgrad {
+                    let s = state[2].max(v);
+                    state[2] = s;
+                    s
+                } else {
+                    v
+                };
+                let denom = second.sqrt() / c(6) + c(4);
+                p + m / denom * T::of(-u[0])
+            }
+            OptimizerConfig::RmsProp {
+                momentum, centered, ..
+            } => {
+                let g = grad + p * c(4);
+                let sa = state[0] * c(1) + g * c(2) * g;
+                state[0] = sa;
+                let avg = if centered {
+                    let ga = lerp(state[1], g, u[2]);
+                    state[1] = ga;
+                    (sa - ga * ga).sqrt() + c(3)
+                } else {
+                    sa.sqrt() + c(3)
+                };
+                if momentum > 0.0 {
+                    let slot = state.len() - 1;
+                    let buf = state[slot] * c(5) + g / avg;
+                    state[slot] = buf;
+                    p + buf * T::of(-u[0])
+                } else {
+                    p + g / avg * T::of(-u[0])
                 }
             }
         }
@@ -406,5 +482,114 @@ mod tests {
             (p[0] + 1e-3).abs() < 1e-6 && (p[1] - 1e-3).abs() < 1e-6,
             "{p:?}"
         );
+    }
+
+    /// f32 as the slackest GPU WGSL allows: each division off by 2 ULP and
+    /// each `sqrt` by 4, in a direction that varies with the value.
+    #[derive(Debug, Clone, Copy)]
+    struct Slack(f32);
+
+    impl Slack {
+        fn nudge(v: f32, ulps: u32) -> f32 {
+            let up = v.to_bits().count_ones() % 2 == 0;
+            (0..ulps).fold(v, |v, _| if up { v.next_up() } else { v.next_down() })
+        }
+    }
+
+    impl std::ops::Add for Slack {
+        type Output = Self;
+        fn add(self, o: Self) -> Self {
+            Slack(self.0 + o.0)
+        }
+    }
+    impl std::ops::Sub for Slack {
+        type Output = Self;
+        fn sub(self, o: Self) -> Self {
+            Slack(self.0 - o.0)
+        }
+    }
+    impl std::ops::Mul for Slack {
+        type Output = Self;
+        fn mul(self, o: Self) -> Self {
+            Slack(self.0 * o.0)
+        }
+    }
+    impl std::ops::Div for Slack {
+        type Output = Self;
+        fn div(self, o: Self) -> Self {
+            Slack(Slack::nudge(self.0 / o.0, 2))
+        }
+    }
+    impl StepArith for Slack {
+        fn of(v: f32) -> Self {
+            Slack(v)
+        }
+        fn sqrt(self) -> Self {
+            Slack(Slack::nudge(self.0.sqrt(), 4))
+        }
+        fn max(self, other: Self) -> Self {
+            Slack(self.0.max(other.0))
+        }
+    }
+
+    /// Gradients whose running averages nearly cancel in centered RMSprop:
+    /// the same value with a small wobble, step after step.
+    fn gradients(len: usize, step: u64, seed: u64) -> Vec<f32> {
+        let base = crate::sample_matrix(len, seed);
+        let wobble = crate::sample_matrix(len, seed ^ (step + 10));
+        base.iter()
+            .zip(&wobble)
+            .map(|(b, w)| b + w * 1e-3)
+            .collect()
+    }
+
+    #[test]
+    fn a_gpu_using_all_of_wgsls_slack_stays_within_the_tracked_bounds() {
+        for o in optimizer_cases() {
+            let len = 500;
+            let start = crate::sample_matrix(len, 3);
+            let states = o.state_names().len();
+            let mut want = start.clone();
+            let mut want_state = vec![vec![0.0f32; len]; states];
+            let mut slack: Vec<Slack> = start.iter().map(|&v| Slack(v)).collect();
+            let mut slack_state = vec![vec![Slack(0.0); len]; states];
+            let mut tracked: Vec<Tracked> = start.iter().map(|&v| Tracked::exact(v)).collect();
+            let mut tracked_state = vec![vec![Tracked::exact(0.0); len]; states];
+            for step in 1..=3 {
+                let g = gradients(len, step, 7);
+                o.reference_step(step, &mut want, &g, &mut want_state);
+                o.each_element(step, &mut slack, &g, &mut slack_state);
+                o.tracked_step(step, &mut tracked, &g, &mut tracked_state);
+            }
+            let mut pairs: Vec<(&[f32], &[Slack], &[Tracked])> = vec![(&want, &slack, &tracked)];
+            for k in 0..states {
+                pairs.push((&want_state[k], &slack_state[k], &tracked_state[k]));
+            }
+            for (which, (want, got, bound)) in pairs.into_iter().enumerate() {
+                for i in 0..len {
+                    let err = (f64::from(got[i].0) - f64::from(want[i])).abs();
+                    let allowed = f64::from(bound[i].between_two());
+                    assert!(
+                        err <= allowed,
+                        "{o:?} buffer {which}[{i}]: {} vs {}, error {err:e} over {allowed:e}",
+                        got[i].0,
+                        want[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tracked_bounds_stay_near_rounding_where_nothing_cancels() {
+        let o = optimizer_cases()[0];
+        let mut tracked: Vec<Tracked> = [1.0f32, -2.0, 0.5]
+            .iter()
+            .map(|&v| Tracked::exact(v))
+            .collect();
+        o.tracked_step(1, &mut tracked, &[0.25, 0.5, -1.0], &mut []);
+        for t in &tracked {
+            assert!(t.error <= 4.0 * crate::accuracy::U * t.value.abs(), "{t:?}");
+        }
     }
 }

@@ -153,35 +153,24 @@ pub async fn generate_with(
             shown = now;
         }
     };
+    let mut job = Sampling {
+        graph: &graph,
+        params: &params,
+        ids: &mut prompt,
+        count: args.tokens,
+        on_token: &mut on_token,
+    };
     match args.backend {
         GenerateBackend::Cpu => {
-            let mut factory = OwnFactory::new(CpuDevice);
             sampler
-                .run(
-                    &mut factory,
-                    &graph,
-                    &params,
-                    &mut prompt,
-                    args.tokens,
-                    &mut on_token,
-                )
-                .await?;
+                .run(&mut OwnFactory::new(CpuDevice), &mut job)
+                .await?
         }
         GenerateBackend::Torch => {
             #[cfg(feature = "torch")]
-            {
-                let mut factory = rookery_torch::TorchStageFactory::cpu();
-                sampler
-                    .run(
-                        &mut factory,
-                        &graph,
-                        &params,
-                        &mut prompt,
-                        args.tokens,
-                        &mut on_token,
-                    )
-                    .await?;
-            }
+            sampler
+                .run(&mut rookery_torch::TorchStageFactory::cpu(), &mut job)
+                .await?;
             #[cfg(not(feature = "torch"))]
             bail!("this rookery was built without libtorch (build it with feature `torch`)");
         }
@@ -246,6 +235,16 @@ fn parameters(graph: &Graph, weights: &Path) -> anyhow::Result<Vec<WireTensor>> 
     Ok(out)
 }
 
+/// What one sampling run reads and extends.
+struct Sampling<'a> {
+    graph: &'a Graph,
+    params: &'a [WireTensor],
+    /// The prompt's ids, then each sampled one.
+    ids: &'a mut Vec<u32>,
+    count: usize,
+    on_token: &'a mut dyn FnMut(&[u32]),
+}
+
 struct Sampler {
     vocab: usize,
     context: usize,
@@ -257,14 +256,11 @@ impl Sampler {
     async fn run<F: BackendFactory>(
         mut self,
         factory: &mut F,
-        graph: &Graph,
-        params: &[WireTensor],
-        ids: &mut Vec<u32>,
-        count: usize,
-        on_token: &mut dyn FnMut(&[u32]),
+        job: &mut Sampling<'_>,
     ) -> anyhow::Result<()> {
-        let mut predictor = Predictor::new(factory, graph, params)?;
-        for _ in 0..count {
+        let mut predictor = Predictor::new(factory, job.graph, job.params)?;
+        for _ in 0..job.count {
+            let ids = &mut *job.ids;
             let window = &ids[ids.len().saturating_sub(self.context)..];
             let mut tokens: Vec<i64> = window.iter().map(|&i| i64::from(i)).collect();
             let last = tokens.len() - 1;
@@ -273,7 +269,7 @@ impl Sampler {
             let logits = predictor.predict(&input).await?;
             let row = self.logits_at(&logits, last)?;
             ids.push(self.pick(&row) as u32);
-            on_token(ids);
+            (job.on_token)(ids);
         }
         Ok(())
     }
