@@ -491,7 +491,7 @@ mod tests {
 
     impl Slack {
         fn nudge(v: f32, ulps: u32) -> f32 {
-            let up = v.to_bits().count_ones() % 2 == 0;
+            let up = v.to_bits().count_ones().is_multiple_of(2);
             (0..ulps).fold(v, |v, _| if up { v.next_up() } else { v.next_down() })
         }
     }
