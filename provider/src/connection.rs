@@ -129,43 +129,71 @@ where
             return (session, end);
         }
     };
-    let mut ticker = tokio::time::interval(interval);
-    let end = loop {
-        let done = tokio::select! {
-            _ = ticker.tick() => match session.heartbeat_due(now()) {
-                Action::Send(message) => send(sink, &session, &message).await,
-                Action::End(disconnect) => Err(disconnect.into()),
-                Action::Joined { .. } | Action::Train(_) => Ok(()),
-            },
-            frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
-                Err(end) => Err(end),
-                Ok(None | Some(Action::Joined { .. })) => Ok(()),
-                Ok(Some(Action::Send(message))) => send(sink, &session, &message).await,
-                Ok(Some(Action::Train(message))) => worker
-                    .inbox
-                    .send(message)
-                    .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
-                Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
-            },
-            replies = worker.replies.recv() => match replies {
-                Some(replies) => send_all(sink, &session, &replies).await,
-                // Only a crash ends the thread while the session holds its inbox;
-                // a fresh session gets a fresh trainer.
-                None => Err(SessionEnd::Lost("the training thread crashed".into())),
-            },
-            changed = shutdown.changed() => {
-                if changed.is_err() || *shutdown.borrow() {
+    // Writing runs beside reading, never instead of it: while this provider
+    // uploads its parameters the server may be streaming to it, and if
+    // either side stopped reading to write, both socket buffers would fill
+    // and the pair would wait for each other forever.
+    let (out, mut outbound) = mpsc::unbounded_channel::<Outbound>();
+    let writer = async {
+        while let Some(item) = outbound.recv().await {
+            match item {
+                Outbound::Frames(frames) => {
+                    if let Err(end) = write_frames(sink, frames).await {
+                        return end;
+                    }
+                }
+                Outbound::Close => {
                     let _ = sink.send(Message::Close(None)).await;
                     let _ = sink.close().await;
-                    Err(SessionEnd::Shutdown)
-                } else {
-                    Ok(())
+                    return SessionEnd::Shutdown;
                 }
             }
-        };
-        if let Err(end) = done {
-            break end;
         }
+        std::future::pending().await
+    };
+    let reader = async {
+        let mut ticker = tokio::time::interval(interval);
+        loop {
+            let done = tokio::select! {
+                _ = ticker.tick() => match session.heartbeat_due(now()) {
+                    Action::Send(message) => queue(&out, &session, &message),
+                    Action::End(disconnect) => Err(disconnect.into()),
+                    Action::Joined { .. } | Action::Train(_) => Ok(()),
+                },
+                frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
+                    Err(end) => Err(end),
+                    Ok(None | Some(Action::Joined { .. })) => Ok(()),
+                    Ok(Some(Action::Send(message))) => queue(&out, &session, &message),
+                    Ok(Some(Action::Train(message))) => worker
+                        .inbox
+                        .send(message)
+                        .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
+                    Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
+                },
+                replies = worker.replies.recv() => match replies {
+                    Some(replies) => replies.iter().try_for_each(|m| queue(&out, &session, m)),
+                    // Only a crash ends the thread while the session holds its inbox;
+                    // a fresh session gets a fresh trainer.
+                    None => Err(SessionEnd::Lost("the training thread crashed".into())),
+                },
+                changed = shutdown.changed() => {
+                    if changed.is_err() || *shutdown.borrow() {
+                        // The writer says goodbye after what is queued, then ends
+                        // the session.
+                        let _ = out.send(Outbound::Close);
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(())
+                }
+            };
+            if let Err(end) = done {
+                break end;
+            }
+        }
+    };
+    let end = tokio::select! {
+        end = reader => end,
+        end = writer => end,
     };
     (session, end)
 }
@@ -216,17 +244,15 @@ impl TrainerThread {
     }
 }
 
-/// Sends `message` as the session frames it: tensors stream in frames
-/// within the frame limit the server announced.
-async fn send<Si>(
-    sink: &mut Si,
-    session: &ProviderSession,
-    message: &ToServer,
-) -> Result<(), SessionEnd>
-where
-    Si: Sink<Message> + Unpin,
-    Si::Error: Display,
-{
+/// What the session's writer sends next.
+enum Outbound {
+    Frames(Vec<Bytes>),
+    Close,
+}
+
+/// `message` as the session frames it: tensors stream in frames within the
+/// frame limit the server announced.
+fn frames_of(session: &ProviderSession, message: &ToServer) -> Result<Vec<Bytes>, SessionEnd> {
     #[cfg(feature = "fault-injection")]
     let tampered = crate::fault::tamper(message);
     #[cfg(feature = "fault-injection")]
@@ -236,27 +262,43 @@ where
         .map_err(|error| SessionEnd::Fatal(format!("cannot encode {}: {error}", message.kind())))?;
     #[cfg(feature = "fault-injection")]
     let frames = crate::fault::tamper_frames(message, frames);
+    Ok(frames)
+}
+
+/// Hands `message`'s frames to the session's writer.
+fn queue(
+    out: &mpsc::UnboundedSender<Outbound>,
+    session: &ProviderSession,
+    message: &ToServer,
+) -> Result<(), SessionEnd> {
+    out.send(Outbound::Frames(frames_of(session, message)?))
+        .map_err(|_| SessionEnd::Lost("the connection's writer stopped".into()))
+}
+
+/// Sends `message` now (before the session's writer runs).
+async fn send<Si>(
+    sink: &mut Si,
+    session: &ProviderSession,
+    message: &ToServer,
+) -> Result<(), SessionEnd>
+where
+    Si: Sink<Message> + Unpin,
+    Si::Error: Display,
+{
+    write_frames(sink, frames_of(session, message)?).await
+}
+
+async fn write_frames<Si>(sink: &mut Si, frames: Vec<Bytes>) -> Result<(), SessionEnd>
+where
+    Si: Sink<Message> + Unpin,
+    Si::Error: Display,
+{
     // Each frame is flushed on its own so the server relays the first
     // payload while the next is still being written.
     for frame in frames {
         sink.send(Message::Binary(frame))
             .await
             .map_err(|error| SessionEnd::Lost(format!("cannot send: {error}")))?;
-    }
-    Ok(())
-}
-
-async fn send_all<Si>(
-    sink: &mut Si,
-    session: &ProviderSession,
-    messages: &[ToServer],
-) -> Result<(), SessionEnd>
-where
-    Si: Sink<Message> + Unpin,
-    Si::Error: Display,
-{
-    for message in messages {
-        send(sink, session, message).await?;
     }
     Ok(())
 }
@@ -498,5 +540,47 @@ mod tests {
             "{end:?}"
         );
         drop(in_tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_session_keeps_reading_while_its_writes_are_stuck() {
+        // A server busy streaming to this provider reads nothing for a
+        // while: the provider's writes back up, and it must still read.
+        let (mut out_tx, mut out_rx) = mpsc::channel(0);
+        let (in_tx, mut in_rx) = mpsc::unbounded();
+        in_tx
+            .unbounded_send(frame(&ToProvider::Welcome {
+                provider_id: 2,
+                heartbeat_interval_ms: 100,
+                heartbeat_timeout_ms: 600_000,
+                max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
+            }))
+            .unwrap();
+        let (_stop_tx, mut stop_rx) = watch::channel(false);
+        let session = tokio::spawn(async move {
+            run_session(
+                &mut out_tx,
+                &mut in_rx,
+                &hello(),
+                &mut stop_rx,
+                Box::new(NoTorch),
+            )
+            .await
+        });
+        assert_eq!(sent(out_rx.next().await.unwrap()), ToServer::Hello(hello()));
+        // Heartbeats fall due every 100 ms and none is taken off the wire.
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        in_tx
+            .unbounded_send(frame(&ToProvider::Error(ErrorMessage {
+                code: ErrorCode::Internal,
+                message: "going away".into(),
+            })))
+            .unwrap();
+        let end = tokio::time::timeout(std::time::Duration::from_secs(60), session)
+            .await
+            .expect("the session read the server's error while its writes were stuck")
+            .unwrap();
+        assert!(matches!(end, SessionEnd::Lost(_)), "{end:?}");
+        drop(out_rx);
     }
 }

@@ -269,106 +269,118 @@ where
     if let Err(ending) = send(sink, &probe.start()).await {
         return ending;
     }
-    let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-    let mut owed = Owed::default();
-    let ending = loop {
-        // Frames the coordinator wants sent go out between incoming frames;
-        // the heartbeat deadline only moves when the provider speaks.
-        let frame = tokio::select! {
-            biased;
-            frame = next_frame(stream, state, deadline) => frame,
-            Some(outgoing) = outbox.recv() => {
-                let sent = match outgoing {
+    // Writing runs beside reading, never instead of it: a provider may be
+    // uploading hundreds of megabytes while the server streams a message to
+    // it, and if either side stopped reading to write, both socket buffers
+    // would fill and the pair would wait for each other forever.
+    let (replies, mut reply_rx) = tokio::sync::mpsc::unbounded_channel::<ToProvider>();
+    let writer = async {
+        loop {
+            let sent = tokio::select! {
+                Some(outgoing) = outbox.recv() => match outgoing {
                     Outgoing::Message(message) => send_streamed(sink, &message, limit).await,
                     Outgoing::Payload(frame) => send_frame(sink, frame).await,
                     // The coordinator already counted the fault this answers.
                     Outgoing::Close { reason } => Err(Ending::Expelled(reason)),
-                };
-                if let Err(ending) = sent {
-                    break ending;
-                }
-                continue;
+                },
+                Some(reply) = reply_rx.recv() => send(sink, &reply).await,
+                else => std::future::pending().await,
+            };
+            if let Err(ending) = sent {
+                return ending;
             }
-        };
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(ending) => break ending,
-        };
-        deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-        let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
-            Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
-                match owed.take(&payload) {
-                    Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
-                    Err(problem) => {
-                        break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+        }
+    };
+    let reader = async {
+        let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+        let mut owed = Owed::default();
+        loop {
+            let frame = match next_frame(stream, state, deadline).await {
+                Ok(frame) => frame,
+                Err(ending) => break ending,
+            };
+            deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+            let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
+                Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
+                    match owed.take(&payload) {
+                        Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
+                        Err(problem) => {
+                            break Ending::rejected(
+                                ErrorCode::BadFrame,
+                                close_code::POLICY,
+                                problem,
+                            );
+                        }
                     }
+                    continue;
                 }
-                continue;
-            }
-            Ok(Incoming::Message(message)) if message.lane() != Some(Lane::Params) => Ok(message),
-            Ok(incoming) => match params.push(incoming) {
-                Ok(Some(message)) => {
-                    tracing::debug!(id, message = message.kind(), "assembled a message");
+                Ok(Incoming::Message(message)) if message.lane() != Some(Lane::Params) => {
                     Ok(message)
                 }
-                Ok(None) => continue,
-                Err(error) => {
+                Ok(incoming) => match params.push(incoming) {
+                    Ok(Some(message)) => {
+                        tracing::debug!(id, message = message.kind(), "assembled a message");
+                        Ok(message)
+                    }
+                    Ok(None) => continue,
+                    Err(error) => {
+                        break Ending::rejected(
+                            ErrorCode::BadFrame,
+                            close_code::POLICY,
+                            error.to_string(),
+                        );
+                    }
+                },
+                Err(error) => Err(error),
+            };
+            match message {
+                Ok(ToServer::Heartbeat { seq }) => {
+                    if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
+                        tracing::error!(id, %error, "cannot record a heartbeat");
+                    }
+                    let _ = replies.send(ToProvider::Heartbeat { seq });
+                }
+                Ok(ToServer::Hello(_)) => {
                     break Ending::rejected(
-                        ErrorCode::BadFrame,
+                        ErrorCode::UnexpectedMessage,
                         close_code::POLICY,
-                        error.to_string(),
+                        "Hello was already accepted on this connection",
                     );
                 }
-            },
-            Err(error) => Err(error),
-        };
-        match message {
-            Ok(ToServer::Heartbeat { seq }) => {
-                if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
-                    tracing::error!(id, %error, "cannot record a heartbeat");
-                }
-                if let Err(ending) = send(sink, &ToProvider::Heartbeat { seq }).await {
-                    break ending;
-                }
-            }
-            Ok(ToServer::Hello(_)) => {
-                break Ending::rejected(
-                    ErrorCode::UnexpectedMessage,
-                    close_code::POLICY,
-                    "Hello was already accepted on this connection",
-                );
-            }
-            Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
-                ProbeNext::Send(next) => {
-                    if let Err(ending) = send(sink, &next).await {
-                        break ending;
+                Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
+                    ProbeNext::Send(next) => {
+                        let _ = replies.send(next);
                     }
-                }
-                ProbeNext::Measured(mbps) => {
-                    tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
-                    if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
-                        tracing::error!(id, %error, "cannot record a bandwidth");
+                    ProbeNext::Measured(mbps) => {
+                        tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
+                        if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
+                            tracing::error!(id, %error, "cannot record a bandwidth");
+                        }
+                        state.coordinator.send(Event::Measured {
+                            id,
+                            bandwidth_mbps: mbps,
+                        });
                     }
-                    state.coordinator.send(Event::Measured {
-                        id,
-                        bandwidth_mbps: mbps,
-                    });
+                    ProbeNext::Ignore => {
+                        tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
+                    }
+                },
+                Ok(ToServer::Error(ErrorMessage { code, message })) => {
+                    break Ending::Left(format!("provider gave up ({code:?}): {message}"));
                 }
-                ProbeNext::Ignore => {
-                    tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
+                Ok(message) => {
+                    if let Err(problem) = owed.announce(&message) {
+                        break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+                    }
+                    state.coordinator.send(Event::Message { id, message });
                 }
-            },
-            Ok(ToServer::Error(ErrorMessage { code, message })) => {
-                break Ending::Left(format!("provider gave up ({code:?}): {message}"));
+                Err(error) => break Ending::bad_frame(error),
             }
-            Ok(message) => {
-                if let Err(problem) = owed.announce(&message) {
-                    break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
-                }
-                state.coordinator.send(Event::Message { id, message });
-            }
-            Err(error) => break Ending::bad_frame(error),
         }
+    };
+    let ending = tokio::select! {
+        ending = reader => ending,
+        ending = writer => ending,
     };
     if ending.is_fault() {
         // Before `Disconnected`: the fault counts against the job it leaves.
@@ -495,8 +507,17 @@ async fn send_frame<Si: Sink<Message> + Unpin>(
         .map_err(|_| Ending::Left("connection lost while sending".into()))
 }
 
-/// Tells a rejected peer why, then closes. Best effort: the peer may be gone.
+/// How long a goodbye may take: a peer that reads nothing must not hold
+/// its connection's task for ever.
+const GOODBYE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Tells a rejected peer why, then closes. Best effort: the peer may be gone,
+/// or may read nothing (then it gets [`GOODBYE_TIMEOUT`] and is let go).
 async fn say_goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
+    let _ = tokio::time::timeout(GOODBYE_TIMEOUT, goodbye(sink, ending)).await;
+}
+
+async fn goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
     let ending = match ending {
         Ending::Expelled(message) => Ending::Rejected {
             code: ErrorCode::BadFrame,

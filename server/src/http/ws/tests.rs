@@ -369,6 +369,45 @@ async fn silence_after_hello_is_a_heartbeat_timeout() {
     assert!(record.gone.unwrap().reason.contains("heartbeat timeout"));
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_provider_that_reads_nothing_is_still_heard_and_timed_out() {
+    // Its replies back up (nothing takes them off the wire), as when a
+    // provider uploads for a long time while the server streams to it: the
+    // server must keep reading, and notice when the provider falls silent.
+    let state = state();
+    let (out_tx, mut out_rx) = mpsc::channel(0);
+    let (in_tx, in_rx) = mpsc::unbounded();
+    in_tx
+        .unbounded_send(binary(&ToServer::Hello(hello())))
+        .unwrap();
+    let served = tokio::spawn({
+        let state = state.clone();
+        async move { serve_provider(out_tx, in_rx, state).await }
+    });
+    assert!(matches!(
+        decode_reply(out_rx.next().await.unwrap()),
+        ToProvider::Welcome { .. }
+    ));
+    assert!(matches!(
+        decode_reply(out_rx.next().await.unwrap()),
+        ToProvider::Probe { .. }
+    ));
+    // From here on nothing is read.
+    for seq in 0..20 {
+        in_tx
+            .unbounded_send(binary(&ToServer::Heartbeat { seq }))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(60), served)
+        .await
+        .expect("the connection ended though its writes were stuck")
+        .unwrap();
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    assert!(record.gone.unwrap().reason.contains("heartbeat timeout"));
+    drop((in_tx, out_rx));
+}
+
 #[test]
 fn close_reasons_are_cut_on_character_boundaries() {
     let text = "é".repeat(100);
