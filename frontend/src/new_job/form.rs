@@ -261,7 +261,10 @@ fn loss(values: &FormValues, errors: &mut FieldErrors) -> Option<LossFile> {
         }
         "mse" => Some(LossFile::named(name)),
         other => {
-            errors.insert("loss".into(), format!("`{other}` is not one of the choices"));
+            errors.insert(
+                "loss".into(),
+                format!("`{other}` is not one of the choices"),
+            );
             None
         }
     }
@@ -329,10 +332,7 @@ fn lr_schedule(
         if let (Some(min_lr), Some(lr)) = (schedule.min_lr, lr)
             && min_lr > lr
         {
-            errors.insert(
-                "min-lr".into(),
-                format!("at most the learning rate ({lr})"),
-            );
+            errors.insert("min-lr".into(), format!("at most the learning rate ({lr})"));
         }
     }
     if takes("step-size") {
@@ -724,7 +724,10 @@ mod tests {
         let job = build_job(&values).unwrap();
         assert_eq!(job.data.token_dtype, None);
         values.text.insert("token-dtype", "u32".into());
-        assert_eq!(build_job(&values).unwrap().data.token_dtype, Some(TokenDType::U32));
+        assert_eq!(
+            build_job(&values).unwrap().data.token_dtype,
+            Some(TokenDType::U32)
+        );
     }
 
     #[test]
@@ -867,7 +870,10 @@ mod tests {
         values.text.insert("min-lr", "0.5".into());
         values.text.insert("clip-grad-norm", "-1".into());
         let errors = build_job(&values).unwrap_err();
-        assert_eq!(error_ids(&errors), ["clip-grad-norm", "input-shape", "min-lr"]);
+        assert_eq!(
+            error_ids(&errors),
+            ["clip-grad-norm", "input-shape", "min-lr"]
+        );
         assert!(errors["input-shape"].contains("`32`"), "{errors:?}");
         assert!(errors["min-lr"].contains("0.001"), "{errors:?}");
 
@@ -880,7 +886,10 @@ mod tests {
         ] {
             values.text.insert(id, value.into());
         }
-        assert_eq!(error_ids(&build_job(&values).unwrap_err()), ["warmup-steps"]);
+        assert_eq!(
+            error_ids(&build_job(&values).unwrap_err()),
+            ["warmup-steps"]
+        );
         values.text.insert("total-steps", "0".into());
         assert_eq!(error_ids(&build_job(&values).unwrap_err()), ["total-steps"]);
     }
@@ -914,8 +923,13 @@ mod tests {
         values.files.remove("train-labels");
         values.text.insert("seq-len", "0".into());
         values.text.insert("token-dtype", "u8".into());
-        assert_eq!(error_ids(&build_job(&values).unwrap_err()), ["train-labels"]);
-        values.files.insert("train-labels", "train-labels.gz".into());
+        assert_eq!(
+            error_ids(&build_job(&values).unwrap_err()),
+            ["train-labels"]
+        );
+        values
+            .files
+            .insert("train-labels", "train-labels.gz".into());
         let job = build_job(&values).unwrap();
         assert_eq!((job.data.seq_len, job.data.token_dtype), (None, None));
     }
@@ -954,14 +968,26 @@ mod tests {
         };
         assert_eq!(
             shown_of(&text),
-            ["train-labels", "test-labels", "scale", "class-axis", "ignore-index"]
+            [
+                "train-labels",
+                "test-labels",
+                "scale",
+                "class-axis",
+                "ignore-index"
+            ]
         );
         text.insert("data-format", "tokens".into());
         text.insert("loss", "mse".into());
         text.insert("lr-schedule", "cosine".into());
         assert_eq!(
             shown_of(&text),
-            ["seq-len", "token-dtype", "warmup-steps", "total-steps", "min-lr"]
+            [
+                "seq-len",
+                "token-dtype",
+                "warmup-steps",
+                "total-steps",
+                "min-lr"
+            ]
         );
         text.insert("lr-schedule", "step".into());
         assert_eq!(
