@@ -2,7 +2,9 @@
 //! into a real DOM. The loss chart draws a hundred thousand points as a few
 //! hundred segments and redraws when a point arrives; the cluster diagram
 //! shows each stage's role, provider kind, device and size; the New job
-//! form marks every missing or malformed field without sending anything;
+//! form marks every missing or malformed field without sending anything,
+//! and shows only the inputs its choices take (token data has no labels
+//! files but a sequence length);
 //! the sign-in form refuses an empty token. Run from `frontend/` with
 //! `CHROMEDRIVER=/usr/bin/chromedriver \
 //!  CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=<wasm-bindgen-test-runner> \
@@ -251,6 +253,69 @@ async fn the_new_job_form_marks_each_missing_or_bad_field_before_sending() {
     settle().await;
     assert!(query(&root, "#error-batch-size").is_none());
     assert!(query(&root, "#error-clusters").is_some());
+    root.remove();
+}
+
+/// Picks `value` in a select as a user would: the value, then `change`.
+fn choose(root: &web_sys::HtmlElement, css: &str, value: &str) {
+    let select = query(root, css).unwrap();
+    js_sys::Reflect::set(&select, &"value".into(), &value.into()).unwrap();
+    select
+        .dispatch_event(&web_sys::Event::new("change").unwrap())
+        .unwrap();
+}
+
+#[wasm_bindgen_test]
+async fn token_data_swaps_the_labels_inputs_for_the_sequence_length() {
+    let root = host();
+    let _mounted = leptos::mount::mount_to(root.clone(), move || {
+        provide_context(Auth::from_storage());
+        view! {
+            <Router>
+                <NewJobPage />
+            </Router>
+        }
+    });
+    settle().await;
+    assert!(query(&root, "#train-labels").is_some());
+    assert!(query(&root, "#test-labels").is_some());
+    assert!(query(&root, "#scale").is_some());
+    assert!(query(&root, "#seq-len").is_none());
+    assert!(query(&root, "#token-dtype").is_none());
+
+    choose(&root, "#data-format", "tokens");
+    settle().await;
+    assert!(query(&root, "#train-labels").is_none());
+    assert!(query(&root, "#test-labels").is_none());
+    assert!(query(&root, "#scale").is_none(), "token ids are not scaled");
+    assert!(query(&root, "#seq-len").is_some());
+    assert!(query(&root, "#token-dtype").is_some());
+    let label = query(&root, "label[for=train-inputs]")
+        .unwrap()
+        .text_content()
+        .unwrap();
+    assert_eq!(label, "Training tokens");
+    // Checked before sending: the missing window length, and no labels.
+    click(&root, "#preview-plan");
+    settle().await;
+    assert!(query(&root, "#error-seq-len").is_some());
+    assert!(query(&root, "#error-train-labels").is_none());
+
+    // Only the chosen loss's options and the chosen schedule's fields.
+    assert!(query(&root, "#class-axis").is_some());
+    choose(&root, "#loss", "mse");
+    choose(&root, "#lr-schedule", "step");
+    settle().await;
+    assert!(query(&root, "#class-axis").is_none());
+    assert!(query(&root, "#ignore-index").is_none());
+    assert!(query(&root, "#step-size").is_some());
+    assert!(query(&root, "#warmup-steps").is_none());
+    assert!(query(&root, "#clip-grad-norm").is_some());
+
+    choose(&root, "#data-format", "idx");
+    settle().await;
+    assert!(query(&root, "#train-labels").is_some());
+    assert!(query(&root, "#seq-len").is_none());
     root.remove();
 }
 

@@ -9,364 +9,32 @@
 //! DOM contract (end-to-end tests rely on it): `form#new-job`; file inputs
 //! `#model-file`, `#model-data-file`, `#train-inputs`, `#train-labels`,
 //! `#test-inputs`, `#test-labels` (selects of the dataset's files when
-//! `select#data-source` picks a dataset kept on the server); the other
-//! inputs by the ids in
-//! [`FIELDS`]; `#error-<id>` next to a field in error; `button#preview-plan`,
+//! `select#data-source` picks a dataset kept on the server; no labels
+//! inputs when `#data-format` is `tokens`); the other inputs by the ids in
+//! [`FIELDS`], each present only while it applies ([`form::shown`]: the
+//! token inputs for token data, cross entropy's options, the chosen
+//! schedule's fields); `#error-<id>` next to a field in error; `button#preview-plan`,
 //! `#plan-preview` (with `.cluster` and `tr.plan-stage` rows), `#form-error`,
 //! and `button#submit-job`, which opens the new job's page.
+
+pub mod form;
 
 use std::collections::BTreeMap;
 
 use leptos::html::Input;
 use leptos::prelude::*;
 use leptos_router::hooks::use_navigate;
-use rookery_job::{
-    Clusters, DataFile, DataFormat, JobFile, ModelFile, OptimizerFile, TrainingFile,
-};
-use rookery_model::ClusterCount;
 use rookery_proto::api::{DatasetInfo, JobCreated, PlanPreview};
-use serde_json::Value;
 use wasm_bindgen::JsCast;
+
+pub use form::{
+    DATA_INPUTS, FIELDS, FILE_FIELDS, FieldErrors, FormValues, LABEL_INPUTS, build_job, defaults,
+    guess_file, input_for, job_file_name,
+};
 
 use crate::api::{self, use_auth};
 use crate::format;
 use crate::job_detail::plan_diagram;
-
-/// Every non-file input: its element id, label and the job-file field the
-/// server names it by.
-pub const FIELDS: &[(&str, &str)] = &[
-    ("input-shape", "model.input_shape"),
-    ("data-format", "data.format"),
-    ("scale", "data.scale"),
-    ("mean", "data.mean"),
-    ("std", "data.std"),
-    ("loss", "training.loss"),
-    ("optimizer", "training.optimizer"),
-    ("lr", "training.optimizer.lr"),
-    ("momentum", "training.optimizer.momentum"),
-    ("weight-decay", "training.optimizer.weight_decay"),
-    ("epochs", "training.epochs"),
-    ("batch-size", "training.batch_size"),
-    ("micro-batches", "training.micro_batches"),
-    ("clusters", "training.clusters"),
-    ("stages", "training.stages"),
-    ("sync-every", "training.sync_every"),
-    ("wire-dtype", "training.wire_dtype"),
-    ("seed", "training.seed"),
-];
-
-/// File inputs and the job-file field each fills.
-pub const FILE_FIELDS: &[(&str, &str)] = &[
-    ("model-file", "model"),
-    ("train-inputs", "data.train_inputs"),
-    ("train-labels", "data.train_labels"),
-    ("test-inputs", "data.test_inputs"),
-    ("test-labels", "data.test_labels"),
-];
-
-/// What the form holds, as text, plus the names of the chosen files.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct FormValues {
-    pub text: BTreeMap<&'static str, String>,
-    /// Chosen file name per file input id.
-    pub files: BTreeMap<&'static str, String>,
-}
-
-impl FormValues {
-    fn get(&self, id: &str) -> &str {
-        self.text.get(id).map(|s| s.trim()).unwrap_or("")
-    }
-}
-
-/// Defaults that train the MNIST example well.
-pub fn defaults() -> BTreeMap<&'static str, String> {
-    [
-        ("input-shape", "1, 28, 28"),
-        ("data-format", "idx"),
-        ("scale", "0.00392156862745098"),
-        ("mean", ""),
-        ("std", ""),
-        ("loss", "cross_entropy"),
-        ("optimizer", "adam"),
-        ("lr", "0.001"),
-        ("momentum", ""),
-        ("weight-decay", ""),
-        ("epochs", "1"),
-        ("batch-size", "32"),
-        ("micro-batches", "2"),
-        ("clusters", "1"),
-        ("stages", "auto"),
-        ("sync-every", "1"),
-        ("wire-dtype", "f32"),
-        ("seed", "42"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k, v.to_string()))
-    .collect()
-}
-
-/// Field errors: input id -> message.
-pub type FieldErrors = BTreeMap<String, String>;
-
-fn positive(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<u64> {
-    match values.get(id).parse::<u64>() {
-        Ok(n) if n > 0 => Some(n),
-        _ => {
-            errors.insert(id.into(), "a whole number of at least 1".into());
-            None
-        }
-    }
-}
-
-fn optional_float(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<f64> {
-    let text = values.get(id);
-    if text.is_empty() {
-        return None;
-    }
-    match text.parse::<f64>() {
-        Ok(v) if v.is_finite() => Some(v),
-        _ => {
-            errors.insert(id.into(), "a number, or empty".into());
-            None
-        }
-    }
-}
-
-/// `auto` or a whole number of at least 1.
-fn auto_or_count(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<ClusterCount> {
-    let text = values.get(id);
-    if text.is_empty() || text.eq_ignore_ascii_case("auto") {
-        return Some(ClusterCount::Auto);
-    }
-    match text.parse::<usize>() {
-        Ok(n) if n > 0 => Some(ClusterCount::Fixed(n)),
-        _ => {
-            errors.insert(id.into(), "`auto` or a whole number of at least 1".into());
-            None
-        }
-    }
-}
-
-/// A select's value as the job file's type for it (the type's own serde
-/// spelling, so the options and the server cannot disagree).
-fn choice<T: serde::de::DeserializeOwned>(
-    values: &FormValues,
-    id: &str,
-    errors: &mut FieldErrors,
-) -> Option<T> {
-    let text = values.get(id);
-    match serde_json::from_value(Value::String(text.to_string())) {
-        Ok(v) => Some(v),
-        Err(_) => {
-            errors.insert(id.into(), format!("`{text}` is not one of the choices"));
-            None
-        }
-    }
-}
-
-/// The job file for the form's values, or every error found before asking
-/// the server. File parts are named by their file names.
-pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
-    let mut errors = FieldErrors::new();
-    let file = |id: &str| values.files.get(id).cloned();
-    let (mut onnx, mut spec) = (None, None);
-    match file("model-file") {
-        Some(name) if name.ends_with(".onnx") => onnx = Some(name),
-        Some(name) if name.ends_with(".toml") => spec = Some(name),
-        Some(_) => {
-            errors.insert(
-                "model-file".into(),
-                "an ONNX export (.onnx) or a layer-spec file (.toml)".into(),
-            );
-        }
-        None => {
-            errors.insert("model-file".into(), "choose the model file".into());
-        }
-    }
-    let shape: Result<Vec<usize>, _> = values
-        .get("input-shape")
-        .split([',', 'x', ' '])
-        .filter(|s| !s.is_empty())
-        .map(str::parse::<usize>)
-        .collect();
-    let input_shape = match shape {
-        Ok(shape) if !shape.is_empty() && shape.iter().all(|&d| d > 0) => shape,
-        _ => {
-            errors.insert(
-                "input-shape".into(),
-                "one sample's shape, e.g. `1, 28, 28`".into(),
-            );
-            Vec::new()
-        }
-    };
-
-    let mut required = |id: &str| {
-        file(id).unwrap_or_else(|| {
-            errors.insert(id.into(), "choose the file".into());
-            String::new()
-        })
-    };
-    let (train_inputs, train_labels) = (required("train-inputs"), required("train-labels"));
-    let (test_inputs, test_labels) = match (file("test-inputs"), file("test-labels")) {
-        (Some(inputs), Some(labels)) => (Some(inputs), Some(labels)),
-        (None, None) => (None, None),
-        (Some(_), None) => {
-            errors.insert("test-labels".into(), "test inputs need their labels".into());
-            (None, None)
-        }
-        (None, Some(_)) => {
-            errors.insert("test-inputs".into(), "test labels need their inputs".into());
-            (None, None)
-        }
-    };
-    let format = choice(values, "data-format", &mut errors);
-    let scale = optional_float(values, "scale", &mut errors);
-    let mean = optional_float(values, "mean", &mut errors);
-    let std = optional_float(values, "std", &mut errors);
-
-    let lr = match values.get("lr").parse::<f64>() {
-        Ok(lr) if lr.is_finite() && lr > 0.0 => Some(lr),
-        _ => {
-            errors.insert("lr".into(), "a learning rate above 0".into());
-            None
-        }
-    };
-    let optimizer = OptimizerFile {
-        name: values.get("optimizer").to_string(),
-        lr,
-        momentum: optional_float(values, "momentum", &mut errors),
-        weight_decay: optional_float(values, "weight-decay", &mut errors),
-        ..OptimizerFile::default()
-    };
-
-    let mut count = |id: &str| positive(values, id, &mut errors);
-    let (epochs, batch_size, micro_batches, sync_every) = (
-        count("epochs"),
-        count("batch-size"),
-        count("micro-batches"),
-        count("sync-every"),
-    );
-    let clusters = auto_or_count(values, "clusters", &mut errors);
-    // No `stages` key lets the planner choose.
-    let stages = match auto_or_count(values, "stages", &mut errors) {
-        Some(ClusterCount::Fixed(n)) => Some(n),
-        _ => None,
-    };
-    let seed = match values.get("seed").parse::<u64>() {
-        Ok(seed) => Some(seed),
-        Err(_) => {
-            errors.insert("seed".into(), "a whole number".into());
-            None
-        }
-    };
-    let loss = choice(values, "loss", &mut errors);
-    let wire_dtype = choice(values, "wire-dtype", &mut errors);
-
-    if !errors.is_empty() {
-        return Err(errors);
-    }
-    Ok(JobFile {
-        model: ModelFile {
-            onnx,
-            spec,
-            input_shape,
-        },
-        data: DataFile {
-            format: format.unwrap_or(DataFormat::Idx),
-            train_inputs,
-            // The form has no token-file fields yet: its formats all have labels files.
-            train_labels: Some(train_labels),
-            test_inputs,
-            test_labels,
-            scale,
-            mean,
-            std,
-            seq_len: None,
-            token_dtype: None,
-        },
-        training: TrainingFile {
-            epochs,
-            batch_size: batch_size.unwrap_or(1) as usize,
-            micro_batches: micro_batches.map(|n| n as usize),
-            loss,
-            optimizer: Some(optimizer),
-            clusters: clusters.map(Clusters),
-            sync_every,
-            stages,
-            shuffle: None,
-            seed,
-            wire_dtype,
-            aggregation: None,
-            lr_schedule: None,
-            clip_grad_norm: None,
-        },
-    })
-}
-
-/// The job file's name, after the model file (`mnist.onnx` -> `mnist.json`),
-/// since the server names a job after its job file.
-pub fn job_file_name(values: &FormValues) -> String {
-    let stem = values
-        .files
-        .get("model-file")
-        .and_then(|name| name.rsplit_once('.').map(|(stem, _)| stem.to_string()))
-        .filter(|stem| !stem.is_empty())
-        .unwrap_or_else(|| "job".into());
-    format!("{stem}.json")
-}
-
-/// The data inputs, filled from a server dataset when one is picked.
-pub const DATA_INPUTS: [&str; 4] = ["train-inputs", "train-labels", "test-inputs", "test-labels"];
-
-/// The file of a server dataset that most likely fills a data input, by
-/// the usual names (`train-images...`, `t10k-labels...`, `x_test.npy`).
-pub fn guess_file(files: &[String], id: &str) -> Option<String> {
-    let (split, kind): (&[&str], &[&str]) = match id {
-        "train-inputs" => (&["train"], &["image", "input", "x"]),
-        "train-labels" => (&["train"], &["label", "target", "y"]),
-        "test-inputs" => (&["test", "t10k"], &["image", "input", "x"]),
-        "test-labels" => (&["test", "t10k"], &["label", "target", "y"]),
-        _ => return None,
-    };
-    // Whole words of the name: `x_train.npy` is x, train, npy.
-    let words = |f: &str| -> Vec<String> {
-        f.to_lowercase()
-            .split(|c: char| !c.is_ascii_alphanumeric())
-            .map(str::to_string)
-            .collect()
-    };
-    // One-letter kinds (x, y) must be a whole word; longer ones may be a
-    // word's start (`images`, `labels`).
-    let is_kind = |w: &str, kind: &str| w == kind || (kind.len() > 1 && w.starts_with(kind));
-    kind.iter().find_map(|k| {
-        files
-            .iter()
-            .find(|f| {
-                let words = words(f);
-                words.iter().any(|w| split.contains(&w.as_str()))
-                    && words.iter().any(|w| is_kind(w, k))
-            })
-            .cloned()
-    })
-}
-
-/// The input a server error is about: a job-file field (the most specific
-/// known prefix) or an uploaded file's name.
-pub fn input_for(server_field: &str, values: &FormValues) -> Option<&'static str> {
-    if let Some((id, _)) = values.files.iter().find(|(_, name)| {
-        server_field == name.as_str() || server_field.starts_with(&format!("{name}:"))
-    }) {
-        return Some(id);
-    }
-    FIELDS
-        .iter()
-        .chain(FILE_FIELDS)
-        .filter(|(_, field)| {
-            server_field == *field || server_field.starts_with(&format!("{field}."))
-        })
-        .max_by_key(|(_, field)| field.len())
-        .map(|(id, _)| *id)
-}
 
 #[component]
 pub fn NewJobPage() -> impl IntoView {
@@ -382,6 +50,21 @@ pub fn NewJobPage() -> impl IntoView {
     // Datasets on the server, and the one picked ("" = upload the files).
     let datasets = RwSignal::new(Vec::<DatasetInfo>::new());
     let source = RwSignal::new(String::new());
+    let tokens = Memo::new(move |_| text.with(form::is_tokens));
+    // Whether an input applies to the current choices; read inside its own
+    // closure so only that input mounts and unmounts.
+    let shown = move |id: &str| text.with(|t| form::shown(t, id));
+    // The uploaded labels inputs unmount for token data, dropping their
+    // files: forget the names too, so a return to another format asks again.
+    Effect::new(move |_| {
+        if tokens.get() && source.with_untracked(String::is_empty) {
+            files.update(|f| {
+                for id in LABEL_INPUTS {
+                    f.remove(id);
+                }
+            });
+        }
+    });
     {
         let token = auth.token.get_untracked().unwrap_or_default();
         wasm_bindgen_futures::spawn_local(async move {
@@ -458,6 +141,7 @@ pub fn NewJobPage() -> impl IntoView {
         let mut inputs: Vec<(&str, NodeRef<Input>)> = file_inputs
             .iter()
             .filter(|(id, _)| dataset.is_empty() || !DATA_INPUTS.contains(id))
+            .filter(|(id, _)| !(values.is_tokens() && LABEL_INPUTS.contains(id)))
             .copied()
             .collect();
         inputs.push(("model-data-file", model_data));
@@ -621,6 +305,14 @@ pub fn NewJobPage() -> impl IntoView {
             </div>
         }
     };
+    // A token file's inputs are its tokens.
+    let data_label = move |id: &'static str, label: &'static str| {
+        if tokens.get() {
+            form::tokens_label(id).unwrap_or(label)
+        } else {
+            label
+        }
+    };
     let file_input = move |id: &'static str,
                            label: &'static str,
                            accept: &'static str,
@@ -628,7 +320,7 @@ pub fn NewJobPage() -> impl IntoView {
                            multiple: bool| {
         view! {
             <div class="field" class:invalid=move || errors.with(|e| e.contains_key(id))>
-                <label for=id>{label}</label>
+                <label for=id>{move || data_label(id, label)}</label>
                 <input
                     id=id
                     type="file"
@@ -661,7 +353,7 @@ pub fn NewJobPage() -> impl IntoView {
     let dataset_file = move |id: &'static str, label: &'static str, names: Vec<String>| {
         view! {
             <div class="field" class:invalid=move || errors.with(|e| e.contains_key(id))>
-                <label for=id>{label}</label>
+                <label for=id>{move || data_label(id, label)}</label>
                 <select
                     id=id
                     prop:value=move || files.with(|f| f.get(id).cloned().unwrap_or_default())
@@ -710,6 +402,7 @@ pub fn NewJobPage() -> impl IntoView {
                         ("npz", "NumPy .npz"),
                         ("safetensors", "safetensors"),
                         ("csv", "CSV"),
+                        ("tokens", "Token ids (language model): raw .u16/.u32, maybe gzipped, or .npy"),
                     ])}
                     <div class="field" class:invalid=move || errors.with(|e| e.contains_key("data-source"))>
                         <label for="data-source">"Data files"</label>
@@ -736,9 +429,9 @@ pub fn NewJobPage() -> impl IntoView {
                         if source.with(String::is_empty) {
                             view! {
                                 {file_input("train-inputs", "Training inputs", "", train_inputs, false)}
-                                {file_input("train-labels", "Training labels", "", train_labels, false)}
+                                {move || shown("train-labels").then(|| file_input("train-labels", "Training labels", "", train_labels, false))}
                                 {file_input("test-inputs", "Test inputs (optional)", "", test_inputs, false)}
-                                {file_input("test-labels", "Test labels (optional)", "", test_labels, false)}
+                                {move || shown("test-labels").then(|| file_input("test-labels", "Test labels (optional)", "", test_labels, false))}
                             }
                                 .into_any()
                         } else {
@@ -755,18 +448,53 @@ pub fn NewJobPage() -> impl IntoView {
                                 ("test-labels", "Test labels (optional)"),
                             ]
                                 .into_iter()
-                                .map(|(id, label)| dataset_file(id, label, names.clone()))
+                                .map(|(id, label)| {
+                                    let names = names.clone();
+                                    move || shown(id).then(|| dataset_file(id, label, names.clone()))
+                                })
                                 .collect_view()
                                 .into_any()
                         }
                     }}
-                    {text_input("scale", "Scale", "inputs become (x × scale − mean) / std; 1/255 for bytes")}
-                    {text_input("mean", "Mean", "empty: 0")}
-                    {text_input("std", "Std", "empty: 1")}
+                    {move || {
+                        shown("seq-len")
+                            .then(|| {
+                                view! {
+                                    {text_input("seq-len", "Sequence length", "tokens one sample feeds the model; the input shape is this number alone")}
+                                    {select("token-dtype", "Token width", &[
+                                        ("", "from the file: a .u16/.u32 name or the .npy header"),
+                                        ("u16", "u16"),
+                                        ("u32", "u32"),
+                                    ])}
+                                }
+                            })
+                    }}
+                    {move || {
+                        shown("scale")
+                            .then(|| {
+                                view! {
+                                    {text_input("scale", "Scale", "inputs become (x × scale − mean) / std; 1/255 for bytes")}
+                                    {text_input("mean", "Mean", "empty: 0")}
+                                    {text_input("std", "Std", "empty: 1")}
+                                }
+                            })
+                    }}
                 </fieldset>
                 <fieldset>
                     <legend>"Training"</legend>
                     {select("loss", "Loss", &[("cross_entropy", "cross entropy"), ("mse", "mean squared error")])}
+                    {move || {
+                        shown("class-axis")
+                            .then(|| {
+                                view! {
+                                    {select("class-axis", "Class axis of the logits", &[
+                                        ("1", "1 (torch's [N, C, ...])"),
+                                        ("-1", "last ([N, ..., C], logits.view(-1, V))"),
+                                    ])}
+                                    {text_input("ignore-index", "Ignore index", "labels equal to this add no loss; empty: -100")}
+                                }
+                            })
+                    }}
                     {select("optimizer", "Optimizer", &[
                         ("adam", "Adam"),
                         ("adamw", "AdamW"),
@@ -776,6 +504,19 @@ pub fn NewJobPage() -> impl IntoView {
                     {text_input("lr", "Learning rate", "")}
                     {text_input("momentum", "Momentum", "SGD and RMSprop; empty: 0")}
                     {text_input("weight-decay", "Weight decay", "empty: 0")}
+                    {select("lr-schedule", "Learning-rate schedule", &[
+                        ("none", "none (the learning rate throughout)"),
+                        ("constant", "constant, after a warm-up"),
+                        ("linear", "linear decay to 0"),
+                        ("cosine", "cosine decay"),
+                        ("step", "step decay (StepLR)"),
+                    ])}
+                    {move || shown("warmup-steps").then(|| text_input("warmup-steps", "Warm-up steps", "the rate rises linearly from 0 over these; empty: 0"))}
+                    {move || shown("total-steps").then(|| text_input("total-steps", "Total steps", "where the decay ends; empty: the whole job"))}
+                    {move || shown("min-lr").then(|| text_input("min-lr", "Minimum learning rate", "the cosine's floor, at most the learning rate; empty: 0"))}
+                    {move || shown("step-size").then(|| text_input("step-size", "Step size", "steps between multiplications by gamma"))}
+                    {move || shown("gamma").then(|| text_input("gamma", "Gamma", "the factor every step size; empty: 0.1"))}
+                    {text_input("clip-grad-norm", "Clip gradient norm", "clip_grad_norm_'s max_norm over the whole model; empty: no clipping")}
                     {text_input("epochs", "Epochs", "")}
                     {text_input("batch-size", "Batch size", "samples per cluster per step")}
                     {text_input("micro-batches", "Micro-batches", "a step's batch is cut into this many for the pipeline")}
@@ -876,132 +617,5 @@ fn PlanTable(preview: PlanPreview) -> impl IntoView {
                 </table>
             </div>
         </section>
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn filled() -> FormValues {
-        FormValues {
-            text: defaults(),
-            files: [
-                ("model-file", "mlp.onnx"),
-                ("train-inputs", "train-images.gz"),
-                ("train-labels", "train-labels.gz"),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k, v.to_string()))
-            .collect(),
-        }
-    }
-
-    #[test]
-    fn a_filled_form_becomes_a_job_file() {
-        let job = serde_json::to_value(build_job(&filled()).unwrap()).unwrap();
-        assert_eq!(job["model"]["onnx"], "mlp.onnx");
-        assert_eq!(job["model"]["input_shape"], json!([1, 28, 28]));
-        assert_eq!(job["data"]["train_labels"], "train-labels.gz");
-        assert!(job["data"].get("test_inputs").is_none());
-        assert_eq!(
-            job["training"]["optimizer"],
-            json!({ "name": "adam", "lr": 0.001 })
-        );
-        assert_eq!(job["training"]["clusters"], 1);
-        assert!(job["training"].get("stages").is_none(), "auto stages");
-        let mut spec = filled();
-        spec.files.insert("model-file", "cnn.toml".into());
-        spec.text.insert("stages", "3".into());
-        let job = serde_json::to_value(build_job(&spec).unwrap()).unwrap();
-        assert_eq!(job["model"]["spec"], "cnn.toml");
-        assert_eq!(job["training"]["stages"], 3);
-        assert_eq!(job_file_name(&spec), "cnn.json");
-        assert_eq!(job_file_name(&FormValues::default()), "job.json");
-    }
-
-    #[test]
-    fn each_mistake_is_reported_at_its_own_field() {
-        let mut values = filled();
-        values.files.remove("train-labels");
-        values.files.insert("test-inputs", "t.gz".into());
-        values.files.insert("model-file", "model.pt".into());
-        for (id, bad) in [
-            ("batch-size", "0"),
-            ("lr", "fast"),
-            ("input-shape", "1, a"),
-            ("clusters", "many"),
-            ("mean", "zero"),
-        ] {
-            values.text.insert(id, bad.into());
-        }
-        let errors = build_job(&values).unwrap_err();
-        let ids: Vec<&str> = errors.keys().map(String::as_str).collect();
-        assert_eq!(
-            ids,
-            [
-                "batch-size",
-                "clusters",
-                "input-shape",
-                "lr",
-                "mean",
-                "model-file",
-                "test-labels",
-                "train-labels"
-            ]
-        );
-    }
-
-    #[test]
-    fn server_dataset_files_are_matched_to_inputs_by_their_usual_names() {
-        let mnist: Vec<String> = [
-            "t10k-images-idx3-ubyte.gz",
-            "t10k-labels-idx1-ubyte.gz",
-            "train-images-idx3-ubyte.gz",
-            "train-labels-idx1-ubyte.gz",
-        ]
-        .map(String::from)
-        .to_vec();
-        let guesses: Vec<Option<String>> = DATA_INPUTS
-            .iter()
-            .map(|id| guess_file(&mnist, id))
-            .collect();
-        assert_eq!(
-            guesses,
-            [
-                Some(mnist[2].clone()),
-                Some(mnist[3].clone()),
-                Some(mnist[0].clone()),
-                Some(mnist[1].clone())
-            ]
-        );
-        let npy: Vec<String> = ["x_train.npy", "y_train.npy"].map(String::from).to_vec();
-        assert_eq!(
-            guess_file(&npy, "train-inputs").as_deref(),
-            Some("x_train.npy")
-        );
-        assert_eq!(
-            guess_file(&npy, "train-labels").as_deref(),
-            Some("y_train.npy")
-        );
-        assert_eq!(guess_file(&npy, "test-inputs"), None);
-    }
-
-    #[test]
-    fn server_fields_map_to_the_most_specific_input() {
-        let values = filled();
-        assert_eq!(
-            input_for("training.batch_size", &values),
-            Some("batch-size")
-        );
-        assert_eq!(input_for("training.optimizer.lr", &values), Some("lr"));
-        assert_eq!(
-            input_for("training.optimizer.betas", &values),
-            Some("optimizer")
-        );
-        assert_eq!(input_for("train-labels.gz", &values), Some("train-labels"));
-        assert_eq!(input_for("model", &values), Some("model-file"));
-        assert_eq!(input_for("somewhere.else", &values), None);
     }
 }
