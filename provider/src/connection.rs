@@ -143,8 +143,13 @@ where
                     }
                 }
                 Outbound::Close => {
-                    let _ = sink.send(Message::Close(None)).await;
-                    let _ = sink.close().await;
+                    // A server that reads nothing must not keep this
+                    // provider from shutting down.
+                    let goodbye = async {
+                        let _ = sink.send(Message::Close(None)).await;
+                        let _ = sink.close().await;
+                    };
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), goodbye).await;
                     return SessionEnd::Shutdown;
                 }
             }
@@ -179,11 +184,14 @@ where
                 changed = shutdown.changed() => {
                     if changed.is_err() || *shutdown.borrow() {
                         // The writer says goodbye after what is queued, then ends
-                        // the session.
+                        // the session; a writer stuck on a server that reads
+                        // nothing is given up on.
                         let _ = out.send(Outbound::Close);
-                        std::future::pending::<()>().await;
+                        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+                        Err(SessionEnd::Shutdown)
+                    } else {
+                        Ok(())
                     }
-                    Ok(())
                 }
             };
             if let Err(end) = done {
