@@ -454,22 +454,34 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn session_says_hello_then_heartbeats_at_the_servers_pace() {
-        let (mut out_tx, mut out_rx) = mpsc::unbounded();
+    /// A session on its own task, welcomed with a heartbeat every 100 ms
+    /// and `timeout_ms` of patience: what the server sends goes into the
+    /// returned sender, and the session writes into `out`.
+    fn welcomed_session<Si>(
+        mut out: Si,
+        timeout_ms: u32,
+    ) -> (
+        mpsc::UnboundedSender<Result<Message, std::convert::Infallible>>,
+        watch::Sender<bool>,
+        tokio::task::JoinHandle<SessionEnd>,
+    )
+    where
+        Si: Sink<Message> + Unpin + Send + 'static,
+        Si::Error: Display,
+    {
         let (in_tx, mut in_rx) = mpsc::unbounded();
         in_tx
             .unbounded_send(frame(&ToProvider::Welcome {
                 provider_id: 4,
                 heartbeat_interval_ms: 100,
-                heartbeat_timeout_ms: 10_000,
+                heartbeat_timeout_ms: timeout_ms,
                 max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
             }))
             .unwrap();
         let (stop_tx, mut stop_rx) = watch::channel(false);
         let session = tokio::spawn(async move {
             run_session(
-                &mut out_tx,
+                &mut out,
                 &mut in_rx,
                 &hello(),
                 &mut stop_rx,
@@ -477,6 +489,13 @@ mod tests {
             )
             .await
         });
+        (in_tx, stop_tx, session)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn session_says_hello_then_heartbeats_at_the_servers_pace() {
+        let (out_tx, mut out_rx) = mpsc::unbounded();
+        let (in_tx, stop_tx, session) = welcomed_session(out_tx, 10_000);
         assert_eq!(sent(out_rx.next().await.unwrap()), ToServer::Hello(hello()));
         for expected in 0..3 {
             assert_eq!(
@@ -554,27 +573,8 @@ mod tests {
     async fn the_session_keeps_reading_while_its_writes_are_stuck() {
         // A server busy streaming to this provider reads nothing for a
         // while: the provider's writes back up, and it must still read.
-        let (mut out_tx, mut out_rx) = mpsc::channel(0);
-        let (in_tx, mut in_rx) = mpsc::unbounded();
-        in_tx
-            .unbounded_send(frame(&ToProvider::Welcome {
-                provider_id: 2,
-                heartbeat_interval_ms: 100,
-                heartbeat_timeout_ms: 600_000,
-                max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
-            }))
-            .unwrap();
-        let (_stop_tx, mut stop_rx) = watch::channel(false);
-        let session = tokio::spawn(async move {
-            run_session(
-                &mut out_tx,
-                &mut in_rx,
-                &hello(),
-                &mut stop_rx,
-                Box::new(NoTorch),
-            )
-            .await
-        });
+        let (out_tx, mut out_rx) = mpsc::channel(0);
+        let (in_tx, _stop_tx, session) = welcomed_session(out_tx, 600_000);
         assert_eq!(sent(out_rx.next().await.unwrap()), ToServer::Hello(hello()));
         // Heartbeats fall due every 100 ms and none is taken off the wire.
         tokio::time::sleep(std::time::Duration::from_secs(5)).await;
