@@ -143,66 +143,64 @@ where
                     }
                 }
                 Outbound::Close => {
-                    // A server that reads nothing must not keep this
-                    // provider from shutting down.
-                    let goodbye = async {
-                        let _ = sink.send(Message::Close(None)).await;
-                        let _ = sink.close().await;
-                    };
-                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), goodbye).await;
+                    let _ = sink.send(Message::Close(None)).await;
+                    let _ = sink.close().await;
                     return SessionEnd::Shutdown;
                 }
             }
         }
-        std::future::pending().await
+        SessionEnd::Shutdown
     };
-    let reader = async {
-        let mut ticker = tokio::time::interval(interval);
-        loop {
-            let done = tokio::select! {
-                _ = ticker.tick() => match session.heartbeat_due(now()) {
-                    Action::Send(message) => queue(&out, &session, &message),
-                    Action::End(disconnect) => Err(disconnect.into()),
-                    Action::Joined { .. } | Action::Train(_) => Ok(()),
-                },
-                frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
-                    Err(end) => Err(end),
-                    Ok(None | Some(Action::Joined { .. })) => Ok(()),
-                    Ok(Some(Action::Send(message))) => queue(&out, &session, &message),
-                    Ok(Some(Action::Train(message))) => worker
-                        .inbox
-                        .send(message)
-                        .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
-                    Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
-                },
-                replies = worker.replies.recv() => match replies {
-                    Some(replies) => replies.iter().try_for_each(|m| queue(&out, &session, m)),
-                    // Only a crash ends the thread while the session holds its inbox;
-                    // a fresh session gets a fresh trainer.
-                    None => Err(SessionEnd::Lost("the training thread crashed".into())),
-                },
-                changed = shutdown.changed() => {
-                    if changed.is_err() || *shutdown.borrow() {
-                        // The writer says goodbye after what is queued, then ends
-                        // the session; a writer stuck on a server that reads
-                        // nothing is given up on.
-                        let _ = out.send(Outbound::Close);
-                        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
-                        Err(SessionEnd::Shutdown)
-                    } else {
-                        Ok(())
-                    }
-                }
-            };
-            if let Err(end) = done {
-                break end;
+    tokio::pin!(writer);
+    let mut writer_ended = false;
+    let mut ticker = tokio::time::interval(interval);
+    let end = loop {
+        let done = tokio::select! {
+            end = &mut writer => {
+                writer_ended = true;
+                Err(end)
             }
+            _ = ticker.tick() => match session.heartbeat_due(now()) {
+                Action::Send(message) => queue(&out, &session, &message),
+                Action::End(disconnect) => Err(disconnect.into()),
+                Action::Joined { .. } | Action::Train(_) => Ok(()),
+            },
+            frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
+                Err(end) => Err(end),
+                Ok(None | Some(Action::Joined { .. })) => Ok(()),
+                Ok(Some(Action::Send(message))) => queue(&out, &session, &message),
+                Ok(Some(Action::Train(message))) => worker
+                    .inbox
+                    .send(message)
+                    .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
+                Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
+            },
+            replies = worker.replies.recv() => match replies {
+                Some(replies) => replies.iter().try_for_each(|m| queue(&out, &session, m)),
+                // Only a crash ends the thread while the session holds its inbox;
+                // a fresh session gets a fresh trainer.
+                None => Err(SessionEnd::Lost("the training thread crashed".into())),
+            },
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    let _ = out.send(Outbound::Close);
+                    Err(SessionEnd::Shutdown)
+                } else {
+                    Ok(())
+                }
+            }
+        };
+        if let Err(end) = done {
+            break end;
         }
     };
-    let end = tokio::select! {
-        end = reader => end,
-        end = writer => end,
-    };
+    // What was queued before the end still goes out (a crashed trainer's
+    // `JobFailed`, the goodbye), unless the writer is what failed; a server
+    // that reads nothing is given up on.
+    drop(out);
+    if !writer_ended {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), &mut writer).await;
+    }
     (session, end)
 }
 
