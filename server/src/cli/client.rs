@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use futures_util::StreamExt;
 use rookery_job::{DataRef, JobSpec, ModelSource};
 use rookery_proto::api::{ApiError, JobCreated, JobInfo, JobMetrics, ProviderInfo, ProviderStatus};
+use tokio::io::AsyncWriteExt;
 
 /// A server and the token to talk to it.
 #[derive(Debug, Clone)]
@@ -178,14 +180,28 @@ impl Client {
             .send()
             .await
             .with_context(|| format!("cannot reach {}", self.base))?;
-        let bytes = Self::check(response).await?.bytes().await?;
+        let response = Self::check(response).await?;
         if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
             tokio::fs::create_dir_all(dir).await?;
         }
-        tokio::fs::write(out, &bytes)
+        // Chunk by chunk to disk: the weights need not fit in memory twice.
+        // Into a side file first, so a broken download leaves no torn file.
+        let part = PathBuf::from(format!("{}.part", out.display()));
+        let writing = || format!("writing {}", part.display());
+        let mut file = tokio::fs::File::create(&part).await.with_context(writing)?;
+        let mut body = response.bytes_stream();
+        let mut written = 0u64;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.with_context(|| format!("downloading job {id}'s weights"))?;
+            file.write_all(&chunk).await.with_context(writing)?;
+            written += chunk.len() as u64;
+        }
+        file.flush().await.with_context(writing)?;
+        drop(file);
+        tokio::fs::rename(&part, out)
             .await
-            .with_context(|| format!("writing {}", out.display()))?;
-        Ok(bytes.len() as u64)
+            .with_context(|| format!("moving {} to {}", part.display(), out.display()))?;
+        Ok(written)
     }
 
     /// Follows a job until it finishes, drawing a progress bar on stderr.

@@ -278,19 +278,26 @@ pub async fn weights(
         checkpoint_path(&state.data_dir, id),
     ];
     for path in candidates {
-        match tokio::fs::read(&path).await {
-            Ok(bytes) => {
+        // Streamed from disk: a GPT-2's weights are 650 MB, and a download
+        // must not hold them in the server's memory.
+        let opened = match tokio::fs::File::open(&path).await {
+            Ok(file) => file.metadata().await.map(|meta| (file, meta.len())),
+            Err(error) => Err(error),
+        };
+        match opened {
+            Ok((file, len)) => {
                 let name = format!("job-{id}-{}", file_name(&path));
                 return Ok((
                     StatusCode::OK,
                     [
                         (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                        (header::CONTENT_LENGTH, len.to_string()),
                         (
                             header::CONTENT_DISPOSITION,
                             format!("attachment; filename=\"{name}\""),
                         ),
                     ],
-                    Body::from(bytes),
+                    Body::from_stream(tokio_util::io::ReaderStream::new(file)),
                 )
                     .into_response());
             }
