@@ -16,9 +16,10 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use rookery_kernels::GpuContext;
 use rookery_kernels::conv::Conv2d;
-use rookery_kernels::gemm::{DEFAULT_PER_THREAD, Linear, MatMul};
-use rookery_kernels::{GpuBuffer, GpuContext, KernelSpec, sample_matrix};
+use rookery_kernels::gemm::DEFAULT_PER_THREAD;
+use rookery_kernels::speed::{self, Measured};
 use tch::{Device, Kind, Tensor};
 
 /// Target seconds of timed work per measurement.
@@ -40,24 +41,6 @@ fn time_torch(mut f: impl FnMut()) -> f64 {
     start.elapsed().as_secs_f64() / iterations as f64
 }
 
-/// Seconds per run of the kernel chain `steps`, each with its buffers.
-fn time_gpu(gpu: &GpuContext, steps: &[(&KernelSpec, Vec<&GpuBuffer>)]) -> Result<f64> {
-    let chain: Vec<(&KernelSpec, &[&GpuBuffer])> =
-        steps.iter().map(|(s, b)| (*s, b.as_slice())).collect();
-    let run = |times: usize| -> Result<f64> {
-        let all: Vec<(&KernelSpec, &[&GpuBuffer])> =
-            (0..times).flat_map(|_| chain.iter().copied()).collect();
-        let start = Instant::now();
-        pollster::block_on(gpu.dispatch_all(&all))?;
-        pollster::block_on(gpu.wait_for_queue())?;
-        Ok(start.elapsed().as_secs_f64())
-    };
-    run(1)?;
-    let once = run(1)?.max(1e-6);
-    let iterations = ((SECONDS / once) as usize).clamp(1, 1000);
-    Ok(run(iterations)? / iterations as f64)
-}
-
 struct Row {
     name: String,
     flops: f64,
@@ -65,8 +48,15 @@ struct Row {
     torch_s: f64,
 }
 
-fn upload(gpu: &GpuContext, len: usize, seed: u64) -> Result<GpuBuffer> {
-    Ok(gpu.upload_f32(&sample_matrix(len, seed))?)
+impl Row {
+    fn of(gpu: Measured, torch_s: f64) -> Self {
+        Row {
+            name: gpu.name,
+            flops: gpu.flops,
+            gpu_s: gpu.seconds,
+            torch_s,
+        }
+    }
 }
 
 fn randn(shape: &[usize]) -> Tensor {
@@ -75,45 +65,16 @@ fn randn(shape: &[usize]) -> Tensor {
 }
 
 fn matmul_row(gpu: &GpuContext, m: usize, k: usize, n: usize, per_thread: u32) -> Result<Row> {
-    let mut mm = MatMul::new(&[m, k], &[k, n]).context("matmul shape")?;
-    mm.per_thread = per_thread;
-    let spec = mm.forward();
-    let (a, b, c) = (
-        upload(gpu, m * k, 1)?,
-        upload(gpu, k * n, 2)?,
-        gpu.create_buffer(m * n)?,
-    );
-    let gpu_s = time_gpu(gpu, &[(&spec, vec![&a, &b, &c])])?;
+    let ours = pollster::block_on(speed::matmul(gpu, [m, k, n], per_thread, SECONDS))?;
     let (ta, tb) = (randn(&[m, k]), randn(&[k, n]));
     let torch_s = time_torch(|| {
         let _ = ta.matmul(&tb);
     });
-    Ok(Row {
-        name: format!("matmul {m}x{k}x{n} ({per_thread}x{per_thread} per invocation)"),
-        flops: 2.0 * (m * k * n) as f64,
-        gpu_s,
-        torch_s,
-    })
+    Ok(Row::of(ours, torch_s))
 }
 
 fn linear_rows(gpu: &GpuContext, rows: usize, inputs: usize, outputs: usize) -> Result<[Row; 2]> {
-    let l = Linear::new(rows, inputs, outputs, true);
-    let (x, w, b) = (
-        upload(gpu, rows * inputs, 1)?,
-        upload(gpu, outputs * inputs, 2)?,
-        upload(gpu, outputs, 3)?,
-    );
-    let (y, dy) = (
-        gpu.create_buffer(rows * outputs)?,
-        upload(gpu, rows * outputs, 4)?,
-    );
-    let (dx, dw) = (
-        gpu.create_buffer(rows * inputs)?,
-        gpu.create_buffer(outputs * inputs)?,
-    );
-    let (fwd, bx, bw) = (l.forward(), l.backward_x(), l.backward_w());
-    let gpu_fwd = time_gpu(gpu, &[(&fwd, vec![&x, &w, &b, &y])])?;
-    let gpu_bwd = time_gpu(gpu, &[(&bx, vec![&dy, &w, &dx]), (&bw, vec![&dy, &x, &dw])])?;
+    let [fwd, bwd] = pollster::block_on(speed::linear(gpu, [rows, inputs, outputs], SECONDS))?;
     let (tx, tw, tb, tdy) = (
         randn(&[rows, inputs]),
         randn(&[outputs, inputs]),
@@ -128,44 +89,12 @@ fn linear_rows(gpu: &GpuContext, rows: usize, inputs: usize, outputs: usize) -> 
         let _ = tdy.matmul(&tw);
         let _ = tdy.tr().matmul(&tx);
     });
-    let flops = 2.0 * (rows * inputs * outputs) as f64;
-    Ok([
-        Row {
-            name: format!("linear {rows}x{inputs}->{outputs} fwd"),
-            flops,
-            gpu_s: gpu_fwd,
-            torch_s: torch_fwd,
-        },
-        Row {
-            name: format!("linear {rows}x{inputs}->{outputs} bwd"),
-            flops: 2.0 * flops,
-            gpu_s: gpu_bwd,
-            torch_s: torch_bwd,
-        },
-    ])
+    Ok([Row::of(fwd, torch_fwd), Row::of(bwd, torch_bwd)])
 }
 
 fn conv_rows(gpu: &GpuContext, conv: Conv2d) -> Result<[Row; 3]> {
+    let [fwd, bwd, both] = pollster::block_on(speed::conv(gpu, &conv, SECONDS))?;
     let (oh, ow) = conv.out_hw();
-    let x_len = conv.n * conv.c * conv.h * conv.w;
-    let w_len = conv.o * conv.c / conv.groups * conv.kh * conv.kw;
-    let (x, w, b) = (
-        upload(gpu, x_len, 1)?,
-        upload(gpu, w_len, 2)?,
-        upload(gpu, conv.o, 3)?,
-    );
-    let (y, dy) = (
-        gpu.create_buffer(conv.out_len())?,
-        upload(gpu, conv.out_len(), 4)?,
-    );
-    let (dx, dw) = (gpu.create_buffer(x_len)?, gpu.create_buffer(w_len)?);
-    let (fwd, bi, bw) = (
-        conv.forward(),
-        conv.backward_input(),
-        conv.backward_weight(),
-    );
-    let gpu_fwd = time_gpu(gpu, &[(&fwd, vec![&x, &w, &b, &y])])?;
-    let gpu_bwd = time_gpu(gpu, &[(&bi, vec![&dy, &w, &dx]), (&bw, vec![&dy, &x, &dw])])?;
     let tx = randn(&[conv.n, conv.c, conv.h, conv.w]).set_requires_grad(true);
     let tw = randn(&[conv.o, conv.c / conv.groups, conv.kh, conv.kw]).set_requires_grad(true);
     let tb = randn(&[conv.o]);
@@ -190,40 +119,13 @@ fn conv_rows(gpu: &GpuContext, conv: Conv2d) -> Result<[Row; 3]> {
             Tensor::run_backward(&[(&y * &tdy).sum(Kind::Float)], &[&tx, &tw], false, false);
         drop(grads);
     });
-    let gpu_both = time_gpu(
-        gpu,
-        &[
-            (&fwd, vec![&x, &w, &b, &y]),
-            (&bi, vec![&dy, &w, &dx]),
-            (&bw, vec![&dy, &x, &dw]),
-        ],
-    )?;
-    let name = format!(
-        "conv2d {}x{}x{}x{} -> {} k{}x{}",
-        conv.n, conv.c, conv.h, conv.w, conv.o, conv.kh, conv.kw
-    );
+    // Backward alone on our side: the input- and weight-gradient GEMMs.
+    // torch's backward is only measured inside autograd, so the row after
+    // compares whole steps.
     Ok([
-        Row {
-            name: format!("{name} fwd"),
-            flops: conv.flops(),
-            gpu_s: gpu_fwd,
-            torch_s: torch_fwd,
-        },
-        // Backward alone on our side: the input- and weight-gradient GEMMs.
-        // torch's backward is only measured inside autograd, so the row
-        // after compares whole steps.
-        Row {
-            name: format!("{name} bwd (wgpu only)"),
-            flops: 2.0 * conv.flops(),
-            gpu_s: gpu_bwd,
-            torch_s: f64::NAN,
-        },
-        Row {
-            name: format!("{name} fwd+bwd"),
-            flops: 3.0 * conv.flops(),
-            gpu_s: gpu_both,
-            torch_s: torch_both,
-        },
+        Row::of(fwd, torch_fwd),
+        Row::of(bwd, f64::NAN),
+        Row::of(both, torch_both),
     ])
 }
 
@@ -272,7 +174,13 @@ fn main() -> Result<()> {
     for r in &rows {
         let (g, t) = (r.flops / r.gpu_s / 1e9, r.flops / r.torch_s / 1e9);
         if t.is_nan() {
-            println!("{:<52} {:>12.2} {:>13} {:>8}", r.name, g, "-", "-");
+            println!(
+                "{:<52} {:>12.2} {:>13} {:>8}",
+                format!("{} (wgpu only)", r.name),
+                g,
+                "-",
+                "-"
+            );
         } else {
             println!("{:<52} {:>12.2} {:>13.2} {:>8.3}", r.name, g, t, g / t);
         }

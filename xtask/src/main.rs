@@ -11,6 +11,8 @@
 //! cargo xtask demo gpt [--steps N] [--prompt TEXT]
 //!                                    the example GPT trained on Shakespeare across
 //!                                    4 local providers, then sampled
+//! cargo xtask gpu-kit [--debug]      target/gpu-kit/: kernel checks, kernel speed and
+//!                                    run.sh, to run on any machine with a GPU driver
 //! cargo xtask bench plan             planner benchmark (release build)
 //! cargo xtask bench fuzz [--inputs N] fuzz every parser of untrusted bytes
 //!                                    (default 1,000,000 inputs each; zero panics)
@@ -40,6 +42,7 @@
 mod bench;
 mod demo;
 mod demo_gpt;
+mod gpu_kit;
 mod setup;
 mod test;
 mod util;
@@ -50,7 +53,7 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: cargo xtask <setup | web [--release] | test [--skip-lint] | \
                      demo [--addr HOST:PORT] [--providers N] | demo gpt [--steps N] | \
-                     bench plan|pipeline|relay|fuzz|kernels|load|gpt>";
+                     gpu-kit [--debug] | bench plan|pipeline|relay|fuzz|kernels|load|gpt>";
 
 fn main() -> ExitCode {
     match run() {
@@ -78,6 +81,7 @@ fn run() -> Result<()> {
             _ => demo::main(rest),
         },
         "bench" => bench::main(rest),
+        "gpu-kit" => gpu_kit::main(rest).map(drop),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(())

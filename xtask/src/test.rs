@@ -79,6 +79,12 @@ fn steps(summary: &mut Summary, skip_lint: bool) -> Result<()> {
             .env("ROOKERY_BIN_DIR", target_dir().join("debug"));
         run(&mut cmd)
     })?;
+    // The kit's own script on CI's adapter, so what donors' machines run is
+    // what CI checked.
+    summary.step("gpu kit", || {
+        let kit = crate::gpu_kit::main(&["--debug".to_string()])?;
+        run(std::process::Command::new(kit.join("run.sh")).arg("--quick"))
+    })?;
     summary.step("dashboard component tests", || {
         let mut cmd = cargo(&[
             "test",

@@ -39,6 +39,8 @@ pub mod spec;
 
 #[cfg(feature = "gpu")]
 mod gpu;
+#[cfg(feature = "gpu")]
+pub mod speed;
 
 pub use matmul::{
     MATMUL_CHECK_SHAPES, MATMUL_REL_TOLERANCE, MatmulKernel, check_matmul, matmul_flops,

@@ -1,0 +1,80 @@
+//! GFLOP/s of Rookery's generated WGSL kernels on this machine's adapter,
+//! one line per kernel and shape; part of the GPU kit (`cargo xtask
+//! gpu-kit`), which needs no libtorch. `--quick` times small shapes only
+//! (software renderers such as lavapipe); the default adds the shapes real
+//! GPUs are judged at: matmul 4096^3, a transformer's token x 768 x 3072 in
+//! both orientations, and ResNet convolutions.
+//!
+//! Usage: `kernel_speed [--quick] [--seconds S]`
+
+use anyhow::{Context, Result, bail};
+use rookery_kernels::GpuContext;
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::gemm::DEFAULT_PER_THREAD;
+use rookery_kernels::speed::{self, Measured};
+
+fn conv(x: [usize; 4], out: usize) -> Result<Conv2d> {
+    Conv2d::new(x, out, [3, 3], [1, 1], [1, 1], [1, 1], 1, true)
+        .with_context(|| format!("conv shape {x:?} -> {out}"))
+}
+
+fn main() -> Result<()> {
+    let mut quick = false;
+    let mut seconds = 0.5;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--quick" => quick = true,
+            "--seconds" => {
+                let s = args.next().context("`--seconds` needs a number")?;
+                seconds = s.parse().with_context(|| format!("`--seconds {s}`"))?;
+            }
+            other => bail!("kernel_speed takes `--quick` and `--seconds S`, got `{other}`"),
+        }
+    }
+    let gpu = pollster::block_on(GpuContext::new()).context("no GPU adapter")?;
+    println!("adapter: {}", gpu.adapter_description());
+    let matmuls: &[[usize; 3]] = if quick {
+        &[[256, 256, 256], [64, 1568, 128]]
+    } else {
+        &[
+            [4096, 4096, 4096],
+            [8192, 768, 3072],
+            [8192, 3072, 768],
+            [64, 1568, 128],
+        ]
+    };
+    let convs = if quick {
+        vec![conv([8, 16, 28, 28], 32)?, conv([64, 1, 28, 28], 16)?]
+    } else {
+        vec![
+            conv([256, 64, 56, 56], 64)?,
+            conv([256, 128, 28, 28], 128)?,
+            conv([64, 1, 28, 28], 16)?,
+        ]
+    };
+    let block = |rows: Vec<Measured>| -> Result<()> {
+        for r in rows {
+            println!("{:<56} {:>12.1} GFLOP/s", r.name, r.gflops());
+        }
+        Ok(())
+    };
+    for &shape in matmuls {
+        block(vec![pollster::block_on(speed::matmul(
+            &gpu,
+            shape,
+            DEFAULT_PER_THREAD,
+            seconds,
+        ))?])?;
+    }
+    for c in &convs {
+        block(pollster::block_on(speed::conv(&gpu, c, seconds))?.to_vec())?;
+    }
+    let dense = if quick {
+        [64, 512, 128]
+    } else {
+        [8192, 768, 3072]
+    };
+    block(pollster::block_on(speed::linear(&gpu, dense, seconds))?.to_vec())?;
+    Ok(())
+}

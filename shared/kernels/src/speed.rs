@@ -1,0 +1,172 @@
+//! How fast the kernels run on this machine's adapter: each workload runs
+//! once untimed (pipeline compilation, allocation), then as many
+//! back-to-back dispatches as fill about the seconds asked for, submission
+//! to completion, data resident on the device. `cargo xtask bench kernels`
+//! puts libtorch's figures beside these; the GPU kit's `kernel_speed`
+//! prints them alone, on any machine with a Vulkan, Metal or DX12 driver.
+
+use std::time::Instant;
+
+use crate::conv::Conv2d;
+use crate::gemm::{Linear, MatMul};
+use crate::{GpuBuffer, GpuContext, GpuError, KernelError, KernelSpec, sample_matrix};
+
+/// One timed workload.
+#[derive(Debug, Clone)]
+pub struct Measured {
+    pub name: String,
+    /// Floating-point operations of one run.
+    pub flops: f64,
+    /// Seconds per run.
+    pub seconds: f64,
+}
+
+impl Measured {
+    pub fn gflops(&self) -> f64 {
+        self.flops / self.seconds / 1e9
+    }
+}
+
+/// Seconds per run of the kernel chain `steps`, each with its buffers.
+pub async fn time_chain(
+    gpu: &GpuContext,
+    steps: &[(&KernelSpec, Vec<&GpuBuffer>)],
+    seconds: f64,
+) -> Result<f64, GpuError> {
+    let chain: Vec<(&KernelSpec, &[&GpuBuffer])> =
+        steps.iter().map(|(s, b)| (*s, b.as_slice())).collect();
+    let run = |times: usize| {
+        let all: Vec<(&KernelSpec, &[&GpuBuffer])> =
+            (0..times).flat_map(|_| chain.iter().copied()).collect();
+        async move {
+            let start = Instant::now();
+            gpu.dispatch_all(&all).await?;
+            gpu.wait_for_queue().await?;
+            Ok::<f64, GpuError>(start.elapsed().as_secs_f64())
+        }
+    };
+    run(1).await?;
+    let once = run(1).await?.max(1e-6);
+    let iterations = ((seconds / once) as usize).clamp(1, 1000);
+    Ok(run(iterations).await? / iterations as f64)
+}
+
+fn upload(gpu: &GpuContext, len: usize, seed: u64) -> Result<GpuBuffer, GpuError> {
+    gpu.upload_f32(&sample_matrix(len, seed))
+}
+
+/// `[m, k] x [k, n]` with `per_thread` x `per_thread` outputs per invocation.
+pub async fn matmul(
+    gpu: &GpuContext,
+    [m, k, n]: [usize; 3],
+    per_thread: u32,
+    seconds: f64,
+) -> Result<Measured, GpuError> {
+    let mut mm =
+        MatMul::new(&[m, k], &[k, n]).ok_or(GpuError::Kernel(KernelError::TooLarge { m, k, n }))?;
+    mm.per_thread = per_thread;
+    let spec = mm.forward();
+    let (a, b, c) = (
+        upload(gpu, m * k, 1)?,
+        upload(gpu, k * n, 2)?,
+        gpu.create_buffer(m * n)?,
+    );
+    Ok(Measured {
+        name: format!("matmul {m}x{k}x{n} ({per_thread}x{per_thread} per invocation)"),
+        flops: 2.0 * (m * k * n) as f64,
+        seconds: time_chain(gpu, &[(&spec, vec![&a, &b, &c])], seconds).await?,
+    })
+}
+
+/// A dense layer over `rows` rows: forward, then backward (input and weight
+/// gradients).
+pub async fn linear(
+    gpu: &GpuContext,
+    [rows, inputs, outputs]: [usize; 3],
+    seconds: f64,
+) -> Result<[Measured; 2], GpuError> {
+    let l = Linear::new(rows, inputs, outputs, true);
+    let (x, w, b) = (
+        upload(gpu, rows * inputs, 1)?,
+        upload(gpu, outputs * inputs, 2)?,
+        upload(gpu, outputs, 3)?,
+    );
+    let (y, dy) = (
+        gpu.create_buffer(rows * outputs)?,
+        upload(gpu, rows * outputs, 4)?,
+    );
+    let (dx, dw) = (
+        gpu.create_buffer(rows * inputs)?,
+        gpu.create_buffer(outputs * inputs)?,
+    );
+    let (fwd, bx, bw) = (l.forward(), l.backward_x(), l.backward_w());
+    let flops = 2.0 * (rows * inputs * outputs) as f64;
+    let name = format!("linear {rows}x{inputs} -> {outputs}");
+    Ok([
+        Measured {
+            name: format!("{name} fwd"),
+            flops,
+            seconds: time_chain(gpu, &[(&fwd, vec![&x, &w, &b, &y])], seconds).await?,
+        },
+        Measured {
+            name: format!("{name} bwd"),
+            flops: 2.0 * flops,
+            seconds: time_chain(
+                gpu,
+                &[(&bx, vec![&dy, &w, &dx]), (&bw, vec![&dy, &x, &dw])],
+                seconds,
+            )
+            .await?,
+        },
+    ])
+}
+
+/// A convolution: forward, backward (input and weight gradients), and the
+/// two as one training step.
+pub async fn conv(
+    gpu: &GpuContext,
+    conv: &Conv2d,
+    seconds: f64,
+) -> Result<[Measured; 3], GpuError> {
+    let x_len = conv.n * conv.c * conv.h * conv.w;
+    let w_len = conv.o * conv.c / conv.groups * conv.kh * conv.kw;
+    let (x, w, b) = (
+        upload(gpu, x_len, 1)?,
+        upload(gpu, w_len, 2)?,
+        upload(gpu, conv.o, 3)?,
+    );
+    let (y, dy) = (
+        gpu.create_buffer(conv.out_len())?,
+        upload(gpu, conv.out_len(), 4)?,
+    );
+    let (dx, dw) = (gpu.create_buffer(x_len)?, gpu.create_buffer(w_len)?);
+    let (fwd, bi, bw) = (
+        conv.forward(),
+        conv.backward_input(),
+        conv.backward_weight(),
+    );
+    let forward = (&fwd, vec![&x, &w, &b, &y]);
+    let input_grad = (&bi, vec![&dy, &w, &dx]);
+    let weight_grad = (&bw, vec![&dy, &x, &dw]);
+    let name = format!(
+        "conv2d {}x{}x{}x{} -> {} k{}x{}",
+        conv.n, conv.c, conv.h, conv.w, conv.o, conv.kh, conv.kw
+    );
+    Ok([
+        Measured {
+            name: format!("{name} fwd"),
+            flops: conv.flops(),
+            seconds: time_chain(gpu, std::slice::from_ref(&forward), seconds).await?,
+        },
+        Measured {
+            name: format!("{name} bwd"),
+            flops: 2.0 * conv.flops(),
+            seconds: time_chain(gpu, &[input_grad.clone(), weight_grad.clone()], seconds).await?,
+        },
+        Measured {
+            name: format!("{name} fwd+bwd"),
+            flops: 3.0 * conv.flops(),
+            seconds: time_chain(gpu, &[forward, input_grad, weight_grad], seconds).await?,
+        },
+    ])
+}
