@@ -274,6 +274,7 @@ where
     // it, and if either side stopped reading to write, both socket buffers
     // would fill and the pair would wait for each other forever.
     let (replies, mut reply_rx) = tokio::sync::mpsc::unbounded_channel::<ToProvider>();
+    // `None` once the session's replies are all sent and it has ended.
     let writer = async {
         loop {
             let sent = tokio::select! {
@@ -283,105 +284,111 @@ where
                     // The coordinator already counted the fault this answers.
                     Outgoing::Close { reason } => Err(Ending::Expelled(reason)),
                 },
-                Some(reply) = reply_rx.recv() => send(sink, &reply).await,
-                else => std::future::pending().await,
+                reply = reply_rx.recv() => match reply {
+                    Some(reply) => send(sink, &reply).await,
+                    None => return None,
+                },
             };
             if let Err(ending) = sent {
-                return ending;
+                return Some(ending);
             }
         }
     };
-    let reader = async {
-        let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-        let mut owed = Owed::default();
-        loop {
-            let frame = match next_frame(stream, state, deadline).await {
-                Ok(frame) => frame,
-                Err(ending) => break ending,
-            };
-            deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
-            let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
-                Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
-                    match owed.take(&payload) {
-                        Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
-                        Err(problem) => {
-                            break Ending::rejected(
-                                ErrorCode::BadFrame,
-                                close_code::POLICY,
-                                problem,
-                            );
-                        }
-                    }
-                    continue;
-                }
-                Ok(Incoming::Message(message)) if message.lane() != Some(Lane::Params) => {
-                    Ok(message)
-                }
-                Ok(incoming) => match params.push(incoming) {
-                    Ok(Some(message)) => {
-                        tracing::debug!(id, message = message.kind(), "assembled a message");
-                        Ok(message)
-                    }
-                    Ok(None) => continue,
-                    Err(error) => {
-                        break Ending::rejected(
-                            ErrorCode::BadFrame,
-                            close_code::POLICY,
-                            error.to_string(),
-                        );
-                    }
-                },
-                Err(error) => Err(error),
-            };
-            match message {
-                Ok(ToServer::Heartbeat { seq }) => {
-                    if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
-                        tracing::error!(id, %error, "cannot record a heartbeat");
-                    }
-                    let _ = replies.send(ToProvider::Heartbeat { seq });
-                }
-                Ok(ToServer::Hello(_)) => {
-                    break Ending::rejected(
-                        ErrorCode::UnexpectedMessage,
-                        close_code::POLICY,
-                        "Hello was already accepted on this connection",
-                    );
-                }
-                Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
-                    ProbeNext::Send(next) => {
-                        let _ = replies.send(next);
-                    }
-                    ProbeNext::Measured(mbps) => {
-                        tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
-                        if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
-                            tracing::error!(id, %error, "cannot record a bandwidth");
-                        }
-                        state.coordinator.send(Event::Measured {
-                            id,
-                            bandwidth_mbps: mbps,
-                        });
-                    }
-                    ProbeNext::Ignore => {
-                        tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
-                    }
-                },
-                Ok(ToServer::Error(ErrorMessage { code, message })) => {
-                    break Ending::Left(format!("provider gave up ({code:?}): {message}"));
-                }
-                Ok(message) => {
-                    if let Err(problem) = owed.announce(&message) {
+    tokio::pin!(writer);
+    let mut writer_ended = false;
+    let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+    let mut owed = Owed::default();
+    let ending = loop {
+        let frame = tokio::select! {
+            ended = &mut writer => {
+                writer_ended = true;
+                break ended.unwrap_or_else(|| Ending::Left("the connection's writer stopped".into()));
+            }
+            frame = next_frame(stream, state, deadline) => frame,
+        };
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(ending) => break ending,
+        };
+        deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
+        let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
+            Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
+                match owed.take(&payload) {
+                    Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
+                    Err(problem) => {
                         break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
                     }
-                    state.coordinator.send(Event::Message { id, message });
                 }
-                Err(error) => break Ending::bad_frame(error),
+                continue;
             }
+            Ok(Incoming::Message(message)) if message.lane() != Some(Lane::Params) => Ok(message),
+            Ok(incoming) => match params.push(incoming) {
+                Ok(Some(message)) => {
+                    tracing::debug!(id, message = message.kind(), "assembled a message");
+                    Ok(message)
+                }
+                Ok(None) => continue,
+                Err(error) => {
+                    break Ending::rejected(
+                        ErrorCode::BadFrame,
+                        close_code::POLICY,
+                        error.to_string(),
+                    );
+                }
+            },
+            Err(error) => Err(error),
+        };
+        match message {
+            Ok(ToServer::Heartbeat { seq }) => {
+                if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
+                    tracing::error!(id, %error, "cannot record a heartbeat");
+                }
+                let _ = replies.send(ToProvider::Heartbeat { seq });
+            }
+            Ok(ToServer::Hello(_)) => {
+                break Ending::rejected(
+                    ErrorCode::UnexpectedMessage,
+                    close_code::POLICY,
+                    "Hello was already accepted on this connection",
+                );
+            }
+            Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
+                ProbeNext::Send(next) => {
+                    let _ = replies.send(next);
+                }
+                ProbeNext::Measured(mbps) => {
+                    tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
+                    if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
+                        tracing::error!(id, %error, "cannot record a bandwidth");
+                    }
+                    state.coordinator.send(Event::Measured {
+                        id,
+                        bandwidth_mbps: mbps,
+                    });
+                }
+                ProbeNext::Ignore => {
+                    tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
+                }
+            },
+            Ok(ToServer::Error(ErrorMessage { code, message })) => {
+                break Ending::Left(format!("provider gave up ({code:?}): {message}"));
+            }
+            Ok(message) => {
+                if let Err(problem) = owed.announce(&message) {
+                    break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
+                }
+                state.coordinator.send(Event::Message { id, message });
+            }
+            Err(error) => break Ending::bad_frame(error),
         }
     };
-    let ending = tokio::select! {
-        ending = reader => ending,
-        ending = writer => ending,
-    };
+    // Replies queued before the end (a heartbeat's answer) still go out,
+    // unless the writer is what failed; a peer that reads nothing is given
+    // up on.
+    drop(replies);
+    if !writer_ended {
+        let _ = tokio::time::timeout(GOODBYE_TIMEOUT, &mut writer).await;
+    }
     if ending.is_fault() {
         // Before `Disconnected`: the fault counts against the job it leaves.
         state.coordinator.send(Event::Fault {
