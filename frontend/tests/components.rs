@@ -207,10 +207,10 @@ fn set_value(root: &web_sys::HtmlElement, css: &str, value: &str) {
         .unwrap();
 }
 
-#[wasm_bindgen_test]
-async fn the_new_job_form_marks_each_missing_or_bad_field_before_sending() {
+/// The New Job page, mounted and settled; keep the handle to keep it mounted.
+async fn new_job_page() -> (web_sys::HtmlElement, impl Sized) {
     let root = host();
-    let _mounted = leptos::mount::mount_to(root.clone(), move || {
+    let mounted = leptos::mount::mount_to(root.clone(), move || {
         provide_context(Auth::from_storage());
         view! {
             <Router>
@@ -219,6 +219,12 @@ async fn the_new_job_form_marks_each_missing_or_bad_field_before_sending() {
         }
     });
     settle().await;
+    (root, mounted)
+}
+
+#[wasm_bindgen_test]
+async fn the_new_job_form_marks_each_missing_or_bad_field_before_sending() {
+    let (root, _mounted) = new_job_page().await;
     set_value(&root, "#batch-size", "0");
     set_value(&root, "#clusters", "several");
     click(&root, "#preview-plan");
@@ -267,16 +273,7 @@ fn choose(root: &web_sys::HtmlElement, css: &str, value: &str) {
 
 #[wasm_bindgen_test]
 async fn token_data_swaps_the_labels_inputs_for_the_sequence_length() {
-    let root = host();
-    let _mounted = leptos::mount::mount_to(root.clone(), move || {
-        provide_context(Auth::from_storage());
-        view! {
-            <Router>
-                <NewJobPage />
-            </Router>
-        }
-    });
-    settle().await;
+    let (root, _mounted) = new_job_page().await;
     assert!(query(&root, "#train-labels").is_some());
     assert!(query(&root, "#test-labels").is_some());
     assert!(query(&root, "#scale").is_some());
