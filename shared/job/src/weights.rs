@@ -60,9 +60,7 @@ fn invalid(msg: String) -> io::Error {
 /// Errors (`InvalidInput`) on a duplicate or reserved name, or values that do
 /// not fill the shape.
 pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
-    let mut offset = 0usize;
+    let mut entries = Vec::with_capacity(tensors.len());
     for t in tensors {
         let numel: usize = t.shape.iter().product();
         if numel != t.values.len() {
@@ -73,28 +71,18 @@ pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
                 t.values.len()
             )));
         }
-        if t.name == "__metadata__" || header.contains_key(&t.name) {
-            return Err(invalid(format!(
-                "weight name `{}` is reserved or repeated",
-                t.name
-            )));
-        }
         let (dtype, size) = match t.dtype {
             DType::F32 => ("F32", 4),
             DType::I64 => ("I64", 8),
         };
-        let end = offset + numel * size;
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] }),
-        );
-        offset = end;
+        entries.push((
+            t.name.as_str(),
+            dtype,
+            serde_json::json!(t.shape),
+            numel * size,
+        ));
     }
-    let mut json = serde_json::to_string(&header).map_err(io::Error::other)?;
-    // Data starts 8-byte aligned, as the reference writer does.
-    while (8 + json.len()) % 8 != 0 {
-        json.push(' ');
-    }
+    let (json, offset) = safetensors_header(entries)?;
     let mut out = Vec::with_capacity(8 + json.len() + offset);
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());
     out.extend_from_slice(json.as_bytes());
@@ -108,6 +96,36 @@ pub fn to_safetensors_bytes(tensors: &[WeightTensor]) -> io::Result<Vec<u8>> {
         }
     }
     Ok(out)
+}
+
+/// A safetensors header for tensors stored one after another, each `(name,
+/// dtype, shape, bytes)`, padded so the data starts 8-byte aligned as the
+/// reference writer does; and the data's total length. Errors
+/// (`InvalidInput`) on a duplicate or reserved name.
+fn safetensors_header<'a>(
+    entries: impl IntoIterator<Item = (&'a str, &'a str, serde_json::Value, usize)>,
+) -> io::Result<(String, usize)> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0usize;
+    for (name, dtype, shape, bytes) in entries {
+        if name == "__metadata__" || header.contains_key(name) {
+            return Err(invalid(format!(
+                "weight name `{name}` is reserved or repeated"
+            )));
+        }
+        let end = offset + bytes;
+        header.insert(
+            name.to_string(),
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::to_string(&header).map_err(io::Error::other)?;
+    while (8 + json.len()) % 8 != 0 {
+        json.push(' ');
+    }
+    Ok((json, offset))
 }
 
 /// Writes `tensors` to `path` atomically: to `PATH.tmp` in the same folder,
@@ -255,34 +273,23 @@ pub(crate) fn parse_safetensors<'a>(
 /// checkpoint without a second copy of it in memory. Errors
 /// (`InvalidInput`) as [`to_safetensors_bytes`].
 pub fn write_wire_safetensors(path: &Path, tensors: &[WireTensor]) -> io::Result<()> {
-    let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
-    let mut offset = 0usize;
+    let mut entries = Vec::with_capacity(tensors.len());
     for t in tensors {
         t.check_size().map_err(|e| invalid(e.to_string()))?;
-        if t.name == "__metadata__" || header.contains_key(&t.name) {
-            return Err(invalid(format!(
-                "weight name `{}` is reserved or repeated",
-                t.name
-            )));
-        }
         let dtype = match t.dtype {
             WireDType::F32 => "F32",
             WireDType::F16 => "F16",
             WireDType::Bf16 => "BF16",
             WireDType::I64 => "I64",
         };
-        let end = offset + t.data.len();
-        header.insert(
-            t.name.clone(),
-            serde_json::json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] }),
-        );
-        offset = end;
+        entries.push((
+            t.name.as_str(),
+            dtype,
+            serde_json::json!(t.shape),
+            t.data.len(),
+        ));
     }
-    let mut json = serde_json::to_string(&header).map_err(io::Error::other)?;
-    while (8 + json.len()) % 8 != 0 {
-        json.push(' ');
-    }
+    let (json, _) = safetensors_header(entries)?;
     write_atomically(path, |f| {
         f.write_all(&(json.len() as u64).to_le_bytes())?;
         f.write_all(json.as_bytes())?;
