@@ -456,6 +456,27 @@ impl Browser {
         .await
     }
 
+    /// A fresh server with two native providers (`native-a`, `native-b`)
+    /// and this browser's tab donating to it, every link measured: where
+    /// the browser-stage tests start. The providers live as long as the
+    /// returned processes.
+    pub async fn beside_two_natives(&self) -> anyhow::Result<(Server, [Process; 2])> {
+        let server = Server::start(10_000)?;
+        let natives = [
+            start_native_provider(&server, "native-a")?,
+            start_native_provider(&server, "native-b")?,
+        ];
+        self.start_donating(&server).await?;
+        server
+            .wait_for_providers(
+                "two native and one browser provider, links measured",
+                Duration::from_secs(60),
+                |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
+            )
+            .await?;
+        Ok((server, natives))
+    }
+
     /// Saves a PNG of the current page under `target/screenshots/`.
     pub async fn screenshot(&self, name: &str) -> anyhow::Result<PathBuf> {
         let png = self.client.screenshot().await?;

@@ -77,43 +77,22 @@ fn a_gpt_with_a_cosine_schedule_and_clipping_trains_to_pytorchs_losses() {
 /// providers, and the GPT still trains to PyTorch's losses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_tab_holding_a_gpt_stage_trains_to_pytorchs_losses() -> anyhow::Result<()> {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
-    use rookery_e2e::{Browser, Server, start_native_provider};
+    use rookery_e2e::Browser;
     use rookery_proto::ProviderKind;
     use rookery_server::cli::client::Client;
 
     let run = "dynamo-ntv";
     let dir = fixture_copy();
-    let server = Server::start(10_000)?;
-    let _root = start_native_provider(&server, "native-a")?;
-    let _leaf = start_native_provider(&server, "native-b")?;
     let browser = Browser::start().await?;
-    browser.start_donating(&server).await?;
-    server
-        .wait_for_providers(
-            "two native and one browser provider, links measured",
-            Duration::from_secs(60),
-            |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
-        )
-        .await?;
+    let (server, _natives) = browser.beside_two_natives().await?;
     let client = Client::new(&server.http_url(""), &server.api_token()?);
     let id = client
         .submit(&dir.path().join(format!("{run}.toml")))
         .await?
         .id;
-    let started = Instant::now();
-    let job = loop {
-        let job = client.job(id).await?;
-        if matches!(job.status.as_str(), "completed" | "failed" | "cancelled") {
-            break job;
-        }
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(300),
-            "the job did not finish in 5 minutes: {job:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let job = tokio::time::timeout(Duration::from_secs(300), client.watch(id)).await??;
     assert_eq!(job.status, "completed", "{job:?}");
     let plan = job.plan.as_ref().expect("a running job has a plan");
     let tabs = plan.clusters[0]

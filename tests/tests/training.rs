@@ -358,7 +358,7 @@ async fn a_browser_tab_closed_mid_job_hands_its_stage_to_a_standby_and_training_
 -> anyhow::Result<()> {
     use std::time::{Duration, Instant};
 
-    use rookery_e2e::{Browser, Server, start_native_provider};
+    use rookery_e2e::{Browser, start_native_provider};
     use rookery_proto::ProviderKind;
     use rookery_proto::api::LogEntry;
     use rookery_server::cli::client::Client;
@@ -367,18 +367,8 @@ async fn a_browser_tab_closed_mid_job_hands_its_stage_to_a_standby_and_training_
     let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
         optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 1\nstages = 3\nsync_every = 4\nseed = 13";
     let job_file = job(dir.path(), &mlp(), &[12], 40 * 16, training);
-    let server = Server::start(10_000)?;
-    let _a = start_native_provider(&server, "native-a")?;
-    let _b = start_native_provider(&server, "native-b")?;
     let browser = Browser::start().await?;
-    browser.start_donating(&server).await?;
-    server
-        .wait_for_providers(
-            "two native and one browser provider",
-            Duration::from_secs(60),
-            |all| all.len() == 3 && all.iter().all(|p| p.bandwidth_mbps.is_some()),
-        )
-        .await?;
+    let (server, _natives) = browser.beside_two_natives().await?;
     let client = Client::new(&server.http_url(""), &server.api_token()?);
     let id = client.submit(&job_file).await?.id;
     // The standby joins once the tab has its stage, so the plan cannot skip the tab.
