@@ -59,6 +59,66 @@ fn backward(y: &Tensor, dy: &[f32]) {
     (y * g).sum(Kind::Float).backward();
 }
 
+/// [`close`], or within `bounds[i]` of torch where the computation's own
+/// error model allows more: over a few nearly equal values torch's f32
+/// LayerNorm loses their spread in its mean, which no fixed tolerance fits.
+fn close_or_within(
+    got: &[f32],
+    want: &[f32],
+    tol: f64,
+    bounds: &[f64],
+    what: &str,
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), bounds.len(), "{}: one bound each", what);
+    for (i, ((&g, &w), &b)) in got.iter().zip(want).zip(bounds).enumerate() {
+        let abs = (f64::from(g) - f64::from(w)).abs();
+        let rel = abs / f64::from(w).abs().max(1.0);
+        prop_assert!(
+            rel <= tol || abs <= b,
+            "{}[{}]: reference {} torch {} (error {:e} > {:e} and over the bound {:e})",
+            what,
+            i,
+            g,
+            w,
+            rel,
+            tol,
+            b
+        );
+    }
+    Ok(())
+}
+
+/// How far torch's f32 LayerNorm may be from the exact `(y, dx)`, element by
+/// element: its operations (mean, centred values, biased variance, rstd;
+/// backward `rstd (g - mean(g) - xhat mean(g xhat))` with `g = dy w`) in
+/// running error analysis.
+fn torch_layer_norm_bounds(x: &[f32], w: &[f32], dy: &[f32], eps: f32) -> (Vec<f64>, Vec<f64>) {
+    use rookery_kernels::accuracy::{SAFETY, Tracked, U};
+    let t = Tracked::exact;
+    let cols = w.len();
+    let n = t(cols as f32);
+    let sum = |v: &mut dyn Iterator<Item = Tracked>| v.fold(t(0.0), |a, b| a + b);
+    let (mut by, mut bdx) = (Vec::with_capacity(x.len()), Vec::with_capacity(x.len()));
+    for (row, dy) in x.chunks(cols).zip(dy.chunks(cols)) {
+        let mean = sum(&mut row.iter().map(|&v| t(v))) / n;
+        let xc: Vec<Tracked> = row.iter().map(|&v| t(v) - mean).collect();
+        let var = sum(&mut xc.iter().map(|&c| c * c)) / n;
+        let r = t(1.0) / (var + t(eps)).sqrt();
+        let xh: Vec<Tracked> = xc.iter().map(|&c| c * r).collect();
+        let g: Vec<Tracked> = dy.iter().zip(w).map(|(&d, &wc)| t(d) * t(wc)).collect();
+        let m1 = sum(&mut g.iter().copied()) / n;
+        let m2 = sum(&mut g.iter().zip(&xh).map(|(&a, &b)| a * b)) / n;
+        for c in 0..cols {
+            let y = xh[c] * t(w[c]);
+            let dx = r * ((g[c] - m1) - xh[c] * m2);
+            // The reference's own rounding to f32 on top.
+            by.push(SAFETY * y.error + U * y.value.abs());
+            bdx.push(SAFETY * dx.error + U * dx.value.abs());
+        }
+    }
+    (by, bdx)
+}
+
 fn grad(x: &Tensor) -> Vec<f32> {
     vals(&x.grad())
 }
@@ -199,8 +259,9 @@ proptest! {
         backward(&y, &dy);
         let (ry, rdx, rdw, rdb) = ln.reference(&xs, &wv, &bv, &dy);
         let t = tol_sum(axis * inner) * 10.0;
-        close(&ry, &vals(&y), t, "layer_norm y")?;
-        close(&rdx, &grad(&x), t, "layer_norm dx")?;
+        let (by, bdx) = torch_layer_norm_bounds(&xs, &wv, &dy, 1e-5);
+        close_or_within(&ry, &vals(&y), t, &by, "layer_norm y")?;
+        close_or_within(&rdx, &grad(&x), t, &bdx, "layer_norm dx")?;
         close(&rdw, &grad(&w), t, "layer_norm dw")?;
         close(&rdb, &grad(&b), t, "layer_norm db")?;
 
