@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use rookery_server::cli::{generate, plan, remote, serve, tokens, train};
+use rookery_server::cli::{generate, plan, predict, remote, serve, tokens, train};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -60,6 +60,9 @@ enum Command {
     Train(train::TrainArgs),
     /// Sample text from a trained language model on this machine (forward only).
     Generate(generate::GenerateArgs),
+    /// Run one forward pass of a model on `.npy` inputs on this machine and
+    /// write each output as `.npy`.
+    Predict(predict::PredictArgs),
     /// Manage Requesters' API tokens in a server's data directory.
     Token {
         #[command(subcommand)]
@@ -108,6 +111,7 @@ async fn run() -> anyhow::Result<()> {
         Command::Cancel { id, server } => remote::cancel(id, server).await,
         Command::Train(args) => train::run(args).await,
         Command::Generate(args) => generate::run(args).await,
+        Command::Predict(args) => predict::run(args).await,
         Command::Token { action } => tokens::run(action).await,
     }
 }

@@ -8,11 +8,13 @@
 //!   running server, through [`client`];
 //! - [`plan`]: the planner on a model file and a providers file;
 //! - [`tokens`]: Requesters' API tokens in a data dir;
-//! - [`generate`]: samples text from a trained language model, forward only.
+//! - [`generate`]: samples text from a trained language model, forward only;
+//! - [`predict`]: one forward pass of any model on `.npy` inputs.
 
 pub mod client;
 pub mod generate;
 pub mod plan;
+pub mod predict;
 pub mod remote;
 pub mod serve;
 pub mod tokens;

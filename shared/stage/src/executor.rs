@@ -140,8 +140,10 @@ impl<D: Device> StageExecutor<D> {
                     p.shape
                 )));
             }
-            let count =
-                (p.dtype != DType::F32).then(|| values.first().copied().unwrap_or(0.0) as i64);
+            // Integer constants (Gather indices, shapes) compute as f32, as
+            // integer inputs do; an integer buffer is a counter.
+            let count = (p.dtype != DType::F32 && p.kind != ParamKind::Constant)
+                .then(|| values.first().copied().unwrap_or(0.0) as i64);
             if count.is_some() && (len != 1 || p.kind == ParamKind::Trainable) {
                 return Err(err(
                     "integer parameters other than a counter buffer are not supported by this backend yet".into(),

@@ -15,8 +15,8 @@ use crate::worker::{Backend, BackendFactory, StageSpec};
 pub enum PredictError {
     #[error("the graph has {0} inputs; prediction feeds exactly one")]
     Inputs(usize),
-    #[error("the graph has {0} outputs; prediction reads exactly one")]
-    Outputs(usize),
+    #[error("the graph has no outputs")]
+    Outputs,
     #[error("cannot build the model on this backend: {0}")]
     Build(String),
     #[error("{0}")]
@@ -27,12 +27,12 @@ pub enum PredictError {
 pub struct Predictor<B: Backend> {
     backend: B,
     input: String,
-    output: String,
+    outputs: Vec<String>,
 }
 
 impl<B: Backend> Predictor<B> {
-    /// Builds `graph` (one input, one output) with `params` (every parameter
-    /// and buffer, by name) on `factory`'s backend.
+    /// Builds `graph` (one input, one or more outputs) with `params` (every
+    /// parameter and buffer, by name) on `factory`'s backend.
     pub fn new<F: BackendFactory<Backend = B>>(
         factory: &mut F,
         graph: &Graph,
@@ -41,14 +41,14 @@ impl<B: Backend> Predictor<B> {
         let [input] = graph.inputs.as_slice() else {
             return Err(PredictError::Inputs(graph.inputs.len()));
         };
-        let [output] = graph.outputs.as_slice() else {
-            return Err(PredictError::Outputs(graph.outputs.len()));
-        };
+        if graph.outputs.is_empty() {
+            return Err(PredictError::Outputs);
+        }
         let backend = factory
             .build(StageSpec {
                 graph,
                 range: 0..graph.nodes.len(),
-                outputs: std::slice::from_ref(output),
+                outputs: &graph.outputs,
                 params,
                 // Never stepped: prediction runs no backward.
                 optimizer: OptimizerConfig::sgd(0.0),
@@ -58,12 +58,23 @@ impl<B: Backend> Predictor<B> {
         Ok(Self {
             backend,
             input: input.name.clone(),
-            output: output.clone(),
+            outputs: graph.outputs.clone(),
         })
     }
 
-    /// The graph's output for `input` (its tensor's name is ignored), as f32.
+    /// The graph's first output for `input` (its tensor's name is ignored),
+    /// floats as f32.
     pub async fn predict(&mut self, input: &WireTensor) -> Result<WireTensor, PredictError> {
+        let mut all = self.predict_all(input).await?;
+        Ok(all.swap_remove(0))
+    }
+
+    /// Every output of the graph for `input`, in the graph's order, each
+    /// named as in the graph; floats as f32.
+    pub async fn predict_all(
+        &mut self,
+        input: &WireTensor,
+    ) -> Result<Vec<WireTensor>, PredictError> {
         let run = |e: B::Error| PredictError::Run(e.to_string());
         let x = self.backend.decode(input).map_err(run)?;
         let outputs = self
@@ -71,10 +82,15 @@ impl<B: Backend> Predictor<B> {
             .evaluate(&[(self.input.clone(), x)])
             .await
             .map_err(run)?;
-        let (name, y) = outputs
+        self.outputs
             .iter()
-            .find(|(n, _)| *n == self.output)
-            .ok_or_else(|| PredictError::Run(format!("no output `{}`", self.output)))?;
-        self.backend.encode(name, y, WireDType::F32).map_err(run)
+            .map(|want| {
+                let (name, y) = outputs
+                    .iter()
+                    .find(|(n, _)| n == want)
+                    .ok_or_else(|| PredictError::Run(format!("no output `{want}`")))?;
+                self.backend.encode(name, y, WireDType::F32).map_err(run)
+            })
+            .collect()
     }
 }

@@ -1,7 +1,8 @@
 //! `rookery generate`: samples text from a trained language model on this
 //! machine, forward only (RavDL's `predict()`), through the same executors
 //! the providers train with ([`rookery_stage::Predictor`] over our kernels'
-//! CPU references, or over libtorch with feature `torch`).
+//! CPU references, or over libtorch with feature `torch`; its weights are
+//! read as `rookery predict` reads them).
 //!
 //! The model reads `[1, T]` token ids, `T` its context, and gives logits
 //! `[1, T, V]` or `[1, V, T]`. Each new token comes from the last `T` ids,
@@ -10,16 +11,14 @@
 
 mod vocab;
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rookery_job::weights::read_safetensors;
-use rookery_model::{DType, Graph, ParamKind};
-use rookery_proto::tensor::{WireDType, WireTensor};
+use rookery_model::Graph;
+use rookery_proto::tensor::WireTensor;
 use rookery_stage::{BackendFactory, CpuDevice, OwnFactory, Predictor};
 
 pub use vocab::{Vocab, VocabError};
@@ -130,7 +129,7 @@ pub async fn generate_with(
     }
     let model = rookery_model::load::load_model_file(&args.model, Some(&[context]), 1)?;
     let graph = model.graph;
-    let params = parameters(&graph, &args.weights)?;
+    let params = super::predict::parameters(&graph, Some(&args.weights))?;
     let mut prompt = vocab.encode(&args.prompt)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens; give some text");
@@ -196,43 +195,6 @@ fn declared_context(model: &Path) -> anyhow::Result<usize> {
             model.display()
         ),
     }
-}
-
-/// Every parameter and buffer of `graph`: from the weights file by name;
-/// constants (and buffers the file lacks, such as a causal mask) as the
-/// export holds them.
-fn parameters(graph: &Graph, weights: &Path) -> anyhow::Result<Vec<WireTensor>> {
-    let file = read_safetensors(weights)
-        .with_context(|| format!("cannot read weights {}", weights.display()))?;
-    let mut by_name: BTreeMap<String, _> = file.into_iter().map(|w| (w.name.clone(), w)).collect();
-    let mut out = Vec::with_capacity(graph.params.len());
-    for p in &graph.params {
-        let values = match by_name.remove(&p.name) {
-            Some(w) if w.shape == p.shape => w.values,
-            Some(w) => bail!(
-                "{}: `{}` has shape {:?}, the model's is {:?}",
-                weights.display(),
-                p.name,
-                w.shape,
-                p.shape
-            ),
-            None if p.kind == ParamKind::Trainable => bail!(
-                "{}: the weights lack `{}` ({:?}); are they this model's?",
-                weights.display(),
-                p.name,
-                p.shape
-            ),
-            None => p.initial_values(0),
-        };
-        out.push(match p.dtype {
-            DType::F32 => WireTensor::from_f32(&p.name, &p.shape, &values, WireDType::F32),
-            DType::I64 => {
-                let ints: Vec<i64> = values.iter().map(|&v| v as i64).collect();
-                WireTensor::from_i64(&p.name, &p.shape, &ints)
-            }
-        });
-    }
-    Ok(out)
 }
 
 /// What one sampling run reads and extends.

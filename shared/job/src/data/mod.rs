@@ -25,6 +25,7 @@ pub mod tokens;
 
 use rookery_model::{ClassAxis, DType, Graph, Loss, Op, ParamKind};
 
+pub use npy::{NpyData, read as read_npy, write as write_npy};
 pub use raw::{ElemType, RawArray};
 pub use tokens::{TokenDType, TokenIds, TokenWindows};
 

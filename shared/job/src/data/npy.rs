@@ -11,7 +11,8 @@ use crate::error::JobError;
 /// Headers beyond this are not NumPy's (it pads to 64 bytes, and shapes are short).
 const MAX_HEADER: u64 = 1 << 20;
 
-pub(crate) fn read(path: &Path) -> Result<RawArray, JobError> {
+/// Reads one `.npy` file (gzipped or not).
+pub fn read(path: &Path) -> Result<RawArray, JobError> {
     let (mut r, avail) = open_maybe_gz(path)?;
     parse(&mut *r, avail, path.display().to_string())
 }
@@ -73,6 +74,43 @@ pub(crate) fn parse(r: &mut dyn Read, avail: Avail, source: String) -> Result<Ra
     let prefix = 8 + len_bytes as u64 + header_len;
     let bytes = read_payload(r, claimed, avail.minus(prefix), &source)?;
     RawArray::new(h.shape, elem, big_endian, bytes, source)
+}
+
+/// Elements to write to a `.npy` file, row-major.
+#[derive(Debug, Clone, Copy)]
+pub enum NpyData<'a> {
+    F32(&'a [f32]),
+    I64(&'a [i64]),
+}
+
+/// Writes a version 1.0 `.npy` file NumPy reads with `np.load`.
+pub fn write(path: &Path, shape: &[usize], data: NpyData) -> std::io::Result<()> {
+    let (descr, bytes): (&str, Vec<u8>) = match data {
+        NpyData::F32(v) => ("<f4", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        NpyData::I64(v) => ("<i8", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+    };
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    let shape = match dims.as_slice() {
+        [one] => format!("({one},)"),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    // NumPy pads the header with spaces to a multiple of 64 bytes, newline last.
+    let unpadded = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
+    header.push('\n');
+    let len = u16::try_from(header.len()).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the shape is too long for a .npy header",
+        )
+    })?;
+    let mut out = Vec::with_capacity(10 + header.len() + bytes.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&bytes);
+    std::fs::write(path, out)
 }
 
 struct Header {
@@ -254,5 +292,45 @@ impl Cursor<'_> {
         }
         self.eat(b'L'); // Python 2's long literals
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{NpyData, read, write};
+    use crate::data::ElemType;
+
+    #[test]
+    fn written_arrays_read_back_with_their_shape_and_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let f32s = [1.5f32, -2.0, 3.25, f32::MAX, 0.0, -0.0];
+        let i64s = [i64::MIN, -1, 0, 7, i64::MAX, 42];
+        let cases: [(&[usize], NpyData); 5] = [
+            (&[], NpyData::F32(&f32s[..1])),
+            (&[6], NpyData::F32(&f32s)),
+            (&[2, 3], NpyData::F32(&f32s)),
+            (&[3, 1, 2], NpyData::I64(&i64s)),
+            (&[0, 4], NpyData::I64(&[])),
+        ];
+        for (i, (shape, data)) in cases.into_iter().enumerate() {
+            let path = dir.path().join(format!("{i}.npy"));
+            write(&path, shape, data).unwrap();
+            let back = read(&path).unwrap();
+            assert_eq!(back.shape(), shape, "case {i}");
+            match data {
+                NpyData::F32(v) => {
+                    assert_eq!(back.elem(), ElemType::F32);
+                    assert_eq!(back.to_f32(), v);
+                }
+                NpyData::I64(v) => {
+                    assert_eq!(back.elem(), ElemType::I64);
+                    assert_eq!(back.to_classes().unwrap(), v);
+                }
+            }
+            // NumPy's own layout: the data starts on a 64-byte boundary.
+            let bytes = std::fs::read(&path).unwrap();
+            let header = usize::from(u16::from_le_bytes([bytes[8], bytes[9]]));
+            assert_eq!((10 + header) % 64, 0, "case {i}");
+        }
     }
 }

@@ -141,6 +141,16 @@ impl RawArray {
             .collect()
     }
 
+    /// Every element as f64 (integers beyond 2^53 round).
+    pub fn to_f64(&self) -> Vec<f64> {
+        self.nums()
+            .map(|n| match n {
+                Num::Int(v) => v as f64,
+                Num::Float(v) => v,
+            })
+            .collect()
+    }
+
     /// Every element as an integer class: integer types as they are, floats
     /// only when integral (`3.0`); anything else is an error naming the index.
     pub fn to_classes(&self) -> Result<Vec<i64>, JobError> {

@@ -156,6 +156,93 @@ fn import_model(
     Ok(imported)
 }
 
+/// Values given for a graph input when a model is imported to run once
+/// (`rookery predict`): the input becomes a constant of the graph, as an
+/// initializer would be, so inputs that share no batch dimension with the
+/// first (a weight fed as an input, a bias to broadcast) still run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BoundInput {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: BoundValues,
+}
+
+/// The elements of a [`BoundInput`], row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BoundValues {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+/// Imports an ONNX file to run once on `feeds`, a value for every graph
+/// input (those that are not initializers), as `rookery predict` does. The
+/// first graph input is fed at run time, at its feed's shape; every other
+/// input is fixed to its values, as an initializer would be, so inputs that
+/// share no batch dimension with the first (a weight given as an input, a
+/// bias to broadcast) still run. Unlike [`import_file`], the graph is not made
+/// batch-independent, and an output that folds to a constant is kept (a
+/// constant of the graph read by an `Identity`).
+pub fn import_file_fed(
+    path: impl AsRef<std::path::Path>,
+    feeds: &[BoundInput],
+) -> Result<Imported, OnnxError> {
+    let path = path.as_ref();
+    let file = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
+        file: file.clone(),
+        reason: format!("cannot read the file: {e}"),
+    })?;
+    let model = decode(&file, &bytes)?;
+    drop(bytes);
+    let inputs = model.graph.as_ref().map(fed_inputs).unwrap_or_default();
+    let input_err = |name: &str, reason: &str| OnnxError::Input {
+        file: file.clone(),
+        name: name.to_string(),
+        reason: reason.to_string(),
+    };
+    for feed in feeds {
+        if !inputs.contains(&feed.name.as_str()) {
+            return Err(input_err(&feed.name, "is not an input of the graph"));
+        }
+    }
+    let given = |name: &str| feeds.iter().find(|f| f.name == name);
+    if let Some(missing) = inputs.iter().find(|n| given(n).is_none()) {
+        return Err(input_err(missing, "no value is given for it"));
+    }
+    let Some(first) = inputs.first().and_then(|n| given(n)) else {
+        return Err(OnnxError::Model {
+            file,
+            reason: "the graph has no inputs besides its weights".into(),
+        });
+    };
+    let bound: Vec<BoundInput> = feeds
+        .iter()
+        .filter(|f| f.name != first.name)
+        .cloned()
+        .collect();
+    let dir = path.parent().unwrap_or(std::path::Path::new(""));
+    convert::Importer::new(&file, External::Beside(dir))
+        .run_once(bound)
+        .run(&model, &first.shape)
+}
+
+/// The graph inputs a caller feeds: those that are not initializers, in order.
+fn fed_inputs(graph: &pb::GraphProto) -> Vec<&str> {
+    graph
+        .input
+        .iter()
+        .map(|vi| vi.name())
+        .filter(|name| !graph.initializer.iter().any(|t| t.name() == *name))
+        .collect()
+}
+
+/// Whether the importer translates ONNX op `op` (default domain) in some
+/// form: onto Rookery ops, or folded at import time where its inputs are
+/// known then (`Shape`, `Range`, `Sqrt` of a constant, ...).
+pub fn imports_op(op: &str) -> bool {
+    convert::LOWERED.contains(&op) || fold::is_foldable(op) || matches!(op, "Shape" | "Size")
+}
+
 /// Imports an ONNX file, reading external data from files beside it.
 pub fn import_file(
     path: impl AsRef<std::path::Path>,

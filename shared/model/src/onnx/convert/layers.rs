@@ -195,6 +195,13 @@ impl Importer<'_> {
                 "count_include_pad = 0 with padding (PyTorch's default includes the padding)",
             ));
         }
+        // PyTorch's rule, which every executor follows.
+        if (0..2).any(|i| padding[i] * 2 > kernel[i]) {
+            return Err(self.unsupported(
+                here,
+                format!("pads {padding:?} over half the kernel {kernel:?}"),
+            ));
+        }
         let x = self.tensor_input(here, 0)?;
         let op = Op::pool2d(here.op == "MaxPool", kernel, stride, padding);
         self.emit(here, &here.out, op, vec![x])
@@ -254,6 +261,13 @@ impl Importer<'_> {
         // none, but names training-mode nodes after aten's functional batch norm.
         let training = here.attrs.int("training_mode").unwrap_or(0) != 0
             || here.proto.name().contains("legit_functional");
+        if training && self.run_once && here.attrs.int("training_mode").unwrap_or(0) != 0 {
+            return Err(self.unsupported(
+                here,
+                "training_mode = 1 in a forward-only run (batch statistics and updated \
+                 running statistics are training's)",
+            ));
+        }
         if !training {
             self.inference_signs.push(format!(
                 "BatchNormalization node `{}` is in inference mode",

@@ -39,6 +39,45 @@ const SUPPORTED: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Relu, Gelu, Sigmoid, 
     and, when their inputs are known at import time, Constant, Shape, Size, Range, ConstantOfShape, Expand, Where, Mod, Sqrt and other \
     shape arithmetic";
 
+/// ONNX ops [`Importer::convert`] maps onto Rookery ops (where their inputs
+/// are computed at run time).
+pub(crate) const LOWERED: &[&str] = &[
+    "Gemm",
+    "MatMul",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Relu",
+    "Sigmoid",
+    "Tanh",
+    "Gelu",
+    "Softmax",
+    "LogSoftmax",
+    "Conv",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "ReduceMean",
+    "BatchNormalization",
+    "LayerNormalization",
+    "Flatten",
+    "Reshape",
+    "Squeeze",
+    "Unsqueeze",
+    "Transpose",
+    "Concat",
+    "Dropout",
+    "Split",
+    "SplitToSequence",
+    "SequenceAt",
+    "Slice",
+    "Gather",
+    "Identity",
+    "Cast",
+    "CastLike",
+];
+
 /// What the importer knows about one ONNX value.
 #[derive(Debug, Clone)]
 enum Val {
@@ -130,6 +169,11 @@ pub(crate) struct Importer<'a> {
     warnings: Vec<String>,
     /// Evidence that the file was exported for inference, for one warning.
     inference_signs: Vec<String>,
+    /// Graph inputs given values at import, read as initializers.
+    bound: Vec<super::BoundInput>,
+    /// The graph runs once at the import's shapes (`rookery predict`):
+    /// outputs that fold to constants are kept.
+    run_once: bool,
 }
 
 impl<'a> Importer<'a> {
@@ -149,7 +193,17 @@ impl<'a> Importer<'a> {
             nodes: Vec::new(),
             warnings: Vec::new(),
             inference_signs: Vec::new(),
+            bound: Vec::new(),
+            run_once: false,
         }
+    }
+
+    /// An import to run once, with `bound` inputs fixed to their values;
+    /// see [`Importer::run_once`](Self#structfield.run_once).
+    pub(crate) fn run_once(mut self, bound: Vec<super::BoundInput>) -> Self {
+        self.bound = bound;
+        self.run_once = true;
+        self
     }
 
     /// See [`Importer::shapes_only`](Self#structfield.shapes_only).

@@ -29,7 +29,9 @@ impl Importer<'_> {
                 m.insert(kv.key(), kv.value());
             }
         }
-        for t in &graph.initializer {
+        let bound = self.bound_protos(graph)?;
+        let is_bound = |t: &TensorProto| bound.iter().any(|b| b.name() == t.name());
+        for t in graph.initializer.iter().chain(&bound) {
             let (elem, shape, numel) =
                 tensor::header(t).map_err(|reason| self.tensor_err(t, reason))?;
             let m = meta.get(t.name());
@@ -51,6 +53,8 @@ impl Importer<'_> {
                 Some("BUFFER") => Some(ParamKind::Buffer),
                 Some("CONSTANT_TENSOR") => Some(ParamKind::Constant),
                 _ if generated_name(t.name(), numel) => Some(ParamKind::Constant),
+                // A fed integer input is data, not state: a constant.
+                _ if !elem.is_float() && is_bound(t) => Some(ParamKind::Constant),
                 _ if !elem.is_float() => Some(ParamKind::Buffer),
                 _ if is_statistic(&name) => Some(ParamKind::Buffer),
                 _ => None,
@@ -82,6 +86,62 @@ impl Importer<'_> {
             });
         }
         Ok(())
+    }
+
+    /// The bound inputs as initializers of the element type each input
+    /// declares (f32 or i64; values cast where the two differ).
+    fn bound_protos(&self, graph: &GraphProto) -> Result<Vec<TensorProto>, OnnxError> {
+        use crate::onnx::BoundValues;
+        use crate::onnx::pb::tensor_proto::DataType;
+        let mut out = Vec::with_capacity(self.bound.len());
+        for b in &self.bound {
+            let err = |reason: String| OnnxError::Input {
+                file: self.file.to_string(),
+                name: b.name.clone(),
+                reason,
+            };
+            let Some(vi) = graph.input.iter().find(|vi| vi.name() == b.name) else {
+                return Err(err("is not an input of the graph".into()));
+            };
+            let declared = match vi.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+                Some(crate::onnx::pb::type_proto::Value::TensorType(tt)) => tt.elem_type(),
+                _ => return Err(err("is not a tensor".into())),
+            };
+            let numel: usize = b.shape.iter().product();
+            let len = match &b.values {
+                BoundValues::F32(v) => v.len(),
+                BoundValues::I64(v) => v.len(),
+            };
+            if len != numel {
+                return Err(err(format!(
+                    "{len} values given for shape {:?} ({numel} elements)",
+                    b.shape
+                )));
+            }
+            let (data_type, raw_data) = match (Elem::from_onnx(declared), &b.values) {
+                (Some(Elem::F32), BoundValues::F32(v)) => {
+                    (DataType::Float, f32_bytes(v.iter().copied()))
+                }
+                (Some(Elem::F32), BoundValues::I64(v)) => {
+                    (DataType::Float, f32_bytes(v.iter().map(|&x| x as f32)))
+                }
+                (Some(Elem::I64), BoundValues::I64(v)) => {
+                    (DataType::Int64, i64_bytes(v.iter().copied()))
+                }
+                (Some(Elem::I64), BoundValues::F32(v)) => {
+                    (DataType::Int64, i64_bytes(v.iter().map(|&x| x as i64)))
+                }
+                _ => return Err(err(unsupported_elem(declared))),
+            };
+            out.push(TensorProto {
+                name: Some(b.name.clone()),
+                dims: b.shape.iter().map(|&d| d as i64).collect(),
+                data_type: Some(data_type as i32),
+                raw_data: Some(raw_data),
+                ..TensorProto::default()
+            });
+        }
+        Ok(out)
     }
 
     fn tensor_err(&self, t: &TensorProto, reason: String) -> OnnxError {
@@ -189,12 +249,7 @@ impl Importer<'_> {
             let dtype = match Elem::from_onnx(tt.elem_type()) {
                 Some(Elem::F32) => DType::F32,
                 Some(Elem::I64) => DType::I64,
-                _ => {
-                    return Err(err(format!(
-                        "element type {} is not supported (float32 or int64 only)",
-                        tt.elem_type()
-                    )));
-                }
+                _ => return Err(err(unsupported_elem(tt.elem_type()))),
             };
             use crate::onnx::pb::tensor_shape_proto::dimension::Value as Dim;
             let declared: Option<Vec<Option<i64>>> = tt.shape.as_ref().map(|s| {
@@ -337,12 +392,42 @@ impl Importer<'_> {
                     self.inits[i].used = true;
                     outputs.push(self.inits[i].name.clone());
                 }
+                Some(Val::Missing { node, op, index }) if self.run_once => {
+                    return Err(OnnxError::Unsupported {
+                        file: self.file.to_string(),
+                        node: node.clone(),
+                        op: op.clone(),
+                        reason: format!(
+                            "output {index} (`{}`): Rookery's {op} computes only its first",
+                            o.name()
+                        ),
+                    });
+                }
                 Some(Val::Missing { node, op, .. }) => self.warnings.push(format!(
                     "{}: graph output `{}` (from node `{node}`, {op}) is state Rookery's op keeps \
                      itself (e.g. updated BatchNorm statistics); it is not a graph output",
                     self.file,
                     o.name()
                 )),
+                Some(Val::Const(t, _)) if self.run_once => {
+                    // Kept as a constant of the graph, read by an Identity
+                    // named as the output.
+                    let t = t.clone();
+                    let name = format!("{}/constant", o.name());
+                    self.constants.push(Param {
+                        name: name.clone(),
+                        shape: t.shape.clone(),
+                        dtype: super::dtype_of(t.elem),
+                        kind: ParamKind::Constant,
+                        init: Init::Values { data: t.to_f32() },
+                    });
+                    self.nodes.push(crate::graph::Node {
+                        name: o.name().to_string(),
+                        op: crate::ops::Op::Identity,
+                        inputs: vec![name],
+                    });
+                    outputs.push(o.name().to_string());
+                }
                 Some(Val::Const(..)) => self.warnings.push(format!(
                     "{}: graph output `{}` does not depend on the input (it folds to a \
                      constant); dropped",
@@ -368,6 +453,24 @@ impl Importer<'_> {
         }
         Ok(outputs)
     }
+}
+
+/// Why a graph input of ONNX element type `code` cannot be fed, naming the type.
+fn unsupported_elem(code: i32) -> String {
+    use crate::onnx::pb::tensor_proto::DataType;
+    let name = DataType::try_from(code).map_or_else(
+        |_| format!("code {code}"),
+        |t| t.as_str_name().to_lowercase(),
+    );
+    format!("element type {name} is not supported (float32 or int64 only)")
+}
+
+fn f32_bytes(values: impl Iterator<Item = f32>) -> Vec<u8> {
+    values.flat_map(f32::to_le_bytes).collect()
+}
+
+fn i64_bytes(values: impl Iterator<Item = i64>) -> Vec<u8> {
+    values.flat_map(i64::to_le_bytes).collect()
 }
 
 fn show_dims(d: &[Option<i64>]) -> String {

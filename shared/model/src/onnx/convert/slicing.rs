@@ -34,7 +34,13 @@ impl Importer<'_> {
                     .collect()
             }
         };
-        if sizes.iter().sum::<usize>() != dim || sizes.contains(&0) {
+        if sizes.iter().sum::<usize>() == dim && sizes.contains(&0) {
+            return Err(self.unsupported(
+                here,
+                format!("empty parts (split sizes {sizes:?}): Rookery's tensors are never empty"),
+            ));
+        }
+        if sizes.iter().sum::<usize>() != dim {
             return Err(self.node_err(
                 here,
                 format!(
@@ -238,15 +244,15 @@ impl Importer<'_> {
         Ok(())
     }
 
-    /// ONNX `Gather` of a run-time tensor with constant indices that pick a
-    /// contiguous ascending range (`pos.weight[arange(T)]`) or one element
-    /// (`qkv[0]`): a slice, as our kernels take no constant integer tensors.
-    /// `Ok(false)` when the indices are anything else.
+    /// A `Gather` of a run-time tensor (or a weight) at constant indices:
+    /// one slice for consecutive indices (attention's q, k, v), else one
+    /// slice per index joined by a `Concat` and shaped by a `Reshape`
+    /// (`x[:, [2, 0]]`), for up to [`MAX_GATHERED`] indices.
     pub(super) fn gather_as_slice(&mut self, here: &Here) -> Result<bool, OnnxError> {
-        let Some(Some(Val::Const(idx, None))) = here.ins.get(1) else {
+        let Some(Some(Val::Const(idx, _))) = here.ins.get(1) else {
             return Ok(false);
         };
-        if idx.elem.is_float() || idx.shape.len() > 1 {
+        if idx.elem.is_float() {
             return Ok(false);
         }
         let data = self.input_info(here, 0)?;
@@ -258,17 +264,51 @@ impl Importer<'_> {
             .into_iter()
             .map(|v| if v < 0 { v + dim } else { v })
             .collect();
-        let (Some(&first), Some(&last)) = (values.first(), values.last()) else {
-            return Ok(false);
-        };
-        let contiguous = values.windows(2).all(|w| w[1] == w[0] + 1);
-        if !contiguous || first < 0 || last >= dim {
+        if values.is_empty() || values.iter().any(|v| !(0..dim).contains(v)) {
             return Ok(false);
         }
         let source = self.tensor_input(here, 0)?;
-        let range = (first as usize, last as usize + 1);
         let out = here.out.clone();
-        self.emit_part(here, &out, &source, a, range, idx.shape.is_empty())?;
+        let contiguous = values.windows(2).all(|w| w[1] == w[0] + 1);
+        if contiguous && idx.shape.len() <= 1 {
+            let range = (values[0] as usize, values[values.len() - 1] as usize + 1);
+            self.emit_part(here, &out, &source, a, range, idx.shape.is_empty())?;
+            return Ok(true);
+        }
+        if values.len() > MAX_GATHERED {
+            return Err(self.unsupported(
+                here,
+                format!(
+                    "{} scattered constant indices (at most {MAX_GATHERED})",
+                    values.len()
+                ),
+            ));
+        }
+        let mut parts = Vec::with_capacity(values.len());
+        for (k, &v) in values.iter().enumerate() {
+            let part = format!("{out}/index{k}");
+            self.emit_part(here, &part, &source, a, (v as usize, v as usize + 1), false)?;
+            parts.push(part);
+        }
+        let joined = format!("{out}/joined");
+        match parts.as_slice() {
+            [one] => self.emit(here, &joined, Op::Identity, vec![one.clone()])?,
+            _ => self.emit(here, &joined, Op::Concat { axis: a as i64 }, parts)?,
+        }
+        let mut shape: Vec<usize> = data.shape[..a].to_vec();
+        shape.extend(&idx.shape);
+        shape.extend(&data.shape[a + 1..]);
+        let target: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let target = if a == 0 {
+            target
+        } else {
+            keep_batch(target, &data.shape, self.batch, self.exported_batch)
+        };
+        self.emit(here, &out, Op::Reshape { shape: target }, vec![joined])?;
         Ok(true)
     }
 }
+
+/// Most indices a constant `Gather` becomes slices for: beyond, a graph of
+/// slices is no way to compute it.
+const MAX_GATHERED: usize = 64;
