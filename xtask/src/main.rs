@@ -11,6 +11,9 @@
 //! cargo xtask demo gpt [--steps N] [--prompt TEXT]
 //!                                    the example GPT trained on Shakespeare across
 //!                                    4 local providers, then sampled
+//! cargo xtask conformance [--backend cpu,torch,wgpu] [--filter TEXT]
+//!                                    ONNX's backend node test cases on each backend:
+//!                                    a per-op table, N passed, M failed, K skipped
 //! cargo xtask gpu-kit [--debug]      target/gpu-kit/: kernel checks, kernel speed and
 //!                                    run.sh, to run on any machine with a GPU driver
 //! cargo xtask bench plan             planner benchmark (release build)
@@ -40,6 +43,7 @@
 //! Each step prints its duration; a failure names its step.
 
 mod bench;
+mod conformance;
 mod demo;
 mod demo_gpt;
 mod gpu_kit;
@@ -53,7 +57,7 @@ use std::process::ExitCode;
 
 const USAGE: &str = "usage: cargo xtask <setup | web [--release] | test [--skip-lint] | \
                      demo [--addr HOST:PORT] [--providers N] | demo gpt [--steps N] | \
-                     gpu-kit [--debug] | bench plan|pipeline|relay|fuzz|kernels|load|gpt>";
+                     conformance [--backend LIST] | gpu-kit [--debug] | bench plan|pipeline|relay|fuzz|kernels|load|gpt>";
 
 fn main() -> ExitCode {
     match run() {
@@ -76,6 +80,7 @@ fn run() -> Result<()> {
         "setup" => setup::main(rest),
         "web" => web::main(rest),
         "test" => test::main(rest),
+        "conformance" => conformance::main(rest),
         "demo" => match rest.split_first() {
             Some((gpt, rest)) if gpt == "gpt" => demo_gpt::main(rest),
             _ => demo::main(rest),

@@ -455,6 +455,37 @@ pub fn ensure_torch_python() -> Result<PathBuf> {
     Ok(python)
 }
 
+/// The `onnx` whose backend node test cases `cargo xtask conformance` runs:
+/// pinned, so a case's inputs and expected outputs change only with it.
+pub const ONNX_VERSION: &str = "1.23.2";
+const ONNX_PYTHON_PACKAGES: &[&str] = &["onnx==1.23.2", "numpy==2.4.6"];
+
+/// A Python with the pinned `onnx` in the cache (`onnx-venv/`), for the
+/// conformance cases; small beside the torch venv, so `cargo xtask test`
+/// makes it on a fresh machine.
+pub fn ensure_onnx_python() -> Result<PathBuf> {
+    let venv = cache_dir()?.join("onnx-venv");
+    let python = venv.join("bin/python");
+    let mut check = Command::new(&python);
+    check.args(["-c", "import onnx; print(onnx.__version__)"]);
+    if probe(&mut check).is_some_and(|v| v.trim() == ONNX_VERSION) {
+        return Ok(python);
+    }
+    step("onnx venv", || {
+        ensure_packages(true, true)?;
+        if probe(Command::new("python3").args(["-c", "import venv, ensurepip"])).is_none() {
+            apt(&["install", "-y", "--no-install-recommends", "python3-venv"])?;
+        }
+        run(Command::new("python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv))?;
+        run(Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(ONNX_PYTHON_PACKAGES))
+    })?;
+    Ok(python)
+}
+
 #[cfg(test)]
 mod tests {
     use super::locked_version;

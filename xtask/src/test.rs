@@ -2,7 +2,8 @@
 //!
 //! Setup, fmt, clippy (default and all features), a build of every binary, the
 //! dashboard, the workspace tests (the e2e tests need the binaries and the
-//! dashboard built first), then the browser-side wasm tests in headless
+//! dashboard built first), ONNX's node conformance cases on every backend,
+//! the GPU kit on lavapipe, then the browser-side wasm tests in headless
 //! Chromium (the dashboard's component tests, then the web provider's).
 //! Stops at the first failure and closes with a table of steps and durations.
 //! `--skip-lint` leaves out fmt and clippy for quicker local runs.
@@ -78,6 +79,11 @@ fn steps(summary: &mut Summary, skip_lint: bool) -> Result<()> {
         cmd.env("ROOKERY_WEB_DIR", target_dir().join("web"))
             .env("ROOKERY_BIN_DIR", target_dir().join("debug"));
         run(&mut cmd)
+    })?;
+    // ONNX's node cases on the CPU reference, libtorch and lavapipe; `cargo
+    // test` built the runner.
+    summary.step("onnx conformance", || {
+        crate::conformance::run_cases(&env, "cpu,torch,wgpu", None)
     })?;
     // The kit's own script on CI's adapter, so what donors' machines run is
     // what CI checked.
