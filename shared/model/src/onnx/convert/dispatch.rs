@@ -15,17 +15,6 @@ impl Importer<'_> {
         let op = here.op;
         match op {
             "Gemm" => self.gemm(here),
-            "MatMul" => {
-                let (a, b) = (self.input_info(here, 0)?, self.input_info(here, 1)?);
-                if a.shape.len() < 2 || b.shape.len() < 2 {
-                    return Err(self.unsupported(
-                        here,
-                        format!("1-D operands ({:?} x {:?})", a.shape, b.shape),
-                    ));
-                }
-                let inputs = vec![self.tensor_input(here, 0)?, self.tensor_input(here, 1)?];
-                self.emit(here, &here.out, Op::MatMul, inputs)
-            }
             "Add" | "Sub" | "Mul" | "Div" => {
                 let rop = match op {
                     "Add" => Op::Add,
@@ -259,6 +248,8 @@ impl Importer<'_> {
                     )),
                 }
             }
+            "Expand" if matches!(here.ins.get(1), Some(Some(Val::Const(..)))) => self.expand(here),
+            "MatMul" => self.matmul(here),
             _ if fold::is_foldable(op) => {
                 let runtime_at =
                     |i: usize| matches!(here.ins.get(i), Some(Some(Val::Graph(_) | Val::Var(_))));
@@ -293,5 +284,92 @@ impl Importer<'_> {
                 supported: SUPPORTED.to_string(),
             }),
         }
+    }
+
+    /// `Expand` of a run-time tensor to a known shape: adding zeros of the
+    /// broadcast shape (`x + 0` is `x`), as Rookery's op set has no
+    /// broadcast of its own.
+    fn expand(&mut self, here: &Here) -> Result<(), OnnxError> {
+        let x = self.input_info(here, 0)?;
+        let Some(Some(Val::Const(target, _))) = here.ins.get(1) else {
+            return Err(self.node_err(here, "the shape is not known at import time"));
+        };
+        let target: Vec<usize> = target
+            .as_i64()
+            .iter()
+            .map(|&d| usize::try_from(d).map_err(|_| self.node_err(here, format!("dimension {d}"))))
+            .collect::<Result<_, _>>()?;
+        let shape =
+            shapes::broadcast_shapes(&x.shape, &target).map_err(|e| self.node_err(here, e))?;
+        if shape == x.shape {
+            let xin = self.tensor_input(here, 0)?;
+            return self.emit(here, &here.out, Op::Identity, vec![xin]);
+        }
+        let zeros = format!("{}/zeros", here.out);
+        let numel = shape.iter().product();
+        self.constants.push(crate::graph::Param {
+            name: zeros.clone(),
+            shape,
+            dtype: x.dtype,
+            kind: crate::graph::ParamKind::Constant,
+            init: crate::init::Init::Values {
+                data: vec![0.0; numel],
+            },
+        });
+        let xin = self.tensor_input(here, 0)?;
+        self.emit(here, &here.out, Op::Add, vec![xin, zeros])
+    }
+
+    /// `MatMul`, where a 1-D operand is a matrix of one row (left) or one
+    /// column (right) whose added dimension the result drops, as NumPy does.
+    fn matmul(&mut self, here: &Here) -> Result<(), OnnxError> {
+        let (a, b) = (self.input_info(here, 0)?, self.input_info(here, 1)?);
+        if a.shape.is_empty() || b.shape.is_empty() {
+            return Err(self.unsupported(here, "scalar operands"));
+        }
+        let mut x = self.tensor_input(here, 0)?;
+        let mut w = self.tensor_input(here, 1)?;
+        if a.shape.len() >= 2 && b.shape.len() >= 2 {
+            return self.emit(here, &here.out, Op::MatMul, vec![x, w]);
+        }
+        let out = here.out.clone();
+        if a.shape.len() == 1 {
+            let row = format!("{out}/row");
+            self.emit(
+                here,
+                &row,
+                Op::Reshape {
+                    shape: vec![1, a.shape[0] as i64],
+                },
+                vec![x],
+            )?;
+            x = row;
+        }
+        if b.shape.len() == 1 {
+            let column = format!("{out}/column");
+            self.emit(
+                here,
+                &column,
+                Op::Reshape {
+                    shape: vec![b.shape[0] as i64, 1],
+                },
+                vec![w],
+            )?;
+            w = column;
+        }
+        let product = format!("{out}/matrix");
+        self.emit(here, &product, Op::MatMul, vec![x, w])?;
+        let mut shape = self
+            .graph_info(&product)
+            .ok_or_else(|| self.node_err(here, "the product's shape is unknown"))?
+            .shape;
+        if b.shape.len() == 1 {
+            shape.pop();
+        }
+        if a.shape.len() == 1 {
+            shape.remove(shape.len() - 1 - usize::from(b.shape.len() != 1));
+        }
+        let target = shape.iter().map(|&d| d as i64).collect();
+        self.emit(here, &out, Op::Reshape { shape: target }, vec![product])
     }
 }

@@ -17,26 +17,82 @@ impl Importer<'_> {
     pub(super) fn gemm(&mut self, here: &Here) -> Result<(), OnnxError> {
         let alpha = here.attrs.float("alpha").unwrap_or(1.0);
         let beta = here.attrs.float("beta").unwrap_or(1.0);
-        if alpha != 1.0 || (beta != 1.0 && here.present(2)) {
-            return Err(self.unsupported(here, format!("alpha = {alpha}, beta = {beta} (only 1)")));
-        }
-        if here.attrs.int("transA").unwrap_or(0) != 0 {
-            return Err(self.unsupported(here, "transA = 1"));
-        }
+        let trans_a = here.attrs.int("transA").unwrap_or(0) != 0;
+        let trans_b = here.attrs.int("transB").unwrap_or(0) != 0;
         self.note_folded_weight(here, 1);
-        let b = self.input_info(here, 1)?;
-        if b.shape.len() != 2 {
-            return Err(self.node_err(here, format!("B must be 2-D, is {:?}", b.shape)));
+        let (a, b) = (self.input_info(here, 0)?, self.input_info(here, 1)?);
+        if a.shape.len() != 2 || b.shape.len() != 2 {
+            return Err(self.node_err(
+                here,
+                format!("A and B must be 2-D, are {:?} and {:?}", a.shape, b.shape),
+            ));
         }
+        let c = match here.ins.get(2) {
+            None | Some(None) => None,
+            // The dynamo exporter spells `bias=False` as zeros.
+            Some(Some(Val::Const(t, None))) if t.all_zero() => None,
+            Some(Some(_)) => Some(self.input_info(here, 2)?),
+        };
+        let plain_bias = c.as_ref().is_none_or(|c| beta == 1.0 && c.shape.len() == 1);
+        if !trans_a && alpha == 1.0 && plain_bias {
+            return self.gemm_as_linear(here, trans_b);
+        }
+        // alpha * A' B' + beta * C, in ONNX's order of operations.
+        let out = here.out.clone();
+        let mut x = self.tensor_input(here, 0)?;
+        if trans_a {
+            let t = format!("{out}/a_t");
+            self.emit(here, &t, Op::Transpose { perm: vec![1, 0] }, vec![x])?;
+            x = t;
+        }
+        let mut w = self.tensor_input(here, 1)?;
+        if trans_b {
+            let t = format!("{out}/b_t");
+            self.emit(here, &t, Op::Transpose { perm: vec![1, 0] }, vec![w])?;
+            w = t;
+        }
+        let product = if c.is_none() && alpha == 1.0 {
+            out.clone()
+        } else {
+            format!("{out}/matmul")
+        };
+        self.emit(here, &product, Op::MatMul, vec![x, w])?;
+        let scaled = if alpha == 1.0 {
+            product
+        } else {
+            let factor = self.scalar(&format!("{out}/alpha"), alpha);
+            let name = if c.is_none() {
+                out.clone()
+            } else {
+                format!("{out}/scaled")
+            };
+            self.emit(here, &name, Op::Mul, vec![product, factor])?;
+            name
+        };
+        if c.is_none() {
+            return Ok(());
+        }
+        let mut bias = self.tensor_input(here, 2)?;
+        if beta != 1.0 {
+            let factor = self.scalar(&format!("{out}/beta"), beta);
+            let name = format!("{out}/bias");
+            self.emit(here, &name, Op::Mul, vec![bias, factor])?;
+            bias = name;
+        }
+        self.emit(here, &out, Op::Add, vec![scaled, bias])
+    }
+
+    /// `Gemm` as PyTorch's `nn.Linear` writes it (`transB = 1`, a 1-D bias),
+    /// or a matrix product plus a broadcast bias.
+    fn gemm_as_linear(&mut self, here: &Here, trans_b: bool) -> Result<(), OnnxError> {
         let x = self.tensor_input(here, 0)?;
         let w = self.tensor_input(here, 1)?;
         let bias = self.bias_input(here, 2)?;
-        if here.attrs.int("transB").unwrap_or(0) != 0 {
+        if trans_b {
             let mut inputs = vec![x, w];
             inputs.extend(bias);
             return self.emit(here, &here.out, Op::Linear, inputs);
         }
-        // B is [in, out]: a plain matrix product plus a broadcast bias.
         match bias {
             None => self.emit(here, &here.out, Op::MatMul, vec![x, w]),
             Some(c) => {
@@ -45,6 +101,18 @@ impl Importer<'_> {
                 self.emit(here, &here.out, Op::Add, vec![mm, c])
             }
         }
+    }
+
+    /// A scalar constant of the graph, for a factor such as Gemm's `alpha`.
+    fn scalar(&mut self, name: &str, value: f32) -> String {
+        self.constants.push(Param {
+            name: name.to_string(),
+            shape: Vec::new(),
+            dtype: DType::F32,
+            kind: ParamKind::Constant,
+            init: Init::Values { data: vec![value] },
+        });
+        name.to_string()
     }
 
     /// A bias input, or `None` when absent or a constant of zeros (the dynamo
@@ -109,7 +177,7 @@ impl Importer<'_> {
                 format!("kernel_shape {k:?} disagrees with weight {:?}", w.shape),
             ));
         }
-        let (stride, padding, dilation) = self.window_attrs(here)?;
+        let (stride, padding, dilation) = self.window_attrs(here, [w.shape[2], w.shape[3]])?;
         let groups = here.attrs.int("group").unwrap_or(1);
         let groups =
             usize::try_from(groups).map_err(|_| self.node_err(here, format!("group {groups}")))?;
@@ -130,14 +198,45 @@ impl Importer<'_> {
         )
     }
 
+    /// `auto_pad = SAME_*`: the padding that keeps `ceil(size / stride)`
+    /// outputs, where it splits evenly between the two sides (an odd total
+    /// is asymmetric, which Rookery's windows are not).
+    fn same_padding(
+        &self,
+        here: &Here,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        dilation: [usize; 2],
+    ) -> Result<[usize; 2], OnnxError> {
+        let x = self.input_info(here, 0)?;
+        if x.shape.len() != 4 {
+            return Err(self.unsupported(here, format!("input {:?} (only 2-D windows)", x.shape)));
+        }
+        let mut padding = [0; 2];
+        for i in 0..2 {
+            let size = x.shape[2 + i];
+            let out = size.div_ceil(stride[i].max(1));
+            let span = dilation[i] * (kernel[i].max(1) - 1) + 1;
+            let total = ((out.max(1) - 1) * stride[i] + span).saturating_sub(size);
+            if total % 2 != 0 {
+                return Err(self.unsupported(
+                    here,
+                    format!("auto_pad SAME with an odd total padding {total} (asymmetric)"),
+                ));
+            }
+            padding[i] = total / 2;
+        }
+        Ok(padding)
+    }
+
     /// Strides, symmetric pads and dilations of a 2-D window op.
-    fn window_attrs(&self, here: &Here) -> Result<Window, OnnxError> {
+    fn window_attrs(&self, here: &Here, kernel: [usize; 2]) -> Result<Window, OnnxError> {
         let auto_pad = here.attrs.string("auto_pad").unwrap_or_default();
-        if !matches!(auto_pad.as_str(), "" | "NOTSET" | "VALID") {
-            return Err(self.unsupported(
-                here,
-                format!("auto_pad = {auto_pad} (export with explicit padding)"),
-            ));
+        if !matches!(
+            auto_pad.as_str(),
+            "" | "NOTSET" | "VALID" | "SAME_UPPER" | "SAME_LOWER"
+        ) {
+            return Err(self.unsupported(here, format!("auto_pad = {auto_pad}")));
         }
         let pair = |name: &str, default: usize| -> Result<[usize; 2], OnnxError> {
             match here.attrs.ints(name) {
@@ -154,6 +253,9 @@ impl Importer<'_> {
         let dilation = pair("dilations", 1)?;
         let padding = match here.attrs.ints("pads") {
             _ if auto_pad == "VALID" => [0, 0],
+            _ if auto_pad.starts_with("SAME") => {
+                self.same_padding(here, kernel, stride, dilation)?
+            }
             None => [0, 0],
             Some(p) if p.len() == 4 && p.iter().all(|&d| d >= 0) => {
                 if p[0] != p[2] || p[1] != p[3] {
@@ -177,7 +279,7 @@ impl Importer<'_> {
                 );
             }
         };
-        let (stride, padding, dilation) = self.window_attrs(here)?;
+        let (stride, padding, dilation) = self.window_attrs(here, kernel)?;
         // ONNX pooling strides default to 1 (PyTorch's to the kernel), but both
         // exporters always write them, so the ONNX default is right here.
         if dilation != [1, 1] {
@@ -226,17 +328,20 @@ impl Importer<'_> {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.node_err(here, e))?;
         norm.sort_unstable();
+        norm.dedup();
+        let keepdims = here.attrs.int("keepdims").unwrap_or(1) != 0;
+        if norm.is_empty() {
+            if here.attrs.int("noop_with_empty_axes").unwrap_or(0) != 0 {
+                let xin = self.tensor_input(here, 0)?;
+                return self.emit(here, &here.out, Op::Identity, vec![xin]);
+            }
+            norm = (0..rank).collect();
+        }
         if rank < 3 || norm != (2..rank).collect::<Vec<_>>() {
-            return Err(self.unsupported(
-                here,
-                format!(
-                    "mean over axes {axes:?} of a rank-{rank} input (only over all spatial axes, \
-                     i.e. global average pooling)"
-                ),
-            ));
+            return self.mean_by_pooling(here, &x.shape, &norm, keepdims);
         }
         let xin = self.tensor_input(here, 0)?;
-        if here.attrs.int("keepdims").unwrap_or(1) != 0 {
+        if keepdims {
             return self.emit(here, &here.out, Op::GlobalAveragePool, vec![xin]);
         }
         let pooled = format!("{}/pool", here.out);
@@ -248,6 +353,61 @@ impl Importer<'_> {
             self.exported_batch,
         );
         self.emit(here, &here.out, Op::Reshape { shape }, vec![pooled])
+    }
+
+    /// A mean over any axes, as global average pooling: the kept axes
+    /// first, the reduced ones last (a `Transpose` where they are not
+    /// already), shaped `[N, kept, reduced, 1]`, pooled, and shaped back.
+    fn mean_by_pooling(
+        &mut self,
+        here: &Here,
+        shape: &[usize],
+        reduced: &[usize],
+        keepdims: bool,
+    ) -> Result<(), OnnxError> {
+        let out = here.out.clone();
+        let kept: Vec<usize> = (0..shape.len()).filter(|a| !reduced.contains(a)).collect();
+        let mut source = self.tensor_input(here, 0)?;
+        let perm: Vec<usize> = kept.iter().chain(reduced).copied().collect();
+        if perm.iter().enumerate().any(|(i, &p)| i != p) {
+            let t = format!("{out}/moved");
+            self.emit(here, &t, Op::Transpose { perm }, vec![source])?;
+            source = t;
+        }
+        let count = |axes: &[usize]| axes.iter().map(|&a| shape[a]).product::<usize>();
+        // The batch stays the leading dimension where it is kept.
+        let lead = match kept.first() {
+            Some(0) => shape[0],
+            _ => 1,
+        };
+        let grid = vec![
+            lead as i64,
+            (count(&kept) / lead.max(1)) as i64,
+            count(reduced) as i64,
+            1,
+        ];
+        let grid = match kept.first() {
+            Some(0) => keep_batch(grid, shape, self.batch, self.exported_batch),
+            _ => grid,
+        };
+        let flat = format!("{out}/grid");
+        self.emit(here, &flat, Op::Reshape { shape: grid }, vec![source])?;
+        let pooled = format!("{out}/pool");
+        self.emit(here, &pooled, Op::GlobalAveragePool, vec![flat])?;
+        let target: Vec<i64> = (0..shape.len())
+            .filter_map(|a| match reduced.contains(&a) {
+                true if keepdims => Some(1),
+                true => None,
+                false => Some(shape[a] as i64),
+            })
+            .collect();
+        let target = match target.first() {
+            Some(_) if kept.first() == Some(&0) => {
+                keep_batch(target, shape, self.batch, self.exported_batch)
+            }
+            _ => target,
+        };
+        self.emit(here, &out, Op::Reshape { shape: target }, vec![pooled])
     }
 
     pub(super) fn batch_norm(&mut self, here: &Here) -> Result<(), OnnxError> {
