@@ -832,3 +832,124 @@ fn older_opsets_take_axes_as_attributes() {
         onnx::import(&model_at(11, nodes, vec![], "y"), &no_external, &[2, 3, 4]).unwrap_err();
     assert!(matches!(err, OnnxError::Unsupported { .. }), "{err}");
 }
+
+// ---- Imports to run once (`rookery predict`) -----------------------------
+
+fn two_input_model(dir: &std::path::Path) -> PathBuf {
+    use pb::tensor_shape_proto::{Dimension, dimension};
+    let input = |name: &str, dims: &[i64]| pb::ValueInfoProto {
+        name: Some(name.into()),
+        r#type: Some(pb::TypeProto {
+            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+                elem_type: Some(pb::tensor_proto::DataType::Float as i32),
+                shape: Some(pb::TensorShapeProto {
+                    dim: dims
+                        .iter()
+                        .map(|&d| Dimension {
+                            value: Some(dimension::Value::DimValue(d)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let output = |name: &str| pb::ValueInfoProto {
+        name: Some(name.into()),
+        ..Default::default()
+    };
+    let bytes = pb::ModelProto {
+        ir_version: Some(9),
+        opset_import: vec![pb::OperatorSetIdProto {
+            domain: Some(String::new()),
+            version: Some(18),
+        }],
+        graph: Some(pb::GraphProto {
+            node: vec![
+                node("Add", &["x", "bias"], "y", vec![]),
+                node("Shape", &["x"], "shape", vec![]),
+            ],
+            input: vec![input("x", &[2, 3]), input("bias", &[3])],
+            output: vec![output("y"), output("shape")],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let path = dir.join("add.onnx");
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+fn fed(name: &str, shape: &[usize], values: Vec<f32>) -> onnx::BoundInput {
+    onnx::BoundInput {
+        name: name.into(),
+        shape: shape.to_vec(),
+        values: onnx::BoundValues::F32(values),
+    }
+}
+
+#[test]
+fn a_run_once_import_fixes_inputs_past_the_first_and_keeps_constant_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = two_input_model(dir.path());
+    let feeds = [
+        fed("x", &[2, 3], vec![0.0; 6]),
+        // No batch dimension shared with `x`: fixed to its values.
+        fed("bias", &[3], vec![1.0, 2.0, 3.0]),
+    ];
+    let g = onnx::import_file_fed(&path, &feeds).unwrap().graph;
+    assert_eq!(g.inputs.len(), 1);
+    assert_eq!(g.inputs[0].name, "x");
+    assert_eq!(
+        g.param("bias").unwrap().init,
+        Init::Values {
+            data: vec![1.0, 2.0, 3.0]
+        }
+    );
+    // `Shape(x)` folds at import; it stays an output, as a constant.
+    assert_eq!(g.outputs, ["y", "shape"]);
+    let shape = g.nodes.iter().find(|n| n.name == "shape").unwrap();
+    assert_eq!(shape.op, Op::Identity);
+    let constant = g.param(&shape.inputs[0]).unwrap();
+    assert_eq!(constant.kind, ParamKind::Constant);
+    assert_eq!(
+        constant.init,
+        Init::Values {
+            data: vec![2.0, 3.0]
+        }
+    );
+}
+
+#[test]
+fn a_run_once_import_names_inputs_missing_unknown_or_mis_sized() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = two_input_model(dir.path());
+    let x = fed("x", &[2, 3], vec![0.0; 6]);
+    let cases = [
+        (vec![x.clone()], "bias", "no value is given for it"),
+        (
+            vec![
+                x.clone(),
+                fed("bias", &[3], vec![0.0; 3]),
+                fed("z", &[1], vec![0.0]),
+            ],
+            "z",
+            "is not an input of the graph",
+        ),
+        (
+            vec![x, fed("bias", &[3], vec![0.0; 2])],
+            "bias",
+            "2 values given for shape [3]",
+        ),
+    ];
+    for (feeds, input, says) in cases {
+        let err = onnx::import_file_fed(&path, &feeds).unwrap_err();
+        assert!(
+            matches!(&err, OnnxError::Input { name, reason, .. } if name == input && reason.contains(says)),
+            "{err}"
+        );
+    }
+}

@@ -18,49 +18,20 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-pub enum NpyValues<'a> {
-    F32(&'a [f32]),
-    I64(&'a [i64]),
-}
-
-/// Writes a C-order `.npy` file (v1.0) of f32 or i64 values.
-pub fn write_npy(path: &Path, shape: &[usize], values: NpyValues<'_>) -> std::io::Result<()> {
-    let (descr, bytes): (&str, Vec<u8>) = match values {
-        NpyValues::F32(v) => ("<f4", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        NpyValues::I64(v) => ("<i8", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-    };
-    let dims: Vec<String> = shape.iter().map(ToString::to_string).collect();
-    let shape_text = if dims.len() == 1 {
-        format!("({},)", dims[0])
-    } else {
-        format!("({})", dims.join(", "))
-    };
-    let mut header =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_text}, }}");
-    // The header (with magic, version and length) pads to a multiple of 64, ending in a newline.
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut file = Vec::with_capacity(10 + header.len() + bytes.len());
-    file.extend_from_slice(b"\x93NUMPY\x01\x00");
-    file.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    file.extend_from_slice(header.as_bytes());
-    file.extend_from_slice(&bytes);
-    std::fs::write(path, file)
-}
+/// `.npy` writing is the job crate's (what `rookery predict` writes).
+pub use rookery_job::data::{NpyData, write_npy};
 
 /// Writes `data` as `{prefix}x.npy` and `{prefix}y.npy` in `dir`.
 pub fn write_classes(dir: &Path, prefix: &str, data: &Classes) -> std::io::Result<()> {
     write_npy(
         &dir.join(format!("{prefix}x.npy")),
         &data.shape(),
-        NpyValues::F32(&data.x),
+        NpyData::F32(&data.x),
     )?;
     write_npy(
         &dir.join(format!("{prefix}y.npy")),
         &[data.len()],
-        NpyValues::I64(&data.y),
+        NpyData::I64(&data.y),
     )
 }
 

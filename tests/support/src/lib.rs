@@ -14,5 +14,5 @@ pub mod models;
 
 pub use bounds::ErrorBound;
 pub use data::{Classes, lcg_values, pseudo};
-pub use job::{JobBatches, NpyValues, StepBatch, workspace_root, write_job, write_npy};
+pub use job::{JobBatches, NpyData, StepBatch, workspace_root, write_job, write_npy};
 pub use models::dense_mlp;
