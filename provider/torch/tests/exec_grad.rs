@@ -188,8 +188,22 @@ fn pooling_gradients_match_finite_differences() {
             kernel,
             stride,
             padding,
+            dilation: [1, 1],
+            ceil_mode: false,
         },
         &[1, 2, 3, 3],
+        &[],
+        false,
+    );
+    check_op(
+        Op::MaxPool2d {
+            kernel,
+            stride: [2, 2],
+            padding,
+            dilation: [2, 1],
+            ceil_mode: true,
+        },
+        &[1, 2, 5, 4],
         &[],
         false,
     );
@@ -199,6 +213,8 @@ fn pooling_gradients_match_finite_differences() {
             kernel,
             stride,
             padding,
+            ceil_mode: true,
+            count_include_pad: false,
         },
         &[1, 2, 4, 4],
         &[],

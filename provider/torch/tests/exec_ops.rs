@@ -274,6 +274,8 @@ fn max_and_average_pooling_match_direct_loops() {
             kernel: [k; 2],
             stride: [s; 2],
             padding: [p; 2],
+            dilation: [1, 1],
+            ceil_mode: false,
         };
         let y = eval_op(op, &[("x", &xt)], vec![]);
         assert_close(
@@ -286,6 +288,8 @@ fn max_and_average_pooling_match_direct_loops() {
             kernel: [k; 2],
             stride: [s; 2],
             padding: [p; 2],
+            ceil_mode: false,
+            count_include_pad: true,
         };
         let y = eval_op(op, &[("x", &xt)], vec![]);
         assert_close(

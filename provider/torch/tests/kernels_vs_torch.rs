@@ -360,9 +360,11 @@ proptest! {
     #[test]
     fn pools_match_torch(
         planes in 1usize..4, h in 1usize..12, w in 1usize..12, k in (1usize..4, 1usize..4),
-        s in (1usize..4, 1usize..4), p in (0usize..2, 0usize..2), seed in any::<u64>()
+        s in (1usize..4, 1usize..4), p in (0usize..2, 0usize..2), d in (1usize..3, 1usize..3),
+        ceil in any::<bool>(), include in any::<bool>(), seed in any::<u64>()
     ) {
-        let pool = Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1]);
+        let pool = Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1])
+            .and_then(|pool| pool.with_options([d.0, d.1], ceil, include));
         prop_assume!(pool.is_some());
         let pool = pool.unwrap();
         let xs = sample_matrix(planes * h * w, seed);
@@ -370,17 +372,21 @@ proptest! {
         let shape = [1, planes, h, w];
         let i64s = |v: (usize, usize)| [v.0 as i64, v.1 as i64];
         let x = leaf(&xs, &shape);
-        let y = x.max_pool2d(i64s(k), i64s(s), i64s(p), [1, 1], false);
+        let y = x.max_pool2d(i64s(k), i64s(s), i64s(p), i64s(d), ceil);
+        prop_assert_eq!(y.size(), [1, planes as i64, pool.out_hw().0 as i64, pool.out_hw().1 as i64]);
         backward(&y, &dy);
         let (ry, _, rdx) = pool.max_reference(&xs, &dy);
         close(&ry, &vals(&y), 0.0, "max_pool y")?;
         close(&rdx, &grad(&x), tol_sum(k.0 * k.1), "max_pool dx")?;
-        let x = leaf(&xs, &shape);
-        let y = x.avg_pool2d(i64s(k), i64s(s), i64s(p), false, true, None::<i64>);
-        backward(&y, &dy);
-        let (ry, rdx) = pool.avg_reference(&xs, &dy);
-        close(&ry, &vals(&y), tol_sum(k.0 * k.1), "avg_pool y")?;
-        close(&rdx, &grad(&x), tol_sum(k.0 * k.1), "avg_pool dx")?;
+        // torch's average pooling has no dilation.
+        if d == (1, 1) {
+            let x = leaf(&xs, &shape);
+            let y = x.avg_pool2d(i64s(k), i64s(s), i64s(p), ceil, include, None::<i64>);
+            backward(&y, &dy);
+            let (ry, rdx) = pool.avg_reference(&xs, &dy);
+            close(&ry, &vals(&y), tol_sum(k.0 * k.1), "avg_pool y")?;
+            close(&rdx, &grad(&x), tol_sum(k.0 * k.1), "avg_pool dx")?;
+        }
         let g = GlobalAvgPool { planes, spatial: h * w };
         let x = leaf(&xs, &shape);
         let y = x.adaptive_avg_pool2d([1, 1]);

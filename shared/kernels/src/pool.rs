@@ -1,10 +1,12 @@
 //! Pooling over `[planes, h, w]` (planes = batch times channels):
 //! MaxPool2d (forward records each window's argmax; backward gives each
 //! input element the gradients of the windows whose argmax it is),
-//! AvgPool2d (torch's defaults: floor mode, padding counted in the divisor,
-//! which is then always `kh * kw`), and GlobalAveragePool. Backward kernels
-//! own one input element each and visit the windows covering it, so no
-//! atomics are needed.
+//! AvgPool2d, and GlobalAveragePool, with torch's options: dilated taps,
+//! `ceil_mode` (a last partial window where one would start inside the
+//! input or its left padding) and, for the average, `count_include_pad`
+//! (divide by the taps inside the padded input, torch's default, or by those
+//! inside the input). Backward kernels own one input element each and visit
+//! the windows covering it, so no atomics are needed.
 
 use super::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, one_d};
 
@@ -17,11 +19,35 @@ pub struct Pool2d {
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
     pub padding: [usize; 2],
+    /// Spacing of a window's taps (1: adjacent).
+    pub dilation: [usize; 2],
+    /// Output sizes round up rather than down.
+    pub ceil_mode: bool,
+    /// The average divides by the window's taps inside the padded input
+    /// (torch's default) rather than by those inside the input.
+    pub count_include_pad: bool,
+}
+
+/// Outputs along one dimension, torch's rule: with `ceil_mode`, a last
+/// window that would start in the right padding is dropped.
+fn out_dim(len: usize, kernel: usize, stride: usize, pad: usize, dil: usize, ceil: bool) -> usize {
+    let span = dil * (kernel - 1) + 1;
+    let room = len + 2 * pad - span;
+    let mut out = if ceil {
+        room.div_ceil(stride)
+    } else {
+        room / stride
+    } + 1;
+    if ceil && (out - 1) * stride >= len + pad {
+        out -= 1;
+    }
+    out
 }
 
 impl Pool2d {
-    /// `None` when a kernel or stride is 0, the padding exceeds half the
-    /// kernel (torch refuses that too) or the output would be empty.
+    /// Adjacent taps, floor mode, padding counted: torch's defaults. `None`
+    /// when a kernel or stride is 0, the padding exceeds half the window
+    /// (torch refuses that too) or the output would be empty.
     pub fn new(
         planes: usize,
         h: usize,
@@ -30,31 +56,85 @@ impl Pool2d {
         stride: [usize; 2],
         padding: [usize; 2],
     ) -> Option<Self> {
-        if kernel.contains(&0)
-            || stride.contains(&0)
-            || padding[0] * 2 > kernel[0]
-            || padding[1] * 2 > kernel[1]
-        {
-            return None;
-        }
-        if h + 2 * padding[0] < kernel[0] || w + 2 * padding[1] < kernel[1] {
-            return None;
-        }
-        Some(Self {
+        Self {
             planes,
             h,
             w,
             kernel,
             stride,
             padding,
-        })
+            dilation: [1, 1],
+            ceil_mode: false,
+            count_include_pad: true,
+        }
+        .checked()
+    }
+
+    /// The same geometry with torch's other options; `None` where they make
+    /// it invalid, or leave a window without a tap inside the input.
+    pub fn with_options(
+        self,
+        dilation: [usize; 2],
+        ceil_mode: bool,
+        count_include_pad: bool,
+    ) -> Option<Self> {
+        Self {
+            dilation,
+            ceil_mode,
+            count_include_pad,
+            ..self
+        }
+        .checked()
+    }
+
+    fn checked(self) -> Option<Self> {
+        let dims = [(self.h, 0), (self.w, 1)];
+        for (len, i) in dims {
+            let (k, s, p, d) = (
+                self.kernel[i],
+                self.stride[i],
+                self.padding[i],
+                self.dilation[i],
+            );
+            if k == 0 || s == 0 || d == 0 || len == 0 {
+                return None;
+            }
+            let span = d.checked_mul(k - 1)?.checked_add(1)?;
+            if p.checked_mul(2)? > span || len.checked_add(2 * p)? < span {
+                return None;
+            }
+            // Every window needs a tap inside the input (the max starts
+            // there). Windows starting inside it have one; those starting in
+            // the left padding (o * s < p) are checked at their first tap
+            // past it, and a stranger's graph cannot make that many.
+            let left = p.div_ceil(s).min(out_dim(len, k, s, p, d, self.ceil_mode));
+            if left > 1 << 16 {
+                return None;
+            }
+            let has_tap = |o: usize| {
+                let before = p - o * s;
+                let t = before.div_ceil(d);
+                t < k && t * d - before < len
+            };
+            if !(0..left).all(has_tap) {
+                return None;
+            }
+        }
+        Some(self)
     }
 
     pub fn out_hw(&self) -> (usize, usize) {
-        (
-            (self.h + 2 * self.padding[0] - self.kernel[0]) / self.stride[0] + 1,
-            (self.w + 2 * self.padding[1] - self.kernel[1]) / self.stride[1] + 1,
-        )
+        let dim = |len, i: usize| {
+            out_dim(
+                len,
+                self.kernel[i],
+                self.stride[i],
+                self.padding[i],
+                self.dilation[i],
+                self.ceil_mode,
+            )
+        };
+        (dim(self.h, 0), dim(self.w, 1))
     }
 
     pub fn out_len(&self) -> usize {
@@ -72,16 +152,19 @@ impl Pool2d {
     }
 
     /// WGSL looping over the windows covering input element `(iy, ix)` of
-    /// `plane`: `body` sees `oi`, the flat output index.
+    /// `plane`: `body` sees `oi`, the flat output index, and `wy`, `wx`,
+    /// the window's output coordinates.
     fn covering_windows(&self, body: &str) -> String {
         let (oh, ow) = self.out_hw();
-        let ([kh, kw], [s0, s1], [p0, p1]) = (self.kernel, self.stride, self.padding);
+        let ([kh, kw], [s0, s1], [p0, p1], [d0, d1]) =
+            (self.kernel, self.stride, self.padding, self.dilation);
         format!(
-            "    for (var ky = 0u; ky < {kh}u; ky += 1u) {{\n        let ty = i32(iy + {p0}u) - i32(ky);\n\
+            "    for (var ky = 0u; ky < {kh}u; ky += 1u) {{\n        let ty = i32(iy + {p0}u) - i32(ky * {d0}u);\n\
              \x20       if (ty < 0i || u32(ty) % {s0}u != 0u || u32(ty) / {s0}u >= {oh}u) {{ continue; }}\n\
-             \x20       for (var kx = 0u; kx < {kw}u; kx += 1u) {{\n            let tx = i32(ix + {p1}u) - i32(kx);\n\
+             \x20       for (var kx = 0u; kx < {kw}u; kx += 1u) {{\n            let tx = i32(ix + {p1}u) - i32(kx * {d1}u);\n\
              \x20           if (tx < 0i || u32(tx) % {s1}u != 0u || u32(tx) / {s1}u >= {ow}u) {{ continue; }}\n\
-             \x20           let oi = (plane * {oh}u + u32(ty) / {s0}u) * {ow}u + u32(tx) / {s1}u;\n{body}\n        }}\n    }}\n"
+             \x20           let wy = u32(ty) / {s0}u;\n            let wx = u32(tx) / {s1}u;\n\
+             \x20           let oi = (plane * {oh}u + wy) * {ow}u + wx;\n{body}\n        }}\n    }}\n"
         )
     }
 
@@ -95,17 +178,20 @@ impl Pool2d {
 
     /// Max forward: bindings `x`, `y`, `argmax` (u32, the index within the
     /// plane, as torch's indices). NaN wins, as in torch. The running maximum
-    /// starts at the window's first element rather than at -inf, which
-    /// Chromium's WGSL compiler refuses to represent; padding is at most half
-    /// the kernel, so every window has one.
+    /// starts at the window's first tap inside the input rather than at
+    /// -inf, which Chromium's WGSL compiler refuses to represent; every
+    /// window has one ([`Pool2d::with_options`] checks).
     pub fn max_forward(&self) -> KernelSpec {
         let (h, w) = (self.h, self.w);
-        let ([kh, kw], [s0, s1], [p0, p1]) = (self.kernel, self.stride, self.padding);
+        let ([kh, kw], [s0, s1], [p0, p1], [d0, d1]) =
+            (self.kernel, self.stride, self.padding, self.dilation);
         let body = format!(
             "{}    let y0 = i32(oy * {s0}u) - {p0}i;\n    let x0 = i32(ox * {s1}u) - {p1}i;\n\
-             \x20   var arg = u32(max(y0, 0i)) * {w}u + u32(max(x0, 0i));\n    var best = x[plane * {hw}u + arg];\n\
-             \x20   for (var ky = 0i; ky < {kh}i; ky += 1i) {{\n        let iy = y0 + ky;\n        if (iy < 0i || iy >= {h}i) {{ continue; }}\n\
-             \x20       for (var kx = 0i; kx < {kw}i; kx += 1i) {{\n            let ix = x0 + kx;\n            if (ix < 0i || ix >= {w}i) {{ continue; }}\n\
+             \x20   let fy = select(0i, (-y0 + {d0}i - 1i) / {d0}i, y0 < 0i);\n\
+             \x20   let fx = select(0i, (-x0 + {d1}i - 1i) / {d1}i, x0 < 0i);\n\
+             \x20   var arg = u32(y0 + fy * {d0}i) * {w}u + u32(x0 + fx * {d1}i);\n    var best = x[plane * {hw}u + arg];\n\
+             \x20   for (var ky = 0i; ky < {kh}i; ky += 1i) {{\n        let iy = y0 + ky * {d0}i;\n        if (iy < 0i || iy >= {h}i) {{ continue; }}\n\
+             \x20       for (var kx = 0i; kx < {kw}i; kx += 1i) {{\n            let ix = x0 + kx * {d1}i;\n            if (ix < 0i || ix >= {w}i) {{ continue; }}\n\
              \x20           let idx = u32(iy) * {w}u + u32(ix);\n            let v = x[plane * {hw}u + idx];\n\
              \x20           if (v > best || v != v) {{ best = v; arg = idx; }}\n        }}\n    }}\n\
              \x20   y[i] = best;\n    argmax[i] = arg;",
@@ -148,19 +234,46 @@ impl Pool2d {
         )
     }
 
+    /// WGSL `fn taps(oy, ox) -> f32`: the divisor of window `(oy, ox)`.
+    fn taps_wgsl(&self) -> String {
+        let (h, w) = (self.h, self.w);
+        let ([kh, kw], [s0, s1], [p0, p1], [d0, d1]) =
+            (self.kernel, self.stride, self.padding, self.dilation);
+        // Taps inside [lo, hi) along one dimension of a window starting at `start`.
+        let count = |k: usize, d: usize, lo: i64, hi: i64| {
+            format!(
+                "    var n{d}{k} = 0.0;\n    for (var t = 0i; t < {k}i; t += 1i) {{ let at = start + t * {d}i; \
+                 if (at >= {lo}i && at < {hi}i) {{ n{d}{k} += 1.0; }} }}\n",
+            )
+        };
+        let (lo_y, hi_y, lo_x, hi_x) = if self.count_include_pad {
+            (-(p0 as i64), (h + p0) as i64, -(p1 as i64), (w + p1) as i64)
+        } else {
+            (0, h as i64, 0, w as i64)
+        };
+        format!(
+            "fn taps_along_y(start: i32) -> f32 {{\n{}    return n{d0}{kh};\n}}\n\
+             fn taps_along_x(start: i32) -> f32 {{\n{}    return n{d1}{kw};\n}}\n\
+             fn taps(oy: u32, ox: u32) -> f32 {{\n    return taps_along_y(i32(oy * {s0}u) - {p0}i) * \
+             taps_along_x(i32(ox * {s1}u) - {p1}i);\n}}\n",
+            count(kh, d0, lo_y, hi_y),
+            count(kw, d1, lo_x, hi_x),
+        )
+    }
+
     /// Average forward: bindings `x`, `y`.
     pub fn avg_forward(&self) -> KernelSpec {
         let (h, w) = (self.h, self.w);
-        let ([kh, kw], [s0, s1], [p0, p1]) = (self.kernel, self.stride, self.padding);
+        let ([kh, kw], [s0, s1], [p0, p1], [d0, d1]) =
+            (self.kernel, self.stride, self.padding, self.dilation);
         let body = format!(
             "{}    let y0 = i32(oy * {s0}u) - {p0}i;\n    let x0 = i32(ox * {s1}u) - {p1}i;\n    var sum = 0.0;\n\
-             \x20   for (var ky = 0i; ky < {kh}i; ky += 1i) {{\n        let iy = y0 + ky;\n        if (iy < 0i || iy >= {h}i) {{ continue; }}\n\
-             \x20       for (var kx = 0i; kx < {kw}i; kx += 1i) {{\n            let ix = x0 + kx;\n            if (ix < 0i || ix >= {w}i) {{ continue; }}\n\
+             \x20   for (var ky = 0i; ky < {kh}i; ky += 1i) {{\n        let iy = y0 + ky * {d0}i;\n        if (iy < 0i || iy >= {h}i) {{ continue; }}\n\
+             \x20       for (var kx = 0i; kx < {kw}i; kx += 1i) {{\n            let ix = x0 + kx * {d1}i;\n            if (ix < 0i || ix >= {w}i) {{ continue; }}\n\
              \x20           sum += x[plane * {hw}u + u32(iy) * {w}u + u32(ix)];\n        }}\n    }}\n\
-             \x20   y[i] = sum / {div}.0;",
+             \x20   y[i] = sum / taps(oy, ox);",
             self.out_coords(),
             hw = h * w,
-            div = kh * kw
         );
         one_d(
             "avg_pool2d_fwd",
@@ -168,7 +281,7 @@ impl Pool2d {
                 ("x", Binding::Read, "f32"),
                 ("y", Binding::ReadWrite, "f32"),
             ],
-            "",
+            &self.taps_wgsl(),
             self.out_len(),
             DEFAULT_WORKGROUP,
             &body,
@@ -178,10 +291,9 @@ impl Pool2d {
     /// Average backward: bindings `dy`, `dx`.
     pub fn avg_backward(&self) -> KernelSpec {
         let body = format!(
-            "{}    var acc = 0.0;\n{}    dx[i] = acc / {div}.0;",
+            "{}    var acc = 0.0;\n{}    dx[i] = acc;",
             self.in_coords(),
-            self.covering_windows("            acc += dy[oi];"),
-            div = self.kernel[0] * self.kernel[1]
+            self.covering_windows("            acc += dy[oi] / taps(wy, wx);"),
         );
         one_d(
             "avg_pool2d_bwd",
@@ -189,26 +301,47 @@ impl Pool2d {
                 ("dy", Binding::Read, "f32"),
                 ("dx", Binding::ReadWrite, "f32"),
             ],
-            "",
+            &self.taps_wgsl(),
             self.planes * self.h * self.w,
             DEFAULT_WORKGROUP,
             &body,
         )
     }
 
-    /// Window positions `(iy, ix)` of output `(oy, ox)` inside the image.
+    /// Taps of window `(oy, ox)` inside the image, as `(iy, ix)`.
     fn window(&self, oy: usize, ox: usize) -> Vec<(usize, usize)> {
         let mut v = Vec::new();
-        for ky in 0..self.kernel[0] {
-            for kx in 0..self.kernel[1] {
-                let iy = (oy * self.stride[0] + ky) as isize - self.padding[0] as isize;
-                let ix = (ox * self.stride[1] + kx) as isize - self.padding[1] as isize;
-                if iy >= 0 && ix >= 0 && (iy as usize) < self.h && (ix as usize) < self.w {
+        for (iy, inside_y) in self.taps_along(0, oy) {
+            for (ix, inside_x) in self.taps_along(1, ox) {
+                if inside_y && inside_x {
                     v.push((iy as usize, ix as usize));
                 }
             }
         }
         v
+    }
+
+    /// Positions of a window's taps along dimension `dim`, each with
+    /// whether it is inside the input.
+    fn taps_along(&self, dim: usize, o: usize) -> Vec<(isize, bool)> {
+        let len = [self.h, self.w][dim] as isize;
+        let start = (o * self.stride[dim]) as isize - self.padding[dim] as isize;
+        (0..self.kernel[dim])
+            .map(|t| start + (t * self.dilation[dim]) as isize)
+            .map(|at| (at, at >= 0 && at < len))
+            .collect()
+    }
+
+    /// The average's divisor for window `(oy, ox)`.
+    fn divisor(&self, oy: usize, ox: usize) -> f64 {
+        let count = |dim: usize, o: usize| {
+            let (len, pad) = ([self.h, self.w][dim] as isize, self.padding[dim] as isize);
+            self.taps_along(dim, o)
+                .iter()
+                .filter(|&&(at, inside)| inside || (self.count_include_pad && at < len + pad))
+                .count() as f64
+        };
+        count(0, oy) * count(1, ox)
     }
 
     /// CPU reference of max pooling: `(y, argmax, dx)`.
@@ -244,13 +377,13 @@ impl Pool2d {
     pub fn avg_reference(&self, x: &[f32], dy: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let (oh, ow) = self.out_hw();
         let hw = self.h * self.w;
-        let div = (self.kernel[0] * self.kernel[1]) as f64;
         let mut y = vec![0.0; self.out_len()];
         let mut dx = vec![0.0f64; x.len()];
         for p in 0..self.planes {
             for oy in 0..oh {
                 for ox in 0..ow {
                     let oi = (p * oh + oy) * ow + ox;
+                    let div = self.divisor(oy, ox);
                     let win = self.window(oy, ox);
                     y[oi] = (win
                         .iter()
@@ -338,13 +471,16 @@ mod tests {
             (6, 28, 28, [2, 2], [2, 2], [0, 0]),
             (3, 7, 5, [3, 2], [2, 1], [1, 1]),
         ] {
-            let pool = Pool2d::new(planes, h, w, k, s, p).unwrap();
-            for spec in [
-                pool.max_forward(),
-                pool.max_backward(),
-                pool.avg_forward(),
-                pool.avg_backward(),
-            ] {
+            let plain = Pool2d::new(planes, h, w, k, s, p).unwrap();
+            let options = plain.with_options([2, 1], true, false);
+            for spec in [plain].into_iter().chain(options).flat_map(|pool| {
+                [
+                    pool.max_forward(),
+                    pool.max_backward(),
+                    pool.avg_forward(),
+                    pool.avg_backward(),
+                ]
+            }) {
                 validate::spec(&spec);
             }
         }
@@ -364,5 +500,44 @@ mod tests {
         let (y, dx) = p.avg_reference(&[1.0, 4.0, 3.0, 2.0], &[4.0]);
         assert_eq!((y, dx), (vec![2.5], vec![1.0; 4]));
         assert!(Pool2d::new(1, 4, 4, [2, 2], [1, 1], [2, 0]).is_none());
+    }
+
+    #[test]
+    fn ceil_mode_and_excluded_padding_follow_torch() {
+        // 5 wide, kernel 2, stride 2: floor gives 2 windows, ceil a third
+        // over the last column alone.
+        let floor = Pool2d::new(1, 1, 5, [1, 2], [1, 2], [0, 0]).unwrap();
+        let ceil = floor.with_options([1, 1], true, true).unwrap();
+        assert_eq!((floor.out_hw(), ceil.out_hw()), ((1, 2), (1, 3)));
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0];
+        assert_eq!(ceil.avg_reference(&x, &[0.0; 3]).0, [1.5, 3.5, 5.0]);
+        // Padding 1, kernel 2, stride 2 over 5: a fourth window would start
+        // in the right padding, so ceil mode drops it (torch's rule).
+        let drop = Pool2d::new(1, 1, 5, [1, 2], [1, 2], [0, 1]).unwrap();
+        let drop_ceil = drop.with_options([1, 1], true, true).unwrap();
+        assert_eq!((drop.out_hw(), drop_ceil.out_hw()), ((1, 3), (1, 3)));
+        // Padding 1, kernel 3, stride 2 over 4: ceil mode adds a window at
+        // 3, whose divisor counts the taps inside the padded input only.
+        let padded = Pool2d::new(1, 1, 4, [1, 3], [1, 2], [0, 1]).unwrap();
+        let padded_ceil = padded.with_options([1, 1], true, true).unwrap();
+        let x = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(padded_ceil.avg_reference(&x, &[0.0; 3]).0, [1.0, 3.0, 2.0]);
+        // Counting the padding: (0 + 1 + 2) / 3; without: (1 + 2) / 2.
+        assert_eq!(padded.avg_reference(&x, &[0.0; 2]).0, [1.0, 3.0]);
+        let excluded = padded.with_options([1, 1], false, false).unwrap();
+        assert_eq!(excluded.avg_reference(&x, &[0.0; 2]).0, [1.5, 3.0]);
+        // Dilation 2: taps 0, 2 and 1, 3.
+        let dilated = Pool2d::new(1, 1, 4, [1, 2], [1, 1], [0, 0])
+            .unwrap()
+            .with_options([1, 2], false, true)
+            .unwrap();
+        assert_eq!(dilated.max_reference(&x, &[0.0; 2]).0, [3.0, 4.0]);
+        // A window of padding only has no maximum: refused.
+        assert!(
+            Pool2d::new(1, 1, 1, [1, 2], [1, 1], [0, 1])
+                .unwrap()
+                .with_options([1, 2], false, true)
+                .is_none()
+        );
     }
 }

@@ -197,9 +197,11 @@ proptest! {
     #[test]
     fn pools_match_reference_on_random_geometry(
         planes in 1usize..5, h in 1usize..15, w in 1usize..15, k in (1usize..4, 1usize..4),
-        s in (1usize..4, 1usize..4), p in (0usize..2, 0usize..2), seed in any::<u64>()
+        s in (1usize..4, 1usize..4), p in (0usize..2, 0usize..2), d in (1usize..3, 1usize..3),
+        ceil in any::<bool>(), include in any::<bool>(), seed in any::<u64>()
     ) {
-        let pool = rookery_kernels::pool::Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1]);
+        let pool = rookery_kernels::pool::Pool2d::new(planes, h, w, [k.0, k.1], [s.0, s.1], [p.0, p.1])
+            .and_then(|pool| pool.with_options([d.0, d.1], ceil, include));
         prop_assume!(pool.is_some());
         prop_assert_eq!(run(&checks::pool2d(pool.unwrap(), seed)), Ok(()));
         prop_assert_eq!(run(&checks::global_avg_pool(planes, h * w, seed)), Ok(()));

@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use rookery_kernels::pool::Pool2d;
+
 use crate::tensor::{DType, TensorInfo};
 
 /// One operation. Inputs are positional tensor names on the [`crate::Node`];
@@ -43,11 +45,23 @@ pub enum Op {
         kernel: [usize; 2],
         stride: [usize; 2],
         padding: [usize; 2],
+        /// Spacing of a window's taps (ONNX `dilations`, torch `dilation`).
+        #[serde(default = "adjacent", skip_serializing_if = "is_adjacent")]
+        dilation: [usize; 2],
+        /// Output sizes round up (`ceil_mode`).
+        #[serde(default, skip_serializing_if = "is_false")]
+        ceil_mode: bool,
     },
     AvgPool2d {
         kernel: [usize; 2],
         stride: [usize; 2],
         padding: [usize; 2],
+        #[serde(default, skip_serializing_if = "is_false")]
+        ceil_mode: bool,
+        /// Padding counts in the divisor: PyTorch's default, ONNX's
+        /// `count_include_pad = 1`.
+        #[serde(default = "yes", skip_serializing_if = "is_true")]
+        count_include_pad: bool,
     },
     /// [N, C, H, W] -> [N, C, 1, 1].
     GlobalAveragePool,
@@ -93,6 +107,26 @@ pub enum Op {
         axis: i64,
     },
     Identity,
+}
+
+fn adjacent() -> [usize; 2] {
+    [1, 1]
+}
+
+fn is_adjacent(d: &[usize; 2]) -> bool {
+    *d == [1, 1]
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Why an op rejected its inputs; the graph adds the node name.
@@ -209,14 +243,51 @@ impl Op {
                 kernel,
                 stride,
                 padding,
+                dilation: adjacent(),
+                ceil_mode: false,
             }
         } else {
             Op::AvgPool2d {
                 kernel,
                 stride,
                 padding,
+                ceil_mode: false,
+                count_include_pad: true,
             }
         }
+    }
+
+    /// A pooling op's windows over `planes` planes of `h x w`: what every
+    /// executor runs and shape inference sizes the output by. `None` for
+    /// other ops and for geometry no executor runs (padding over half the
+    /// window, as PyTorch refuses, or a window without a tap inside the
+    /// input).
+    pub fn pool_geometry(&self, planes: usize, h: usize, w: usize) -> Option<Pool2d> {
+        let (kernel, stride, padding, dilation, ceil, include) = match *self {
+            Op::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+            } => (kernel, stride, padding, dilation, ceil_mode, true),
+            Op::AvgPool2d {
+                kernel,
+                stride,
+                padding,
+                ceil_mode,
+                count_include_pad,
+            } => (
+                kernel,
+                stride,
+                padding,
+                [1, 1],
+                ceil_mode,
+                count_include_pad,
+            ),
+            _ => return None,
+        };
+        Pool2d::new(planes, h, w, kernel, stride, padding)?.with_options(dilation, ceil, include)
     }
 
     /// The op's name as used in error messages and plans.
@@ -401,30 +472,27 @@ impl Op {
                 Ok(f32_out(vec![s[0], w[0], h, wd]))
             }
             Op::MaxPool2d {
-                kernel,
-                stride,
-                padding,
+                kernel, padding, ..
             }
             | Op::AvgPool2d {
-                kernel,
-                stride,
-                padding,
+                kernel, padding, ..
             } => {
                 f32_input(x, "input")?;
                 let s = &x.shape;
                 if s.len() != 4 {
                     return shape_err(format!("input {s:?} must be [N, C, H, W]"));
                 }
-                // PyTorch's rule: padding at most half the window.
-                if padding[0].saturating_mul(2) > kernel[0]
-                    || padding[1].saturating_mul(2) > kernel[1]
-                {
+                let Some(pool) = s[0]
+                    .checked_mul(s[1])
+                    .and_then(|planes| self.pool_geometry(planes, s[2], s[3]))
+                else {
                     return invalid(format!(
-                        "padding {padding:?} larger than half the kernel {kernel:?}"
+                        "no valid pooling of {s:?} with kernel {kernel:?} and padding \
+                         {padding:?} (padding at most half the window, every window with a \
+                         tap inside the input)"
                     ));
-                }
-                let h = window_out(s[2], kernel[0], stride[0], padding[0], 1, "height")?;
-                let w = window_out(s[3], kernel[1], stride[1], padding[1], 1, "width")?;
+                };
+                let (h, w) = pool.out_hw();
                 Ok(f32_out(vec![s[0], s[1], h, w]))
             }
             Op::GlobalAveragePool => {

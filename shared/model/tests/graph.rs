@@ -193,6 +193,8 @@ fn residual_block() {
             kernel: [3, 3],
             stride: [2, 2],
             padding: [1, 1],
+            ceil_mode: false,
+            count_include_pad: true,
         },
         &["cat"],
     );

@@ -988,23 +988,10 @@ impl Lowering<'_> {
     }
 
     fn pool(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Pool2d, StageError> {
-        let (Op::MaxPool2d {
-            kernel,
-            stride,
-            padding,
-        }
-        | Op::AvgPool2d {
-            kernel,
-            stride,
-            padding,
-        }) = op
-        else {
-            return Err(StageError::Internal("pool of a non-pool op".into()));
-        };
         let &[n, c, h, w] = self.shape(ins[0]) else {
             return Err(self.unsupported(k, op, "expects x [N, C, H, W]"));
         };
-        Pool2d::new(n * c, h, w, *kernel, *stride, *padding)
+        op.pool_geometry(n * c, h, w)
             .ok_or_else(|| self.unsupported(k, op, "invalid pooling geometry"))
     }
 

@@ -141,18 +141,27 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
             kernel,
             stride,
             padding,
-        } => x.f_max_pool2d(i64s(kernel), i64s(stride), i64s(padding), [1i64, 1], false)?,
-        // nn.AvgPool2d's defaults: floor mode, padding zeros counted in the mean.
+            dilation,
+            ceil_mode,
+        } => x.f_max_pool2d(
+            i64s(kernel),
+            i64s(stride),
+            i64s(padding),
+            i64s(dilation),
+            *ceil_mode,
+        )?,
         Op::AvgPool2d {
             kernel,
             stride,
             padding,
+            ceil_mode,
+            count_include_pad,
         } => x.f_avg_pool2d(
             i64s(kernel),
             i64s(stride),
             i64s(padding),
-            false,
-            true,
+            *ceil_mode,
+            *count_include_pad,
             None::<i64>,
         )?,
         Op::GlobalAveragePool => {

@@ -113,6 +113,19 @@ pub fn standard_checks() -> Vec<Check> {
     {
         checks.extend(Pool2d::new(planes, h, w, k, s, p).map(|pool| pool2d(pool, i as u64)));
     }
+    // torch's options: dilated taps, ceil mode, padding left out of the mean.
+    for (i, (d, ceil, include)) in [
+        ([2, 1], false, true),
+        ([1, 1], true, true),
+        ([1, 2], true, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let pool = Pool2d::new(2, 9, 8, [3, 2], [2, 2], [1, 1])
+            .and_then(|p| p.with_options(d, ceil, include));
+        checks.extend(pool.map(|pool| pool2d(pool, 10 + i as u64)));
+    }
     for (planes, spatial) in [(1, 1), (64, 49), (3, 1000)] {
         checks.push(global_avg_pool(planes, spatial, spatial as u64));
     }

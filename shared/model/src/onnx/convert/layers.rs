@@ -282,30 +282,43 @@ impl Importer<'_> {
         let (stride, padding, dilation) = self.window_attrs(here, kernel)?;
         // ONNX pooling strides default to 1 (PyTorch's to the kernel), but both
         // exporters always write them, so the ONNX default is right here.
-        if dilation != [1, 1] {
-            return Err(self.unsupported(here, format!("dilations {dilation:?}")));
-        }
-        if here.attrs.int("ceil_mode").unwrap_or(0) != 0 {
-            return Err(self.unsupported(here, "ceil_mode = 1"));
-        }
-        if here.op == "AveragePool"
-            && padding != [0, 0]
-            && here.attrs.int("count_include_pad").unwrap_or(0) == 0
+        let ceil_mode = here.attrs.int("ceil_mode").unwrap_or(0) != 0;
+        let op = if here.op == "MaxPool" {
+            Op::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+                dilation,
+                ceil_mode,
+            }
+        } else {
+            if dilation != [1, 1] {
+                return Err(self.unsupported(
+                    here,
+                    format!("dilations {dilation:?} (PyTorch's average pooling has none)"),
+                ));
+            }
+            Op::AvgPool2d {
+                kernel,
+                stride,
+                padding,
+                ceil_mode,
+                count_include_pad: here.attrs.int("count_include_pad").unwrap_or(0) != 0,
+            }
+        };
+        let x = self.input_info(here, 0)?;
+        if let [n, c, h, w] = x.shape[..]
+            && op.pool_geometry(n * c, h, w).is_none()
         {
             return Err(self.unsupported(
                 here,
-                "count_include_pad = 0 with padding (PyTorch's default includes the padding)",
-            ));
-        }
-        // PyTorch's rule, which every executor follows.
-        if (0..2).any(|i| padding[i] * 2 > kernel[i]) {
-            return Err(self.unsupported(
-                here,
-                format!("pads {padding:?} over half the kernel {kernel:?}"),
+                format!(
+                    "pads {padding:?} over half the window (kernel {kernel:?}, dilations \
+                     {dilation:?}), or a window with no tap inside the input"
+                ),
             ));
         }
         let x = self.tensor_input(here, 0)?;
-        let op = Op::pool2d(here.op == "MaxPool", kernel, stride, padding);
         self.emit(here, &here.out, op, vec![x])
     }
 
