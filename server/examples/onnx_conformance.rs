@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use rookery_model::OnnxError;
 use rookery_proto::tensor::WireTensor;
-use rookery_server::cli::predict::{Engine, PredictBackend, Prepared, prepare, read_feed};
+use rookery_server::cli::predict::{Engine, PredictBackend, PreparedModel, prepare, read_feed};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -354,7 +354,7 @@ fn compare(
     case: &Case,
     dir: &Path,
     set: &DataSet,
-    model: &Prepared,
+    model: &PreparedModel,
     outputs: &[WireTensor],
 ) -> Outcome {
     for want in &set.outputs {

@@ -118,7 +118,7 @@ pub fn read_feed(name: &str, path: &Path) -> anyhow::Result<BoundInput> {
 
 /// A model ready to run once: the graph, every parameter, and the input
 /// fed at run time.
-pub struct Prepared {
+pub struct PreparedModel {
     /// The graph the backend runs: the outputs that are not constants.
     pub graph: Graph,
     pub params: Vec<WireTensor>,
@@ -136,7 +136,7 @@ pub fn prepare(
     model: &Path,
     weights: Option<&Path>,
     feeds: &[BoundInput],
-) -> anyhow::Result<Prepared> {
+) -> anyhow::Result<PreparedModel> {
     let (graph, warnings) = match model.extension().and_then(|e| e.to_str()) {
         Some("onnx") => {
             let imported = rookery_model::onnx::import_file_fed(model, feeds)?;
@@ -192,7 +192,7 @@ pub fn prepare(
     graph
         .outputs
         .retain(|o| !constants.iter().any(|c| c.name == *o));
-    Ok(Prepared {
+    Ok(PreparedModel {
         graph,
         params,
         input,
@@ -307,7 +307,7 @@ impl Engine {
     }
 
     /// Every output of `model` for its input, in the model's order.
-    pub async fn forward(&self, model: &Prepared) -> anyhow::Result<Vec<WireTensor>> {
+    pub async fn forward(&self, model: &PreparedModel) -> anyhow::Result<Vec<WireTensor>> {
         let mut computed = match model.graph.outputs.is_empty() {
             true => Vec::new(),
             false => self.run(model).await?,
@@ -328,7 +328,7 @@ impl Engine {
             .collect()
     }
 
-    async fn run(&self, model: &Prepared) -> anyhow::Result<Vec<WireTensor>> {
+    async fn run(&self, model: &PreparedModel) -> anyhow::Result<Vec<WireTensor>> {
         match self {
             Engine::Cpu => forward_on(&mut OwnFactory::new(CpuDevice), model).await,
             #[cfg(feature = "torch")]
@@ -341,7 +341,7 @@ impl Engine {
 
 async fn forward_on<F: BackendFactory>(
     factory: &mut F,
-    model: &Prepared,
+    model: &PreparedModel,
 ) -> anyhow::Result<Vec<WireTensor>> {
     let mut predictor = Predictor::new(factory, &model.graph, &model.params)?;
     Ok(predictor.predict_all(&model.input).await?)
