@@ -155,15 +155,22 @@ proptest! {
     #[test]
     fn activations_match_torch(op in 0..UNARIES.len(), len in 1usize..500, seed in any::<u64>()) {
         let op = UNARIES[op];
-        let xs = scaled(len, seed, 4.0);
+        let xs: Vec<f32> = scaled(len, seed, 4.0).into_iter().map(|v| op.domain(v)).collect();
         let dy = sample_matrix(len, seed ^ 1);
         let x = leaf(&xs, &[len]);
         let y = match op {
             Unary::Relu => x.relu(),
             Unary::Gelu => x.gelu("none"),
+            Unary::GeluTanh => x.gelu("tanh"),
             Unary::Sigmoid => x.sigmoid(),
             Unary::Tanh => x.tanh(),
             Unary::Identity => x.shallow_clone() * 1.0,
+            Unary::Neg => x.neg(),
+            Unary::Abs => x.abs(),
+            Unary::Sqrt => x.sqrt(),
+            Unary::Reciprocal => x.reciprocal(),
+            Unary::Exp => x.exp(),
+            Unary::Log => x.log(),
         };
         backward(&y, &dy);
         close(&op.reference(&xs), &vals(&y), TOL_ELEMENTWISE, op.name())?;

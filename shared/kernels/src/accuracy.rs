@@ -25,6 +25,9 @@ pub fn exp_ulps(x: f64) -> f64 {
     3.0 + 2.0 * x.abs()
 }
 
+/// `log(x)` for `x` in `[0.5, 2]` is within this absolute error.
+pub const LOG_ABSOLUTE: f64 = 1.0 / 2_097_152.0;
+
 /// [`DIVISION_ULPS`] as a relative error.
 pub const DIV: f64 = DIVISION_ULPS * ULP;
 
@@ -84,6 +87,28 @@ impl Tracked {
             self.error.sqrt()
         };
         Self::rounded(value, propagated, SQRT)
+    }
+
+    /// `exp`: the operand's error grows by the derivative, `exp(x)`; WGSL
+    /// allows `3 + 2 |x|` ULPs.
+    pub fn exp(self) -> Self {
+        let value = self.value.exp();
+        Self::rounded(value, value * self.error, exp_ulps(self.value) * ULP)
+    }
+
+    /// `log` (natural): the operand's error divided by `x`; WGSL allows an
+    /// absolute `2^-21` for `x` in `[0.5, 2]` and 3 ULPs elsewhere.
+    pub fn ln(self) -> Self {
+        let value = self.value.ln();
+        let propagated = self.error / self.value.abs();
+        if (0.5..=2.0).contains(&self.value) {
+            Self {
+                value,
+                error: propagated + LOG_ABSOLUTE,
+            }
+        } else {
+            Self::rounded(value, propagated, 3.0 * ULP)
+        }
     }
 
     /// `max`: exact, so only the operands' errors.

@@ -1,5 +1,6 @@
 //! Elementwise kernels: the activations (Relu, exact-erf Gelu, Sigmoid, Tanh,
-//! Identity) forward and backward, the numpy-broadcast binary ops (Add, Sub,
+//! Identity) and the unary arithmetic ONNX graphs use (Neg, Abs, Sqrt,
+//! Reciprocal, Exp, Log) forward and backward, the numpy-broadcast binary ops (Add, Sub,
 //! Mul, Div) forward and backward (the backward sums over the broadcast
 //! dimensions), and Dropout with a counter-based RNG that the CPU reference
 //! and the WGSL compute bit for bit.
@@ -12,17 +13,33 @@ pub enum Unary {
     Relu,
     /// `0.5 x (1 + erf(x / sqrt 2))`, torch's default (`approximate="none"`).
     Gelu,
+    /// `0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))`, torch's
+    /// `approximate="tanh"` (GPT-2's `gelu_new`).
+    GeluTanh,
     Sigmoid,
     Tanh,
     Identity,
+    Neg,
+    Abs,
+    Sqrt,
+    Reciprocal,
+    Exp,
+    Log,
 }
 
-pub const UNARIES: [Unary; 5] = [
+pub const UNARIES: [Unary; 12] = [
     Unary::Relu,
     Unary::Gelu,
+    Unary::GeluTanh,
     Unary::Sigmoid,
     Unary::Tanh,
     Unary::Identity,
+    Unary::Neg,
+    Unary::Abs,
+    Unary::Sqrt,
+    Unary::Reciprocal,
+    Unary::Exp,
+    Unary::Log,
 ];
 
 /// WGSL helpers shared by the activations. WGSL has no `erf`, so this is
@@ -51,19 +68,88 @@ impl Unary {
         match self {
             Unary::Relu => "relu",
             Unary::Gelu => "gelu",
+            Unary::GeluTanh => "gelu_tanh",
             Unary::Sigmoid => "sigmoid",
             Unary::Tanh => "tanh",
             Unary::Identity => "identity",
+            Unary::Neg => "neg",
+            Unary::Abs => "abs",
+            Unary::Sqrt => "sqrt",
+            Unary::Reciprocal => "reciprocal",
+            Unary::Exp => "exp",
+            Unary::Log => "log",
         }
+    }
+
+    /// Maps a sample in `[-4, 4)` into the op's domain, away from where its
+    /// derivative blows up (checks and tests feed these).
+    pub fn domain(self, v: f32) -> f32 {
+        match self {
+            Unary::Sqrt | Unary::Log => v.abs() + 0.125,
+            Unary::Reciprocal => v.signum() * (v.abs() + 0.25),
+            _ => v,
+        }
+    }
+
+    /// Per-element bounds on how far the kernel's forward and backward may
+    /// be from the references, from WGSL's stated accuracy of the builtins
+    /// each uses ([`crate::accuracy`]); `None` for the activations, which
+    /// the checks hold to a fixed tolerance.
+    pub fn error_bounds(self, x: &[f32], dy: &[f32]) -> Option<(Vec<f32>, Vec<f32>)> {
+        use crate::accuracy::Tracked;
+        let exact = Tracked::exact;
+        let fwd = |v: Tracked| -> Tracked {
+            match self {
+                Unary::Neg | Unary::Abs => v,
+                Unary::Sqrt => v.sqrt(),
+                Unary::Reciprocal => exact(1.0) / v,
+                Unary::Exp => v.exp(),
+                _ => v.ln(),
+            }
+        };
+        let bwd = |v: Tracked, g: Tracked| -> Tracked {
+            match self {
+                Unary::Neg | Unary::Abs => g,
+                Unary::Sqrt => g / (exact(2.0) * v.sqrt()),
+                Unary::Reciprocal => {
+                    let r = exact(1.0) / v;
+                    g * r * r
+                }
+                Unary::Exp => g * v.exp(),
+                _ => g / v,
+            }
+        };
+        if !matches!(
+            self,
+            Unary::Neg | Unary::Abs | Unary::Sqrt | Unary::Reciprocal | Unary::Exp | Unary::Log
+        ) {
+            return None;
+        }
+        let y = x.iter().map(|&v| fwd(exact(v)).between_two()).collect();
+        let dx = x
+            .iter()
+            .zip(dy)
+            .map(|(&v, &g)| bwd(exact(v), exact(g)).between_two())
+            .collect();
+        Some((y, dx))
     }
 
     fn fwd_expr(self) -> &'static str {
         match self {
             Unary::Relu => "max(v, 0.0)",
             Unary::Gelu => "0.5 * v * (1.0 + erf_approx(v * 0.70710678118654752))",
+            Unary::GeluTanh => {
+                "0.5 * v * (1.0 + tanh_safe(0.79788456080286536 * (v + 0.044715 * v * v * v)))"
+            }
             Unary::Sigmoid => "sigmoid(v)",
             Unary::Tanh => "tanh_safe(v)",
             Unary::Identity => "v",
+            Unary::Neg => "-v",
+            Unary::Abs => "abs(v)",
+            Unary::Sqrt => "sqrt(v)",
+            Unary::Reciprocal => "1.0 / v",
+            Unary::Exp => "exp(v)",
+            Unary::Log => "log(v)",
         }
     }
 
@@ -75,9 +161,24 @@ impl Unary {
             Unary::Gelu => {
                 "g * (0.5 * (1.0 + erf_approx(v * 0.70710678118654752)) + v * 0.39894228040143268 * exp(-0.5 * v * v))"
             }
+            // torch's GeluBackward with approximate="tanh", term by term.
+            Unary::GeluTanh => {
+                "g * (0.5 * (1.0 + tanh_safe(0.79788456080286536 * (v + 0.044715 * v * v * v))) \
+                 + 0.5 * v * (1.0 - tanh_safe(0.79788456080286536 * (v + 0.044715 * v * v * v)) \
+                 * tanh_safe(0.79788456080286536 * (v + 0.044715 * v * v * v))) \
+                 * 0.79788456080286536 * (1.0 + 3.0 * 0.044715 * v * v))"
+            }
             Unary::Sigmoid => "g * sigmoid(v) * (1.0 - sigmoid(v))",
             Unary::Tanh => "g * (1.0 - tanh_safe(v) * tanh_safe(v))",
             Unary::Identity => "g",
+            Unary::Neg => "-g",
+            // torch's: the gradient times sign(x), 0 at 0.
+            Unary::Abs => "g * sign(v)",
+            Unary::Sqrt => "g / (2.0 * sqrt(v))",
+            // torch's: -g * (1/x)^2.
+            Unary::Reciprocal => "-g * (1.0 / v) * (1.0 / v)",
+            Unary::Exp => "g * exp(v)",
+            Unary::Log => "g / v",
         }
     }
 
@@ -123,9 +224,16 @@ impl Unary {
                 (match self {
                     Unary::Relu => v.max(0.0),
                     Unary::Gelu => 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2)),
+                    Unary::GeluTanh => 0.5 * v * (1.0 + gelu_tanh_inner(v).tanh()),
                     Unary::Sigmoid => 1.0 / (1.0 + (-v).exp()),
                     Unary::Tanh => v.tanh(),
                     Unary::Identity => v,
+                    Unary::Neg => -v,
+                    Unary::Abs => v.abs(),
+                    Unary::Sqrt => v.sqrt(),
+                    Unary::Reciprocal => 1.0 / v,
+                    Unary::Exp => v.exp(),
+                    Unary::Log => v.ln(),
                 }) as f32
             })
             .collect()
@@ -150,16 +258,39 @@ impl Unary {
                         let pdf = (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt();
                         g * (cdf + v * pdf)
                     }
+                    Unary::GeluTanh => {
+                        let t = gelu_tanh_inner(v).tanh();
+                        let inner_slope =
+                            (2.0 / std::f64::consts::PI).sqrt() * (1.0 + 3.0 * 0.044715 * v * v);
+                        g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * inner_slope)
+                    }
                     Unary::Sigmoid => {
                         let s = 1.0 / (1.0 + (-v).exp());
                         g * s * (1.0 - s)
                     }
                     Unary::Tanh => g * (1.0 - v.tanh().powi(2)),
                     Unary::Identity => g,
+                    Unary::Neg => -g,
+                    Unary::Abs => {
+                        if v == 0.0 {
+                            0.0
+                        } else {
+                            g * v.signum()
+                        }
+                    }
+                    Unary::Sqrt => g / (2.0 * v.sqrt()),
+                    Unary::Reciprocal => -g / (v * v),
+                    Unary::Exp => g * v.exp(),
+                    Unary::Log => g / v,
                 }) as f32
             })
             .collect()
     }
+}
+
+/// `sqrt(2 / pi) (x + 0.044715 x^3)`, the tanh GELU's argument.
+fn gelu_tanh_inner(v: f64) -> f64 {
+    (2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)
 }
 
 /// A binary op with numpy broadcasting.

@@ -26,8 +26,21 @@ pub enum Op {
     Div,
     Relu,
     Gelu,
+    /// GELU's tanh approximation (PyTorch `approximate="tanh"`).
+    GeluTanh,
     Sigmoid,
     Tanh,
+    /// Elementwise `-x` (ONNX `Neg`).
+    Neg,
+    /// Elementwise `|x|`.
+    Abs,
+    /// Elementwise square root (NaN below 0, as IEEE has it).
+    Sqrt,
+    /// Elementwise `1 / x`.
+    Reciprocal,
+    Exp,
+    /// Elementwise natural logarithm.
+    Log,
     Softmax {
         axis: i64,
     },
@@ -301,8 +314,15 @@ impl Op {
             Op::Div => "Div",
             Op::Relu => "Relu",
             Op::Gelu => "Gelu",
+            Op::GeluTanh => "GeluTanh",
             Op::Sigmoid => "Sigmoid",
             Op::Tanh => "Tanh",
+            Op::Neg => "Neg",
+            Op::Abs => "Abs",
+            Op::Sqrt => "Sqrt",
+            Op::Reciprocal => "Reciprocal",
+            Op::Exp => "Exp",
+            Op::Log => "Log",
             Op::Softmax { .. } => "Softmax",
             Op::LogSoftmax { .. } => "LogSoftmax",
             Op::Conv2d { .. } => "Conv2d",
@@ -423,7 +443,18 @@ impl Op {
                 f32_input(&ins[1], "b")?;
                 Ok(f32_out(broadcast(&x.shape, &ins[1].shape)?))
             }
-            Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Dropout { .. } => {
+            Op::Relu
+            | Op::Gelu
+            | Op::GeluTanh
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Neg
+            | Op::Abs
+            | Op::Sqrt
+            | Op::Reciprocal
+            | Op::Exp
+            | Op::Log
+            | Op::Dropout { .. } => {
                 f32_input(x, "input")?;
                 if let Op::Dropout { p } = self
                     && !(0.0..1.0).contains(p)
@@ -695,10 +726,19 @@ impl Op {
                 n_out.saturating_mul(numel(kernel))
             }
             Op::GlobalAveragePool => numel(&ins[0].shape),
-            Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Relu | Op::Dropout { .. } => n_out,
+            Op::Add
+            | Op::Sub
+            | Op::Mul
+            | Op::Div
+            | Op::Relu
+            | Op::Neg
+            | Op::Abs
+            | Op::Reciprocal
+            | Op::Dropout { .. } => n_out,
+            Op::Sqrt | Op::Exp | Op::Log => n_out.saturating_mul(4),
             // Transcendentals cost more than one FLOP; these are the usual rough counts.
             Op::Sigmoid | Op::Tanh => n_out.saturating_mul(4),
-            Op::Gelu => n_out.saturating_mul(8),
+            Op::Gelu | Op::GeluTanh => n_out.saturating_mul(8),
             Op::Softmax { .. } | Op::LogSoftmax { .. } => n_out.saturating_mul(5),
             Op::BatchNorm { .. } | Op::LayerNorm { .. } => n_out.saturating_mul(5),
             Op::Flatten { .. }

@@ -328,7 +328,18 @@ impl Lowering<'_> {
             }
         }
         let call = match op {
-            Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Identity => (
+            Op::Relu
+            | Op::Gelu
+            | Op::GeluTanh
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Neg
+            | Op::Abs
+            | Op::Sqrt
+            | Op::Reciprocal
+            | Op::Exp
+            | Op::Log
+            | Op::Identity => (
                 Kernel::Unary {
                     op: unary(op),
                     len: y_len,
@@ -510,7 +521,18 @@ impl Lowering<'_> {
     fn backward_node(&mut self, k: usize, op: &Op, ins: &[Source]) -> Result<(), StageError> {
         let dy = Buf::Grad(Source::Local(k));
         match op {
-            Op::Relu | Op::Gelu | Op::Sigmoid | Op::Tanh | Op::Identity => {
+            Op::Relu
+            | Op::Gelu
+            | Op::GeluTanh
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Neg
+            | Op::Abs
+            | Op::Sqrt
+            | Op::Reciprocal
+            | Op::Exp
+            | Op::Log
+            | Op::Identity => {
                 let (op, len) = (unary(op), numel(&self.local_shapes[k]));
                 self.contribute(ins[0], |_, dest| {
                     vec![(
@@ -1038,8 +1060,15 @@ fn unary(op: &Op) -> Unary {
     match op {
         Op::Relu => Unary::Relu,
         Op::Gelu => Unary::Gelu,
+        Op::GeluTanh => Unary::GeluTanh,
         Op::Sigmoid => Unary::Sigmoid,
         Op::Tanh => Unary::Tanh,
+        Op::Neg => Unary::Neg,
+        Op::Abs => Unary::Abs,
+        Op::Sqrt => Unary::Sqrt,
+        Op::Reciprocal => Unary::Reciprocal,
+        Op::Exp => Unary::Exp,
+        Op::Log => Unary::Log,
         _ => Unary::Identity,
     }
 }

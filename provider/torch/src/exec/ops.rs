@@ -79,8 +79,15 @@ pub(crate) fn supported(op: &Op) -> bool {
             | Op::Div
             | Op::Relu
             | Op::Gelu
+            | Op::GeluTanh
             | Op::Sigmoid
             | Op::Tanh
+            | Op::Neg
+            | Op::Abs
+            | Op::Sqrt
+            | Op::Reciprocal
+            | Op::Exp
+            | Op::Log
             | Op::Softmax { .. }
             | Op::LogSoftmax { .. }
             | Op::Conv2d { .. }
@@ -120,8 +127,15 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
         Op::Relu => x.f_relu()?,
         // nn.GELU's default is the exact erf form, not the tanh approximation.
         Op::Gelu => x.f_gelu("none")?,
+        Op::GeluTanh => x.f_gelu("tanh")?,
         Op::Sigmoid => x.f_sigmoid()?,
         Op::Tanh => x.f_tanh()?,
+        Op::Neg => x.f_neg()?,
+        Op::Abs => x.f_abs()?,
+        Op::Sqrt => x.f_sqrt()?,
+        Op::Reciprocal => x.f_reciprocal()?,
+        Op::Exp => x.f_exp()?,
+        Op::Log => x.f_log()?,
         Op::Softmax { axis } => x.f_softmax(*axis, None::<Kind>)?,
         Op::LogSoftmax { axis } => x.f_log_softmax(*axis, None::<Kind>)?,
         Op::Conv2d {

@@ -33,13 +33,24 @@ impl Importer<'_> {
                 let inputs = vec![self.tensor_input(here, 0)?, self.tensor_input(here, 1)?];
                 self.emit(here, &here.out, rop, inputs)
             }
-            "Relu" | "Sigmoid" | "Tanh" | "Gelu" => {
+            "Relu" | "Sigmoid" | "Tanh" | "Gelu" | "Neg" | "Abs" | "Sqrt" | "Reciprocal"
+            | "Exp" | "Log" => {
                 let rop = match op {
                     "Relu" => Op::Relu,
                     "Sigmoid" => Op::Sigmoid,
                     "Tanh" => Op::Tanh,
+                    "Neg" => Op::Neg,
+                    "Abs" => Op::Abs,
+                    "Sqrt" => Op::Sqrt,
+                    "Reciprocal" => Op::Reciprocal,
+                    "Exp" => Op::Exp,
+                    "Log" => Op::Log,
                     _ => {
                         let approx = here.attrs.string("approximate").unwrap_or_default();
+                        if approx == "tanh" {
+                            let x = self.tensor_input(here, 0)?;
+                            return self.emit(here, &here.out, Op::GeluTanh, vec![x]);
+                        }
                         if !(approx.is_empty() || approx == "none") {
                             return Err(self.unsupported(
                                 here,
@@ -95,7 +106,9 @@ impl Importer<'_> {
                 if inputs.len() == 2 && !here.present(1) {
                     return Err(self.unsupported(here, "a bias without a scale"));
                 }
-                self.emit(here, &here.out, Op::LayerNorm { axis, eps }, inputs)
+                let x = inputs[0].clone();
+                self.emit(here, &here.out, Op::LayerNorm { axis, eps }, inputs)?;
+                self.layer_norm_stats(here, &x, axis, eps)
             }
             "Flatten" => {
                 let axis = here.attrs.int("axis").unwrap_or(1);

@@ -351,7 +351,9 @@ impl Importer<'_> {
             norm = (0..rank).collect();
         }
         if rank < 3 || norm != (2..rank).collect::<Vec<_>>() {
-            return self.mean_by_pooling(here, &x.shape, &norm, keepdims);
+            let source = self.tensor_input(here, 0)?;
+            let out = here.out.clone();
+            return self.mean_by_pooling(here, source, &x.shape, &norm, keepdims, &out);
         }
         let xin = self.tensor_input(here, 0)?;
         if keepdims {
@@ -374,13 +376,13 @@ impl Importer<'_> {
     fn mean_by_pooling(
         &mut self,
         here: &Here,
+        mut source: String,
         shape: &[usize],
         reduced: &[usize],
         keepdims: bool,
+        out: &str,
     ) -> Result<(), OnnxError> {
-        let out = here.out.clone();
         let kept: Vec<usize> = (0..shape.len()).filter(|a| !reduced.contains(a)).collect();
-        let mut source = self.tensor_input(here, 0)?;
         let perm: Vec<usize> = kept.iter().chain(reduced).copied().collect();
         if perm.iter().enumerate().any(|(i, &p)| i != p) {
             let t = format!("{out}/moved");
@@ -420,7 +422,49 @@ impl Importer<'_> {
             }
             _ => target,
         };
-        self.emit(here, &out, Op::Reshape { shape: target }, vec![pooled])
+        self.emit(here, out, Op::Reshape { shape: target }, vec![pooled])
+    }
+
+    /// `LayerNormalization`'s `Mean` and `InvStdDev` outputs, where a graph
+    /// names them: the mean over the normalised axes, and `1 / sqrt(var +
+    /// epsilon)`, in f32 as `stash_type = 1` asks (Rookery's LayerNorm
+    /// keeps its own statistics, so these are computed beside it).
+    pub(super) fn layer_norm_stats(
+        &mut self,
+        here: &Here,
+        x: &str,
+        axis: i64,
+        eps: f32,
+    ) -> Result<(), OnnxError> {
+        let named = |i: usize| here.proto.output.get(i).filter(|n| !n.is_empty()).cloned();
+        let (mean_out, inv_out) = (named(1), named(2));
+        if mean_out.is_none() && inv_out.is_none() {
+            return Ok(());
+        }
+        if here.attrs.int("stash_type").unwrap_or(1) != 1 {
+            return Err(self.unsupported(here, "stash_type other than 1 (float32 statistics)"));
+        }
+        let shape = self.input_info(here, 0)?.shape;
+        let a = norm_axis(axis, shape.len()).map_err(|e| self.node_err(here, e))?;
+        let reduced: Vec<usize> = (a..shape.len()).collect();
+        let out = here.out.clone();
+        let mean = mean_out.unwrap_or_else(|| format!("{out}/mean"));
+        self.mean_by_pooling(here, x.to_string(), &shape, &reduced, true, &mean)?;
+        let Some(inv) = inv_out else {
+            return Ok(());
+        };
+        let centered = format!("{out}/centered");
+        self.emit(here, &centered, Op::Sub, vec![x.to_string(), mean])?;
+        let squared = format!("{out}/squared");
+        self.emit(here, &squared, Op::Mul, vec![centered.clone(), centered])?;
+        let variance = format!("{out}/variance");
+        self.mean_by_pooling(here, squared, &shape, &reduced, true, &variance)?;
+        let epsilon = self.scalar(&format!("{out}/epsilon"), eps);
+        let shifted = format!("{out}/shifted");
+        self.emit(here, &shifted, Op::Add, vec![variance, epsilon])?;
+        let deviation = format!("{out}/deviation");
+        self.emit(here, &deviation, Op::Sqrt, vec![shifted])?;
+        self.emit(here, &inv, Op::Reciprocal, vec![deviation])
     }
 
     pub(super) fn batch_norm(&mut self, here: &Here) -> Result<(), OnnxError> {

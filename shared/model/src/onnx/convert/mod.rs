@@ -32,7 +32,8 @@ use crate::ops::{Op, OpError};
 use crate::tensor::{DType, TensorInfo};
 
 /// ONNX ops the importer maps onto Rookery ops (besides the ones it folds).
-const SUPPORTED: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Relu, Gelu, Sigmoid, Tanh, Softmax, \
+const SUPPORTED: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Relu, Gelu, Sigmoid, Tanh, Neg, Abs, \
+    Sqrt, Reciprocal, Exp, Log, Softmax, \
     LogSoftmax, Conv, MaxPool, AveragePool, GlobalAveragePool, ReduceMean (global pooling), \
     BatchNormalization, LayerNormalization, Flatten, Reshape, Squeeze, Unsqueeze, Transpose, \
     Concat, Dropout, Gather, Identity, Cast, Split, SplitToSequence with SequenceAt, Slice (step 1); \
@@ -52,6 +53,12 @@ pub(crate) const LOWERED: &[&str] = &[
     "Sigmoid",
     "Tanh",
     "Gelu",
+    "Neg",
+    "Abs",
+    "Sqrt",
+    "Reciprocal",
+    "Exp",
+    "Log",
     "Softmax",
     "LogSoftmax",
     "Conv",
