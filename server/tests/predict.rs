@@ -158,3 +158,88 @@ async fn inputs_the_model_lacks_or_cannot_read_are_refused_in_words() {
         "{err:#}"
     );
 }
+
+/// A Dense layer with ReLU on `[2, 3]` inputs: what `rookery predict` gives
+/// for a layer spec, with its seeded initial values and with weights from a
+/// file, against the arithmetic done here.
+#[tokio::test]
+async fn a_layer_spec_predicts_with_its_initial_or_given_weights() {
+    use rookery_job::weights::{WeightTensor, write_safetensors};
+    use rookery_model::DType;
+
+    let dir = tempfile::tempdir().unwrap();
+    let spec =
+        "input_shape = [3]\n[[layers]]\ntype = \"Dense\"\nunits = 2\nactivation = \"relu\"\n";
+    let spec_path = dir.path().join("dense.toml");
+    std::fs::write(&spec_path, spec).unwrap();
+    let x = [1.0f32, -2.0, 0.5, 3.0, 0.25, -1.0];
+    let x_path = dir.path().join("x.npy");
+    write_npy(&x_path, &[2, 3], NpyData::F32(&x)).unwrap();
+    let graph = rookery_model::from_toml(spec).unwrap();
+    let [w, b] = graph.params.as_slice() else {
+        panic!("a Dense layer has a weight and a bias: {:?}", graph.params);
+    };
+    let expected = |w: &[f32], b: &[f32]| -> Vec<f32> {
+        (0..2)
+            .flat_map(|n| {
+                (0..2).map(move |o| {
+                    let dot: f32 = (0..3).map(|i| x[n * 3 + i] * w[o * 3 + i]).sum();
+                    (dot + b[o]).max(0.0)
+                })
+            })
+            .collect()
+    };
+    let given_w = [0.5f32, -1.0, 2.0, 1.0, 1.0, 1.0];
+    let given_b = [0.25f32, -3.0];
+    write_safetensors(
+        &dir.path().join("w.safetensors"),
+        &[
+            WeightTensor {
+                name: w.name.clone(),
+                shape: w.shape.clone(),
+                dtype: DType::F32,
+                values: given_w.to_vec(),
+            },
+            WeightTensor {
+                name: b.name.clone(),
+                shape: b.shape.clone(),
+                dtype: DType::F32,
+                values: given_b.to_vec(),
+            },
+        ],
+    )
+    .unwrap();
+    let cases = [
+        (None, expected(&w.initial_values(0), &b.initial_values(0))),
+        (
+            Some(dir.path().join("w.safetensors")),
+            expected(&given_w, &given_b),
+        ),
+    ];
+    for (i, (weights, want)) in cases.into_iter().enumerate() {
+        let out = dir.path().join(format!("out{i}"));
+        run(PredictArgs {
+            model: spec_path.clone(),
+            weights,
+            inputs: vec![format!("input={}", x_path.display())],
+            out: out.clone(),
+            backend: PredictBackend::Cpu,
+        })
+        .await
+        .unwrap();
+        let file = std::fs::read_dir(&out)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let got = read_npy(&file).unwrap();
+        assert_eq!(got.shape(), [2, 2]);
+        for (g, w) in got.to_f32().iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "case {i}: {g} vs {w}"
+            );
+        }
+    }
+}

@@ -82,8 +82,16 @@ pub async fn run(args: PredictArgs) -> anyhow::Result<()> {
     let outputs = engine.forward(&model).await?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let mut stems: Vec<String> = Vec::with_capacity(outputs.len());
     for y in &outputs {
-        let path = args.out.join(format!("{}.npy", file_stem(&y.name)));
+        // Two names that differ only in characters a file name cannot hold
+        // must not overwrite each other.
+        let mut stem = file_stem(&y.name);
+        if stems.contains(&stem) {
+            stem = format!("{stem}_{}", stems.len());
+        }
+        stems.push(stem.clone());
+        let path = args.out.join(format!("{stem}.npy"));
         write_output(&path, y)?;
         println!(
             "{}: {:?} {} -> {}",
@@ -374,5 +382,24 @@ fn file_stem(name: &str) -> String {
     match stem.trim_start_matches('.') {
         "" => "output".to_string(),
         s => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::file_stem;
+
+    #[test]
+    fn output_names_become_file_names_that_stay_in_the_folder() {
+        for (name, stem) in [
+            ("logits", "logits"),
+            ("/blocks.0/Add_output_0", "_blocks.0_Add_output_0"),
+            ("../../etc/passwd", "_.._etc_passwd"),
+            ("..", "output"),
+            ("", "output"),
+            ("y:1", "y_1"),
+        ] {
+            assert_eq!(file_stem(name), stem, "{name}");
+        }
     }
 }

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use rookery_kernels::elementwise::Unary;
 use rookery_kernels::pool::Pool2d;
 
 use crate::tensor::{DType, TensorInfo};
@@ -301,6 +302,27 @@ impl Op {
             _ => return None,
         };
         Pool2d::new(planes, h, w, kernel, stride, padding)?.with_options(dilation, ceil, include)
+    }
+
+    /// The elementwise kernel of a one-input op that maps each element on
+    /// its own (activations, unary arithmetic, `Identity`): the one list
+    /// every executor lowers these from.
+    pub fn as_unary(&self) -> Option<Unary> {
+        Some(match self {
+            Op::Relu => Unary::Relu,
+            Op::Gelu => Unary::Gelu,
+            Op::GeluTanh => Unary::GeluTanh,
+            Op::Sigmoid => Unary::Sigmoid,
+            Op::Tanh => Unary::Tanh,
+            Op::Neg => Unary::Neg,
+            Op::Abs => Unary::Abs,
+            Op::Sqrt => Unary::Sqrt,
+            Op::Reciprocal => Unary::Reciprocal,
+            Op::Exp => Unary::Exp,
+            Op::Log => Unary::Log,
+            Op::Identity => Unary::Identity,
+            _ => return None,
+        })
     }
 
     /// The op's name as used in error messages and plans.

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rookery_kernels::conv::Conv2d;
 use rookery_kernels::dropout::{self, DropoutMask};
-use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
+use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand};
 use rookery_kernels::gemm::{Linear, MatMul};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
@@ -328,20 +328,9 @@ impl Lowering<'_> {
             }
         }
         let call = match op {
-            Op::Relu
-            | Op::Gelu
-            | Op::GeluTanh
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Neg
-            | Op::Abs
-            | Op::Sqrt
-            | Op::Reciprocal
-            | Op::Exp
-            | Op::Log
-            | Op::Identity => (
+            _ if let Some(unary) = op.as_unary() => (
                 Kernel::Unary {
-                    op: unary(op),
+                    op: unary,
                     len: y_len,
                 },
                 vec![Buf::Value(ins[0]), out],
@@ -521,19 +510,8 @@ impl Lowering<'_> {
     fn backward_node(&mut self, k: usize, op: &Op, ins: &[Source]) -> Result<(), StageError> {
         let dy = Buf::Grad(Source::Local(k));
         match op {
-            Op::Relu
-            | Op::Gelu
-            | Op::GeluTanh
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Neg
-            | Op::Abs
-            | Op::Sqrt
-            | Op::Reciprocal
-            | Op::Exp
-            | Op::Log
-            | Op::Identity => {
-                let (op, len) = (unary(op), numel(&self.local_shapes[k]));
+            _ if let Some(op) = op.as_unary() => {
+                let len = numel(&self.local_shapes[k]);
                 self.contribute(ins[0], |_, dest| {
                     vec![(
                         Kernel::UnaryBackward { op, len },
@@ -1053,23 +1031,6 @@ impl Lowering<'_> {
     fn matmul(&self, k: usize, op: &Op, ins: &[Source]) -> Result<MatMul, StageError> {
         MatMul::new(self.shape(ins[0]), self.shape(ins[1]))
             .ok_or_else(|| self.unsupported(k, op, "operand shapes do not multiply"))
-    }
-}
-
-fn unary(op: &Op) -> Unary {
-    match op {
-        Op::Relu => Unary::Relu,
-        Op::Gelu => Unary::Gelu,
-        Op::GeluTanh => Unary::GeluTanh,
-        Op::Sigmoid => Unary::Sigmoid,
-        Op::Tanh => Unary::Tanh,
-        Op::Neg => Unary::Neg,
-        Op::Abs => Unary::Abs,
-        Op::Sqrt => Unary::Sqrt,
-        Op::Reciprocal => Unary::Reciprocal,
-        Op::Exp => Unary::Exp,
-        Op::Log => Unary::Log,
-        _ => Unary::Identity,
     }
 }
 

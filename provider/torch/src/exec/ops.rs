@@ -69,42 +69,32 @@ fn axis(a: i64, rank: usize, inclusive: bool) -> Result<usize, OpFailure> {
 /// when it is assigned rather than at its first forward. Keep in step with
 /// [`apply`]'s arms.
 pub(crate) fn supported(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Linear
-            | Op::MatMul
-            | Op::Add
-            | Op::Sub
-            | Op::Mul
-            | Op::Div
-            | Op::Relu
-            | Op::Gelu
-            | Op::GeluTanh
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Neg
-            | Op::Abs
-            | Op::Sqrt
-            | Op::Reciprocal
-            | Op::Exp
-            | Op::Log
-            | Op::Softmax { .. }
-            | Op::LogSoftmax { .. }
-            | Op::Conv2d { .. }
-            | Op::MaxPool2d { .. }
-            | Op::AvgPool2d { .. }
-            | Op::GlobalAveragePool
-            | Op::BatchNorm { .. }
-            | Op::LayerNorm { .. }
-            | Op::Flatten { .. }
-            | Op::Reshape { .. }
-            | Op::Transpose { .. }
-            | Op::Concat { .. }
-            | Op::Slice { .. }
-            | Op::Dropout { .. }
-            | Op::Gather { .. }
-            | Op::Identity
-    )
+    op.as_unary().is_some()
+        || matches!(
+            op,
+            Op::Linear
+                | Op::MatMul
+                | Op::Add
+                | Op::Sub
+                | Op::Mul
+                | Op::Div
+                | Op::Softmax { .. }
+                | Op::LogSoftmax { .. }
+                | Op::Conv2d { .. }
+                | Op::MaxPool2d { .. }
+                | Op::AvgPool2d { .. }
+                | Op::GlobalAveragePool
+                | Op::BatchNorm { .. }
+                | Op::LayerNorm { .. }
+                | Op::Flatten { .. }
+                | Op::Reshape { .. }
+                | Op::Transpose { .. }
+                | Op::Concat { .. }
+                | Op::Slice { .. }
+                | Op::Dropout { .. }
+                | Op::Gather { .. }
+                | Op::Identity
+        )
 }
 
 /// Runs one op. `ins` are the node's inputs in graph order (parameters included).

@@ -92,6 +92,18 @@ pub fn import_named(
     import_model(file, &model, External::Whole(external_data), input_shape)
 }
 
+/// An ONNX file's name, as errors show it, and its decoded model (the
+/// bytes are dropped once decoded; external data stays on disk).
+fn read_file(path: &std::path::Path) -> Result<(String, pb::ModelProto), OnnxError> {
+    let file = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
+        file: file.clone(),
+        reason: format!("cannot read the file: {e}"),
+    })?;
+    let model = decode(&file, &bytes)?;
+    Ok((file, model))
+}
+
 fn decode(file: &str, bytes: &[u8]) -> Result<pb::ModelProto, OnnxError> {
     pb::ModelProto::decode(bytes).map_err(|e| OnnxError::Decode {
         file: file.to_string(),
@@ -187,13 +199,7 @@ pub fn import_file_fed(
     feeds: &[BoundInput],
 ) -> Result<Imported, OnnxError> {
     let path = path.as_ref();
-    let file = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
-        file: file.clone(),
-        reason: format!("cannot read the file: {e}"),
-    })?;
-    let model = decode(&file, &bytes)?;
-    drop(bytes);
+    let (file, model) = read_file(path)?;
     let inputs = model.graph.as_ref().map(fed_inputs).unwrap_or_default();
     let input_err = |name: &str, reason: &str| OnnxError::Input {
         file: file.clone(),
@@ -249,13 +255,7 @@ pub fn import_file(
     input_shape: &[usize],
 ) -> Result<Imported, OnnxError> {
     let path = path.as_ref();
-    let file = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
-        file: file.clone(),
-        reason: format!("cannot read the file: {e}"),
-    })?;
-    let model = decode(&file, &bytes)?;
-    drop(bytes);
+    let (file, model) = read_file(path)?;
     let dir = path.parent().unwrap_or(std::path::Path::new(""));
     import_model(&file, &model, External::Beside(dir), input_shape)
 }
@@ -268,16 +268,7 @@ pub fn declared_input_dims(
     path: impl AsRef<std::path::Path>,
 ) -> Result<Option<Vec<Option<u64>>>, OnnxError> {
     use pb::tensor_shape_proto::dimension::Value as Dim;
-    let path = path.as_ref();
-    let file = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| OnnxError::Model {
-        file: file.clone(),
-        reason: format!("cannot read the file: {e}"),
-    })?;
-    let model = pb::ModelProto::decode(bytes.as_slice()).map_err(|e| OnnxError::Decode {
-        file,
-        reason: e.to_string(),
-    })?;
+    let (_, model) = read_file(path.as_ref())?;
     let Some(graph) = model.graph else {
         return Ok(None);
     };
