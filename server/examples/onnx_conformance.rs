@@ -147,12 +147,11 @@ fn main() -> anyhow::Result<()> {
             continue;
         }
         run += 1;
-        let outcomes: Vec<Outcome> = engines
-            .iter()
-            .map(|(_, engine)| run_case(&runtime, engine, dir, &case))
-            .collect();
-        // An import refusal is the same on every backend: counted once.
-        let mut skip_reasons: Vec<&String> = Vec::new();
+        let outcomes = run_case(&runtime, &engines, dir, &case);
+        // A skip is an import refusal, the same on every backend: counted once.
+        if let Some(Outcome::Skip(why)) = outcomes.first() {
+            *skips.entry(why.clone()).or_default() += 1;
+        }
         for (i, outcome) in outcomes.iter().enumerate() {
             totals[i].add(outcome);
             for op in &case.ops {
@@ -161,16 +160,9 @@ fn main() -> anyhow::Result<()> {
                     .or_insert_with(|| vec![Counts::default(); engines.len()]);
                 row[i].add(outcome);
             }
-            match outcome {
-                Outcome::Fail(why) => {
-                    failures.push(format!("{} [{}]: {why}", case.name, engines[i].0.name()))
-                }
-                Outcome::Skip(why) if !skip_reasons.contains(&why) => skip_reasons.push(why),
-                _ => {}
+            if let Outcome::Fail(why) = outcome {
+                failures.push(format!("{} [{}]: {why}", case.name, engines[i].0.name()));
             }
-        }
-        for why in skip_reasons {
-            *skips.entry(why.clone()).or_default() += 1;
         }
     }
     print_report(&engines, &per_op, &failures, &skips, &not_run, run);
@@ -247,39 +239,66 @@ fn print_report(
     );
 }
 
+/// The case on every engine, one outcome each. Its inputs are read and its
+/// model imported once: an import refusal is the same skip on every backend.
 fn run_case(
     runtime: &tokio::runtime::Runtime,
-    engine: &Engine,
+    engines: &[(PredictBackend, Engine)],
     dir: &Path,
     case: &Case,
-) -> Outcome {
+) -> Vec<Outcome> {
+    let mut outcomes = vec![Outcome::Pass; engines.len()];
     for (d, set) in case.data_sets.iter().enumerate() {
-        if let Some(why) = &set.unreadable {
-            return Outcome::Skip(format!("the case's {why}"));
-        }
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run_data_set(runtime, engine, dir, case, set)
-        }));
-        let outcome = match result {
-            Ok(outcome) => outcome,
-            Err(panic) => Outcome::Fail(format!(
-                "panicked: {}",
-                panic
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or(panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("?")
-            )),
+        let model = match prepare_data_set(dir, set) {
+            Ok(model) => model,
+            Err(outcome) => return vec![outcome; engines.len()],
         };
-        match outcome {
-            Outcome::Pass => {}
-            Outcome::Fail(why) if case.data_sets.len() > 1 => {
-                return Outcome::Fail(format!("data set {d}: {why}"));
+        for (outcome, (_, engine)) in outcomes.iter_mut().zip(engines) {
+            if !matches!(outcome, Outcome::Pass) {
+                continue;
             }
-            other => return other,
+            *outcome = match caught(|| run_data_set(runtime, engine, dir, case, set, &model)) {
+                Outcome::Fail(why) if case.data_sets.len() > 1 => {
+                    Outcome::Fail(format!("data set {d}: {why}"))
+                }
+                other => other,
+            };
         }
     }
-    Outcome::Pass
+    outcomes
+}
+
+/// `f`'s outcome, a panic being a failure.
+fn caught(f: impl FnOnce() -> Outcome) -> Outcome {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        Outcome::Fail(format!(
+            "panicked: {}",
+            panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or(panic.downcast_ref::<&str>().copied())
+                .unwrap_or("?")
+        ))
+    })
+}
+
+/// A data set's inputs read and its model imported with them, or the
+/// outcome of every backend where that cannot be done.
+fn prepare_data_set(dir: &Path, set: &DataSet) -> Result<PreparedModel, Outcome> {
+    if let Some(why) = &set.unreadable {
+        return Err(Outcome::Skip(format!("the case's {why}")));
+    }
+    let feeds = set
+        .inputs
+        .iter()
+        .map(|i| read_feed(&i.name, &dir.join(&i.file)))
+        .collect::<anyhow::Result<Vec<_>>>()
+        .map_err(|e| Outcome::Fail(format!("cannot read the inputs: {e:#}")))?;
+    match std::panic::catch_unwind(|| prepare(&dir.join("model.onnx"), None, &feeds)) {
+        Ok(Ok(model)) => Ok(model),
+        Ok(Err(e)) => Err(refusal(&e)),
+        Err(_) => Err(Outcome::Fail("the import panicked".into())),
+    }
 }
 
 fn run_data_set(
@@ -288,25 +307,12 @@ fn run_data_set(
     dir: &Path,
     case: &Case,
     set: &DataSet,
+    model: &PreparedModel,
 ) -> Outcome {
-    let feeds = match set
-        .inputs
-        .iter()
-        .map(|i| read_feed(&i.name, &dir.join(&i.file)))
-        .collect::<anyhow::Result<Vec<_>>>()
-    {
-        Ok(feeds) => feeds,
-        Err(e) => return Outcome::Fail(format!("cannot read the inputs: {e:#}")),
-    };
-    let model = match prepare(&dir.join("model.onnx"), None, &feeds) {
-        Ok(model) => model,
-        Err(e) => return refusal(&e),
-    };
-    let outputs = match runtime.block_on(engine.forward(&model)) {
-        Ok(outputs) => outputs,
-        Err(e) => return Outcome::Fail(format!("{e:#}")),
-    };
-    compare(case, dir, set, &model, &outputs)
+    match runtime.block_on(engine.forward(model)) {
+        Ok(outputs) => compare(case, dir, set, model, &outputs),
+        Err(e) => Outcome::Fail(format!("{e:#}")),
+    }
 }
 
 /// An import error: a skip where the importer refuses what it does not

@@ -258,13 +258,8 @@ pub fn parameters(graph: &Graph, weights: Option<&Path>) -> anyhow::Result<Vec<W
             ),
             None => p.initial_values(0),
         };
-        out.push(match p.dtype {
-            DType::F32 => WireTensor::from_f32(&p.name, &p.shape, &values, WireDType::F32),
-            DType::I64 => {
-                let ints: Vec<i64> = values.iter().map(|&v| v as i64).collect();
-                WireTensor::from_i64(&p.name, &p.shape, &ints)
-            }
-        });
+        let dtype = crate::run::on_wire(p.dtype, WireDType::F32);
+        out.push(WireTensor::from_f32(&p.name, &p.shape, &values, dtype));
     }
     Ok(out)
 }

@@ -19,7 +19,7 @@ use rookery_job::Aggregation;
 use rookery_model::DType;
 use rookery_proto::{Bytes, WireDType, WireTensor};
 
-use super::{f32_bytes, param_bytes};
+use super::{f32_bytes, on_wire, param_bytes};
 
 /// One sync's uploads, to combine into the parameters' new values.
 #[derive(Debug)]
@@ -61,10 +61,7 @@ impl AggregateWork {
             let Some(&dtype) = self.dtypes.get(&name) else {
                 continue;
             };
-            let wire = match dtype {
-                DType::F32 => WireDType::F32,
-                DType::I64 => WireDType::I64,
-            };
+            let wire = on_wire(dtype, WireDType::F32);
             let data = match (dtype, copies.len()) {
                 // Counters (BatchNorm's num_batches_tracked) agree across
                 // clusters; and one copy is the aggregate of itself.

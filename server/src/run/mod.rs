@@ -394,7 +394,7 @@ impl JobRun {
 
 /// How a tensor of the graph's `dtype` travels: floats as `floats`
 /// (the job's wire dtype, or f32 for data and parameters), integers as i64.
-fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
+pub(crate) fn on_wire(dtype: DType, floats: WireDType) -> WireDType {
     match dtype {
         DType::F32 => floats,
         DType::I64 => WireDType::I64,

@@ -5,6 +5,7 @@
 //! dimensions), and Dropout with a counter-based RNG that the CPU reference
 //! and the WGSL compute bit for bit.
 
+use super::accuracy::Tracked;
 use super::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, numel, one_d, strides};
 
 /// An activation, applied elementwise.
@@ -96,42 +97,38 @@ impl Unary {
     /// each uses ([`crate::accuracy`]); `None` for the activations, which
     /// the checks hold to a fixed tolerance.
     pub fn error_bounds(self, x: &[f32], dy: &[f32]) -> Option<(Vec<f32>, Vec<f32>)> {
-        use crate::accuracy::Tracked;
+        let tracked = |v, g| self.tracked(Tracked::exact(v), Tracked::exact(g));
+        // Every element gets a bound, or the op has none.
+        tracked(1.0, 1.0)?;
+        Some(
+            x.iter()
+                .zip(dy)
+                .filter_map(|(&v, &g)| tracked(v, g))
+                .map(|(y, dx)| (y.between_two(), dx.between_two()))
+                .unzip(),
+        )
+    }
+
+    /// The forward `f(v)` and backward `g f'(v)` as WGSL computes them, each
+    /// with its error bound; `None` for the activations.
+    fn tracked(self, v: Tracked, g: Tracked) -> Option<(Tracked, Tracked)> {
         let exact = Tracked::exact;
-        let fwd = |v: Tracked| -> Tracked {
-            match self {
-                Unary::Neg | Unary::Abs => v,
-                Unary::Sqrt => v.sqrt(),
-                Unary::Reciprocal => exact(1.0) / v,
-                Unary::Exp => v.exp(),
-                _ => v.ln(),
+        Some(match self {
+            Unary::Neg | Unary::Abs => (v, g),
+            Unary::Sqrt => (v.sqrt(), g / (exact(2.0) * v.sqrt())),
+            Unary::Reciprocal => {
+                let r = exact(1.0) / v;
+                (r, g * r * r)
             }
-        };
-        let bwd = |v: Tracked, g: Tracked| -> Tracked {
-            match self {
-                Unary::Neg | Unary::Abs => g,
-                Unary::Sqrt => g / (exact(2.0) * v.sqrt()),
-                Unary::Reciprocal => {
-                    let r = exact(1.0) / v;
-                    g * r * r
-                }
-                Unary::Exp => g * v.exp(),
-                _ => g / v,
-            }
-        };
-        if !matches!(
-            self,
-            Unary::Neg | Unary::Abs | Unary::Sqrt | Unary::Reciprocal | Unary::Exp | Unary::Log
-        ) {
-            return None;
-        }
-        let y = x.iter().map(|&v| fwd(exact(v)).between_two()).collect();
-        let dx = x
-            .iter()
-            .zip(dy)
-            .map(|(&v, &g)| bwd(exact(v), exact(g)).between_two())
-            .collect();
-        Some((y, dx))
+            Unary::Exp => (v.exp(), g * v.exp()),
+            Unary::Log => (v.ln(), g / v),
+            Unary::Relu
+            | Unary::Gelu
+            | Unary::GeluTanh
+            | Unary::Sigmoid
+            | Unary::Tanh
+            | Unary::Identity => return None,
+        })
     }
 
     fn fwd_expr(self) -> &'static str {

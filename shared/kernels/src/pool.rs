@@ -239,11 +239,13 @@ impl Pool2d {
         let (h, w) = (self.h, self.w);
         let ([kh, kw], [s0, s1], [p0, p1], [d0, d1]) =
             (self.kernel, self.stride, self.padding, self.dilation);
-        // Taps inside [lo, hi) along one dimension of a window starting at `start`.
-        let count = |k: usize, d: usize, lo: i64, hi: i64| {
+        // `fn name(start)`: the taps inside [lo, hi) along one dimension of
+        // a window starting at `start`.
+        let along = |name: &str, k: usize, d: usize, lo: i64, hi: i64| {
             format!(
-                "    var n{d}{k} = 0.0;\n    for (var t = 0i; t < {k}i; t += 1i) {{ let at = start + t * {d}i; \
-                 if (at >= {lo}i && at < {hi}i) {{ n{d}{k} += 1.0; }} }}\n",
+                "fn {name}(start: i32) -> f32 {{\n    var n = 0.0;\n\
+                 \x20   for (var t = 0i; t < {k}i; t += 1i) {{ let at = start + t * {d}i; \
+                 if (at >= {lo}i && at < {hi}i) {{ n += 1.0; }} }}\n    return n;\n}}\n",
             )
         };
         let (lo_y, hi_y, lo_x, hi_x) = if self.count_include_pad {
@@ -252,12 +254,10 @@ impl Pool2d {
             (0, h as i64, 0, w as i64)
         };
         format!(
-            "fn taps_along_y(start: i32) -> f32 {{\n{}    return n{d0}{kh};\n}}\n\
-             fn taps_along_x(start: i32) -> f32 {{\n{}    return n{d1}{kw};\n}}\n\
-             fn taps(oy: u32, ox: u32) -> f32 {{\n    return taps_along_y(i32(oy * {s0}u) - {p0}i) * \
+            "{}{}fn taps(oy: u32, ox: u32) -> f32 {{\n    return taps_along_y(i32(oy * {s0}u) - {p0}i) * \
              taps_along_x(i32(ox * {s1}u) - {p1}i);\n}}\n",
-            count(kh, d0, lo_y, hi_y),
-            count(kw, d1, lo_x, hi_x),
+            along("taps_along_y", kh, d0, lo_y, hi_y),
+            along("taps_along_x", kw, d1, lo_x, hi_x),
         )
     }
 

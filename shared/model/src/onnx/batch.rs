@@ -20,21 +20,11 @@ use crate::ops::Op;
 /// The first graph input that is not an initializer, and its declared
 /// leading dimension when that is a fixed number (the traced batch).
 pub(super) fn declared_batch(model: &ModelProto) -> Option<(String, Option<usize>)> {
-    use super::pb::tensor_shape_proto::dimension::Value as Dim;
-    use super::pb::type_proto::Value;
-    let graph = model.graph.as_ref()?;
-    let input = graph
-        .input
-        .iter()
-        .find(|vi| !graph.initializer.iter().any(|t| t.name() == vi.name()))?;
-    let leading = match input.r#type.as_ref().and_then(|t| t.value.as_ref()) {
-        Some(Value::TensorType(tt)) => tt.shape.as_ref().and_then(|s| s.dim.first()),
-        _ => None,
-    };
-    let fixed = match leading.and_then(|d| d.value.as_ref()) {
-        Some(Dim::DimValue(v)) if *v > 0 => Some(*v as usize),
-        _ => None,
-    };
+    let input = super::fed_inputs(model.graph.as_ref()?).next()?;
+    let fixed = super::tensor_type(input)
+        .and_then(super::declared_dims)
+        .and_then(|dims| dims.first().copied().flatten())
+        .map(|v| v as usize);
     Some((input.name().to_string(), fixed))
 }
 

@@ -200,7 +200,11 @@ pub fn import_file_fed(
 ) -> Result<Imported, OnnxError> {
     let path = path.as_ref();
     let (file, model) = read_file(path)?;
-    let inputs = model.graph.as_ref().map(fed_inputs).unwrap_or_default();
+    let inputs: Vec<&str> = model
+        .graph
+        .as_ref()
+        .map(|g| fed_inputs(g).map(|vi| vi.name()).collect())
+        .unwrap_or_default();
     let input_err = |name: &str, reason: &str| OnnxError::Input {
         file: file.clone(),
         name: name.to_string(),
@@ -233,13 +237,35 @@ pub fn import_file_fed(
 }
 
 /// The graph inputs a caller feeds: those that are not initializers, in order.
-fn fed_inputs(graph: &pb::GraphProto) -> Vec<&str> {
+fn fed_inputs(graph: &pb::GraphProto) -> impl Iterator<Item = &pb::ValueInfoProto> {
     graph
         .input
         .iter()
-        .map(|vi| vi.name())
-        .filter(|name| !graph.initializer.iter().any(|t| t.name() == *name))
-        .collect()
+        .filter(|vi| !graph.initializer.iter().any(|t| t.name() == vi.name()))
+}
+
+/// A value's declared tensor type, `None` where it declares none (or is
+/// not a tensor).
+fn tensor_type(vi: &pb::ValueInfoProto) -> Option<&pb::type_proto::Tensor> {
+    match vi.r#type.as_ref()?.value.as_ref()? {
+        pb::type_proto::Value::TensorType(tt) => Some(tt),
+        _ => None,
+    }
+}
+
+/// A tensor type's declared dimensions: `Some(n)` where fixed, `None` where
+/// symbolic; `None` for no declared shape.
+fn declared_dims(tt: &pb::type_proto::Tensor) -> Option<Vec<Option<i64>>> {
+    use pb::tensor_shape_proto::dimension::Value as Dim;
+    tt.shape.as_ref().map(|s| {
+        s.dim
+            .iter()
+            .map(|d| match d.value {
+                Some(Dim::DimValue(v)) if v > 0 => Some(v),
+                _ => None,
+            })
+            .collect()
+    })
 }
 
 /// Whether the importer translates ONNX op `op` (default domain) in some
@@ -267,28 +293,12 @@ pub fn import_file(
 pub fn declared_input_dims(
     path: impl AsRef<std::path::Path>,
 ) -> Result<Option<Vec<Option<u64>>>, OnnxError> {
-    use pb::tensor_shape_proto::dimension::Value as Dim;
     let (_, model) = read_file(path.as_ref())?;
-    let Some(graph) = model.graph else {
-        return Ok(None);
-    };
-    let first = graph
-        .input
-        .iter()
-        .find(|vi| !graph.initializer.iter().any(|t| t.name() == vi.name()));
-    let tensor = first
-        .and_then(|vi| vi.r#type.as_ref())
-        .and_then(|t| t.value.as_ref());
-    let Some(pb::type_proto::Value::TensorType(tt)) = tensor else {
-        return Ok(None);
-    };
-    Ok(tt.shape.as_ref().map(|s| {
-        s.dim
-            .iter()
-            .map(|d| match d.value {
-                Some(Dim::DimValue(v)) if v > 0 => Some(v as u64),
-                _ => None,
-            })
-            .collect()
-    }))
+    let dims = model
+        .graph
+        .as_ref()
+        .and_then(|g| fed_inputs(g).next())
+        .and_then(tensor_type)
+        .and_then(declared_dims);
+    Ok(dims.map(|d| d.into_iter().map(|v| v.map(|v| v as u64)).collect()))
 }

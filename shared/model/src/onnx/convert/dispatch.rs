@@ -318,17 +318,13 @@ impl Importer<'_> {
             let xin = self.tensor_input(here, 0)?;
             return self.emit(here, &here.out, Op::Identity, vec![xin]);
         }
-        let zeros = format!("{}/zeros", here.out);
         let numel = shape.iter().product();
-        self.constants.push(crate::graph::Param {
-            name: zeros.clone(),
+        let zeros = self.add_constant(
+            &format!("{}/zeros", here.out),
             shape,
-            dtype: x.dtype,
-            kind: crate::graph::ParamKind::Constant,
-            init: crate::init::Init::Values {
-                data: vec![0.0; numel],
-            },
-        });
+            x.dtype,
+            vec![0.0; numel],
+        );
         let xin = self.tensor_input(here, 0)?;
         self.emit(here, &here.out, Op::Add, vec![xin, zeros])
     }

@@ -105,14 +105,7 @@ impl Importer<'_> {
 
     /// A scalar constant of the graph, for a factor such as Gemm's `alpha`.
     fn scalar(&mut self, name: &str, value: f32) -> String {
-        self.constants.push(Param {
-            name: name.to_string(),
-            shape: Vec::new(),
-            dtype: DType::F32,
-            kind: ParamKind::Constant,
-            init: Init::Values { data: vec![value] },
-        });
-        name.to_string()
+        self.add_constant(name, Vec::new(), DType::F32, vec![value])
     }
 
     /// A bias input, or `None` when absent or a constant of zeros (the dynamo

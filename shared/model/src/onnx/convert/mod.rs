@@ -512,13 +512,7 @@ impl<'a> Importer<'a> {
             }
             Val::Const(t, None) => {
                 if !self.constants.iter().any(|p| &p.name == name) {
-                    self.constants.push(Param {
-                        name: name.clone(),
-                        shape: t.shape.clone(),
-                        dtype: dtype_of(t.elem),
-                        kind: ParamKind::Constant,
-                        init: Init::Values { data: t.to_f32() },
-                    });
+                    self.add_constant(name, t.shape.clone(), dtype_of(t.elem), t.to_f32());
                 }
                 name.clone()
             }
@@ -526,6 +520,25 @@ impl<'a> Importer<'a> {
                 return Err(self.node_err(here, format!("input `{name}` is unavailable")));
             }
         })
+    }
+
+    /// A constant tensor of the graph (a folded value a real op reads, a
+    /// scale factor, zeros to broadcast against), named `name`.
+    fn add_constant(
+        &mut self,
+        name: &str,
+        shape: Vec<usize>,
+        dtype: DType,
+        data: Vec<f32>,
+    ) -> String {
+        self.constants.push(Param {
+            name: name.to_string(),
+            shape,
+            dtype,
+            kind: ParamKind::Constant,
+            init: Init::Values { data },
+        });
+        name.to_string()
     }
 
     /// Shape and dtype of input `i`.

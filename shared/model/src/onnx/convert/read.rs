@@ -103,9 +103,8 @@ impl Importer<'_> {
             let Some(vi) = graph.input.iter().find(|vi| vi.name() == b.name) else {
                 return Err(err("is not an input of the graph".into()));
             };
-            let declared = match vi.r#type.as_ref().and_then(|t| t.value.as_ref()) {
-                Some(crate::onnx::pb::type_proto::Value::TensorType(tt)) => tt.elem_type(),
-                _ => return Err(err("is not a tensor".into())),
+            let Some(declared) = crate::onnx::tensor_type(vi).map(|tt| tt.elem_type()) else {
+                return Err(err("is not a tensor".into()));
             };
             let numel: usize = b.shape.iter().product();
             let len = match &b.values {
@@ -242,25 +241,15 @@ impl Importer<'_> {
                 name: vi.name().to_string(),
                 reason,
             };
-            let tt = match vi.r#type.as_ref().and_then(|t| t.value.as_ref()) {
-                Some(crate::onnx::pb::type_proto::Value::TensorType(tt)) => tt,
-                _ => return Err(err("is not a tensor".into())),
+            let Some(tt) = crate::onnx::tensor_type(vi) else {
+                return Err(err("is not a tensor".into()));
             };
             let dtype = match Elem::from_onnx(tt.elem_type()) {
                 Some(Elem::F32) => DType::F32,
                 Some(Elem::I64) => DType::I64,
                 _ => return Err(err(unsupported_elem(tt.elem_type()))),
             };
-            use crate::onnx::pb::tensor_shape_proto::dimension::Value as Dim;
-            let declared: Option<Vec<Option<i64>>> = tt.shape.as_ref().map(|s| {
-                s.dim
-                    .iter()
-                    .map(|d| match d.value {
-                        Some(Dim::DimValue(v)) if v > 0 => Some(v),
-                        _ => None,
-                    })
-                    .collect()
-            });
+            let declared = crate::onnx::declared_dims(tt);
             let shape = if first {
                 if let Some(decl) = &declared {
                     if decl.len() != input_shape.len() {
@@ -413,14 +402,12 @@ impl Importer<'_> {
                     // Kept as a constant of the graph, read by an Identity
                     // named as the output.
                     let t = t.clone();
-                    let name = format!("{}/constant", o.name());
-                    self.constants.push(Param {
-                        name: name.clone(),
-                        shape: t.shape.clone(),
-                        dtype: super::dtype_of(t.elem),
-                        kind: ParamKind::Constant,
-                        init: Init::Values { data: t.to_f32() },
-                    });
+                    let name = self.add_constant(
+                        &format!("{}/constant", o.name()),
+                        t.shape.clone(),
+                        dtype_of(t.elem),
+                        t.to_f32(),
+                    );
                     self.nodes.push(crate::graph::Node {
                         name: o.name().to_string(),
                         op: crate::ops::Op::Identity,
