@@ -196,7 +196,7 @@ async fn wgpu_provider(name: String) -> anyhow::Result<(Hello, MakeTrainer)> {
         .context("opening a GPU through wgpu (install a Vulkan, Metal or DX12 driver)")?;
     let context = device.context();
     let gflops = context
-        .benchmark_matmul_gflops(256, 16)
+        .benchmark_gflops(0.3)
         .await
         .context("measuring the GPU")?;
     let offer = DeviceOffer {

@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use rookery_kernels::GpuContext;
 use rookery_kernels::conv::Conv2d;
-use rookery_kernels::gemm::DEFAULT_PER_THREAD;
+use rookery_kernels::gemm::Tiling;
 use rookery_kernels::speed::{self, Measured};
 use tch::{Device, Kind, Tensor};
 
@@ -64,8 +64,14 @@ fn randn(shape: &[usize]) -> Tensor {
     Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu))
 }
 
-fn matmul_row(gpu: &GpuContext, m: usize, k: usize, n: usize, per_thread: u32) -> Result<Row> {
-    let ours = pollster::block_on(speed::matmul(gpu, [m, k, n], per_thread, SECONDS))?;
+fn matmul_row(
+    gpu: &GpuContext,
+    m: usize,
+    k: usize,
+    n: usize,
+    tiling: Option<Tiling>,
+) -> Result<Row> {
+    let ours = pollster::block_on(speed::matmul(gpu, [m, k, n], tiling, SECONDS))?;
     let (ta, tb) = (randn(&[m, k]), randn(&[k, n]));
     let torch_s = time_torch(|| {
         let _ = ta.matmul(&tb);
@@ -134,11 +140,12 @@ fn main() -> Result<()> {
         .context("no GPU adapter (install mesa-vulkan-drivers for lavapipe)")?;
     println!("wgpu adapter: {}", gpu.adapter_description());
     println!("libtorch: CPU, {} threads", tch::get_num_threads());
-    // The default register block, and one output per invocation for
-    // comparison.
+    // The tiling chosen for the shape, the classic 4x4 register block, and
+    // one output per invocation for comparison.
     let mut rows = vec![
-        matmul_row(&gpu, 1024, 1024, 1024, DEFAULT_PER_THREAD)?,
-        matmul_row(&gpu, 1024, 1024, 1024, 1)?,
+        matmul_row(&gpu, 1024, 1024, 1024, None)?,
+        matmul_row(&gpu, 1024, 1024, 1024, Some(Tiling::CLASSIC))?,
+        matmul_row(&gpu, 1024, 1024, 1024, Some(Tiling::square(16, 1)))?,
     ];
     // The demo CNN at batch 64: two convolutions, then Dense 1568->128 and 128->10.
     for conv in [

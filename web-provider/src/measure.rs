@@ -6,13 +6,8 @@
 
 use rookery_kernels::{GpuContext, GpuError, MATMUL_REL_TOLERANCE, check_matmul, sample_matrix};
 
-/// Side of the benchmark matmul: big enough to keep a GPU busy, small enough
-/// that one dispatch takes milliseconds, not seconds, on a slow one.
-const BENCHMARK_N: u32 = 256;
-/// Time the timed benchmark run aims for, in seconds.
+/// Time the benchmark aims for, in seconds.
 const BENCHMARK_BUDGET_S: f64 = 0.2;
-/// Most dispatches in the timed run, whatever the GPU's speed.
-const BENCHMARK_MAX_ITERATIONS: u32 = 64;
 
 /// Runs the kernel on a small shape that is no multiple of any tile and
 /// compares it with the CPU reference: a GPU or driver that computes wrong
@@ -28,33 +23,10 @@ pub(crate) async fn self_check(gpu: &GpuContext) -> Result<(), String> {
     check_matmul(&a, &b, m, k, n, &c, MATMUL_REL_TOLERANCE).map_err(|e| e.to_string())
 }
 
-/// GFLOP/s of this GPU in at most a few hundred milliseconds: one dispatch
-/// to gauge its speed, then as many as fit in [`BENCHMARK_BUDGET_S`].
+/// GFLOP/s of this GPU with the kernels its stages will run, in a few
+/// hundred milliseconds.
 pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
-    let first = match gpu.benchmark_matmul_gflops(BENCHMARK_N, 1).await {
-        Ok(gflops) => gflops,
-        // Too fast for the clock to see one dispatch: time the most we allow.
-        Err(GpuError::ClockTooCoarse { .. }) => {
-            return gpu
-                .benchmark_matmul_gflops(BENCHMARK_N, BENCHMARK_MAX_ITERATIONS)
-                .await;
-        }
-        Err(error) => return Err(error),
-    };
-    let flops = rookery_kernels::matmul_flops(
-        BENCHMARK_N as usize,
-        BENCHMARK_N as usize,
-        BENCHMARK_N as usize,
-    );
-    let seconds_each = flops / (first * 1e9);
-    if seconds_each * 2.0 > BENCHMARK_BUDGET_S {
-        // A slow GPU: one dispatch already is a fair measurement.
-        return Ok(first);
-    }
-    // Truncation is fine: the ratio is positive and clamped below.
-    let iterations =
-        ((BENCHMARK_BUDGET_S / seconds_each) as u32).clamp(2, BENCHMARK_MAX_ITERATIONS);
-    gpu.benchmark_matmul_gflops(BENCHMARK_N, iterations).await
+    gpu.benchmark_gflops(BENCHMARK_BUDGET_S).await
 }
 
 /// GFLOP/s of the CPU reference matmul, timed with `now_ms` (the browser's

@@ -3,8 +3,9 @@
 //! libtorch, Rust or network there: the kernel check binaries
 //! (`gpu_kernels`, `gpu_matmul`), the kernel benchmark `kernel_speed` (one
 //! line per kernel and shape with its GFLOP/s) and `run.sh`, which runs
-//! every check, then the benchmark, and exits 0 only when every check
-//! passed. `./run.sh --quick` times small shapes only (lavapipe).
+//! every check, then the benchmark (beside PyTorch's cuBLAS and cuDNN,
+//! `vendor_speed.py`, where PyTorch sees a CUDA GPU), and exits 0 only when
+//! every check passed. `./run.sh --quick` times small shapes only (lavapipe).
 //!
 //! Release builds by default (the figures are what donors' GPUs get);
 //! `--debug` reuses a debug build, as `cargo xtask test` does.
@@ -20,10 +21,13 @@ use crate::util::{run, step, target_dir};
 /// The kernel checks the kit carries (integration tests of rookery-kernels).
 const CHECKS: [&str; 2] = ["gpu_kernels", "gpu_matmul"];
 
+/// Times the same workloads with PyTorch's cuBLAS and cuDNN, where there.
+const VENDOR_SPEED_PY: &str = include_str!("../python/vendor_speed.py");
+
 const RUN_SH: &str = r#"#!/bin/sh
 # Rookery's GPU kit: every kernel check on this machine's GPU, then the
 # kernels' speed. Exits 0 only when every check passed.
-# Usage: ./run.sh [--quick] [--seconds S]   (arguments go to kernel_speed)
+# Usage: ./run.sh [--quick] [--sweep] [--seconds S]   (arguments go to kernel_speed)
 cd "$(dirname "$0")" || exit 2
 failed=0
 for check in gpu_kernels gpu_matmul; do
@@ -36,7 +40,17 @@ for check in gpu_kernels gpu_matmul; do
     fi
 done
 echo "==> kernel_speed"
-"./kernel_speed" "$@" || echo "<== kernel_speed could not run"
+if "./kernel_speed" "$@" >speed.txt 2>&1; then
+    cat speed.txt
+    # Beside the vendor's libraries where PyTorch sees a CUDA GPU.
+    if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        echo "==> vendor_speed"
+        python3 vendor_speed.py speed.txt || echo "<== vendor_speed could not run"
+    fi
+else
+    cat speed.txt
+    echo "<== kernel_speed could not run"
+fi
 if [ "$failed" -eq 0 ]; then
     echo "every kernel check passed"
 else
@@ -97,6 +111,7 @@ pub fn main(args: &[String]) -> Result<PathBuf> {
             &dir.join("examples").join(exe("kernel_speed")),
             &kit.join("kernel_speed"),
         )?;
+        std::fs::write(kit.join("vendor_speed.py"), VENDOR_SPEED_PY)?;
         let script = kit.join("run.sh");
         std::fs::write(&script, RUN_SH)?;
         executable(&script)?;

@@ -5,12 +5,16 @@
 //! GPUs are judged at: matmul 4096^3, a transformer's token x 768 x 3072 in
 //! both orientations, and ResNet convolutions.
 //!
-//! Usage: `kernel_speed [--quick] [--seconds S]`
+//! `--sweep` also times every tiling [`Tiling::auto`] chooses from (and the
+//! classic one) at each matmul and convolution shape, marking the one it
+//! chose: how the choice is checked on a new GPU.
+//!
+//! Usage: `kernel_speed [--quick] [--sweep] [--seconds S]`
 
 use anyhow::{Context, Result, bail};
 use rookery_kernels::GpuContext;
 use rookery_kernels::conv::Conv2d;
-use rookery_kernels::gemm::DEFAULT_PER_THREAD;
+use rookery_kernels::gemm::{AUTO_CANDIDATES, Tiling};
 use rookery_kernels::speed::{self, Measured};
 
 fn conv(x: [usize; 4], out: usize) -> Result<Conv2d> {
@@ -20,20 +24,26 @@ fn conv(x: [usize; 4], out: usize) -> Result<Conv2d> {
 
 fn main() -> Result<()> {
     let mut quick = false;
+    let mut sweep = false;
     let mut seconds = 0.5;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => quick = true,
+            "--sweep" => sweep = true,
             "--seconds" => {
                 let s = args.next().context("`--seconds` needs a number")?;
                 seconds = s.parse().with_context(|| format!("`--seconds {s}`"))?;
             }
-            other => bail!("kernel_speed takes `--quick` and `--seconds S`, got `{other}`"),
+            other => {
+                bail!("kernel_speed takes `--quick`, `--sweep` and `--seconds S`, got `{other}`")
+            }
         }
     }
     let gpu = pollster::block_on(GpuContext::new()).context("no GPU adapter")?;
     println!("adapter: {}", gpu.adapter_description());
+    let rated = pollster::block_on(gpu.benchmark_gflops(0.3)).context("self-measurement")?;
+    println!("a provider on this adapter rates itself at {rated:.1} GFLOP/s");
     let matmuls: &[[usize; 3]] = if quick {
         &[[256, 256, 256], [64, 1568, 128]]
     } else {
@@ -59,16 +69,49 @@ fn main() -> Result<()> {
         }
         Ok(())
     };
+    let tilings: Vec<Option<Tiling>> = if sweep {
+        // Beyond the candidates: the scalar form of the largest block, and
+        // shallower and deeper staging, to show what the choice leaves out.
+        let extra = [
+            (8, 8, 8, false),
+            (8, 8, 16, false),
+            (4, 4, 8, true),
+            (8, 4, 8, true),
+            (2, 2, 16, false),
+            (1, 1, 16, false),
+        ]
+        .into_iter()
+        .filter_map(|(r, c, d, v)| Tiling::new(16, r, c, d, v));
+        std::iter::once(None)
+            .chain(
+                std::iter::once(Tiling::CLASSIC)
+                    .chain(AUTO_CANDIDATES)
+                    .chain(extra)
+                    .map(Some),
+            )
+            .collect()
+    } else {
+        vec![None]
+    };
     for &shape in matmuls {
-        block(vec![pollster::block_on(speed::matmul(
-            &gpu,
-            shape,
-            DEFAULT_PER_THREAD,
-            seconds,
-        ))?])?;
+        for &tiling in &tilings {
+            let mut row = pollster::block_on(speed::matmul(&gpu, shape, tiling, seconds))?;
+            if sweep && tiling.is_none() {
+                row.name += " [chosen]";
+            }
+            block(vec![row])?;
+        }
     }
     for c in &convs {
-        block(pollster::block_on(speed::conv(&gpu, c, seconds))?.to_vec())?;
+        for &tiling in &tilings {
+            let mut c = *c;
+            c.tiling = tiling;
+            let mut rows = pollster::block_on(speed::conv(&gpu, &c, seconds))?.to_vec();
+            if sweep && tiling.is_none() {
+                rows.iter_mut().for_each(|r| r.name += " [chosen]");
+            }
+            block(rows)?;
+        }
     }
     let dense = if quick {
         [64, 512, 128]

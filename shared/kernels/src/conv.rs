@@ -10,7 +10,25 @@
 //! - weight gradient: `dw[o, (c,ky,kx)] = sum_(n,oy,ox) dy[n, o, oy, ox] x[..]`;
 //! - bias gradient: `dy` summed over batch and space.
 
-use super::gemm::{DEFAULT_PER_THREAD, Gemm, MAX_GEMM_TILE, sum_to_shape};
+use super::gemm::{Gemm, Tiling, busy_blocks, split_parts, sum_to_shape};
+
+/// Fewest terms of the weight gradient's reduction one part sums.
+pub const MIN_PART_TERMS: usize = 256;
+
+/// Most parts the weight gradient's reduction is cut into.
+pub const MAX_PARTS: usize = 256;
+
+const WEIGHT_BINDINGS: [(&str, Binding, &str); 3] = [
+    ("dy", Binding::Read, "f32"),
+    ("x", Binding::Read, "f32"),
+    ("dweight", Binding::ReadWrite, "f32"),
+];
+
+const WEIGHT_PARTS_BINDINGS: [(&str, Binding, &str); 3] = [
+    ("dy", Binding::Read, "f32"),
+    ("x", Binding::Read, "f32"),
+    ("dweight_parts", Binding::ReadWrite, "f32"),
+];
 use super::spec::{Binding, KernelSpec};
 
 /// A 2-D convolution of `x [n, c, h, w]` with `weight [o, c/groups, kh, kw]`.
@@ -28,8 +46,8 @@ pub struct Conv2d {
     pub dilation: [usize; 2],
     pub groups: usize,
     pub bias: bool,
-    pub tile: u32,
-    pub per_thread: u32,
+    /// `None`: chosen for each product's shape ([`Tiling::auto`]).
+    pub tiling: Option<Tiling>,
 }
 
 impl Conv2d {
@@ -69,8 +87,7 @@ impl Conv2d {
             dilation,
             groups,
             bias,
-            tile: MAX_GEMM_TILE,
-            per_thread: DEFAULT_PER_THREAD,
+            tiling: None,
         };
         let span =
             |size: usize, p: usize, d: usize, k: usize| (size + 2 * p).checked_sub(d * (k - 1) + 1);
@@ -156,13 +173,15 @@ impl Conv2d {
         };
         Gemm {
             label: "conv2d_fwd".into(),
-            tile: self.tile,
-            per_thread: self.per_thread,
+            tiling: self.tiling,
+            split: 1,
             batch: self.groups,
             m: og,
             n: self.n * oh * ow,
             k: kk_len,
             bindings: if self.bias { &with_bias } else { &without },
+            a_along_k: true,
+            b_along_k: false,
             load_a: format!("    return weight[(z * {og}u + row) * {kk_len}u + kk];"),
             load_b: format!(
                 "    let ci = kk / {khw}u;\n    let ky = (kk % {khw}u) / {kw}u;\n    let kx = kk % {kw}u;\n\
@@ -195,8 +214,8 @@ impl Conv2d {
         let ([s0, s1], [p0, p1], [d0, d1]) = (self.stride, self.padding, self.dilation);
         Gemm {
             label: "conv2d_bwd_input".into(),
-            tile: self.tile,
-            per_thread: self.per_thread,
+            tiling: self.tiling,
+            split: 1,
             batch: self.groups,
             m: cg,
             n: self.n * h * w,
@@ -206,6 +225,8 @@ impl Conv2d {
                 ("weight", Binding::Read, "f32"),
                 ("dx", Binding::ReadWrite, "f32"),
             ],
+            a_along_k: true,
+            b_along_k: false,
             load_a: format!(
                 "    let oc = kk / {khw}u;\n    return weight[((z * {og}u + oc) * {cg}u + row) * {khw}u + kk % {khw}u];",
                 khw = kh * kw
@@ -233,22 +254,70 @@ impl Conv2d {
 
     /// Weight gradient: bindings `dy`, `x`, `dweight`.
     pub fn backward_weight(&self) -> KernelSpec {
+        self.weight_gemm(1)
+    }
+
+    /// Parts [`Self::backward_weight_parts`] cuts the weight gradient's
+    /// reduction into (1: none): enough to keep a large GPU busy when the
+    /// weight has few elements and the reduction over batch and space is
+    /// long (a first convolution of one channel has 144 weights and 50,176
+    /// terms each), with at least [`MIN_PART_TERMS`] terms per part.
+    pub fn weight_parts(&self) -> u32 {
+        self.weight_plan().1
+    }
+
+    /// The weight gradient's tiling and parts.
+    fn weight_plan(&self) -> (Tiling, u32) {
+        let (oh, ow) = self.out_hw();
+        let (m, n, k) = (self.og(), self.cg() * self.kh * self.kw, self.n * oh * ow);
+        match self.tiling {
+            // A fixed tiling (the checks' and the sweep's) still splits.
+            Some(t) => {
+                let wanted = (2 * busy_blocks()).div_ceil(t.blocks(m, n, self.groups));
+                let most = (k / MIN_PART_TERMS).clamp(1, MAX_PARTS);
+                (t, split_parts(k, t.depth, wanted.min(most) as u32))
+            }
+            None => Tiling::auto_split(m, n, self.groups, k, MIN_PART_TERMS, MAX_PARTS),
+        }
+    }
+
+    /// The weight gradient as `parts` partial sums over the batch and space,
+    /// `[parts, o, c / groups, kh, kw]`, which add up to it (in any order
+    /// the caller fixes): bindings `dy`, `x`, `dweight_parts`.
+    pub fn backward_weight_parts(&self, parts: u32) -> KernelSpec {
+        self.weight_gemm(parts)
+    }
+
+    fn weight_gemm(&self, parts: u32) -> KernelSpec {
+        self.weight_gemm_def(parts).spec()
+    }
+
+    fn weight_gemm_def(&self, parts: u32) -> Gemm<'static> {
+        let tiling = if parts > 1 {
+            Some(self.weight_plan().0)
+        } else {
+            self.tiling
+        };
         let (oh, ow) = self.out_hw();
         let (o, kh, kw, og, cg) = (self.o, self.kh, self.kw, self.og(), self.cg());
         let kk_len = cg * kh * kw;
+        let w_len = o * kk_len;
+        let (bindings, out) = if parts > 1 {
+            (&WEIGHT_PARTS_BINDINGS, "dweight_parts")
+        } else {
+            (&WEIGHT_BINDINGS, "dweight")
+        };
         Gemm {
             label: "conv2d_bwd_weight".into(),
-            tile: self.tile,
-            per_thread: self.per_thread,
+            tiling,
+            split: parts,
             batch: self.groups,
             m: og,
             n: kk_len,
             k: self.n * oh * ow,
-            bindings: &[
-                ("dy", Binding::Read, "f32"),
-                ("x", Binding::Read, "f32"),
-                ("dweight", Binding::ReadWrite, "f32"),
-            ],
+            bindings,
+            a_along_k: true,
+            b_along_k: true,
             load_a: format!(
                 "    let nb = kk / {ohw}u;\n    return dy[(nb * {o}u + z * {og}u + row) * {ohw}u + kk % {ohw}u];",
                 ohw = oh * ow
@@ -260,9 +329,10 @@ impl Conv2d {
                 khw = kh * kw,
                 ohw = oh * ow,
             ),
-            store: format!("        dweight[(z * {og}u + row) * {kk_len}u + col] = acc;"),
+            store: format!(
+                "        {out}[part * {w_len}u + (z * {og}u + row) * {kk_len}u + col] = acc;"
+            ),
         }
-        .spec()
     }
 
     /// Bias gradient: bindings `dy`, `dbias`.

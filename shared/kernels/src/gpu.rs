@@ -17,6 +17,10 @@ use super::matmul::check_shape;
 use super::spec::{Binding, KernelSpec};
 use super::{KernelError, MatmulKernel, matmul_flops, sample_matrix};
 
+/// Side of the largest product [`GpuContext::benchmark_gflops`] times: 48
+/// MiB of operands, a few milliseconds on the fastest GPUs.
+pub const BENCHMARK_MAX_N: u32 = 2048;
+
 /// Everything that can go wrong running a kernel on a GPU.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GpuError {
@@ -105,15 +109,44 @@ struct Dims {
     pad: u32,
 }
 
-impl GpuContext {
-    /// Opens the best GPU adapter with the default [`MatmulKernel`].
-    pub async fn new() -> Result<Self, GpuError> {
-        Self::with_kernel(MatmulKernel::default()).await
+/// An opened GPU: what every [`GpuContext`] of a process shares.
+#[derive(Clone)]
+struct Opened {
+    adapter_info: wgpu::AdapterInfo,
+    adapter_limits: wgpu::Limits,
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+}
+
+/// Natively, the device every context of this process shares: drivers limit
+/// how many instances and devices one process may open (NVIDIA's Vulkan
+/// driver refused the eleventh context of one test process on an H200), and
+/// one device per process is what a provider needs anyway.
+#[cfg(not(target_arch = "wasm32"))]
+static OPENED: Mutex<Option<Opened>> = Mutex::new(None);
+
+impl Opened {
+    /// The process's opened GPU, opening it on first use. A failure is not
+    /// remembered, so a later call tries again.
+    #[cfg(not(target_arch = "wasm32"))]
+    async fn shared() -> Result<Self, GpuError> {
+        if let Some(opened) = OPENED.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Ok(opened);
+        }
+        let opened = Self::open().await?;
+        let mut slot = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        // Two first uses may race; the first one stored wins.
+        Ok(slot.get_or_insert(opened).clone())
     }
 
-    /// Opens the best GPU adapter and compiles `kernel` for it, as the kernel
-    /// [`Self::matmul`] runs.
-    pub async fn with_kernel(kernel: MatmulKernel) -> Result<Self, GpuError> {
+    /// A browser tab opens its GPU once anyway.
+    #[cfg(target_arch = "wasm32")]
+    async fn shared() -> Result<Self, GpuError> {
+        Self::open().await
+    }
+
+    /// Opens the best GPU adapter with everything it offers.
+    async fn open() -> Result<Self, GpuError> {
         // `from_env` lets WGPU_BACKEND / WGPU_ADAPTER_NAME pick an adapter on
         // machines with several; in a browser there is no environment.
         let instance =
@@ -146,6 +179,37 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::RequestDevice(e.to_string()))?;
+        // A software adapter (lavapipe) runs one workgroup per CPU thread
+        // at a time, and large blocks fastest.
+        #[cfg(not(target_arch = "wasm32"))]
+        if adapter_info.device_type == wgpu::DeviceType::Cpu {
+            let threads = std::thread::available_parallelism().map_or(2, usize::from);
+            crate::gemm::set_busy_blocks(threads);
+        }
+        Ok(Self {
+            adapter_info,
+            adapter_limits,
+            device,
+            queue,
+        })
+    }
+}
+
+impl GpuContext {
+    /// Opens the best GPU adapter with the default [`MatmulKernel`].
+    pub async fn new() -> Result<Self, GpuError> {
+        Self::with_kernel(MatmulKernel::default()).await
+    }
+
+    /// Opens the best GPU adapter and compiles `kernel` for it, as the kernel
+    /// [`Self::matmul`] runs.
+    pub async fn with_kernel(kernel: MatmulKernel) -> Result<Self, GpuError> {
+        let Opened {
+            adapter_info,
+            adapter_limits,
+            device,
+            queue,
+        } = Opened::shared().await?;
         let context = Self {
             adapter_info,
             adapter_limits,
@@ -560,21 +624,65 @@ impl GpuContext {
     }
 
     /// Measured GFLOP/s of `iterations` back-to-back `n x n x n` matmuls on
-    /// pseudo-random data, after one untimed warm-up dispatch (which absorbs
-    /// lazy pipeline compilation). Times submission to completion, so it
-    /// includes dispatch overhead, as real work would.
+    /// pseudo-random data, with the GEMM kernel stages run (its tiling
+    /// chosen for the shape), after one untimed warm-up dispatch (which
+    /// absorbs lazy pipeline compilation). Times submission to completion,
+    /// so it includes dispatch overhead, as real work would.
     pub async fn benchmark_matmul_gflops(&self, n: u32, iterations: u32) -> Result<f64, GpuError> {
         if n == 0 || iterations == 0 {
             return Err(GpuError::InvalidBenchmark { n, iterations });
         }
         let size = n as usize;
-        let a = sample_matrix(size * size, 1);
-        let b = sample_matrix(size * size, 2);
-        let (spec, buffers) = self.matmul_buffers(&a, &b, size, size, size)?;
-        let [dims, a, b, c] = &buffers;
-        let bound: [&GpuBuffer; 4] = [dims, a, b, c];
-        let seconds = self.time_dispatches(&spec, &bound, iterations).await?;
+        let limit = self
+            .max_storage_buffer_binding_size()
+            .min(self.max_buffer_size());
+        let bytes = (size as u64).pow(2) * 4;
+        if bytes > limit {
+            return Err(GpuError::BufferTooLarge {
+                what: "benchmark matrix",
+                bytes,
+                limit,
+            });
+        }
+        let spec = crate::gemm::MatMul::new(&[size, size], &[size, size])
+            .ok_or(KernelError::TooLarge {
+                m: size,
+                k: size,
+                n: size,
+            })?
+            .forward();
+        let a = self.upload_f32(&sample_matrix(size * size, 1))?;
+        let b = self.upload_f32(&sample_matrix(size * size, 2))?;
+        let c = self.create_buffer(size * size)?;
+        let seconds = self
+            .time_dispatches(&spec, &[&a, &b, &c], iterations)
+            .await?;
         Ok(matmul_flops(size, size, size) * f64::from(iterations) / seconds / 1e9)
+    }
+
+    /// GFLOP/s this GPU gives a stage, in about `budget_s` seconds: the GEMM
+    /// kernel on the smallest square product from 256 up that keeps the GPU
+    /// busy for a measurable time (up to [`BENCHMARK_MAX_N`]), since a small
+    /// one rates a large GPU at a fraction of its speed.
+    pub async fn benchmark_gflops(&self, budget_s: f64) -> Result<f64, GpuError> {
+        let mut n = 256u32;
+        loop {
+            let seconds_each = match self.benchmark_matmul_gflops(n, 1).await {
+                Ok(gflops) => matmul_flops(n as usize, n as usize, n as usize) / (gflops * 1e9),
+                Err(GpuError::ClockTooCoarse { .. }) => 0.0,
+                Err(error) => return Err(error),
+            };
+            let busy = seconds_each * 16.0 >= budget_s;
+            if busy || n >= BENCHMARK_MAX_N {
+                let iterations = if seconds_each > 0.0 {
+                    ((budget_s / 2.0 / seconds_each) as u32).clamp(1, 64)
+                } else {
+                    64
+                };
+                return self.benchmark_matmul_gflops(n, iterations).await;
+            }
+            n *= 2;
+        }
     }
 
     /// Seconds `iterations` back-to-back dispatches of `spec` take, submission

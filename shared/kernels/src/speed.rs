@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use crate::conv::Conv2d;
-use crate::gemm::{Linear, MatMul};
+use crate::gemm::{Linear, MatMul, Tiling, sum_to_shape};
 use crate::{GpuBuffer, GpuContext, GpuError, KernelError, KernelSpec, sample_matrix};
 
 /// One timed workload.
@@ -55,24 +55,25 @@ fn upload(gpu: &GpuContext, len: usize, seed: u64) -> Result<GpuBuffer, GpuError
     gpu.upload_f32(&sample_matrix(len, seed))
 }
 
-/// `[m, k] x [k, n]` with `per_thread` x `per_thread` outputs per invocation.
+/// `[m, k] x [k, n]` with `tiling` (`None`: the one chosen for the shape).
 pub async fn matmul(
     gpu: &GpuContext,
     [m, k, n]: [usize; 3],
-    per_thread: u32,
+    tiling: Option<Tiling>,
     seconds: f64,
 ) -> Result<Measured, GpuError> {
     let mut mm =
         MatMul::new(&[m, k], &[k, n]).ok_or(GpuError::Kernel(KernelError::TooLarge { m, k, n }))?;
-    mm.per_thread = per_thread;
+    mm.tiling = tiling;
     let spec = mm.forward();
+    let used = tiling.unwrap_or_else(|| Tiling::auto(m, n, 1));
     let (a, b, c) = (
         upload(gpu, m * k, 1)?,
         upload(gpu, k * n, 2)?,
         gpu.create_buffer(m * n)?,
     );
     Ok(Measured {
-        name: format!("matmul {m}x{k}x{n} ({per_thread}x{per_thread} per invocation)"),
+        name: format!("matmul {m}x{k}x{n} ({})", used.describe()),
         flops: 2.0 * (m * k * n) as f64,
         seconds: time_chain(gpu, &[(&spec, vec![&a, &b, &c])], seconds).await?,
     })
@@ -140,18 +141,45 @@ pub async fn conv(
         upload(gpu, conv.out_len(), 4)?,
     );
     let (dx, dw) = (gpu.create_buffer(x_len)?, gpu.create_buffer(w_len)?);
-    let (fwd, bi, bw) = (
-        conv.forward(),
-        conv.backward_input(),
-        conv.backward_weight(),
-    );
+    // The weight gradient as a stage computes it: in parts when its
+    // reduction is long, then added up.
+    let parts = conv.weight_parts();
+    let dw_parts = gpu.create_buffer(w_len * parts as usize)?;
+    let (fwd, bi) = (conv.forward(), conv.backward_input());
+    let (bw, sum) = if parts > 1 {
+        (
+            conv.backward_weight_parts(parts),
+            Some(sum_to_shape(&[parts as usize, w_len], &[w_len])),
+        )
+    } else {
+        (conv.backward_weight(), None)
+    };
     let forward = (&fwd, vec![&x, &w, &b, &y]);
     let input_grad = (&bi, vec![&dy, &w, &dx]);
-    let weight_grad = (&bw, vec![&dy, &x, &dw]);
+    let mut weight_grad = vec![(&bw, vec![&dy, &x, if parts > 1 { &dw_parts } else { &dw }])];
+    if let Some(sum) = &sum {
+        weight_grad.push((sum, vec![&dw_parts, &dw]));
+    }
     let name = format!(
-        "conv2d {}x{}x{}x{} -> {} k{}x{}",
-        conv.n, conv.c, conv.h, conv.w, conv.o, conv.kh, conv.kw
+        "conv2d {}x{}x{}x{} -> {} k{}x{}{}",
+        conv.n,
+        conv.c,
+        conv.h,
+        conv.w,
+        conv.o,
+        conv.kh,
+        conv.kw,
+        conv.tiling
+            .map(|t| format!(" ({})", t.describe()))
+            .unwrap_or_default()
     );
+    let backward: Vec<_> = std::iter::once(input_grad.clone())
+        .chain(weight_grad.iter().cloned())
+        .collect();
+    let step: Vec<_> = [forward.clone(), input_grad]
+        .into_iter()
+        .chain(weight_grad)
+        .collect();
     Ok([
         Measured {
             name: format!("{name} fwd"),
@@ -161,12 +189,12 @@ pub async fn conv(
         Measured {
             name: format!("{name} bwd"),
             flops: 2.0 * conv.flops(),
-            seconds: time_chain(gpu, &[input_grad.clone(), weight_grad.clone()], seconds).await?,
+            seconds: time_chain(gpu, &backward, seconds).await?,
         },
         Measured {
             name: format!("{name} fwd+bwd"),
             flops: 3.0 * conv.flops(),
-            seconds: time_chain(gpu, &[forward, input_grad, weight_grad], seconds).await?,
+            seconds: time_chain(gpu, &step, seconds).await?,
         },
     ])
 }

@@ -11,6 +11,7 @@ use proptest::prelude::*;
 use rookery_kernels::GpuContext;
 use rookery_kernels::checks::{self, Check};
 use rookery_kernels::elementwise::{BINARY_OPS, UNARIES};
+use rookery_kernels::gemm::Tiling;
 
 fn gpu() -> &'static GpuContext {
     static GPU: OnceLock<GpuContext> = OnceLock::new();
@@ -97,6 +98,17 @@ proptest! {
     }
 }
 
+/// Any tiling WebGPU's guaranteed limits allow.
+fn tiling() -> impl Strategy<Value = Tiling> {
+    (1u32..=16, 1u32..=8, 1u32..=8, 1u32..=32, any::<bool>()).prop_filter_map(
+        "within the guaranteed workgroup memory",
+        |(t, r, c, d, vector)| {
+            let quad = |v: u32| if vector { v.div_ceil(4) * 4 } else { v };
+            Tiling::new(t, quad(r), quad(c), d, vector)
+        },
+    )
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(10))]
 
@@ -104,7 +116,7 @@ proptest! {
     fn matmul_matches_reference_on_random_batched_shapes(
         m in 1usize..40, k in 1usize..40, n in 1usize..40,
         batch_a in prop::collection::vec(1usize..4, 0..3), b_lead in any::<bool>(),
-        tile in 1u32..=16, per_thread in 1u32..=4, seed in any::<u64>()
+        tiling in tiling(), seed in any::<u64>()
     ) {
         let mut a = batch_a.clone();
         a.extend([m, k]);
@@ -112,7 +124,7 @@ proptest! {
         // both operands' reductions are exercised.
         let mut b: Vec<usize> = if b_lead { batch_a.iter().skip(1).copied().collect() } else { batch_a.iter().map(|_| 1).collect() };
         b.extend([k, n]);
-        let check = checks::matmul(&a, &b, tile, per_thread, seed).expect("valid shapes");
+        let check = checks::matmul(&a, &b, tiling, seed).expect("valid shapes");
         prop_assert_eq!(run(&check), Ok(()));
     }
 
@@ -181,7 +193,7 @@ proptest! {
         n in 1usize..3, cg in 1usize..4, og in 1usize..4, groups in 1usize..3,
         h in 1usize..12, w in 1usize..12, kh in 1usize..4, kw in 1usize..4,
         stride in (1usize..3, 1usize..3), padding in (0usize..2, 0usize..2), dilation in (1usize..3, 1usize..3),
-        bias in any::<bool>(), tile in prop::sample::select(vec![4u32, 8, 16]), per_thread in 1u32..=4, seed in any::<u64>()
+        bias in any::<bool>(), tiling in tiling(), seed in any::<u64>()
     ) {
         let conv = rookery_kernels::conv::Conv2d::new(
             [n, cg * groups, h, w], og * groups, [kh, kw], [stride.0, stride.1],
@@ -189,8 +201,7 @@ proptest! {
         );
         prop_assume!(conv.is_some());
         let mut conv = conv.unwrap();
-        conv.tile = tile;
-        conv.per_thread = per_thread;
+        conv.tiling = Some(tiling);
         prop_assert_eq!(run(&checks::conv2d(conv, seed)), Ok(()));
     }
 

@@ -120,6 +120,9 @@ fn benchmark_reports_finite_positive_gflops() {
         })
     );
     assert!(pollster::block_on(gpu.benchmark_matmul_gflops(8, 0)).is_err());
+    let rated = pollster::block_on(gpu.benchmark_gflops(0.05)).unwrap();
+    println!("{rated:.3} GFLOP/s as a provider rates itself");
+    assert!(rated.is_finite() && rated > 0.0, "{rated}");
 }
 
 #[test]

@@ -76,6 +76,9 @@ pub enum Kernel {
     Conv2dBackwardInput(Conv2d),
     /// `dy`, `x`, `dweight`.
     Conv2dBackwardWeight(Conv2d),
+    /// `dy`, `x`, `dweight_parts` (`[parts, ..weight]`, partial sums that
+    /// add up to the weight gradient).
+    Conv2dBackwardWeightParts { conv: Conv2d, parts: u32 },
     /// `x`, `y`, `argmax` (u32).
     MaxPool(Pool2d),
     /// `argmax`, `dy`, `dx`.
@@ -167,6 +170,7 @@ impl Kernel {
             Kernel::Conv2d(c) => c.forward(),
             Kernel::Conv2dBackwardInput(c) => c.backward_input(),
             Kernel::Conv2dBackwardWeight(c) => c.backward_weight(),
+            Kernel::Conv2dBackwardWeightParts { conv, parts } => conv.backward_weight_parts(*parts),
             Kernel::MaxPool(p) => p.max_forward(),
             Kernel::MaxPoolBackward(p) => p.max_backward(),
             Kernel::AvgPool(p) => p.avg_forward(),
@@ -387,13 +391,16 @@ impl Kernel {
                 );
                 store(&mut buffers[2], &dx);
             }
-            Kernel::Conv2dBackwardWeight(c) => {
+            Kernel::Conv2dBackwardWeight(c) | Kernel::Conv2dBackwardWeightParts { conv: c, .. } => {
                 let (_, _, dw, _) = c.reference(
                     &f(&buffers[1]),
                     &zeros(c.o * (c.c / c.groups) * c.kh * c.kw),
                     None,
                     &f(&buffers[0]),
                 );
+                // In parts, the whole sum is the first part and the others
+                // are zero: they still add up to the gradient.
+                buffers[2].fill(0);
                 store(&mut buffers[2], &dw);
             }
             Kernel::MaxPool(p) => {
@@ -527,8 +534,7 @@ fn widened(m: &MatMul, operand: &[usize]) -> MatMul {
     MatMul {
         a,
         b,
-        tile: m.tile,
-        per_thread: m.per_thread,
+        tiling: m.tiling,
     }
 }
 

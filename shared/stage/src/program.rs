@@ -711,11 +711,31 @@ impl Lowering<'_> {
                         vec![dy, Buf::Value(ins[1]), dest],
                     )]
                 });
-                self.contribute(ins[1], |_, dest| {
-                    vec![(
-                        Kernel::Conv2dBackwardWeight(conv),
-                        vec![dy, Buf::Value(ins[0]), dest],
-                    )]
+                self.contribute(ins[1], |l, dest| {
+                    let parts = conv.weight_parts();
+                    if parts == 1 {
+                        return vec![(
+                            Kernel::Conv2dBackwardWeight(conv),
+                            vec![dy, Buf::Value(ins[0]), dest],
+                        )];
+                    }
+                    // A long reduction in parts on many workgroups, then
+                    // added up in a fixed order.
+                    let w_len = conv.o * conv.c / conv.groups * conv.kh * conv.kw;
+                    let t = Buf::Temp(l.temp(w_len * parts as usize));
+                    vec![
+                        (
+                            Kernel::Conv2dBackwardWeightParts { conv, parts },
+                            vec![dy, Buf::Value(ins[0]), t],
+                        ),
+                        (
+                            Kernel::SumToShape {
+                                from: vec![parts as usize, w_len],
+                                to: vec![w_len],
+                            },
+                            vec![t, dest],
+                        ),
+                    ]
                 });
                 if conv.bias {
                     let (oh, ow) = conv.out_hw();

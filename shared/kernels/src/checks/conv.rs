@@ -3,11 +3,12 @@
 
 use super::{Builder, Check};
 use crate::conv::Conv2d;
-use crate::gemm::gemm_tol;
+use crate::gemm::{gemm_tol, sum_to_shape};
 use crate::sample_matrix;
 
 /// Conv2d forward and backward (input, weight, bias) against the direct
-/// reference.
+/// reference; the weight gradient both whole and as partial sums over at
+/// least 3 parts (where its reduction is that long), added up.
 pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     let x = sample_matrix(conv.n * conv.c * conv.h * conv.w, seed);
     let weight = sample_matrix(
@@ -29,6 +30,9 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     let dx = c.zeros(x_len);
     let dweight = c.zeros(weight_len);
     let dbias = c.zeros(conv.o);
+    let parts = conv.weight_parts().max(3);
+    let dweight_parts = c.zeros(weight_len * parts as usize);
+    let dweight_summed = c.zeros(weight_len);
     let forward = if conv.bias {
         vec![x, weight, bias, y]
     } else {
@@ -37,9 +41,15 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     c.step(conv.forward(), forward);
     c.step(conv.backward_input(), [dy, weight, dx]);
     c.step(conv.backward_weight(), [dy, x, dweight]);
+    c.step(conv.backward_weight_parts(parts), [dy, x, dweight_parts]);
+    c.step(
+        sum_to_shape(&[parts as usize, weight_len], &[weight_len]),
+        [dweight_parts, dweight_summed],
+    );
     c.expect("y", y, want_y, gemm_tol(k_fwd));
     c.expect("dx", dx, want_dx, gemm_tol(k_in));
-    c.expect("dweight", dweight, want_dw, gemm_tol(k_w));
+    c.expect("dweight", dweight, want_dw.clone(), gemm_tol(k_w));
+    c.expect("dweight in parts", dweight_summed, want_dw, gemm_tol(k_w));
     if conv.bias {
         c.step(conv.backward_bias(), [dy, dbias]);
         c.expect("dbias", dbias, want_db, gemm_tol(k_w));
@@ -58,6 +68,8 @@ pub fn conv_cases() -> Vec<Conv2d> {
         ([3, 4, 9, 7], 6, [3, 2], [2, 1], [1, 0], [1, 2], 2, true),
         ([2, 3, 8, 8], 3, [3, 3], [2, 2], [1, 1], [2, 2], 3, true),
         ([1, 2, 6, 5], 5, [1, 1], [3, 2], [0, 0], [1, 1], 1, true),
+        // A long weight-gradient reduction, cut into parts.
+        ([12, 1, 28, 28], 4, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
     ]
     .into_iter()
     .filter_map(|(x, o, k, s, p, d, g, b)| Conv2d::new(x, o, k, s, p, d, g, b))

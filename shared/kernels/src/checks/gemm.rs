@@ -2,22 +2,15 @@
 //! broadcast batch dimensions) and Linear.
 
 use super::{Builder, Check, shape_name, tol};
-use crate::gemm::{Linear, MatMul, gemm_tol};
+use crate::gemm::{Linear, MatMul, Tiling, gemm_tol};
 use crate::sample_matrix;
 use crate::spec::numel;
 
 /// Matmul forward and both backwards, with the reductions over broadcast
-/// batch dimensions where there are any; `tile` is the GEMM tile side.
-pub fn matmul(
-    a_shape: &[usize],
-    b_shape: &[usize],
-    tile: u32,
-    per_thread: u32,
-    seed: u64,
-) -> Option<Check> {
+/// batch dimensions where there are any, generated with `tiling`.
+pub fn matmul(a_shape: &[usize], b_shape: &[usize], tiling: Tiling, seed: u64) -> Option<Check> {
     let mut mm = MatMul::new(a_shape, b_shape)?;
-    mm.tile = tile;
-    mm.per_thread = per_thread;
+    mm.tiling = Some(tiling);
     let a = sample_matrix(numel(a_shape), seed);
     let b = sample_matrix(numel(b_shape), seed ^ 1);
     let out = mm.out_shape();
@@ -56,9 +49,10 @@ pub fn matmul(
     bufs.expect("da", da, want_da, gemm_tol(n * z_a));
     bufs.expect("db", db, want_db, gemm_tol(m * z_b));
     Some(bufs.build(format!(
-        "matmul({},{}) tile {tile}",
+        "matmul({},{}) {}",
         shape_name(a_shape),
-        shape_name(b_shape)
+        shape_name(b_shape),
+        tiling.describe()
     )))
 }
 

@@ -6,6 +6,7 @@ use super::{
     softmax, transpose, unary,
 };
 use crate::elementwise::{BINARY_OPS, UNARIES};
+use crate::gemm::{AUTO_CANDIDATES, Tiling};
 use crate::optim::optimizer_cases;
 use crate::pool::Pool2d;
 
@@ -36,17 +37,21 @@ pub fn standard_checks() -> Vec<Check> {
     for (p, len) in [(0.0, 10), (0.5, 1001), (0.1, 77), (1.0, 5)] {
         checks.push(dropout(p, len, len as u64));
     }
-    let matmuls: [(&[usize], &[usize]); 6] = [
+    // The last shape is over a 128-wide block with ragged edges on every
+    // side, for the largest register blocks.
+    let matmuls: [(&[usize], &[usize]); 7] = [
         (&[1, 1], &[1, 1]),
         (&[17, 31], &[31, 5]),
         (&[64, 64], &[64, 64]),
         (&[3, 7, 9], &[9, 4]),
         (&[2, 1, 5, 3], &[4, 3, 6]),
         (&[33, 1], &[1, 47]),
+        (&[150, 37], &[37, 133]),
     ];
+    let tilings = [Tiling::CLASSIC, Tiling::square(5, 3), Tiling::square(16, 1)];
     for (i, (a, b)) in matmuls.iter().enumerate() {
-        for (tile, per_thread) in [(16, 4), (5, 3), (16, 1)] {
-            checks.extend(matmul(a, b, tile, per_thread, i as u64));
+        for tiling in tilings.into_iter().chain(AUTO_CANDIDATES) {
+            checks.extend(matmul(a, b, tiling, i as u64));
         }
     }
     for (i, (rows, inputs, outputs)) in [(1, 1, 1), (32, 784, 10), (7, 13, 29)]

@@ -1,0 +1,609 @@
+//! The tiled GEMM template every matrix product is generated from
+//! ([`Gemm`]), and how its work is cut up ([`Tiling`]).
+//!
+//! Each workgroup of `tile x tile` invocations computes a block of the
+//! result, `tile * rows` by `tile * cols`, staging `depth` steps of k of each
+//! operand in workgroup memory per barrier pair; each invocation keeps
+//! `rows x cols` accumulators in registers. The operands are read through
+//! generated loader functions, so a transposed operand, a broadcast batch or
+//! an im2col view of an image is a different loader, never a copy.
+//!
+//! Split-K ([`Gemm::split`]) cuts k into parts computed by separate
+//! workgroups, for products with few outputs and a long reduction (a
+//! convolution's weight gradient): the store then sees `part` and writes
+//! partial sums the caller adds up in a fixed order, so results stay
+//! deterministic.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::spec::{Binding, KernelSpec, declare, kinds};
+
+/// Largest workgroup side: `tile x tile` invocations must fit WebGPU's
+/// guaranteed 256 per workgroup.
+pub const MAX_GEMM_TILE: u32 = 16;
+
+/// Largest register block side: up to 8 x 8 outputs per invocation, 64
+/// accumulators, which every GPU's register file holds.
+pub const MAX_PER_THREAD: u32 = 8;
+
+/// Workgroup memory every WebGPU device guarantees.
+pub const WORKGROUP_BYTES: u32 = 16_384;
+
+/// The shape of a GEMM's work: workgroup side, register block, staged depth
+/// and whether workgroup memory is read as `vec4`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tiling {
+    /// Invocations per side of the (square) workgroup.
+    pub tile: u32,
+    /// Output rows each invocation computes.
+    pub rows: u32,
+    /// Output columns each invocation computes.
+    pub cols: u32,
+    /// Steps along k staged in workgroup memory between barriers.
+    pub depth: u32,
+    /// Each invocation owns groups of 4 adjacent rows and columns and reads
+    /// them from workgroup memory as `vec4`: a quarter of the load
+    /// instructions. Needs `rows` and `cols` multiples of 4.
+    pub vector: bool,
+}
+
+impl Tiling {
+    /// The tiling of the first GEMM kernels: 16 x 16 invocations of 4 x 4
+    /// scalar outputs, 16 deep.
+    pub const CLASSIC: Tiling = Tiling::square(16, 4);
+
+    /// `tile x tile` invocations of `per_thread x per_thread` scalar outputs,
+    /// `tile` deep.
+    pub const fn square(tile: u32, per_thread: u32) -> Self {
+        Self {
+            tile,
+            rows: per_thread,
+            cols: per_thread,
+            depth: tile,
+            vector: false,
+        }
+    }
+
+    /// A tiling, or `None` when a side is out of range, `vector` meets a
+    /// register block that is not a multiple of 4, or the staged tiles
+    /// exceed the workgroup memory WebGPU guarantees.
+    pub fn new(tile: u32, rows: u32, cols: u32, depth: u32, vector: bool) -> Option<Self> {
+        let t = Self {
+            tile,
+            rows,
+            cols,
+            depth,
+            vector,
+        };
+        let side = |v: u32| (1..=MAX_PER_THREAD).contains(&v);
+        let ok = (1..=MAX_GEMM_TILE).contains(&tile)
+            && side(rows)
+            && side(cols)
+            && (1..=64).contains(&depth)
+            && (!vector || (rows.is_multiple_of(4) && cols.is_multiple_of(4)))
+            && t.workgroup_bytes() <= WORKGROUP_BYTES;
+        ok.then_some(t)
+    }
+
+    /// Output rows of one workgroup's block.
+    pub fn block_rows(&self) -> u32 {
+        self.tile * self.rows
+    }
+
+    /// Output columns of one workgroup's block.
+    pub fn block_cols(&self) -> u32 {
+        self.tile * self.cols
+    }
+
+    /// Workgroup memory the staged tiles take, at most (with the padding
+    /// of [`Self::strides`]).
+    pub fn workgroup_bytes(&self) -> u32 {
+        let a_rows = if self.vector {
+            self.depth
+        } else {
+            self.block_rows()
+        };
+        [(false, false), (false, true), (true, false), (true, true)]
+            .into_iter()
+            .map(|(a_along_k, b_along_k)| {
+                let (a, b) = self.strides(a_along_k, b_along_k);
+                4 * (a * a_rows + b * self.depth)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Words between the rows of the staged tiles of A and B. The vector
+    /// form stores both k-major (A as `[depth][rows + pad]`), the scalar
+    /// form A row-major (`[rows][depth + pad]`) and B k-major. Where
+    /// neighbouring invocations write down a tile's column (the layout's
+    /// slow axis), rows one bank apart would put them all in one memory
+    /// bank: a padding of one word (one `vec4` in the vector form) spreads
+    /// them over many.
+    fn strides(&self, a_along_k: bool, b_along_k: bool) -> (u32, u32) {
+        let pad = if self.vector { 4 } else { 1 };
+        let (bm, bn, d) = (self.block_rows(), self.block_cols(), self.depth);
+        let a = if self.vector {
+            bm + if a_along_k { pad } else { 0 }
+        } else {
+            d + if a_along_k { 0 } else { pad }
+        };
+        (a, bn + if b_along_k { pad } else { 0 })
+    }
+
+    /// Workgroups a `batch` of `m x n` outputs takes.
+    pub fn blocks(&self, m: usize, n: usize, batch: usize) -> usize {
+        m.div_ceil(self.block_rows() as usize).max(1)
+            * n.div_ceil(self.block_cols() as usize).max(1)
+            * batch.max(1)
+    }
+
+    /// The tiling for a `batch` of `m x n` outputs: the largest register
+    /// block that still leaves every part of a large GPU busy
+    /// ([`BUSY_BLOCKS`] workgroups) and computes few outputs past the
+    /// edges, since larger blocks load each staged element into more
+    /// multiply-adds. Products too small for any of them take the largest
+    /// small block that still does, or else the one that keeps the most
+    /// workgroups doing useful work.
+    pub fn auto(m: usize, n: usize, batch: usize) -> Self {
+        Self::auto_for(m, n, batch, busy_blocks())
+    }
+
+    /// [`Self::auto`] for an adapter kept busy by `busy` workgroups.
+    pub fn auto_for(m: usize, n: usize, batch: usize, busy: usize) -> Self {
+        let useful = |t: &Tiling| {
+            let blocks = t.blocks(m, n, batch);
+            let computed = blocks * (t.block_rows() * t.block_cols()) as usize;
+            (blocks, m * n * batch.max(1) * 1000 / computed)
+        };
+        let fits = |t: &Tiling| {
+            let (blocks, per_mille) = useful(t);
+            blocks >= busy && per_mille >= 750
+        };
+        let enough = |t: &Tiling| {
+            let (blocks, per_mille) = useful(t);
+            blocks >= busy && per_mille >= 500
+        };
+        AUTO_CANDIDATES
+            .into_iter()
+            .find(fits)
+            .or_else(|| SMALL_CANDIDATES.into_iter().find(enough))
+            .unwrap_or_else(|| {
+                // Reversed so that ties go to the larger block.
+                SMALL_CANDIDATES
+                    .into_iter()
+                    .rev()
+                    .max_by_key(|t| {
+                        let (blocks, per_mille) = useful(t);
+                        blocks.min(busy) * per_mille
+                    })
+                    .unwrap_or(Tiling::CLASSIC)
+            })
+    }
+
+    /// The tiling and split-K parts for a `batch` of `m x n` outputs each
+    /// summing `k` terms, at least `min_part` terms per part: the largest
+    /// candidate that computes few outputs past the edges and, with k cut
+    /// into up to `max_parts` parts, keeps the adapter busy
+    /// ([`busy_blocks`]).
+    pub fn auto_split(
+        m: usize,
+        n: usize,
+        batch: usize,
+        k: usize,
+        min_part: usize,
+        max_parts: usize,
+    ) -> (Self, u32) {
+        let busy = busy_blocks();
+        let parts = |t: &Tiling| {
+            let wanted = (2 * busy).div_ceil(t.blocks(m, n, batch));
+            let most = (k / min_part.max(1)).clamp(1, max_parts.max(1));
+            split_parts(k, t.depth, wanted.min(most) as u32)
+        };
+        let chosen = AUTO_CANDIDATES
+            .into_iter()
+            .find(|t| {
+                let blocks = t.blocks(m, n, batch);
+                let computed = blocks * (t.block_rows() * t.block_cols()) as usize;
+                4 * m * n * batch.max(1) >= 3 * computed && blocks * parts(t) as usize >= busy
+            })
+            .unwrap_or_else(|| Tiling::auto_for(m, n, batch, busy));
+        (chosen, parts(&chosen))
+    }
+
+    /// For people: `16x16 x 8x8 d8 vec4`.
+    pub fn describe(&self) -> String {
+        format!(
+            "{t}x{t} x {r}x{c} d{d}{v}",
+            t = self.tile,
+            r = self.rows,
+            c = self.cols,
+            d = self.depth,
+            v = if self.vector { " vec4" } else { "" }
+        )
+    }
+}
+
+/// Workgroups a product must fill before a larger register block is used:
+/// several waves on the largest GPUs (132 compute units on an H100, each
+/// holding about two of the largest blocks), so the last, partial wave
+/// costs little. On an H200, 8192 x 3072 x 768 ran at 19.4 TFLOP/s in 384
+/// blocks of 128 x 128 and 24.3 in 768 of 64 x 128.
+pub const BUSY_BLOCKS: usize = 512;
+
+static BUSY: AtomicUsize = AtomicUsize::new(BUSY_BLOCKS);
+
+/// Workgroups [`Tiling::auto`] aims for in this process: [`BUSY_BLOCKS`]
+/// unless the adapter opened said otherwise ([`set_busy_blocks`]).
+pub fn busy_blocks() -> usize {
+    BUSY.load(Ordering::Relaxed)
+}
+
+/// Tells [`Tiling::auto`] how many workgroups keep this process's adapter
+/// busy; the GPU context sets it when it opens a software adapter, before
+/// any stage generates its kernels.
+pub fn set_busy_blocks(blocks: usize) {
+    BUSY.store(blocks.max(1), Ordering::Relaxed);
+}
+
+/// [`Tiling::auto`]'s candidates, largest block first.
+pub const AUTO_CANDIDATES: [Tiling; 4] = [
+    Tiling {
+        tile: 16,
+        rows: 8,
+        cols: 8,
+        depth: 8,
+        vector: true,
+    },
+    Tiling {
+        tile: 16,
+        rows: 4,
+        cols: 8,
+        depth: 16,
+        vector: true,
+    },
+    Tiling {
+        tile: 16,
+        rows: 8,
+        cols: 4,
+        depth: 16,
+        vector: true,
+    },
+    Tiling {
+        tile: 16,
+        rows: 4,
+        cols: 4,
+        depth: 16,
+        vector: true,
+    },
+];
+
+/// [`Tiling::auto`]'s choices for products too small to fill a large GPU
+/// with any of [`AUTO_CANDIDATES`], largest block first.
+pub const SMALL_CANDIDATES: [Tiling; 3] = [
+    Tiling::CLASSIC,
+    Tiling::square(16, 2),
+    Tiling::square(16, 1),
+];
+
+/// One GEMM `out[z][row][col] = sum_kk A(z,row,kk) * B(z,kk,col)` for `z` in
+/// `0..batch`, with the loaders and the store written in WGSL.
+#[derive(Debug, Clone)]
+pub struct Gemm<'a> {
+    pub label: String,
+    /// `None`: [`Tiling::auto`] for the shape.
+    pub tiling: Option<Tiling>,
+    /// Parts k is cut into (1: none). The store sees `part` in `0..split`
+    /// and must keep the parts' partial sums apart.
+    pub split: u32,
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub bindings: &'a [(&'a str, Binding, &'a str)],
+    /// Whether A's neighbours in memory are neighbours along k (a row-major
+    /// A; false for a transposed one). Neighbouring invocations then load
+    /// neighbouring steps of k, so their loads coalesce.
+    pub a_along_k: bool,
+    /// Whether B's neighbours in memory are neighbours along k (a
+    /// transposed B, an image read by its batch and space).
+    pub b_along_k: bool,
+    /// Body of `fn load_a(z: u32, row: u32, kk: u32) -> f32`, called only
+    /// in bounds.
+    pub load_a: String,
+    /// Body of `fn load_b(z: u32, kk: u32, col: u32) -> f32`.
+    pub load_b: String,
+    /// Statements storing `acc` for `(z, row, col)` (and `part`), run only
+    /// in bounds.
+    pub store: String,
+}
+
+/// Parts [`Gemm::split`] actually makes of `k` for `tiling`: no part is
+/// empty, so some requests give fewer.
+pub fn split_parts(k: usize, depth: u32, split: u32) -> u32 {
+    let steps = k.div_ceil(depth as usize).max(1);
+    let per = steps.div_ceil(split.max(1) as usize);
+    steps.div_ceil(per) as u32
+}
+
+impl Gemm<'_> {
+    /// The tiling this GEMM generates with.
+    pub fn tiling(&self) -> Tiling {
+        self.tiling
+            .unwrap_or_else(|| Tiling::auto(self.m, self.n, self.batch))
+    }
+
+    pub fn spec(&self) -> KernelSpec {
+        let tiling = self.tiling();
+        let Tiling {
+            tile: t,
+            rows: rm,
+            cols: rn,
+            depth: d,
+            vector,
+        } = tiling;
+        let (bm, bn) = (tiling.block_rows(), tiling.block_cols());
+        let (m, n, k) = (self.m, self.n, self.k);
+        let steps = k.div_ceil(d as usize).max(1);
+        let split = split_parts(k, d, self.split);
+        let steps_per = steps.div_ceil(split as usize);
+        let threads = t * t;
+        let decls = declare(self.bindings);
+        let (a_elems, b_elems) = (bm * d, d * bn);
+        let (a_stride, b_stride) = tiling.strides(self.a_along_k, self.b_along_k);
+        let (a_stride4, b_stride4) = (a_stride / 4, b_stride / 4);
+        let staged = |elems: u32, body: &str| {
+            let mut s = String::new();
+            for e in 0..elems.div_ceil(threads) {
+                let guard = if (e + 1) * threads > elems {
+                    format!("if (lin + {}u < {elems}u) ", e * threads)
+                } else {
+                    String::new()
+                };
+                s += &format!(
+                    "        {guard}{{\n            let idx = lin + {}u;\n{body}        }}\n",
+                    e * threads
+                );
+            }
+            s
+        };
+        let (put_a, put_b) = if vector {
+            (
+                format!("tile_a[ak * {a_stride4}u + ar / 4u][ar % 4u] = av;"),
+                format!("tile_b[bk * {b_stride4}u + bc / 4u][bc % 4u] = bv;"),
+            )
+        } else {
+            (
+                format!("tile_a[ar * {a_stride}u + ak] = av;"),
+                format!("tile_b[bk * {b_stride}u + bc] = bv;"),
+            )
+        };
+        // Neighbouring invocations load neighbours in memory.
+        let (ar, ak) = if self.a_along_k {
+            (format!("idx / {d}u"), format!("idx % {d}u"))
+        } else {
+            (format!("idx % {bm}u"), format!("idx / {bm}u"))
+        };
+        let (bk, bc) = if self.b_along_k {
+            (format!("idx % {d}u"), format!("idx / {d}u"))
+        } else {
+            (format!("idx / {bn}u"), format!("idx % {bn}u"))
+        };
+        let loads = staged(
+            a_elems,
+            &format!(
+                "            let ar = {ar};\n            let ak = {ak};\n            let gk = kbase + ak;\n\
+                 \x20           var av = 0.0;\n            if (row0 + ar < {m}u && gk < {k}u) {{ av = load_a(z, row0 + ar, gk); }}\n\
+                 \x20           {put_a}\n"
+            ),
+        ) + &staged(
+            b_elems,
+            &format!(
+                "            let bk = {bk};\n            let bc = {bc};\n            let gk = kbase + bk;\n\
+                 \x20           var bv = 0.0;\n            if (gk < {k}u && col0 + bc < {n}u) {{ bv = load_b(z, gk, col0 + bc); }}\n\
+                 \x20           {put_b}\n"
+            ),
+        );
+        let mut decl_acc = String::new();
+        let mut inner = String::new();
+        let mut store = String::new();
+        let lanes = ["x", "y", "z", "w"];
+        // Where output (i, j) of this invocation lives, and its accumulator.
+        // Scalar: rows local.y + i*t, so neighbouring invocations read
+        // neighbouring words. Vector: groups of 4, group q at q*t + local.
+        let place: Box<dyn Fn(u32, u32) -> (String, String, String)> = if vector {
+            for q in 0..rm / 4 {
+                inner += &format!(
+                    "            let a{q} = tile_a[kk * {a_stride4}u + local.y + {}u];\n",
+                    q * t
+                );
+            }
+            for q in 0..rn / 4 {
+                inner += &format!(
+                    "            let b{q} = tile_b[kk * {b_stride4}u + local.x + {}u];\n",
+                    q * t
+                );
+            }
+            for i in 0..rm {
+                for q in 0..rn / 4 {
+                    decl_acc += &format!("    var acc{i}_{q} = vec4<f32>();\n");
+                    inner += &format!(
+                        "            acc{i}_{q} += a{}.{} * b{q};\n",
+                        i / 4,
+                        lanes[(i % 4) as usize]
+                    );
+                }
+            }
+            Box::new(move |i, j| {
+                (
+                    format!("(local.y + {}u) * 4u + {}u", (i / 4) * t, i % 4),
+                    format!("(local.x + {}u) * 4u + {}u", (j / 4) * t, j % 4),
+                    format!("acc{i}_{}.{}", j / 4, lanes[(j % 4) as usize]),
+                )
+            })
+        } else {
+            for i in 0..rm {
+                inner += &format!(
+                    "            let a{i} = tile_a[(local.y + {}u) * {a_stride}u + kk];\n",
+                    i * t
+                );
+            }
+            for j in 0..rn {
+                inner += &format!(
+                    "            let b{j} = tile_b[kk * {b_stride}u + local.x + {}u];\n",
+                    j * t
+                );
+            }
+            for i in 0..rm {
+                for j in 0..rn {
+                    decl_acc += &format!("    var acc{i}_{j} = 0.0;\n");
+                    inner += &format!("            acc{i}_{j} += a{i} * b{j};\n");
+                }
+            }
+            Box::new(move |i, j| {
+                (
+                    format!("local.y + {}u", i * t),
+                    format!("local.x + {}u", j * t),
+                    format!("acc{i}_{j}"),
+                )
+            })
+        };
+        for i in 0..rm {
+            for j in 0..rn {
+                let (r, c, acc) = place(i, j);
+                store += &format!(
+                    "    {{\n        let row = row0 + {r};\n        let col = col0 + {c};\n        let acc = {acc};\n\
+                     \x20       if (row < {m}u && col < {n}u) {{\n{}\n        }}\n    }}\n",
+                    self.store
+                );
+            }
+        }
+        let (tile_ty, a_len, b_len) = if vector {
+            ("vec4<f32>", d * a_stride4, d * b_stride4)
+        } else {
+            ("f32", bm * a_stride, d * b_stride)
+        };
+        let wgsl = format!(
+            r"// {label}: tiled GEMM {m}x{k}x{n} (batch {batch}, k in {split} parts), {desc}; generated by rookery_kernels.
+{decls}
+fn load_a(z: u32, row: u32, kk: u32) -> f32 {{
+{load_a}
+}}
+fn load_b(z: u32, kk: u32, col: u32) -> f32 {{
+{load_b}
+}}
+var<workgroup> tile_a: array<{tile_ty}, {a_len}>;
+var<workgroup> tile_b: array<{tile_ty}, {b_len}>;
+
+@compute @workgroup_size({t}, {t}, 1)
+fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_id) local: vec3<u32>) {{
+    let z = group.z / {split}u;
+    let part = group.z % {split}u;
+    let row0 = group.y * {bm}u;
+    let col0 = group.x * {bn}u;
+    let lin = local.y * {t}u + local.x;
+{decl_acc}    for (var step = 0u; step < {steps_per}u; step += 1u) {{
+        let kbase = (part * {steps_per}u + step) * {d}u;
+        // Out-of-range elements load as zero and add nothing, which is what
+        // makes sizes that are not block multiples work.
+{loads}        workgroupBarrier();
+        for (var kk = 0u; kk < {d}u; kk += 1u) {{
+{inner}        }}
+        // Nobody may overwrite the tiles while a neighbour still reads them.
+        workgroupBarrier();
+    }}
+{store}}}
+",
+            label = self.label,
+            batch = self.batch,
+            desc = tiling.describe(),
+            load_a = self.load_a,
+            load_b = self.load_b,
+        );
+        KernelSpec {
+            label: self.label.clone(),
+            wgsl,
+            entry: "main",
+            bindings: kinds(self.bindings),
+            workgroups: [
+                (n as u32).div_ceil(bn).max(1),
+                (m as u32).div_ceil(bm).max(1),
+                self.batch.max(1) as u32 * split,
+            ],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tilings_over_the_guaranteed_limits_are_refused() {
+        assert!(Tiling::new(16, 8, 8, 8, true).is_some());
+        assert!(Tiling::new(16, 8, 4, 16, false).is_some());
+        assert!(
+            Tiling::new(16, 8, 8, 16, false).is_none(),
+            "16.6 KiB staged"
+        );
+        assert!(Tiling::new(16, 8, 8, 16, true).is_none(), "16.5 KiB staged");
+        assert!(Tiling::new(16, 8, 8, 17, false).is_none(), "17 KiB staged");
+        assert!(Tiling::new(16, 6, 4, 8, true).is_none(), "6 rows as vec4");
+        assert!(Tiling::new(17, 1, 1, 1, false).is_none());
+        assert!(Tiling::new(16, 9, 1, 1, false).is_none());
+        for t in AUTO_CANDIDATES {
+            assert_eq!(
+                Tiling::new(t.tile, t.rows, t.cols, t.depth, t.vector),
+                Some(t)
+            );
+        }
+    }
+
+    #[test]
+    fn auto_tiling_keeps_large_gpus_busy() {
+        let auto = |m, n, batch| Tiling::auto_for(m, n, batch, BUSY_BLOCKS);
+        let big = auto(4096, 4096, 1);
+        assert_eq!((big.rows, big.cols), (8, 8));
+        let small = auto(64, 128, 1);
+        assert!(small.blocks(64, 128, 1) >= 8, "{small:?}");
+        // One input channel: a single row of outputs.
+        let row = auto(1, 50_176, 1);
+        assert_eq!(row.block_rows(), 16, "{row:?}");
+        for (m, n, batch) in [(8192, 3072, 1), (64, 802_816, 1), (768, 768, 12)] {
+            let t = auto(m, n, batch);
+            assert!(
+                t.blocks(m, n, batch) >= BUSY_BLOCKS,
+                "{m}x{n}x{batch}: {t:?}"
+            );
+        }
+        // A software adapter on two CPU threads runs large blocks fastest.
+        let software = Tiling::auto_for(256, 256, 1, 2);
+        assert_eq!((software.rows, software.cols), (8, 8), "{software:?}");
+        assert_eq!(Tiling::auto_for(64, 128, 1, 2), AUTO_CANDIDATES[3]);
+        assert_eq!(Tiling::auto_for(60, 100, 1, 2), Tiling::CLASSIC);
+    }
+
+    #[test]
+    fn long_reductions_are_split_over_large_blocks() {
+        // ResNet's 3x3 convolution of 64 channels at batch 256: the weight
+        // gradient is 64 x 576, summed over 802,816 terms.
+        let (t, parts) = Tiling::auto_split(64, 576, 1, 802_816, 256, 256);
+        assert!(t.rows * t.cols >= 16, "{t:?}");
+        assert!(t.blocks(64, 576, 1) * parts as usize >= BUSY_BLOCKS);
+        // The demo's first convolution: 16 x 9 weights, 50,176 terms.
+        let (t, parts) = Tiling::auto_split(16, 9, 1, 50_176, 256, 256);
+        assert_eq!(t.block_rows(), 16, "{t:?}");
+        assert!(parts >= 100, "{parts}");
+        // Short reductions stay whole.
+        assert_eq!(Tiling::auto_split(16, 9, 1, 300, 256, 256).1, 1);
+    }
+
+    #[test]
+    fn split_parts_are_never_empty() {
+        assert_eq!(split_parts(100, 16, 1), 1);
+        assert_eq!(split_parts(1000, 16, 8), 8);
+        // 7 steps of 16 in parts of 2 steps: 4 parts, not 5.
+        assert_eq!(split_parts(100, 16, 5), 4);
+        assert_eq!(split_parts(1, 16, 64), 1);
+    }
+}
