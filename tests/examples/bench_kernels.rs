@@ -192,5 +192,18 @@ fn main() -> Result<()> {
             println!("{:<52} {:>12.2} {:>13.2} {:>8.3}", r.name, g, t, g / t);
         }
     }
+    // A whole micro-batch of the demo CNN as a stage runs it, against its
+    // kernels alone: the time transfers, binding and submission add.
+    let cnn = rookery_model::spec::from_toml(include_str!("../../examples/mnist-cnn.toml"))
+        .context("examples/mnist-cnn.toml")?;
+    let device = std::sync::Arc::new(rookery_stage::GpuDevice::new(gpu));
+    let time = pollster::block_on(rookery_stage::speed::micro_batch(
+        device,
+        "mnist-cnn",
+        &cnn,
+        BATCH,
+        SECONDS,
+    ))?;
+    println!("\n{time}");
     Ok(())
 }

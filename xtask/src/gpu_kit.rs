@@ -2,7 +2,8 @@
 //! copy to any machine with a Vulkan, Metal or DX12 driver, which needs no
 //! libtorch, Rust or network there: the kernel check binaries
 //! (`gpu_kernels`, `gpu_matmul`), the kernel benchmark `kernel_speed` (one
-//! line per kernel and shape with its GFLOP/s) and `run.sh`, which runs
+//! line per kernel and shape with its GFLOP/s), `stage_speed` (what a
+//! micro-batch costs beyond its kernels) and `run.sh`, which runs
 //! every check, then the benchmark (beside PyTorch's cuBLAS and cuDNN,
 //! `vendor_speed.py`, where PyTorch sees a CUDA GPU), and exits 0 only when
 //! every check passed. `./run.sh --quick` times small shapes only (lavapipe).
@@ -18,6 +19,12 @@ use anyhow::{Context, Result, bail};
 use crate::setup;
 use crate::util::{run, step, target_dir};
 
+/// The benchmarks the kit carries: (package, example).
+const SPEED: [(&str, &str); 2] = [
+    ("rookery-kernels", "kernel_speed"),
+    ("rookery-stage", "stage_speed"),
+];
+
 /// The kernel checks the kit carries (integration tests of rookery-kernels).
 const CHECKS: [&str; 2] = ["gpu_kernels", "gpu_matmul"];
 
@@ -29,6 +36,8 @@ const RUN_SH: &str = r#"#!/bin/sh
 # kernels' speed. Exits 0 only when every check passed.
 # Usage: ./run.sh [--quick] [--sweep] [--seconds S]   (arguments go to kernel_speed)
 cd "$(dirname "$0")" || exit 2
+quick=""
+for arg in "$@"; do [ "$arg" = "--quick" ] && quick="--quick"; done
 failed=0
 for check in gpu_kernels gpu_matmul; do
     echo "==> $check"
@@ -51,6 +60,8 @@ else
     cat speed.txt
     echo "<== kernel_speed could not run"
 fi
+echo "==> stage_speed"
+./stage_speed $quick || echo "<== stage_speed could not run"
 if [ "$failed" -eq 0 ]; then
     echo "every kernel check passed"
 else
@@ -90,12 +101,15 @@ pub fn main(args: &[String]) -> Result<PathBuf> {
         }
         executables(&String::from_utf8_lossy(&out.stdout))
     })?;
-    step("build kernel_speed", || {
-        let mut cmd = env.cargo();
-        cmd.args(["build", "-p", "rookery-kernels", "--features", "gpu"])
-            .args(["--example", "kernel_speed"])
-            .args(profile);
-        run(&mut cmd)
+    step("build kernel_speed and stage_speed", || {
+        for (package, example) in SPEED {
+            let mut cmd = env.cargo();
+            cmd.args(["build", "-p", package, "--features", "gpu"])
+                .args(["--example", example])
+                .args(profile);
+            run(&mut cmd)?;
+        }
+        Ok(())
     })?;
     let kit = target_dir().join("gpu-kit");
     step("assemble target/gpu-kit", || {
@@ -107,10 +121,9 @@ pub fn main(args: &[String]) -> Result<PathBuf> {
             copy(path, &kit.join(name))?;
         }
         let dir = target_dir().join(if release { "release" } else { "debug" });
-        copy(
-            &dir.join("examples").join(exe("kernel_speed")),
-            &kit.join("kernel_speed"),
-        )?;
+        for (_, example) in SPEED {
+            copy(&dir.join("examples").join(exe(example)), &kit.join(example))?;
+        }
         std::fs::write(kit.join("vendor_speed.py"), VENDOR_SPEED_PY)?;
         let script = kit.join("run.sh");
         std::fs::write(&script, RUN_SH)?;

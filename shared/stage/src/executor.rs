@@ -240,6 +240,35 @@ impl<D: Device> StageExecutor<D> {
         self.layout.outputs.iter().map(|(n, _)| n.clone()).collect()
     }
 
+    /// Runs the training forward and backward kernels of a `batch`-sample
+    /// micro-batch `times` times on whatever its buffers hold, with no
+    /// uploads and no readbacks but one at the end to wait for the device:
+    /// what a micro-batch costs the device alone, which benchmarks subtract
+    /// from a whole micro-batch's time. Parameter gradients are not touched.
+    pub async fn replay_kernels(&mut self, batch: usize, times: usize) -> Result<(), StageError> {
+        let key = (batch, true);
+        self.ensure_program(key)?;
+        self.ensure_scratch(batch)?;
+        let acts = self.take_activations(key)?;
+        let result = async {
+            let program = &self.programs[&key];
+            for _ in 0..times {
+                for calls in [&program.forward, &program.backward] {
+                    let bound = self.bind(calls, batch, Some(&acts))?;
+                    self.device.run(&bound).await?;
+                }
+            }
+            // Reading anything back waits for the work queued before it.
+            if let Some(state) = self.params.first() {
+                self.device.read_f32(&state.value).await?;
+            }
+            Ok(())
+        }
+        .await;
+        self.free.entry(key).or_default().push(acts);
+        result
+    }
+
     /// Micro-batches forwarded but not yet backpropagated.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()

@@ -21,6 +21,8 @@ mod kernel_backend;
 pub mod predict;
 mod program;
 pub mod session;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod speed;
 pub mod worker;
 
 #[cfg(feature = "gpu")]
