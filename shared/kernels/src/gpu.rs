@@ -67,7 +67,15 @@ pub struct GpuContext {
     queue: wgpu::Queue,
     kernel: MatmulKernel,
     pipelines: Mutex<HashMap<PipelineKey, Arc<CachedPipeline>>>,
+    /// Readback buffers by size, reused: a stage reads the same few sizes
+    /// every micro-batch, and a fresh mappable buffer costs the driver an
+    /// allocation and the host its first touch of every page.
+    staging: Mutex<HashMap<u64, Vec<wgpu::Buffer>>>,
 }
+
+/// Readback buffers kept per size, and the largest kept.
+const STAGING_PER_SIZE: usize = 4;
+const STAGING_MAX_BYTES: u64 = 256 << 20;
 
 /// Pipelines are cached by what determines them: the source, the entry
 /// point, and the binding kinds.
@@ -217,6 +225,7 @@ impl GpuContext {
             queue,
             kernel,
             pipelines: Mutex::new(HashMap::new()),
+            staging: Mutex::new(HashMap::new()),
         };
         // Compiles the matmul now, so a broken kernel fails here, not later.
         context.pipeline(&context.matmul_spec(1, 1)).await?;
@@ -504,19 +513,28 @@ impl GpuContext {
             return Ok(Vec::new());
         }
         let bytes = words as u64 * 4;
+        let size = bytes.div_ceil(16) * 16;
         let scope = ErrorScopes::push(&self.device);
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes.div_ceil(16) * 16,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
+        let pooled = self
+            .staging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&size)
+            .and_then(Vec::pop);
+        let staging = pooled.unwrap_or_else(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
         });
         let mut encoder = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("readback"),
             });
-        encoder.copy_buffer_to_buffer(source, 0, &staging, 0, bytes.div_ceil(16) * 16);
+        encoder.copy_buffer_to_buffer(source, 0, &staging, 0, size);
         self.queue.submit([encoder.finish()]);
         let (sender, receiver) = oneshot::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |result| {
@@ -531,14 +549,18 @@ impl GpuContext {
             let view = staging
                 .get_mapped_range(..)
                 .map_err(|e| GpuError::Readback(e.to_string()))?;
-            // Decoded bytewise: the mapped range carries no u32 alignment
-            // guarantee on every backend.
-            view.chunks_exact(4)
-                .take(words)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect::<Vec<u32>>()
+            // A copy that needs no u32 alignment of the mapped range, which
+            // not every backend guarantees.
+            bytemuck::pod_collect_to_vec::<u8, u32>(&view[..bytes as usize])
         };
         staging.unmap();
+        if size <= STAGING_MAX_BYTES {
+            let mut pool = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+            let kept = pool.entry(size).or_default();
+            if kept.len() < STAGING_PER_SIZE {
+                kept.push(staging);
+            }
+        }
         Ok(out)
     }
 
