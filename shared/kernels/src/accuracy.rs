@@ -49,6 +49,17 @@ pub fn sum_error(n: usize, abs_total: f64) -> f64 {
     n.saturating_sub(1) as f64 * U * abs_total
 }
 
+/// Worst-case error of a workgroup sum of `n` terms whose absolute values
+/// sum to `abs_total`: each of `threads` invocations adds every
+/// `threads`-th term in turn, then a tree halves the partial sums. No term
+/// passes through more than `ceil(n / threads) - 1 + log2(threads)`
+/// roundings, far fewer than a sequential sum's `n - 1`.
+pub fn workgroup_sum_error(n: usize, threads: usize, abs_total: f64) -> f64 {
+    let threads = threads.max(1);
+    let depth = n.div_ceil(threads).saturating_sub(1) + threads.ilog2() as usize;
+    depth.min(n.saturating_sub(1)) as f64 * U * abs_total
+}
+
 /// A value computed in f32 with a bound on its distance from the exact
 /// result (running error analysis, to first order): each operation adds
 /// its own rounding or WGSL's stated accuracy to the errors its operands
@@ -67,6 +78,38 @@ impl Tracked {
         Self {
             value: f64::from(v),
             error: 0.0,
+        }
+    }
+
+    /// A WGSL literal: the constant `c` rounded to the nearest f32.
+    pub fn literal(c: f64) -> Self {
+        Self {
+            value: c,
+            error: U * c.abs(),
+        }
+    }
+
+    /// Negation, `abs` and `sign` are exact.
+    pub fn neg(self) -> Self {
+        Self {
+            value: -self.value,
+            error: self.error,
+        }
+    }
+
+    pub fn abs(self) -> Self {
+        Self {
+            value: self.value.abs(),
+            error: self.error,
+        }
+    }
+
+    /// The value an approximation (a polynomial standing for `erf`)
+    /// computes, `within` of the function it stands for.
+    pub fn approximating(self, within: f64) -> Self {
+        Self {
+            value: self.value,
+            error: self.error + within,
         }
     }
 

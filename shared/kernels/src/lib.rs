@@ -29,6 +29,7 @@ pub mod gemm;
 pub mod loss;
 mod matmul;
 pub mod norm;
+pub mod norm_bounds;
 pub mod optim;
 pub mod optimizer;
 pub mod pool;

@@ -261,7 +261,7 @@ impl LayerNorm {
 }
 
 /// Threads per channel of the BatchNorm kernels.
-const BN_THREADS: u32 = 64;
+pub(crate) const BN_THREADS: u32 = 64;
 
 /// BatchNorm over `x [n, channels, spatial]` (spatial = product of the
 /// trailing dimensions).

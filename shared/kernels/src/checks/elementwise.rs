@@ -14,27 +14,15 @@ pub fn unary(op: Unary, len: usize, seed: u64) -> Check {
         .map(|v| op.domain(v * 4.0))
         .collect();
     let dy = sample_matrix(len, seed ^ 0x55);
-    let tol = match op {
-        Unary::Relu | Unary::Identity => tol::EXACT,
-        _ => tol::ACTIVATION,
-    };
     let (want_y, want_dx) = (op.reference(&x), op.reference_backward(&x, &dy));
-    let bounds = op.error_bounds(&x, &dy);
+    let (y_bound, dx_bound) = op.error_bounds(&x, &dy);
     let mut c = Builder::default();
     let (x, dy) = (c.f32(x), c.f32(dy));
     let (y, dx) = (c.zeros(len), c.zeros(len));
     c.step(op.forward(len), [x, y]);
     c.step(op.backward(len), [x, dy, dx]);
-    match bounds {
-        Some((y_bound, dx_bound)) => {
-            c.expect_within("y", y, want_y, y_bound);
-            c.expect_within("dx", dx, want_dx, dx_bound);
-        }
-        None => {
-            c.expect("y", y, want_y, tol);
-            c.expect("dx", dx, want_dx, tol);
-        }
-    }
+    c.expect_within("y", y, want_y, y_bound);
+    c.expect_within("dx", dx, want_dx, dx_bound);
     c.build(format!("{}[{len}]", op.name()))
 }
 

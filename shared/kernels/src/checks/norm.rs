@@ -1,7 +1,7 @@
 //! Checks of the normalisation kernels: LayerNorm and BatchNorm (training,
 //! with the running statistics update, and evaluation).
 
-use super::{Builder, Check, tol};
+use super::{Builder, Check};
 use crate::norm::{BatchNorm, LayerNorm};
 use crate::sample_matrix;
 
@@ -72,6 +72,7 @@ pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check
     let want_eval = bn.reference_eval(&x, &w, &b, (&rm, &rv));
     let (want_y, want_rm, want_rv, want_dx, want_dw, want_db) =
         bn.reference_train(&x, &w, &b, (&rm, &rv), &dy);
+    let bound = bn.error_bounds(&x, &w, &b, (&rm, &rv), &dy);
     let mut c = Builder::default();
     let (x, w, b, rm, rv) = (c.f32(x), c.f32(w), c.f32(b), c.f32(rm), c.f32(rv));
     let y = c.zeros(len);
@@ -90,12 +91,12 @@ pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check
         bn.backward_train(),
         [x, w, save_mean, save_rstd, dy, dx, dw, db],
     );
-    c.expect("eval y", eval_y, want_eval, tol::NORM);
-    c.expect("y", y, want_y, tol::NORM);
-    c.expect("running_mean", rm, want_rm, tol::NORM);
-    c.expect("running_var", rv, want_rv, tol::NORM);
-    c.expect("dx", dx, want_dx, tol::NORM);
-    c.expect("dw", dw, want_dw, tol::NORM);
-    c.expect("db", db, want_db, tol::BROADCAST_SUM);
+    c.expect_within("eval y", eval_y, want_eval, bound.eval_y);
+    c.expect_within("y", y, want_y, bound.y);
+    c.expect_within("running_mean", rm, want_rm, bound.running_mean);
+    c.expect_within("running_var", rv, want_rv, bound.running_var);
+    c.expect_within("dx", dx, want_dx, bound.dx);
+    c.expect_within("dw", dw, want_dw, bound.dw);
+    c.expect_within("db", db, want_db, bound.db);
     c.build(format!("batch_norm({n}x{channels}x{spatial})"))
 }
