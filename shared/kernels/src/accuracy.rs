@@ -89,14 +89,7 @@ impl Tracked {
         }
     }
 
-    /// Negation, `abs` and `sign` are exact.
-    pub fn neg(self) -> Self {
-        Self {
-            value: -self.value,
-            error: self.error,
-        }
-    }
-
+    /// `abs` is exact, as are negation and `sign`.
     pub fn abs(self) -> Self {
         Self {
             value: self.value.abs(),
@@ -166,6 +159,16 @@ impl Tracked {
     /// within `error` of the exact value, may be from each other.
     pub fn between_two(self) -> f32 {
         (SAFETY * 2.0 * self.error) as f32
+    }
+}
+
+impl std::ops::Neg for Tracked {
+    type Output = Self;
+    fn neg(self) -> Self {
+        Self {
+            value: -self.value,
+            error: self.error,
+        }
     }
 }
 

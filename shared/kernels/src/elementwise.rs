@@ -130,12 +130,12 @@ impl Unary {
                 let on = v.value > 0.0;
                 (v.max(exact(0.0)), if on { g } else { exact(0.0) })
             }
-            Unary::Neg => (v.neg(), g.neg()),
+            Unary::Neg => (-v, -g),
             Unary::Abs => (v.abs(), g),
             Unary::Sqrt => (v.sqrt(), g / (exact(2.0) * v.sqrt())),
             Unary::Reciprocal => {
                 let r = exact(1.0) / v;
-                (r, g.neg() * r * r)
+                (r, -g * r * r)
             }
             Unary::Exp => (v.exp(), g * v.exp()),
             Unary::Log => (v.ln(), g / v),
@@ -327,14 +327,14 @@ fn erf_tracked(x: Tracked) -> Tracked {
         * (lit(0.254829592)
             + t * (lit(-0.284496736)
                 + t * (lit(1.421413741) + t * (lit(-1.453152027) + t * lit(1.061405429)))));
-    let r = (one - poly * (a.neg() * a).exp()).approximating(ERF_APPROX_ERROR);
-    if x.value < 0.0 { r.neg() } else { r }
+    let r = (one - poly * (-a * a).exp()).approximating(ERF_APPROX_ERROR);
+    if x.value < 0.0 { -r } else { r }
 }
 
 /// `sigmoid` of the WGSL helpers.
 fn sigmoid_tracked(x: Tracked) -> Tracked {
     let one = Tracked::exact(1.0);
-    one / (one + x.neg().exp())
+    one / (one + (-x).exp())
 }
 
 /// `tanh_safe` of the WGSL helpers: `sign(x) (1 - e) / (1 + e)` with
@@ -343,7 +343,7 @@ fn tanh_tracked(x: Tracked) -> Tracked {
     let one = Tracked::exact(1.0);
     let e = (Tracked::exact(-2.0) * x.abs()).exp();
     let r = (one - e) / (one + e);
-    if x.value < 0.0 { r.neg() } else { r }
+    if x.value < 0.0 { -r } else { r }
 }
 
 /// `sech2` of the WGSL helpers: `4 e / (1 + e)^2`, `e = exp(-2 |x|)`.
@@ -355,7 +355,7 @@ fn sech2_tracked(x: Tracked) -> Tracked {
 
 /// `sigmoid_slope` of the WGSL helpers: `e / (1 + e)^2`, `e = exp(-|x|)`.
 fn sigmoid_slope_tracked(x: Tracked) -> Tracked {
-    let e = x.abs().neg().exp();
+    let e = (-x.abs()).exp();
     let d = Tracked::exact(1.0) + e;
     e / (d * d)
 }
@@ -822,7 +822,9 @@ mod tests {
     }
 
     /// The activation helpers and formulas of the WGSL in f32, with every
-    /// `exp` and division as far off as WGSL allows: `(y, dx)`.
+    /// `exp` and division as far off as WGSL allows: `(y, dx)`. The
+    /// constants are the WGSL's, digit for digit.
+    #[allow(clippy::excessive_precision)]
     fn emulate(op: Unary, v: f32, g: f32) -> (f32, f32) {
         let exp = |x: f32| slack(x.exp(), crate::accuracy::exp_ulps(f64::from(x)));
         let div = |a: f32, b: f32| slack(a / b, crate::accuracy::DIVISION_ULPS);
