@@ -234,10 +234,10 @@ async fn a_good_upload_is_queued_listed_and_cancellable_once() {
         (jobs[0].id, jobs[0].status.as_str()),
         (created.id, "queued")
     );
-    // The files live in the job's own folder now.
+    // The files live in the job's own upload folder now.
     assert!(
         dir.path()
-            .join(format!("jobs/{}/cnn.toml", created.id))
+            .join(format!("jobs/{}/upload/cnn.toml", created.id))
             .is_file()
     );
 
@@ -269,6 +269,60 @@ async fn a_good_upload_is_queued_listed_and_cancellable_once() {
     let (status, body) = call(&state, cancel()).await;
     assert_eq!(status, StatusCode::CONFLICT);
     assert!(error_of(&body).contains("already cancelled"));
+}
+
+#[tokio::test]
+async fn an_upload_cannot_stand_in_for_the_servers_own_files() {
+    // A resume point claiming 2^47 clusters once aborted the server when
+    // the job was planned: uploaded files shared the job folder with it.
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let mut files = mnist_files();
+    let mut forged = Vec::new();
+    let header = br#"{"meta/clusters":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}"#;
+    forged.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    forged.extend_from_slice(header);
+    forged.extend_from_slice(&(1i64 << 23).to_le_bytes());
+    forged.extend_from_slice(&0i64.to_le_bytes());
+    for name in [
+        "resume.safetensors",
+        "weights.safetensors",
+        "checkpoint.safetensors",
+    ] {
+        files.push((name, forged.clone()));
+    }
+    let (status, body) = submit(&state, JOB, &files).await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+    let job_dir = dir.path().join(format!("jobs/{id}"));
+    for name in [
+        "resume.safetensors",
+        "weights.safetensors",
+        "checkpoint.safetensors",
+    ] {
+        assert!(
+            !job_dir.join(name).exists(),
+            "{name} landed beside the server's files"
+        );
+        assert!(
+            job_dir.join("upload").join(name).is_file(),
+            "{name} kept as an upload"
+        );
+    }
+    // No weights to download: the forged file is not the job's.
+    let (status, _) = call(
+        &state,
+        authed("GET", &format!("/api/jobs/{id}/weights"), Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
@@ -630,7 +684,7 @@ async fn a_job_can_use_a_dataset_kept_on_the_server() {
         String::from_utf8_lossy(&body)
     );
     let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
-    let job_dir = dir.path().join(format!("jobs/{id}"));
+    let job_dir = dir.path().join(format!("jobs/{id}/upload"));
     assert!(job_dir.join("train-images-idx3-ubyte.gz").is_file());
     assert!(!job_dir.join(".hidden").exists());
     assert!(!job_dir.join("dataset").exists(), "the part is no file");

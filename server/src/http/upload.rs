@@ -212,8 +212,15 @@ pub async fn create(
         now_ms(),
     )
     .await?;
-    let dir = store::job_dir(&state.data_dir, id);
+    // The upload's files go in a folder of their own, so no part name can
+    // stand in for a file the server keeps in the job's folder (its resume
+    // point, checkpoint and weights).
+    let dir = store::upload_dir(&store::job_dir(&state.data_dir, id));
     let stored = async {
+        let parent = dir.parent().unwrap_or(&dir);
+        tokio::fs::create_dir_all(parent)
+            .await
+            .map_err(|e| format!("creating the job's folder: {e}"))?;
         tokio::fs::rename(&upload, &dir)
             .await
             .map_err(|e| format!("moving the upload: {e}"))?;

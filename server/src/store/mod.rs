@@ -24,3 +24,9 @@ pub use db::{Db, DbError};
 pub fn job_dir(data_dir: &Path, job_id: u64) -> PathBuf {
     data_dir.join("jobs").join(job_id.to_string())
 }
+
+/// Where a job's uploaded files live: a folder of their own inside its job
+/// folder, apart from the files the server writes there.
+pub fn upload_dir(job_dir: &Path) -> PathBuf {
+    job_dir.join("upload")
+}

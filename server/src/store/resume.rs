@@ -23,6 +23,20 @@ pub fn path(job_dir: &Path) -> PathBuf {
 
 const HALF: u64 = 1 << 24;
 
+/// Most clusters a resume point may claim: a plan has no more clusters than
+/// providers, and no server holds this many connections. A damaged file's
+/// count is refused before anything is sized by it.
+pub const MAX_CLUSTERS: u64 = 65_536;
+
+fn checked_clusters(clusters: u64) -> Result<usize, String> {
+    if clusters > MAX_CLUSTERS {
+        return Err(format!(
+            "`meta/clusters` claims {clusters} clusters, more than the {MAX_CLUSTERS} any run has"
+        ));
+    }
+    Ok(clusters as usize)
+}
+
 fn counter(name: String, value: u64) -> WireTensor {
     let (hi, lo) = (value / HALF, value % HALF);
     WireTensor::from_i64(name, &[2], &[hi as i64, lo as i64])
@@ -74,7 +88,8 @@ pub fn from_tensors(tensors: Vec<WireTensor>) -> Result<ResumePoint, String> {
             .and_then(read_counter)
     };
     let step = meta("meta/step")?;
-    let clusters = meta("meta/clusters")? as usize;
+    let clusters = meta("meta/clusters")?;
+    let clusters = checked_clusters(clusters)?;
     let mut params = Vec::new();
     let mut optimizer: Vec<BTreeMap<String, ParamOptimState>> = vec![BTreeMap::new(); clusters];
     let cluster_of = |text: &str| -> Result<usize, String> {
@@ -194,7 +209,9 @@ pub fn clusters(job_dir: &Path) -> Result<Option<usize>, String> {
     file.read_exact(&mut data)
         .map_err(|e| format!("{shown}: {e}"))?;
     let t = WireTensor::from_le_bytes("meta/clusters", &[2], WireDType::I64, data);
-    read_counter(&t).map(|c| Some(c as usize))
+    checked_clusters(read_counter(&t)?)
+        .map(Some)
+        .map_err(|e| format!("{shown}: {e}"))
 }
 
 #[cfg(test)]
@@ -256,5 +273,17 @@ mod tests {
             WireDType::F32,
         ));
         assert!(from_tensors(tensors).unwrap_err().contains("cluster `9`"));
+    }
+
+    #[test]
+    fn a_huge_cluster_count_is_refused_before_anything_is_sized_by_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut tensors = to_tensors(&point());
+        tensors[1] = counter("meta/clusters".into(), (1 << 47) + 5);
+        write_wire_safetensors(&path(dir.path()), &tensors).unwrap();
+        let e = clusters(dir.path()).unwrap_err();
+        assert!(e.contains("more than the 65536"), "{e}");
+        let e = read(dir.path()).unwrap_err();
+        assert!(e.contains("more than the 65536"), "{e}");
     }
 }
