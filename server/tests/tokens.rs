@@ -90,3 +90,41 @@ async fn a_created_token_works_once_stored_only_as_a_digest() {
         }
     }
 }
+
+/// Starts `rookery serve` on `data_dir`, returns what it printed up to its
+/// listening line, and stops it.
+fn serve_once(data_dir: &Path) -> String {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rookery"))
+        .args(["serve", "--addr", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut printed = String::new();
+    let stdout = child.stdout.take().unwrap();
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        printed += &line;
+        printed.push('\n');
+        if line.contains("listening on") {
+            break;
+        }
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    printed
+}
+
+#[test]
+fn the_api_token_is_printed_only_when_it_is_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = serve_once(dir.path());
+    let secret = std::fs::read_to_string(dir.path().join("api-token")).unwrap();
+    let secret = secret.trim();
+    assert!(first.contains(secret), "{first}");
+    let again = serve_once(dir.path());
+    assert!(!again.contains(secret), "{again}");
+    assert!(again.contains("api-token"), "{again}");
+}

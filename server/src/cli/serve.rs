@@ -67,7 +67,7 @@ fn frame_limit(text: &str) -> Result<usize, String> {
     rookery_proto::check_frame_limit(bytes)
 }
 
-/// `rookery serve`: prints the API token and the address, then serves
+/// `rookery serve`: prints the API token (when it creates it) and the address, then serves
 /// until Ctrl-C or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let heartbeat_timeout = Duration::from_millis(args.heartbeat_timeout_ms.max(100));
@@ -87,6 +87,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             "no built dashboard there; run `cargo xtask web` to build it"
         );
     }
+    let token_file = token_path(&args.data_dir);
+    let first_start = !token_file.exists();
     let mut state = AppState::open(&args.data_dir, limits, web_dir)
         .await
         .with_context(|| format!("opening the data directory {}", args.data_dir.display()))?;
@@ -102,11 +104,17 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", args.addr))?;
     let addr = listener.local_addr().context("reading the bound address")?;
-    println!(
-        "API token (also in {}): {}",
-        token_path(&args.data_dir).display(),
-        state.api_token.secret()
-    );
+    // The secret is shown once, when it is made; later starts say where it
+    // is, so logs of a running server do not carry it.
+    if first_start {
+        println!(
+            "API token (also in {}): {}",
+            token_file.display(),
+            state.api_token.secret()
+        );
+    } else {
+        println!("API token: in {}", token_file.display());
+    }
     // Tests and scripts read this line to learn the port when --addr used port 0.
     println!(
         "Rookery server listening on http://{addr}/ (providers: ws://{addr}{})",

@@ -68,12 +68,24 @@ impl Token {
         std::fs::create_dir_all(data_dir)?;
         let token = Token::generate();
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, token.secret())?;
+        // A stale temporary file from a crash could have other permissions.
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut options = std::fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        // Owner-only from the moment the file exists, never readable by
+        // others even briefly; then written whole and renamed into place.
         #[cfg(unix)]
         {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))?;
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
         }
+        let mut file = options.open(&tmp)?;
+        std::io::Write::write_all(&mut file, token.secret().as_bytes())?;
+        file.sync_all()?;
+        drop(file);
         std::fs::rename(&tmp, &path)?;
         Ok(token)
     }
@@ -103,5 +115,14 @@ mod tests {
         assert_eq!(format!("{first:?}"), "Token(..)");
         assert_eq!(first.digest(), digest_hex(first.secret()));
         assert_eq!(first.digest().len(), 64);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(token_path(dir.path()))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        }
     }
 }

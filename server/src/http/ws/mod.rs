@@ -371,9 +371,11 @@ where
                 }
             },
             Ok(ToServer::Error(ErrorMessage { code, message })) => {
+                let message = bounded_text(&message);
                 break Ending::Left(format!("provider gave up ({code:?}): {message}"));
             }
             Ok(message) => {
+                let message = with_bounded_text(message);
                 if let Err(problem) = owed.announce(&message) {
                     break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
                 }
@@ -554,6 +556,32 @@ async fn goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
     };
     let _ = sink.send(Message::Close(Some(frame))).await;
     let _ = sink.close().await;
+}
+
+/// Most bytes of a provider's own words (an error, a failure's cause) the
+/// server keeps: they reach the log, the job's record and its Requester,
+/// and a frame could carry megabytes.
+pub const MAX_PROVIDER_TEXT: usize = 1024;
+
+/// `text` cut to [`MAX_PROVIDER_TEXT`] bytes, saying how much was cut.
+fn bounded_text(text: &str) -> String {
+    let kept = truncate_utf8(text, MAX_PROVIDER_TEXT);
+    if kept.len() == text.len() {
+        text.to_string()
+    } else {
+        format!("{kept}… ({} more bytes not kept)", text.len() - kept.len())
+    }
+}
+
+/// A provider's message with its free text bounded.
+fn with_bounded_text(message: ToServer) -> ToServer {
+    match message {
+        ToServer::JobFailed { job_id, message } => ToServer::JobFailed {
+            job_id,
+            message: bounded_text(&message),
+        },
+        other => other,
+    }
 }
 
 fn truncate_utf8(text: &str, max_bytes: usize) -> &str {

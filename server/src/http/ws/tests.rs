@@ -416,6 +416,28 @@ fn close_reasons_are_cut_on_character_boundaries() {
     assert_eq!(cut.chars().count(), 61);
 }
 
+#[test]
+fn a_providers_failure_text_is_kept_to_a_kilobyte() {
+    let long = ToServer::JobFailed {
+        job_id: 7,
+        message: "é".repeat(40_000),
+    };
+    let ToServer::JobFailed { job_id, message } = with_bounded_text(long) else {
+        panic!("still a failure");
+    };
+    assert_eq!(job_id, 7);
+    assert!(message.len() < MAX_PROVIDER_TEXT + 64, "{}", message.len());
+    assert!(
+        message.ends_with("(78976 more bytes not kept)"),
+        "{message}"
+    );
+    let short = ToServer::JobFailed {
+        job_id: 7,
+        message: "out of memory".into(),
+    };
+    assert_eq!(with_bounded_text(short.clone()), short);
+}
+
 /// A stage's parameters of `n` f32, streamed within the tests' 1 KiB frames.
 fn streamed_params(values: &[f32]) -> Vec<Result<Message, std::convert::Infallible>> {
     let message = ToServer::Params(rookery_proto::ParamSet {
