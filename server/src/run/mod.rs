@@ -52,7 +52,7 @@ mod sync;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Instant;
 
 use rookery_job::{Dataset, JobSpec, Schedule};
@@ -235,6 +235,10 @@ struct ClusterRun {
     micro_targets: HashMap<(Phase, u32), u64>,
     /// Micro-batches whose loss the Leaf has reported.
     reported: HashSet<(Phase, u32)>,
+    /// Relays passed on, by (phase, micro-batch, sending stage, whether
+    /// gradients): a second copy is a replay, dropped and counted against its
+    /// sender, never forwarded for the next stage to refuse in its name.
+    relayed: HashSet<(Phase, u32, usize, bool)>,
     loss_sum: f64,
     correct: u64,
     samples: u64,
@@ -248,6 +252,7 @@ impl ClusterRun {
         self.micro_samples.clear();
         self.micro_targets.clear();
         self.reported.clear();
+        self.relayed.clear();
         self.loss_sum = 0.0;
         self.correct = 0;
         self.samples = 0;
@@ -322,7 +327,16 @@ pub struct JobRun {
     /// (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
+    /// The providers whose stage failed, by (cluster, stage, cause): a job
+    /// fails only when one stage fails the same way on
+    /// [`FAIL_AFTER_PROVIDERS`] of them.
+    stage_failures: HashMap<(usize, usize, String), BTreeSet<u64>>,
 }
+
+/// Distinct providers on which a stage must fail with the same cause before
+/// its job fails: one provider's failure (or claim of one) is a lost stage
+/// and a fault of its own, and the stage is reassigned.
+pub const FAIL_AFTER_PROVIDERS: usize = 3;
 
 impl std::fmt::Debug for JobRun {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

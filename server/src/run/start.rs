@@ -2,7 +2,7 @@
 //! the parameters their initial (or resumed) values, and every stage gets an
 //! `Assign`. A cluster is also rebuilt from here after it lost a provider.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Instant;
 
 use rookery_job::{Dataset, JobError, JobSpec, Schedule};
@@ -200,6 +200,7 @@ impl JobRun {
                 pending_optimizer: BTreeMap::new(),
                 labels: HashMap::new(),
                 micro_samples: HashMap::new(),
+                relayed: HashSet::new(),
                 micro_targets: HashMap::new(),
                 reported: Default::default(),
                 loss_sum: 0.0,
@@ -231,6 +232,7 @@ impl JobRun {
             recorded: synced,
             step_started: Instant::now(),
             bytes_relayed: 0,
+            stage_failures: HashMap::new(),
         };
         let effects = (0..run.clusters.len())
             .flat_map(|c| run.rebuild(c))

@@ -13,12 +13,16 @@ use rookery_proto::{
     ToProvider, ToServer, WireDType, WireTensor,
 };
 
-use super::{ClusterRun, ClusterState, ClusterStep, Effect, JobRun, Rejected, State, on_wire};
+use super::{
+    ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected, State,
+    on_wire,
+};
 
 impl JobRun {
     /// A provider of this job sent `message`. Frames that break the protocol
     /// are dropped with a logged reason (and an [`Effect::Fault`] when the
-    /// data was wrong rather than late); a provider's own failure fails the job.
+    /// data was wrong rather than late); a provider's own failure loses it
+    /// its stage ([`Self::on_stage_failed`]).
     pub fn on_message(&mut self, provider: u64, message: ToServer) -> Vec<Effect> {
         let Some((c, s)) = self.locate(provider) else {
             tracing::warn!(
@@ -68,12 +72,9 @@ impl JobRun {
             ToServer::GradNorm(g) => self
                 .check_job(g.job_id)
                 .and_then(|()| self.on_grad_norm(c, s, g)),
-            ToServer::JobFailed { job_id, message } => self.check_job(job_id).map(|()| {
-                self.state = State::Over;
-                vec![Effect::Failed(format!(
-                    "provider {provider} (cluster {c}, stage {s}) failed: {message}"
-                ))]
-            }),
+            ToServer::JobFailed { job_id, message } => self
+                .check_job(job_id)
+                .map(|()| self.on_stage_failed(provider, c, s, message)),
             ToServer::Hello(_)
             | ToServer::Heartbeat { .. }
             | ToServer::Error(_)
@@ -98,6 +99,39 @@ impl JobRun {
 }
 
 impl JobRun {
+    /// A provider says its stage failed. It loses the stage (a fault that
+    /// drops it, so the stage is reassigned); the job fails only once the
+    /// stage has failed with the same cause on [`FAIL_AFTER_PROVIDERS`]
+    /// providers, so no single provider can end a job, or blame its
+    /// neighbour for doing so.
+    fn on_stage_failed(&mut self, provider: u64, c: usize, s: usize, cause: String) -> Vec<Effect> {
+        let who = self
+            .stage_failures
+            .entry((c, s, cause.clone()))
+            .or_default();
+        who.insert(provider);
+        let count = who.len();
+        if count >= FAIL_AFTER_PROVIDERS {
+            self.state = State::Over;
+            return vec![Effect::Failed(format!(
+                "stage {s} of cluster {c} failed on {count} providers: {cause}"
+            ))];
+        }
+        vec![
+            Effect::Log {
+                kind: "stage_failed",
+                message: format!(
+                    "provider {provider} (cluster {c}, stage {s}) failed ({count} of \
+                     {FAIL_AFTER_PROVIDERS} before the job fails): {cause}"
+                ),
+            },
+            Effect::Fault {
+                provider,
+                reason: format!("its stage failed: {cause}"),
+                frame_dropped: true,
+            },
+        ]
+    }
     pub(super) fn check_job(&self, job_id: u64) -> Result<(), Rejected> {
         if job_id == self.job_id {
             Ok(())
@@ -244,6 +278,12 @@ impl JobRun {
             self.spec.training.wire_dtype,
         )
         .map_err(Rejected::Fault)?;
+        if !run.relayed.insert((a.phase, a.micro, s, false)) {
+            return Err(Rejected::Fault(format!(
+                "micro-batch {}'s activations were already relayed",
+                a.micro
+            )));
+        }
         run.stages[s].compute_ms += a.compute_ms.max(0.0);
         self.bytes_relayed += a.outputs.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let labels = if s + 1 == last {
@@ -310,6 +350,13 @@ impl JobRun {
         }
         check_tensors(&g.grads, &expected, samples, self.spec.training.wire_dtype)
             .map_err(Rejected::Fault)?;
+        let phase = Phase::Train { step: g.step };
+        if !run.relayed.insert((phase, g.micro, s, true)) {
+            return Err(Rejected::Fault(format!(
+                "micro-batch {}'s gradients were already relayed",
+                g.micro
+            )));
+        }
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
         self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         let prev = run.stages[s - 1].provider;

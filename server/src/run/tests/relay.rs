@@ -61,8 +61,28 @@ fn the_server_feeds_roots_relays_both_ways_and_averages_at_sync() {
         )],
         compute_ms: 1.0,
     });
-    let back = run.on_message(leaf0, grads);
+    let back = run.on_message(leaf0, grads.clone());
     assert!(matches!(sends(&back)[..], [(p, ToProvider::Backward(_))] if p == root0));
+
+    // A replayed relay (which the next stage would refuse, failing the job
+    // in the honest provider's name) is dropped as a fault of its sender.
+    for (from, again) in [
+        (root0, activations(0, 0, &[2, 8], &boundary)),
+        (leaf0, grads),
+    ] {
+        let replayed = run.on_message(from, again);
+        assert!(sends(&replayed).is_empty(), "{replayed:?}");
+        let [
+            Effect::Fault {
+                provider, reason, ..
+            },
+        ] = &replayed[..]
+        else {
+            panic!("{replayed:?}")
+        };
+        assert_eq!(*provider, from);
+        assert!(reason.contains("already relayed"), "{reason}");
+    }
 
     // Losses from every micro-batch of both clusters, then StepDone: a step
     // record and a sync.
@@ -241,14 +261,38 @@ fn frames_for_another_job_or_from_strangers_are_dropped() {
     let dropped = run.on_message(root0, ToServer::Ready { job_id: 2 });
     assert!(matches!(&dropped[..], [Effect::Fault { .. }]));
     assert!(!run.clusters[0].stages[0].ready);
-    // A provider's own failure ends the job.
-    let failed = run.on_message(
-        root0,
-        ToServer::JobFailed {
-            job_id: 1,
-            message: "out of memory".into(),
-        },
+}
+
+#[test]
+fn a_stage_fails_the_job_only_on_three_providers_with_the_same_cause() {
+    let (mut run, _) = started();
+    let failed = |message: &str| ToServer::JobFailed {
+        job_id: 1,
+        message: message.into(),
+    };
+    // One provider's failure loses it the stage (dropped, a fault), whatever
+    // it claims; the same provider saying it twice counts once.
+    for (provider, cause) in [(10, "out of memory"), (10, "out of memory"), (11, "no")] {
+        run.clusters[0].stages[0].provider = provider;
+        let effects = run.on_message(provider, failed(cause));
+        assert!(
+            matches!(&effects[..], [Effect::Log { .. }, Effect::Fault { provider: p, frame_dropped: true, .. }] if *p == provider),
+            "{effects:?}"
+        );
+        assert!(!run.is_over());
+    }
+    run.clusters[0].stages[0].provider = 12;
+    assert!(
+        !run.on_message(12, failed("out of memory"))
+            .iter()
+            .any(|e| matches!(e, Effect::Failed(_)))
     );
-    assert!(matches!(&failed[..], [Effect::Failed(m)] if m.contains("out of memory")));
+    // The third distinct provider with the same cause ends the job with it.
+    run.clusters[0].stages[0].provider = 13;
+    let effects = run.on_message(13, failed("out of memory"));
+    assert!(
+        matches!(&effects[..], [Effect::Failed(m)] if m.contains("3 providers: out of memory")),
+        "{effects:?}"
+    );
     assert!(run.is_over());
 }
