@@ -291,14 +291,7 @@ async fn an_upload_cannot_stand_in_for_the_servers_own_files() {
     ] {
         files.push((name, forged.clone()));
     }
-    let (status, body) = submit(&state, JOB, &files).await;
-    assert_eq!(
-        status,
-        StatusCode::CREATED,
-        "{}",
-        String::from_utf8_lossy(&body)
-    );
-    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+    let id = accepted(&state, TOKEN, &files).await;
     let job_dir = dir.path().join(format!("jobs/{id}"));
     for name in [
         "resume.safetensors",
@@ -600,9 +593,7 @@ async fn the_event_stream_carries_submissions_and_the_log_keeps_them() {
         response.headers()[header::CONTENT_TYPE],
         "text/event-stream"
     );
-    let (status, body) = submit(&state, JOB, &mnist_files()).await;
-    assert_eq!(status, StatusCode::CREATED);
-    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+    let id = submit_mnist(&state, TOKEN).await;
 
     let seen = events_until_job_row(response, id).await;
     assert!(seen.iter().any(|e| matches!(
@@ -676,14 +667,7 @@ async fn a_job_can_use_a_dataset_kept_on_the_server() {
         parts.push(("dataset", dataset.as_bytes().to_vec()));
         parts
     };
-    let (status, body) = submit(&state, JOB, &with("mnist")).await;
-    assert_eq!(
-        status,
-        StatusCode::CREATED,
-        "{}",
-        String::from_utf8_lossy(&body)
-    );
-    let id = serde_json::from_slice::<JobCreated>(&body).unwrap().id;
+    let id = accepted(&state, TOKEN, &with("mnist")).await;
     let job_dir = dir.path().join(format!("jobs/{id}/upload"));
     assert!(job_dir.join("train-images-idx3-ubyte.gz").is_file());
     assert!(!job_dir.join(".hidden").exists());
@@ -703,7 +687,13 @@ async fn a_job_can_use_a_dataset_kept_on_the_server() {
 
 /// Submits the MNIST job as `token`; returns its id.
 async fn submit_mnist(state: &AppState, token: &str) -> u64 {
-    let (status, body) = submit_as(state, token, JOB, &mnist_files()).await;
+    accepted(state, token, &mnist_files()).await
+}
+
+/// Submits `JOB` with `files` as `token`, which must be accepted; returns
+/// the job's id.
+async fn accepted(state: &AppState, token: &str, files: &[(&str, Vec<u8>)]) -> u64 {
+    let (status, body) = submit_as(state, token, JOB, files).await;
     assert_eq!(
         status,
         StatusCode::CREATED,

@@ -275,8 +275,16 @@ pub struct BatchNorm {
 }
 
 impl BatchNorm {
-    fn per_channel(&self) -> usize {
+    /// Elements per channel: batch times space.
+    pub fn per_channel(&self) -> usize {
         self.n * self.spatial
+    }
+
+    /// The flat index in `[n, channels, spatial]` of channel `c`'s `j`-th
+    /// element (batch-major, then space).
+    pub fn index(&self, c: usize, j: usize) -> usize {
+        let (ch, sp) = (self.channels, self.spatial);
+        (j / sp) * ch * sp + c * sp + j % sp
     }
 
     /// One workgroup per channel; `body` sees `c`, `lid`, `M` and `at(j)`,
@@ -411,9 +419,9 @@ impl BatchNorm {
         running: (&[f32], &[f32]),
         dy: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-        let (ch, sp) = (self.channels, self.spatial);
+        let ch = self.channels;
         let m = self.per_channel();
-        let at = |c: usize, j: usize| (j / sp) * ch * sp + c * sp + j % sp;
+        let at = |c: usize, j: usize| self.index(c, j);
         let mut y = vec![0.0f32; x.len()];
         let mut dx = vec![0.0f32; x.len()];
         let (mut rm, mut rv, mut dw, mut db) =

@@ -44,10 +44,10 @@ impl BatchNorm {
         running: (&[f32], &[f32]),
         dy: &[f32],
     ) -> BatchNormBounds {
-        let (ch, sp) = (self.channels, self.spatial);
-        let m = self.n * sp;
+        let ch = self.channels;
+        let m = self.per_channel();
         let mf = m as f64;
-        let at = |c: usize, j: usize| (j / sp) * ch * sp + c * sp + j % sp;
+        let at = |c: usize, j: usize| self.index(c, j);
         let eps = f64::from(self.eps);
         let mom = f64::from(self.momentum);
         // The WGSL literal `1 - momentum` is rounded to f32; the reference
@@ -160,6 +160,7 @@ impl BatchNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checks::{BatchNormInputs, batch_norm_inputs};
 
     /// A sum in the kernels' order: strided per invocation, then a tree.
     fn wg_sum(values: impl Iterator<Item = f32>) -> f32 {
@@ -196,9 +197,9 @@ mod tests {
         (rm, rv): (&[f32], &[f32]),
         dy: &[f32],
     ) -> [Vec<f32>; 7] {
-        let (ch, sp) = (bn.channels, bn.spatial);
-        let m = bn.n * sp;
-        let at = |c: usize, j: usize| (j / sp) * ch * sp + c * sp + j % sp;
+        let ch = bn.channels;
+        let m = bn.per_channel();
+        let at = |c: usize, j: usize| bn.index(c, j);
         let div = |a: f32, b: f32| slack(a / b, 2);
         let inv_sqrt = |v: f32| slack(1.0 / v.sqrt(), 2);
         let keep = 1.0 - bn.momentum;
@@ -249,19 +250,14 @@ mod tests {
             eps: 1e-5,
             momentum: 0.1,
         };
-        let len = n * channels * spatial;
-        let sample = |len, seed| crate::sample_matrix(len, seed);
-        let x: Vec<f32> = sample(len, seed)
-            .iter()
-            .map(|v| centre + v * spread)
-            .collect();
-        let (w, b) = (sample(channels, seed ^ 1), sample(channels, seed ^ 2));
-        let rm = sample(channels, seed ^ 3);
-        let rv: Vec<f32> = sample(channels, seed ^ 4)
-            .iter()
-            .map(|v| v.abs() + 0.5)
-            .collect();
-        let dy = sample(len, seed ^ 5);
+        let BatchNormInputs {
+            x,
+            w,
+            b,
+            rm,
+            rv,
+            dy,
+        } = batch_norm_inputs(&bn, centre, spread, seed);
         let eval = bn.reference_eval(&x, &w, &b, (&rm, &rv));
         let (y, nrm, nrv, dx, dw, db) = bn.reference_train(&x, &w, &b, (&rm, &rv), &dy);
         let bounds = bn.error_bounds(&x, &w, &b, (&rm, &rv), &dy);

@@ -23,7 +23,7 @@ pub use conv::{conv_cases, conv2d};
 pub use elementwise::{binary, dropout, unary};
 pub use gemm::{linear, matmul};
 pub use loss::{cross_entropy, mse, softmax};
-pub use norm::{batch_norm, layer_norm, layer_norm_around};
+pub use norm::{BatchNormInputs, batch_norm, batch_norm_inputs, layer_norm, layer_norm_around};
 pub use optim::optimizer;
 pub use pool::{global_avg_pool, pool2d};
 pub use shape::{concat, gather, transpose};

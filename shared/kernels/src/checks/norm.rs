@@ -46,6 +46,37 @@ pub fn layer_norm_around(rows: usize, cols: usize, centre: f32, spread: f32, see
     ))
 }
 
+/// A BatchNorm check's inputs.
+pub struct BatchNormInputs {
+    pub x: Vec<f32>,
+    pub w: Vec<f32>,
+    pub b: Vec<f32>,
+    /// Running mean and variance before the step.
+    pub rm: Vec<f32>,
+    pub rv: Vec<f32>,
+    pub dy: Vec<f32>,
+}
+
+/// Inputs for `bn`: `x` within `spread` of `centre`, positive running
+/// variances, everything else in `[-1, 1)`.
+pub fn batch_norm_inputs(bn: &BatchNorm, centre: f32, spread: f32, seed: u64) -> BatchNormInputs {
+    let (len, channels) = (bn.n * bn.channels * bn.spatial, bn.channels);
+    BatchNormInputs {
+        x: sample_matrix(len, seed)
+            .iter()
+            .map(|v| centre + v * spread)
+            .collect(),
+        w: sample_matrix(channels, seed ^ 1),
+        b: sample_matrix(channels, seed ^ 2),
+        rm: sample_matrix(channels, seed ^ 3),
+        rv: sample_matrix(channels, seed ^ 4)
+            .iter()
+            .map(|v| v.abs() + 0.5)
+            .collect(),
+        dy: sample_matrix(len, seed ^ 5),
+    }
+}
+
 /// BatchNorm training forward (with the running statistics update),
 /// training backward, and eval forward, on `[n, channels, spatial]`.
 pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check {
@@ -57,18 +88,14 @@ pub fn batch_norm(n: usize, channels: usize, spatial: usize, seed: u64) -> Check
         momentum: 0.1,
     };
     let len = n * channels * spatial;
-    let x: Vec<f32> = sample_matrix(len, seed)
-        .iter()
-        .map(|v| v * 2.0 + 1.0)
-        .collect();
-    let w = sample_matrix(channels, seed ^ 1);
-    let b = sample_matrix(channels, seed ^ 2);
-    let rm = sample_matrix(channels, seed ^ 3);
-    let rv: Vec<f32> = sample_matrix(channels, seed ^ 4)
-        .iter()
-        .map(|v| v.abs() + 0.5)
-        .collect();
-    let dy = sample_matrix(len, seed ^ 5);
+    let BatchNormInputs {
+        x,
+        w,
+        b,
+        rm,
+        rv,
+        dy,
+    } = batch_norm_inputs(&bn, 1.0, 2.0, seed);
     let want_eval = bn.reference_eval(&x, &w, &b, (&rm, &rv));
     let (want_y, want_rm, want_rv, want_dx, want_dw, want_db) =
         bn.reference_train(&x, &w, &b, (&rm, &rv), &dy);
