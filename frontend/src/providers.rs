@@ -42,9 +42,13 @@ pub fn ProvidersPage() -> impl IntoView {
         let alive = alive.clone();
         move || alive.store(false, Ordering::Relaxed)
     });
+    // A signed-in Requester sees names and its jobs' work; anyone else the
+    // rows without them.
+    let auth = crate::api::use_auth();
     wasm_bindgen_futures::spawn_local(async move {
         while alive.load(Ordering::Relaxed) {
-            let result = fetch_providers().await;
+            let token = auth.token.get_untracked();
+            let result = fetch_providers(token).await;
             if !alive.load(Ordering::Relaxed) {
                 break;
             }
@@ -214,8 +218,8 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
 
 /// One poll of the API, bounded by [`FETCH_TIMEOUT_MS`]. The error is the
 /// text of the banner, so it says what went wrong in words.
-async fn fetch_providers() -> Result<Vec<ProviderInfo>, String> {
-    let request = pin!(request_providers());
+async fn fetch_providers(token: Option<String>) -> Result<Vec<ProviderInfo>, String> {
+    let request = pin!(request_providers(token));
     let timeout = pin!(TimeoutFuture::new(FETCH_TIMEOUT_MS));
     match select(request, timeout).await {
         Either::Left((result, _)) => result,
@@ -223,16 +227,17 @@ async fn fetch_providers() -> Result<Vec<ProviderInfo>, String> {
     }
 }
 
-async fn request_providers() -> Result<Vec<ProviderInfo>, String> {
-    let response = Request::get("/api/providers")
-        .send()
-        .await
-        .map_err(|e| match e {
-            // The browser hides the cause of a failed fetch (refused, DNS,
-            // CORS); its message is only "Failed to fetch".
-            gloo_net::Error::JsError(_) => format!("no connection ({e})"),
-            other => other.to_string(),
-        })?;
+async fn request_providers(token: Option<String>) -> Result<Vec<ProviderInfo>, String> {
+    let mut request = Request::get("/api/providers");
+    if let Some(token) = token {
+        request = request.header("Authorization", &format!("Bearer {token}"));
+    }
+    let response = request.send().await.map_err(|e| match e {
+        // The browser hides the cause of a failed fetch (refused, DNS,
+        // CORS); its message is only "Failed to fetch".
+        gloo_net::Error::JsError(_) => format!("no connection ({e})"),
+        other => other.to_string(),
+    })?;
     if !response.ok() {
         // The API answers errors with an `ApiError` body; a proxy or an old
         // server may not, so fall back to the status line.

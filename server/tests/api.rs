@@ -14,8 +14,16 @@ use rookery_server::{AppState, Limits, app};
 use tower::ServiceExt;
 
 async fn get(state: &AppState, path: &str) -> (StatusCode, Vec<u8>) {
+    get_as(state, path, None).await
+}
+
+async fn get_as(state: &AppState, path: &str, token: Option<&str>) -> (StatusCode, Vec<u8>) {
+    let mut request = Request::get(path);
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
     let response = app(state.clone())
-        .oneshot(Request::get(path).body(Body::empty()).unwrap())
+        .oneshot(request.body(Body::empty()).unwrap())
         .await
         .unwrap();
     let status = response.status();
@@ -68,10 +76,28 @@ async fn providers_endpoint_lists_registered_and_departed_providers() {
         .await
         .unwrap();
 
+    // Anyone sees the rows, without names or reasons: names are often a
+    // host's, and reasons can carry a provider's words.
     let (status, body) = get(&state, "/api/providers").await;
+    assert_eq!(status, StatusCode::OK);
+    let public: Vec<ProviderInfo> = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        public.iter().map(|p| p.name.clone()).collect::<Vec<_>>(),
+        vec![format!("provider {kept}"), format!("provider {left}")]
+    );
+    assert!(
+        public
+            .iter()
+            .all(|p| p.gone_reason.is_none() && p.work.is_none())
+    );
+    let (status, _) = get_as(&state, "/api/providers", Some("wrong")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+
+    let (status, body) = get_as(&state, "/api/providers", Some("test-token")).await;
     assert_eq!(status, StatusCode::OK);
     let listed: Vec<ProviderInfo> = serde_json::from_slice(&body).unwrap();
     assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0].name, "box");
     assert_eq!(
         (listed[0].id, listed[0].status),
         (kept, ProviderStatus::Connected)

@@ -109,6 +109,7 @@ async fn listed(state: &AppState) -> Vec<ProviderInfo> {
     let response = tower::ServiceExt::oneshot(
         app,
         axum::http::Request::get("/api/providers")
+            .header("authorization", "Bearer test-token")
             .body(axum::body::Body::empty())
             .unwrap(),
     )

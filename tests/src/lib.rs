@@ -209,8 +209,13 @@ impl Server {
         format!("http://{}{path}", self.addr)
     }
 
+    /// The provider list as the Requester sees it (names and work).
     pub async fn providers(&self) -> anyhow::Result<Vec<ProviderInfo>> {
-        let response = reqwest::get(self.http_url("/api/providers")).await?;
+        let response = reqwest::Client::new()
+            .get(self.http_url("/api/providers"))
+            .bearer_auth(self.api_token()?)
+            .send()
+            .await?;
         Ok(response.error_for_status()?.json().await?)
     }
 
