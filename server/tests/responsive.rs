@@ -159,6 +159,7 @@ async fn the_coordinator_answers_while_a_job_of_millions_of_parameters_starts() 
     loop {
         let listed: Vec<ProviderInfo> = http
             .get(format!("{base}/providers"))
+            .bearer_auth(TOKEN)
             .send()
             .await
             .unwrap()
@@ -221,6 +222,7 @@ async fn the_coordinator_answers_while_a_job_of_millions_of_parameters_starts() 
         let asked = Instant::now();
         let listed: Vec<ProviderInfo> = http
             .get(format!("{base}/providers"))
+            .bearer_auth(TOKEN)
             .send()
             .await
             .unwrap()

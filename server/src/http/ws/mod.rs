@@ -298,6 +298,7 @@ where
     let mut writer_ended = false;
     let mut deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
     let mut owed = Owed::default();
+    let mut pacer = HeartbeatPacer::new(state.limits.heartbeat_interval);
     let ending = loop {
         let frame = tokio::select! {
             ended = &mut writer => {
@@ -340,8 +341,26 @@ where
         };
         match message {
             Ok(ToServer::Heartbeat { seq }) => {
-                if let Err(error) = providers::record_heartbeat(&state.db, id, now_ms()).await {
-                    tracing::error!(id, %error, "cannot record a heartbeat");
+                match pacer.beat(std::time::Instant::now()) {
+                    Beat::Flood => {
+                        break Ending::rejected(
+                            ErrorCode::BadFrame,
+                            close_code::POLICY,
+                            format!(
+                                "heartbeats come faster than {} a second; this server asks for one every {} ms",
+                                pacer.most_per_second,
+                                millis(state.limits.heartbeat_interval)
+                            ),
+                        );
+                    }
+                    Beat::Record => {
+                        if let Err(error) =
+                            providers::record_heartbeat(&state.db, id, now_ms()).await
+                        {
+                            tracing::error!(id, %error, "cannot record a heartbeat");
+                        }
+                    }
+                    Beat::Skip => {}
                 }
                 let _ = replies.send(ToProvider::Heartbeat { seq });
             }
@@ -556,6 +575,63 @@ async fn goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
     };
     let _ = sink.send(Message::Close(Some(frame))).await;
     let _ = sink.close().await;
+}
+
+/// What one heartbeat costs the server: a database write at most once a
+/// second (the dashboard shows seconds), and a provider that sends them far
+/// faster than asked is dropped.
+#[derive(Debug)]
+struct HeartbeatPacer {
+    /// Heartbeats allowed in any one second: four times the asked rate, and
+    /// never fewer than 20.
+    most_per_second: u32,
+    window_start: Option<std::time::Instant>,
+    in_window: u32,
+    last_recorded: Option<std::time::Instant>,
+}
+
+/// What to do with one heartbeat.
+#[derive(Debug, PartialEq, Eq)]
+enum Beat {
+    Record,
+    Skip,
+    Flood,
+}
+
+/// Heartbeats are written to the database at most this often.
+const HEARTBEAT_RECORD_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl HeartbeatPacer {
+    fn new(asked_interval: std::time::Duration) -> Self {
+        let per_second = 1000 / asked_interval.as_millis().max(1);
+        Self {
+            most_per_second: (4 * per_second).max(20) as u32,
+            window_start: None,
+            in_window: 0,
+            last_recorded: None,
+        }
+    }
+
+    fn beat(&mut self, now: std::time::Instant) -> Beat {
+        let second = std::time::Duration::from_secs(1);
+        match self.window_start {
+            Some(start) if now.duration_since(start) < second => self.in_window += 1,
+            _ => {
+                self.window_start = Some(now);
+                self.in_window = 1;
+            }
+        }
+        if self.in_window > self.most_per_second {
+            return Beat::Flood;
+        }
+        match self.last_recorded {
+            Some(at) if now.duration_since(at) < HEARTBEAT_RECORD_EVERY => Beat::Skip,
+            _ => {
+                self.last_recorded = Some(now);
+                Beat::Record
+            }
+        }
+    }
 }
 
 /// Most bytes of a provider's own words (an error, a failure's cause) the

@@ -417,6 +417,27 @@ fn close_reasons_are_cut_on_character_boundaries() {
 }
 
 #[test]
+fn heartbeats_are_written_once_a_second_and_a_flood_is_refused() {
+    let asked = Duration::from_millis(100);
+    let mut pacer = HeartbeatPacer::new(asked);
+    assert_eq!(pacer.most_per_second, 40);
+    let t0 = std::time::Instant::now();
+    // At the asked rate: one write a second, never a flood.
+    let beats: Vec<Beat> = (0..30).map(|i| pacer.beat(t0 + asked * i)).collect();
+    assert_eq!(beats.iter().filter(|b| **b == Beat::Record).count(), 3);
+    assert!(!beats.contains(&Beat::Flood));
+    // A hundred in a tenth of a second is a flood.
+    let later = t0 + Duration::from_secs(10);
+    let flood = (0..100).map(|i| pacer.beat(later + Duration::from_millis(i)));
+    assert!(flood.into_iter().any(|b| b == Beat::Flood));
+    // A provider asked for 10 ms heartbeats may send 400 a second.
+    assert_eq!(
+        HeartbeatPacer::new(Duration::from_millis(10)).most_per_second,
+        400
+    );
+}
+
+#[test]
 fn a_providers_failure_text_is_kept_to_a_kilobyte() {
     let long = ToServer::JobFailed {
         job_id: 7,
