@@ -69,7 +69,9 @@ impl JobRun {
     ) -> Result<(Self, Vec<Effect>), StartError> {
         let t = &spec.training;
         let schedule = Schedule::new(train.len(), plan.clusters.len(), t.batch_size)?;
-        let total_steps = schedule.steps_per_epoch as u64 * t.epochs;
+        // The job file's epochs are bounded (`MAX_EPOCHS`); saturating all
+        // the same, so no job file can overflow the count.
+        let total_steps = (schedule.steps_per_epoch as u64).saturating_mul(t.epochs);
         let lr_schedule = t.lr_schedule.resolve(t.optimizer.lr(), total_steps)?;
         let input = graph.inputs.first().ok_or(StartError::NoInput)?.clone();
         let (synced, mut optimizer, mut resumed) = match resume {

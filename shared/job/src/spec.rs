@@ -97,6 +97,10 @@ use crate::error::JobError;
 pub use crate::file::{Aggregation, DataFormat, TokenDType};
 use crate::file::{Clusters, DataFile, JobFile, ModelFile, TrainingFile};
 
+/// Most epochs a job may ask for: a million, so that epochs times steps
+/// per epoch (each at most the samples) never overflows a counter.
+pub const MAX_EPOCHS: u64 = 1_000_000;
+
 /// A data file, or one named array inside an `.npz`/safetensors file.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct DataRef {
@@ -411,6 +415,13 @@ impl JobSpec {
             return Err(JobError::field(
                 "training.epochs",
                 "must be at least 1 (got 0)",
+            ));
+        }
+        // Epochs times steps must stay far from overflowing a counter.
+        if t.epochs > MAX_EPOCHS {
+            return Err(JobError::field(
+                "training.epochs",
+                format!("must be at most {MAX_EPOCHS} (got {})", t.epochs),
             ));
         }
         if t.batch_size < 1 {

@@ -622,6 +622,12 @@ const INVALID: &[(&str, &str, &str, &[&str])] = &[
         &["training.epochs"],
     ),
     (
+        "epochs that would overflow a step counter",
+        "epochs = 2",
+        "epochs = 9223372036854775807",
+        &["training.epochs", "at most 1000000"],
+    ),
+    (
         "zero batch size",
         "batch_size = 64",
         "batch_size = 0",
