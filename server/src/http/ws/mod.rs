@@ -184,6 +184,18 @@ where
 {
     let deadline = tokio::time::Instant::now() + state.limits.heartbeat_timeout;
     let frame = next_frame(stream, state, deadline).await?;
+    // Nothing about a stranger is decoded at length before it has said who
+    // it is: a Hello is a few hundred bytes.
+    if frame.len() > MAX_HELLO_BYTES {
+        return Err(Ending::rejected(
+            ErrorCode::UnexpectedMessage,
+            close_code::POLICY,
+            format!(
+                "the first frame must be a Hello of at most {MAX_HELLO_BYTES} bytes, got {} bytes",
+                frame.len()
+            ),
+        ));
+    }
     if let Some(version) = rookery_proto::peek_hello_version(&frame)
         && version != PROTOCOL_VERSION
     {
@@ -205,6 +217,10 @@ where
         Err(error) => Err(Ending::bad_frame(error)),
     }
 }
+
+/// The largest first frame a connection may send: a `Hello`, whose strings
+/// are bounded by [`validate_hello`], fits many times over.
+pub const MAX_HELLO_BYTES: usize = 4096;
 
 /// A provider describes itself; nothing it says is trusted blindly.
 /// The smallest buffer limit a provider may report.

@@ -176,6 +176,40 @@ async fn wrong_version_is_named_and_nobody_is_registered() {
 }
 
 #[tokio::test]
+async fn a_large_first_frame_is_refused_before_it_is_decoded() {
+    // Frames of up to 1 MiB are fine later on, not first.
+    let state = AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits {
+            max_frame_bytes: 1 << 20,
+            heartbeat_timeout: Duration::from_millis(300),
+            ..Limits::default()
+        },
+        None,
+        std::env::temp_dir(),
+        crate::store::tokens::Token::new("test-token"),
+    );
+    let replies = run(&state, vec![Ok(Message::Binary(vec![0u8; 100_000].into()))]).await;
+    let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
+        panic!("expected an error, got {replies:?}");
+    };
+    assert!(
+        error
+            .message
+            .contains("first frame must be a Hello of at most 4096 bytes"),
+        "{}",
+        error.message
+    );
+    // A real Hello is far below the limit.
+    assert!(
+        rookery_proto::encode(&ToServer::Hello(hello()))
+            .unwrap()
+            .len()
+            < 512
+    );
+}
+
+#[tokio::test]
 async fn invalid_hellos_are_refused_with_the_reason() {
     let cases = [
         (
