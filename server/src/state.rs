@@ -29,6 +29,9 @@ pub struct Limits {
     /// HTTP connections one IP address may hold open at once (provider
     /// WebSockets count against `max_connections_per_ip` once upgraded).
     pub max_http_connections_per_ip: usize,
+    /// Jobs one Requester may have waiting in the queue at once; another
+    /// upload is refused before its bytes are read.
+    pub max_queued_jobs: usize,
 }
 
 impl Default for Limits {
@@ -41,6 +44,7 @@ impl Default for Limits {
             max_connections_per_ip: 64,
             slow_client_timeout: Duration::from_secs(30),
             max_http_connections_per_ip: 256,
+            max_queued_jobs: 32,
         }
     }
 }

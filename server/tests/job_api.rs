@@ -823,6 +823,39 @@ async fn an_upload_over_the_limit_is_refused_with_413() {
     assert!(listed(&state, TOKEN).await.is_empty());
 }
 
+#[tokio::test]
+async fn a_requester_may_keep_only_so_many_jobs_queued() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = AppState::new(
+        Db::open_in_memory().unwrap(),
+        Limits {
+            max_queued_jobs: 2,
+            ..Limits::default()
+        },
+        None,
+        dir.path().to_path_buf(),
+        Token::new(TOKEN),
+    );
+    let first = submit_mnist(&state, TOKEN).await;
+    submit_mnist(&state, TOKEN).await;
+    let (status, body) = submit(&state, JOB, &mnist_files()).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let error = error_of(&body);
+    assert!(error.contains("2 of your jobs are queued"), "{error}");
+    assert!(error.contains("--max-queued-jobs"), "{error}");
+    assert_eq!(listed(&state, TOKEN).await.len(), 2);
+    // A cancelled job frees its place.
+    let (status, _) = call(
+        &state,
+        authed("POST", &format!("/api/jobs/{first}/cancel"), Some(TOKEN))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    submit_mnist(&state, TOKEN).await;
+}
+
 /// The PyTorch MLP fixture: an ONNX export with external data and npy data.
 const ONNX_JOB: &str = r#"
 [model]

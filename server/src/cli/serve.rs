@@ -35,6 +35,9 @@ pub struct ServeArgs {
     /// HTTP connections one IP address may hold open at once.
     #[arg(long, default_value_t = Limits::default().max_http_connections_per_ip)]
     pub max_http_connections_per_ip: usize,
+    /// Jobs one Requester may have waiting in the queue at once.
+    #[arg(long, default_value_t = Limits::default().max_queued_jobs)]
+    pub max_queued_jobs: usize,
     /// Milliseconds a client may take to send a request's headers, or pause
     /// in the middle of an upload, before it is dropped.
     #[arg(long, default_value_t = 30_000)]
@@ -79,6 +82,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_connections_per_ip: args.max_connections_per_ip.max(1),
         slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
         max_http_connections_per_ip: args.max_http_connections_per_ip.max(1),
+        max_queued_jobs: args.max_queued_jobs.max(1),
     };
     let web_dir = is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {

@@ -24,7 +24,7 @@ pub enum AppError {
     #[error("{0}")]
     PayloadTooLarge(String),
     #[error("{0}")]
-    TooManyConnections(String),
+    TooManyRequests(String),
     #[error("{0}")]
     Timeout(String),
     #[error("internal error: {0}")]
@@ -46,7 +46,7 @@ impl IntoResponse for AppError {
             AppError::Unauthorized(why) => (StatusCode::UNAUTHORIZED, (*why).to_owned()),
             AppError::Conflict(why) => (StatusCode::CONFLICT, why.clone()),
             AppError::PayloadTooLarge(why) => (StatusCode::PAYLOAD_TOO_LARGE, why.clone()),
-            AppError::TooManyConnections(why) => (StatusCode::TOO_MANY_REQUESTS, why.clone()),
+            AppError::TooManyRequests(why) => (StatusCode::TOO_MANY_REQUESTS, why.clone()),
             AppError::Timeout(why) => (StatusCode::REQUEST_TIMEOUT, why.clone()),
             AppError::Internal(error) => {
                 tracing::error!(%error, "request failed");

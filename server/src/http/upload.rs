@@ -194,12 +194,25 @@ pub async fn plan(
 #[utoipa::path(post, path = "/api/jobs", tag = "jobs", security(("api_token" = [])),
     request_body(content = String, content_type = "multipart/form-data", description = UPLOAD_DESCRIPTION),
     responses((status = 201, description = "Accepted and queued", body = JobCreated),
-        (status = 400, description = "The upload is invalid; `field` names the job-file field or file", body = ApiError)))]
+        (status = 400, description = "The upload is invalid; `field` names the job-file field or file", body = ApiError),
+        (status = 429, description = "The Requester has as many jobs queued as the server keeps waiting", body = ApiError)))]
 pub async fn create(
     State(state): State<AppState>,
     Extension(requester): Extension<Requester>,
     mut multipart: Multipart,
 ) -> Result<(StatusCode, Json<JobCreated>), AppError> {
+    // Before the upload's bytes are read: a Requester cannot fill the disk
+    // or the queue with jobs waiting for providers.
+    let queued = jobs::list_owned(&state.db, requester.id)
+        .await?
+        .iter()
+        .filter(|j| j.status == jobs::JobStatus::Queued)
+        .count();
+    if queued >= state.limits.max_queued_jobs {
+        return Err(AppError::TooManyRequests(format!(
+            "{queued} of your jobs are queued already, the most this server keeps waiting (`rookery serve --max-queued-jobs`); cancel one or wait for one to start"
+        )));
+    }
     let (upload, name, text, mut prepared) = receive_checked(&state, &mut multipart).await?;
     // Reserve the id, then move the files to the job's own folder and store
     // the spec with paths resolved there.

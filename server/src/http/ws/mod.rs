@@ -712,7 +712,7 @@ fn admit(
     let max = state.limits.max_connections_per_ip;
     match state.connections.take(ip, max) {
         Some(slot) => Ok(Some(slot)),
-        None => Err(AppError::TooManyConnections(format!(
+        None => Err(AppError::TooManyRequests(format!(
             "too many provider connections from {ip} (at most {max})"
         ))),
     }
