@@ -9,11 +9,11 @@ use axum::routing::get;
 use axum::{Json, Router};
 use rookery_proto::api::{ApiError, ProviderInfo, ProviderWork};
 
+use super::auth::requester_of;
 use super::error::AppError;
-use crate::admission;
 use crate::dto;
 use crate::state::AppState;
-use crate::store::{jobs, providers, requesters};
+use crate::store::{jobs, providers};
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/providers", get(list_providers))
@@ -32,14 +32,7 @@ pub async fn list_providers(
     State(state): State<AppState>,
     headers: HeaderMap,
 ) -> Result<Json<Vec<ProviderInfo>>, AppError> {
-    let requester = match admission::bearer(&headers) {
-        Some(given) => Some(
-            requesters::authenticate(&state.db, given)
-                .await?
-                .ok_or(AppError::Unauthorized("the API token is wrong"))?,
-        ),
-        None => None,
-    };
+    let requester = requester_of(&state, &headers).await?;
     let own_jobs: HashSet<u64> = match &requester {
         Some(r) => jobs::list_owned(&state.db, r.id)
             .await?

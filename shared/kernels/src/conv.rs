@@ -10,7 +10,8 @@
 //! - weight gradient: `dw[o, (c,ky,kx)] = sum_(n,oy,ox) dy[n, o, oy, ox] x[..]`;
 //! - bias gradient: `dy` summed over batch and space.
 
-use super::gemm::{Gemm, Tiling, busy_blocks, split_parts, sum_to_shape};
+use super::gemm::{Gemm, Tiling, sum_to_shape};
+use super::spec::{Binding, KernelSpec};
 
 /// Fewest terms of the weight gradient's reduction one part sums.
 pub const MIN_PART_TERMS: usize = 256;
@@ -29,7 +30,6 @@ const WEIGHT_PARTS_BINDINGS: [(&str, Binding, &str); 3] = [
     ("x", Binding::Read, "f32"),
     ("dweight_parts", Binding::ReadWrite, "f32"),
 ];
-use super::spec::{Binding, KernelSpec};
 
 /// A 2-D convolution of `x [n, c, h, w]` with `weight [o, c/groups, kh, kw]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,13 +272,31 @@ impl Conv2d {
         let (m, n, k) = (self.og(), self.cg() * self.kh * self.kw, self.n * oh * ow);
         match self.tiling {
             // A fixed tiling (the checks' and the sweep's) still splits.
-            Some(t) => {
-                let wanted = (2 * busy_blocks()).div_ceil(t.blocks(m, n, self.groups));
-                let most = (k / MIN_PART_TERMS).clamp(1, MAX_PARTS);
-                (t, split_parts(k, t.depth, wanted.min(most) as u32))
-            }
+            Some(t) => (
+                t,
+                t.split_for(m, n, self.groups, k, MIN_PART_TERMS, MAX_PARTS),
+            ),
             None => Tiling::auto_split(m, n, self.groups, k, MIN_PART_TERMS, MAX_PARTS),
         }
+    }
+
+    /// Elements of the weight, `o * c / groups * kh * kw`.
+    pub fn weight_len(&self) -> usize {
+        self.o * self.cg() * self.kh * self.kw
+    }
+
+    /// The sum that adds `parts` partial weight gradients up, as `(from,
+    /// to)` shapes of [`sum_to_shape`]: `[parts, weight]` to `[weight]`.
+    pub fn weight_parts_sum_shapes(&self, parts: u32) -> (Vec<usize>, Vec<usize>) {
+        let w_len = self.weight_len();
+        (vec![parts as usize, w_len], vec![w_len])
+    }
+
+    /// The kernel adding `parts` partial weight gradients up, in order:
+    /// bindings `dweight_parts`, `dweight`.
+    pub fn sum_weight_parts(&self, parts: u32) -> KernelSpec {
+        let (from, to) = self.weight_parts_sum_shapes(parts);
+        sum_to_shape(&from, &to)
     }
 
     /// The weight gradient as `parts` partial sums over the batch and space,
@@ -301,7 +319,7 @@ impl Conv2d {
         let (oh, ow) = self.out_hw();
         let (o, kh, kw, og, cg) = (self.o, self.kh, self.kw, self.og(), self.cg());
         let kk_len = cg * kh * kw;
-        let w_len = o * kk_len;
+        let w_len = self.weight_len();
         let (bindings, out) = if parts > 1 {
             (&WEIGHT_PARTS_BINDINGS, "dweight_parts")
         } else {

@@ -655,17 +655,9 @@ impl GpuContext {
             return Err(GpuError::InvalidBenchmark { n, iterations });
         }
         let size = n as usize;
-        let limit = self
-            .max_storage_buffer_binding_size()
-            .min(self.max_buffer_size());
-        let bytes = (size as u64).pow(2) * 4;
-        if bytes > limit {
-            return Err(GpuError::BufferTooLarge {
-                what: "benchmark matrix",
-                bytes,
-                limit,
-            });
-        }
+        // The result first: a size over this GPU's buffer limit is refused
+        // before the operands are drawn.
+        let c = self.create_buffer(size * size)?;
         let spec = crate::gemm::MatMul::new(&[size, size], &[size, size])
             .ok_or(KernelError::TooLarge {
                 m: size,
@@ -675,7 +667,6 @@ impl GpuContext {
             .forward();
         let a = self.upload_f32(&sample_matrix(size * size, 1))?;
         let b = self.upload_f32(&sample_matrix(size * size, 2))?;
-        let c = self.create_buffer(size * size)?;
         let seconds = self
             .time_dispatches(&spec, &[&a, &b, &c], iterations)
             .await?;

@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use crate::conv::Conv2d;
-use crate::gemm::{Linear, MatMul, Tiling, sum_to_shape};
+use crate::gemm::{Linear, MatMul, Tiling};
 use crate::{GpuBuffer, GpuContext, GpuError, KernelError, KernelSpec, sample_matrix};
 
 /// One timed workload.
@@ -130,7 +130,7 @@ pub async fn conv(
     seconds: f64,
 ) -> Result<[Measured; 3], GpuError> {
     let x_len = conv.n * conv.c * conv.h * conv.w;
-    let w_len = conv.o * conv.c / conv.groups * conv.kh * conv.kw;
+    let w_len = conv.weight_len();
     let (x, w, b) = (
         upload(gpu, x_len, 1)?,
         upload(gpu, w_len, 2)?,
@@ -149,7 +149,7 @@ pub async fn conv(
     let (bw, sum) = if parts > 1 {
         (
             conv.backward_weight_parts(parts),
-            Some(sum_to_shape(&[parts as usize, w_len], &[w_len])),
+            Some(conv.sum_weight_parts(parts)),
         )
     } else {
         (conv.backward_weight(), None)

@@ -394,7 +394,7 @@ impl Kernel {
             Kernel::Conv2dBackwardWeight(c) | Kernel::Conv2dBackwardWeightParts { conv: c, .. } => {
                 let (_, _, dw, _) = c.reference(
                     &f(&buffers[1]),
-                    &zeros(c.o * (c.c / c.groups) * c.kh * c.kw),
+                    &zeros(c.weight_len()),
                     None,
                     &f(&buffers[0]),
                 );

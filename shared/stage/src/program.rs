@@ -721,20 +721,14 @@ impl Lowering<'_> {
                     }
                     // A long reduction in parts on many workgroups, then
                     // added up in a fixed order.
-                    let w_len = conv.o * conv.c / conv.groups * conv.kh * conv.kw;
-                    let t = Buf::Temp(l.temp(w_len * parts as usize));
+                    let t = Buf::Temp(l.temp(conv.weight_len() * parts as usize));
+                    let (from, to) = conv.weight_parts_sum_shapes(parts);
                     vec![
                         (
                             Kernel::Conv2dBackwardWeightParts { conv, parts },
                             vec![dy, Buf::Value(ins[0]), t],
                         ),
-                        (
-                            Kernel::SumToShape {
-                                from: vec![parts as usize, w_len],
-                                to: vec![w_len],
-                            },
-                            vec![t, dest],
-                        ),
+                        (Kernel::SumToShape { from, to }, vec![t, dest]),
                     ]
                 });
                 if conv.bias {

@@ -3,7 +3,7 @@
 
 use super::{Builder, Check};
 use crate::conv::Conv2d;
-use crate::gemm::{gemm_tol, sum_to_shape};
+use crate::gemm::gemm_tol;
 use crate::sample_matrix;
 
 /// Conv2d forward and backward (input, weight, bias) against the direct
@@ -43,7 +43,7 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     c.step(conv.backward_weight(), [dy, x, dweight]);
     c.step(conv.backward_weight_parts(parts), [dy, x, dweight_parts]);
     c.step(
-        sum_to_shape(&[parts as usize, weight_len], &[weight_len]),
+        conv.sum_weight_parts(parts),
         [dweight_parts, dweight_summed],
     );
     c.expect("y", y, want_y, gemm_tol(k_fwd));

@@ -151,17 +151,12 @@ impl Tiling {
 
     /// [`Self::auto`] for an adapter kept busy by `busy` workgroups.
     pub fn auto_for(m: usize, n: usize, batch: usize, busy: usize) -> Self {
-        let useful = |t: &Tiling| {
-            let blocks = t.blocks(m, n, batch);
-            let computed = blocks * (t.block_rows() * t.block_cols()) as usize;
-            (blocks, m * n * batch.max(1) * 1000 / computed)
-        };
         let fits = |t: &Tiling| {
-            let (blocks, per_mille) = useful(t);
+            let (blocks, per_mille) = t.coverage(m, n, batch);
             blocks >= busy && per_mille >= 750
         };
         let enough = |t: &Tiling| {
-            let (blocks, per_mille) = useful(t);
+            let (blocks, per_mille) = t.coverage(m, n, batch);
             blocks >= busy && per_mille >= 500
         };
         AUTO_CANDIDATES
@@ -174,11 +169,19 @@ impl Tiling {
                     .into_iter()
                     .rev()
                     .max_by_key(|t| {
-                        let (blocks, per_mille) = useful(t);
+                        let (blocks, per_mille) = t.coverage(m, n, batch);
                         blocks.min(busy) * per_mille
                     })
                     .unwrap_or(Tiling::CLASSIC)
             })
+    }
+
+    /// Workgroups a `batch` of `m x n` outputs takes, and the share of the
+    /// outputs they compute that are inside the result, in thousandths.
+    fn coverage(&self, m: usize, n: usize, batch: usize) -> (usize, usize) {
+        let blocks = self.blocks(m, n, batch);
+        let computed = blocks * (self.block_rows() * self.block_cols()) as usize;
+        (blocks, m * n * batch.max(1) * 1000 / computed)
     }
 
     /// The tiling and split-K parts for a `batch` of `m x n` outputs each
@@ -195,20 +198,32 @@ impl Tiling {
         max_parts: usize,
     ) -> (Self, u32) {
         let busy = busy_blocks();
-        let parts = |t: &Tiling| {
-            let wanted = (2 * busy).div_ceil(t.blocks(m, n, batch));
-            let most = (k / min_part.max(1)).clamp(1, max_parts.max(1));
-            split_parts(k, t.depth, wanted.min(most) as u32)
-        };
+        let parts = |t: &Tiling| t.split_for(m, n, batch, k, min_part, max_parts);
         let chosen = AUTO_CANDIDATES
             .into_iter()
             .find(|t| {
-                let blocks = t.blocks(m, n, batch);
-                let computed = blocks * (t.block_rows() * t.block_cols()) as usize;
-                4 * m * n * batch.max(1) >= 3 * computed && blocks * parts(t) as usize >= busy
+                let (blocks, per_mille) = t.coverage(m, n, batch);
+                per_mille >= 750 && blocks * parts(t) as usize >= busy
             })
             .unwrap_or_else(|| Tiling::auto_for(m, n, batch, busy));
         (chosen, parts(&chosen))
+    }
+
+    /// Parts this tiling cuts a reduction of `k` terms into for a `batch`
+    /// of `m x n` outputs: enough for twice [`busy_blocks`] workgroups, at
+    /// least `min_part` terms each and at most `max_parts`, none empty.
+    pub fn split_for(
+        &self,
+        m: usize,
+        n: usize,
+        batch: usize,
+        k: usize,
+        min_part: usize,
+        max_parts: usize,
+    ) -> u32 {
+        let wanted = (2 * busy_blocks()).div_ceil(self.blocks(m, n, batch));
+        let most = (k / min_part.max(1)).clamp(1, max_parts.max(1));
+        split_parts(k, self.depth, wanted.min(most) as u32)
     }
 
     /// For people: `16x16 x 8x8 d8 vec4`.
