@@ -104,6 +104,7 @@ fn protocol_to_server() -> Target {
             gflops: 55.5,
             display_name: "fuzz".into(),
             max_buffer_bytes: None,
+            credential: Some("0123456789abcdef".into()),
         }),
         ToServer::Heartbeat { seq: 300 },
         ToServer::Error(ErrorMessage {
@@ -195,6 +196,8 @@ fn protocol_to_provider() -> io::Result<Target> {
             heartbeat_interval_ms: 1000,
             heartbeat_timeout_ms: 4000,
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES as u64,
+            identity: 1,
+            credential: Some("fedcba9876543210".into()),
         },
         ToProvider::Heartbeat { seq: 1 },
         ToProvider::Error(ErrorMessage {

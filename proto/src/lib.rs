@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Default largest frame either side of a provider connection sends or
 /// accepts. The server announces its own limit in [`ToProvider::Welcome`];
@@ -111,7 +111,15 @@ pub struct Hello {
     /// providers that run our own kernels; the planner keeps every tensor of
     /// their stages within it. `None` for libtorch providers.
     pub max_buffer_bytes: Option<u64>,
+    /// The secret the server issued this provider in an earlier
+    /// [`ToProvider::Welcome`]: faults, bans and credit follow it, not the
+    /// name. `None` on a provider's first visit.
+    pub credential: Option<String>,
 }
+
+/// The longest credential a `Hello` may carry (the server issues 64 hex
+/// digits).
+pub const MAX_CREDENTIAL_CHARS: usize = 128;
 
 /// Why a peer is being told off. The code is for programs, the text for people.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -134,6 +142,9 @@ pub enum ErrorCode {
     HeartbeatTimeout,
     /// The receiver failed for its own reasons; the peer may retry later.
     Internal,
+    /// The peer asked for more than the receiver allows it now (new
+    /// identities from one address); it may retry later.
+    RateLimited,
 }
 
 /// Frames a provider sends to the server.
@@ -209,6 +220,15 @@ pub enum ToProvider {
         /// The largest frame the server accepts and sends: the provider
         /// streams within it (checked by [`check_frame_limit`]).
         max_frame_bytes: u64,
+        /// The provider's identity on this server: what its faults, bans
+        /// and credit attach to (the connection's `provider_id` changes on
+        /// every reconnection, the identity does not).
+        identity: u64,
+        /// A credential the server issued for `identity` now (the `Hello`
+        /// had none, or one the server does not know): the provider keeps
+        /// it and sends it in every later `Hello`. `None` when the `Hello`'s
+        /// credential was accepted.
+        credential: Option<String>,
     },
     Heartbeat {
         seq: u64,
@@ -336,6 +356,7 @@ mod tests {
             gflops: 41.5,
             display_name: "alice-laptop".into(),
             max_buffer_bytes: None,
+            credential: None,
         }
     }
 
@@ -422,6 +443,8 @@ mod tests {
                 heartbeat_interval_ms: 1000,
                 heartbeat_timeout_ms: 5000,
                 max_frame_bytes: DEFAULT_MAX_FRAME_BYTES as u64,
+                identity: 1,
+                credential: None,
             },
             ToProvider::Heartbeat { seq: 3 },
             ToProvider::Assign(Box::new(Assignment {
@@ -633,6 +656,7 @@ mod tests {
                 kind: if browser { ProviderKind::Browser } else { ProviderKind::Native },
                 device, memory_bytes: memory, gflops, display_name: name,
                 max_buffer_bytes: None,
+                credential: None,
             });
             let frame = encode(&message).unwrap();
             prop_assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));

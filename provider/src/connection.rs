@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
+use crate::identity::CredentialFile;
 use crate::trainer::{Trainer, job_of};
 
 /// How a session ended.
@@ -58,9 +59,16 @@ where
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
-    drive_session(sink, stream, hello, shutdown, trainer)
-        .await
-        .1
+    drive_session(
+        sink,
+        stream,
+        hello,
+        shutdown,
+        trainer,
+        &CredentialFile::ephemeral(),
+    )
+    .await
+    .1
 }
 
 /// [`run_session`], also returning the session for what it learned (whether
@@ -71,6 +79,7 @@ async fn drive_session<Si, St, E>(
     hello: &Hello,
     shutdown: &mut watch::Receiver<bool>,
     trainer: Box<dyn Trainer>,
+    credentials: &CredentialFile,
 ) -> (ProviderSession, SessionEnd)
 where
     Si: Sink<Message> + Unpin,
@@ -89,7 +98,7 @@ where
         .policy()
         .welcome_timeout
         .map(|timeout| clock + timeout);
-    let (id, interval) = loop {
+    let (id, identity, interval) = loop {
         let frame = match welcome_deadline {
             Some(deadline) => tokio::select! {
                 frame = next_frame(stream) => frame,
@@ -108,8 +117,26 @@ where
             None => continue,
             Some(Action::Joined {
                 provider_id,
+                identity,
                 heartbeat_interval,
-            }) => break (provider_id, heartbeat_interval),
+                issued_credential,
+            }) => {
+                if let Some(credential) = issued_credential {
+                    // Kept before any work is done under it; a provider that
+                    // cannot keep it still works, as a new identity next time.
+                    match credentials.save(&credential) {
+                        Ok(()) => tracing::info!(
+                            identity,
+                            file = ?credentials.path(),
+                            "the server issued this provider an identity"
+                        ),
+                        Err(error) => {
+                            tracing::warn!(identity, %error, "cannot keep the credential")
+                        }
+                    }
+                }
+                break (provider_id, identity, heartbeat_interval);
+            }
             Some(Action::End(disconnect)) => return (session, disconnect.into()),
             // Before `Welcome` the session ends rather than asking for these.
             Some(Action::Send(_) | Action::Train(_)) => {
@@ -120,7 +147,7 @@ where
             }
         }
     };
-    tracing::info!(provider_id = id, "joined the server");
+    tracing::info!(provider_id = id, identity, "joined the server");
 
     let mut worker = match TrainerThread::spawn(trainer) {
         Ok(worker) => worker,
@@ -368,7 +395,8 @@ fn upgrade_request(
 pub async fn run(
     url: &str,
     token: Option<&str>,
-    hello: &Hello,
+    mut hello: Hello,
+    credentials: &CredentialFile,
     mut shutdown: watch::Receiver<bool>,
     make_trainer: impl Fn() -> Box<dyn Trainer>,
 ) -> Result<(), String> {
@@ -387,9 +415,17 @@ pub async fn run(
             Ok((socket, _)) => {
                 let started = Instant::now();
                 let (mut sink, mut stream) = socket.split();
-                let (session, end) =
-                    drive_session(&mut sink, &mut stream, hello, &mut shutdown, make_trainer())
-                        .await;
+                let (session, end) = drive_session(
+                    &mut sink,
+                    &mut stream,
+                    &hello,
+                    &mut shutdown,
+                    make_trainer(),
+                    credentials,
+                )
+                .await;
+                // With the credential the server issued, if it issued one.
+                hello = session.hello().clone();
                 match end {
                     SessionEnd::Shutdown => return Ok(()),
                     SessionEnd::Fatal(reason) => return Err(reason),
@@ -436,6 +472,7 @@ mod tests {
             gflops: 1.0,
             display_name: "unit".into(),
             max_buffer_bytes: None,
+            credential: None,
         }
     }
 
@@ -474,6 +511,8 @@ mod tests {
                 heartbeat_interval_ms: 100,
                 heartbeat_timeout_ms: timeout_ms,
                 max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
+                identity: 1,
+                credential: None,
             }))
             .unwrap();
         let (stop_tx, mut stop_rx) = watch::channel(false);
@@ -549,6 +588,8 @@ mod tests {
                 heartbeat_interval_ms: 100,
                 heartbeat_timeout_ms: 500,
                 max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
+                identity: 1,
+                credential: None,
             }))
             .unwrap();
         let (_stop_tx, mut stop_rx) = watch::channel(false);

@@ -9,4 +9,5 @@ pub mod connection;
 /// Test-only misbehaviour for the server's fault tests.
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub mod identity;
 pub mod trainer;

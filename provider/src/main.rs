@@ -5,6 +5,7 @@ use clap::Parser;
 use rookery_proto::Hello;
 use rookery_provider::compute::{self, DeviceChoice};
 use rookery_provider::connection;
+use rookery_provider::identity::CredentialFile;
 #[cfg(any(feature = "torch", feature = "wgpu"))]
 use rookery_provider::trainer::StageTrainer;
 use rookery_provider::trainer::Trainer;
@@ -31,6 +32,18 @@ struct Cli {
     /// The server's join token, if it requires one (`rookery serve --provider-token`).
     #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// Where to keep the credential the server issues this provider, so its
+    /// record (faults, bans, credit) follows it across restarts (default: a
+    /// file per server and name under ~/.local/state/rookery/credentials).
+    #[arg(
+        long,
+        env = "ROOKERY_IDENTITY_FILE",
+        conflicts_with = "ephemeral_identity"
+    )]
+    identity_file: Option<std::path::PathBuf>,
+    /// Keep the credential in memory only: a new identity every start.
+    #[arg(long)]
+    ephemeral_identity: bool,
     /// What runs the stages: libtorch (CPU or CUDA, see --device), or our own
     /// WGSL kernels on any GPU through wgpu (Vulkan, Metal, DX12), so AMD,
     /// Intel and Apple GPUs can donate without CUDA.
@@ -151,10 +164,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         let _ = stop_tx.send(true);
     });
     let url = rookery_stage::session::provider_url(&cli.server);
-    tracing::info!(%url, "connecting");
-    connection::run(&url, cli.token.as_deref(), &hello, stop_rx, make_trainer)
-        .await
-        .map_err(|reason| anyhow::anyhow!("the server refused this provider: {reason}"))?;
+    let credentials = match (cli.identity_file, cli.ephemeral_identity) {
+        (Some(path), _) => CredentialFile::at(path),
+        (None, true) => CredentialFile::ephemeral(),
+        (None, false) => CredentialFile::default_for(&url, &hello.display_name),
+    };
+    let mut hello = hello;
+    hello.credential = credentials.load()?;
+    tracing::info!(%url, credential = ?credentials.path(), known = hello.credential.is_some(), "connecting");
+    connection::run(
+        &url,
+        cli.token.as_deref(),
+        hello,
+        &credentials,
+        stop_rx,
+        make_trainer,
+    )
+    .await
+    .map_err(|reason| anyhow::anyhow!("the server refused this provider: {reason}"))?;
     println!("rookery-provider stopped");
     Ok(())
 }

@@ -24,6 +24,7 @@ fn hello() -> rookery_proto::Hello {
         gflops: 1.0,
         display_name: "worker-connection".into(),
         max_buffer_bytes: None,
+        credential: None,
     }
 }
 
@@ -131,6 +132,8 @@ async fn drive(
             heartbeat_interval_ms: 20,
             heartbeat_timeout_ms: 5_000,
             max_frame_bytes: rookery_proto::DEFAULT_MAX_FRAME_BYTES as u64,
+            identity: 1,
+            credential: None,
         }))
         .unwrap();
     let (stop_tx, mut stop_rx) = watch::channel(false);

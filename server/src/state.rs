@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::admission::{ConnectionCounter, ProviderToken};
 use crate::coordinator::Coordinator;
 use crate::now_ms;
+use crate::store::identities::IssueLimit;
 use crate::store::tokens::{Token, token_path};
 use crate::store::{Db, DbError, jobs, providers, requesters};
 
@@ -32,6 +33,8 @@ pub struct Limits {
     /// Jobs one Requester may have waiting in the queue at once; another
     /// upload is refused before its bytes are read.
     pub max_queued_jobs: usize,
+    /// How many new provider identities one address may make.
+    pub identities: IssueLimit,
 }
 
 impl Default for Limits {
@@ -45,6 +48,7 @@ impl Default for Limits {
             slow_client_timeout: Duration::from_secs(30),
             max_http_connections_per_ip: 256,
             max_queued_jobs: 32,
+            identities: IssueLimit::default(),
         }
     }
 }

@@ -67,11 +67,12 @@ async fn providers_endpoint_lists_registered_and_departed_providers() {
         gflops: 55.0,
         display_name: "box".into(),
         max_buffer_bytes: None,
+        credential: None,
     };
-    let kept = providers::register(&state.db, hello.clone(), 10)
+    let kept = providers::register(&state.db, hello.clone(), 1, 10)
         .await
         .unwrap();
-    let left = providers::register(&state.db, hello, 20).await.unwrap();
+    let left = providers::register(&state.db, hello, 2, 20).await.unwrap();
     providers::mark_gone(&state.db, left, 30, "closed".into())
         .await
         .unwrap();

@@ -418,6 +418,7 @@ fn connect(
         .coordinator
         .send(rookery_server::coordinator::Event::Connected {
             id,
+            identity: id,
             hello: Hello {
                 protocol_version: rookery_proto::PROTOCOL_VERSION,
                 kind: ProviderKind::Native,
@@ -426,6 +427,7 @@ fn connect(
                 gflops: 10.0 * id as f64,
                 display_name: format!("p{id}"),
                 max_buffer_bytes: None,
+                credential: None,
             },
             tx,
         });

@@ -82,6 +82,7 @@ async fn join(client: &mut Client) -> u64 {
         gflops: 1.0,
         display_name: "limits".into(),
         max_buffer_bytes: None,
+        credential: None,
     });
     let frame = rookery_proto::encode(&hello).unwrap();
     client.send(Message::Binary(frame.into())).await.unwrap();

@@ -95,6 +95,7 @@ async fn provider(addr: std::net::SocketAddr) -> tokio::sync::oneshot::Receiver<
         gflops: 100.0,
         display_name: "worker".into(),
         max_buffer_bytes: None,
+        credential: None,
     });
     let send = |m: &ToServer| Message::Binary(rookery_proto::encode(m).unwrap().into());
     ws.send(send(&hello)).await.unwrap();

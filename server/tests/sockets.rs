@@ -92,6 +92,7 @@ fn hello(name: &str) -> ToServer {
         gflops: 1.0,
         display_name: name.into(),
         max_buffer_bytes: None,
+        credential: None,
     })
 }
 

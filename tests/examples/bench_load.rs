@@ -332,6 +332,7 @@ impl Browser {
             gflops: 0.01,
             display_name: self.name.clone(),
             max_buffer_bytes: Some(128 << 20),
+            credential: None,
         });
         sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
             .await?;

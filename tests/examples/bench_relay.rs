@@ -128,6 +128,7 @@ async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
         gflops: 100.0,
         display_name: name.into(),
         max_buffer_bytes: None,
+        credential: None,
     };
     send(&mut socket, &ToServer::Hello(hello)).await?;
     match receive(&mut socket, &mut Assembler::<ToProvider>::new(RECEIVE_CAP)).await? {

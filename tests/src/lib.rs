@@ -264,6 +264,11 @@ pub fn provider_command(server: &Server, name: &str, extra: &[&str]) -> anyhow::
         ])
         .args(extra)
         .stdout(Stdio::null());
+    // Each test's server is new; a credential kept for it would only litter
+    // the user's state folder.
+    if !extra.contains(&"--identity-file") {
+        command.arg("--ephemeral-identity");
+    }
     Ok(command)
 }
 

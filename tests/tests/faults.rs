@@ -110,7 +110,7 @@ fn provider(server: &Server, name: &str, fault: Option<&str>) -> anyhow::Result<
 
 fn faults_of<'a>(log: &'a [LogEntry], name: &str) -> Vec<&'a LogEntry> {
     log.iter()
-        .filter(|l| l.kind == "provider_fault" && l.message.contains(&format!("({name})")))
+        .filter(|l| l.kind == "provider_fault" && l.message.contains(&format!(", {name})")))
         .collect()
 }
 
@@ -229,17 +229,31 @@ async fn each_kind_of_wrong_data_is_caught_and_its_sender_dropped_while_the_serv
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn far_off_parameters_are_outvoted_three_times_then_banned_and_a_standby_finishes_the_job()
+async fn far_off_parameters_are_outvoted_three_times_then_banned_by_identity_not_name_and_a_standby_finishes()
 -> anyhow::Result<()> {
     let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
     let dir = tempfile::tempdir()?;
     let client = Client::new(&server)?;
     let name = "faulty-far-params";
-    let _three = join(
-        &server,
-        &[("far-a", None), ("far-b", None), (name, Some("far-params"))],
-    )
-    .await?;
+    let _two = join(&server, &[("far-a", None), ("far-b", None)]).await?;
+    // The faulty one keeps its credential in a file, as a provider does by
+    // default, so that it can come back as the same identity.
+    let credential = dir.path().join("faulty.credential");
+    let credential = credential.to_str().unwrap();
+    let mut faulty = Process::spawn(
+        provider_command(
+            &server,
+            name,
+            &["--fault", "far-params", "--identity-file", credential],
+        )?
+        .env("RUST_LOG", "warn"),
+    )?;
+    server
+        .wait_for_providers("the faulty provider", Duration::from_secs(120), |all| {
+            all.iter()
+                .any(|p| p.name == name && p.bandwidth_mbps.is_some())
+        })
+        .await?;
     // Three single-stage clusters with the median: the job goes on while the
     // faults count, and the third bans the provider.
     let id = client.submit(&job(
@@ -271,15 +285,22 @@ async fn far_off_parameters_are_outvoted_three_times_then_banned_and_a_standby_f
         "{}",
         banned.message
     );
-    // The banned provider reconnects under its name and, idle and measured,
-    // is still not given the job's vacant stage...
+    // The banned provider comes back as a new process under a new name,
+    // behaving well: its identity is banned, so idle and measured it is
+    // still not given the job's vacant stage...
+    faulty.kill();
+    let renamed = "an-innocent-name";
+    let _back = Process::spawn(
+        provider_command(&server, renamed, &["--identity-file", credential])?
+            .env("RUST_LOG", "warn"),
+    )?;
     server
         .wait_for_providers("the banned provider back", Duration::from_secs(60), |all| {
             all.iter().any(|p| {
-                p.name == name
+                p.name == renamed
                     && p.status == ProviderStatus::Connected
                     && p.bandwidth_mbps.is_some()
-            }) && all.iter().filter(|p| p.name == name).count() >= 2
+            })
         })
         .await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -290,8 +311,9 @@ async fn far_off_parameters_are_outvoted_three_times_then_banned_and_a_standby_f
             .is_some_and(|d| d.contains("waiting for a provider")),
         "{info:?}"
     );
-    // ... a standby that joins now takes it, and the job completes.
-    let _standby = provider(&server, "standby", None)?;
+    // ... while a stranger that takes the banned provider's name is a new
+    // identity, not banned: it takes the stage, and the job completes.
+    let _standby = provider(&server, name, None)?;
     wait_for_status(&client, id, "completed").await?;
     let log = client.log(id).await?;
     assert_eq!(faults_of(&log, name).len(), 3, "{log:#?}");

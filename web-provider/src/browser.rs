@@ -150,6 +150,27 @@ impl From<Disconnect> for End {
     }
 }
 
+/// Where a tab keeps the credential the server issued it: the origin's
+/// local storage, so every tab of this browser on this server is one donor
+/// whose record survives reloads.
+const CREDENTIAL_KEY: &str = "rookery.provider.credential";
+
+fn local_storage() -> Option<web_sys::Storage> {
+    web_sys::window()?.local_storage().ok().flatten()
+}
+
+fn stored_credential() -> Option<String> {
+    local_storage()?.get_item(CREDENTIAL_KEY).ok().flatten()
+}
+
+/// A tab that cannot store it (private browsing may refuse) still donates,
+/// as a new identity on its next visit.
+fn keep_credential(credential: &str) {
+    if let Some(storage) = local_storage() {
+        let _ = storage.set_item(CREDENTIAL_KEY, credential);
+    }
+}
+
 /// The browser's clock, as the session counts time.
 fn now() -> Duration {
     Duration::from_secs_f64(js_sys::Date::now().max(0.0) / 1e3)
@@ -164,9 +185,12 @@ where
     let policy = SessionPolicy::BROWSER;
     let adapter = offer.device.clone();
     let gflops = offer.gflops;
-    let hello = policy.hello("browser tab", offer);
+    let mut hello = policy.hello("browser tab", offer);
     let mut backoff = policy.backoff();
     loop {
+        // Read afresh each time: another tab of this origin may have been
+        // issued the credential meanwhile.
+        hello.credential = stored_credential();
         on_status(DonateStatus::Connecting {
             adapter: adapter.clone(),
             gflops,
@@ -281,7 +305,12 @@ where
             Some(Action::Joined {
                 provider_id,
                 heartbeat_interval,
+                issued_credential,
+                ..
             }) => {
+                if let Some(credential) = issued_credential {
+                    keep_credential(&credential);
+                }
                 start_heartbeat(events.clone(), heartbeat_interval);
                 let (adapter, gflops) = (hello.device.clone(), hello.gflops);
                 on_status(DonateStatus::Connected {

@@ -8,6 +8,7 @@ use anyhow::Context;
 
 use crate::http::site::is_dashboard;
 use crate::state::{AppState, Limits};
+use crate::store::identities::IssueLimit;
 use crate::store::tokens::token_path;
 
 #[derive(clap::Args, Debug)]
@@ -38,6 +39,10 @@ pub struct ServeArgs {
     /// Jobs one Requester may have waiting in the queue at once.
     #[arg(long, default_value_t = Limits::default().max_queued_jobs)]
     pub max_queued_jobs: usize,
+    /// New provider identities one IP address may make an hour; each fault
+    /// of those identities counts as 4 more.
+    #[arg(long, default_value_t = IssueLimit::default().per_window)]
+    pub new_identities_per_hour: u32,
     /// Milliseconds a client may take to send a request's headers, or pause
     /// in the middle of an upload, before it is dropped.
     #[arg(long, default_value_t = 30_000)]
@@ -83,6 +88,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
         max_http_connections_per_ip: args.max_http_connections_per_ip.max(1),
         max_queued_jobs: args.max_queued_jobs.max(1),
+        identities: IssueLimit {
+            per_window: args.new_identities_per_hour.max(1),
+        },
     };
     let web_dir = is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {

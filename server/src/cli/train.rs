@@ -81,6 +81,8 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
                 &format!("local-{i}"),
                 "--threads",
                 &threads,
+                // The embedded server lives as long as this run.
+                "--ephemeral-identity",
             ])
             .env(
                 "RUST_LOG",

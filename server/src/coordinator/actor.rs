@@ -30,6 +30,7 @@ impl Actor {
             .iter()
             .map(|(id, p)| LiveProvider {
                 id: *id,
+                identity: p.identity,
                 hello: p.hello.clone(),
                 work: p.work.clone(),
                 bandwidth_mbps: p.bandwidth_mbps,
@@ -48,9 +49,14 @@ impl Actor {
 
     async fn on_event(&mut self, event: Event) {
         match event {
-            Event::Connected { id, hello, tx } => {
+            Event::Connected {
+                id,
+                identity,
+                hello,
+                tx,
+            } => {
                 let message = format!(
-                    "provider {id} ({}, {} {}) connected",
+                    "provider {id} (identity {identity}, {}, {} {}) connected",
                     hello.display_name,
                     hello.kind.as_str(),
                     hello.device
@@ -58,6 +64,7 @@ impl Actor {
                 self.providers.insert(
                     id,
                     Live {
+                        identity,
                         hello,
                         tx,
                         job: None,
@@ -105,8 +112,9 @@ impl Actor {
                     return;
                 };
                 let owed: usize = stream::following(&message).iter().sum();
+                let identity = self.providers.get(&id).map_or(id, |p| p.identity);
                 let effects = match self.run_mut(job_id) {
-                    Some(run) => run.on_message(id, message),
+                    Some(run) => run.on_message_from(id, identity, message),
                     None => Vec::new(),
                 };
                 if owed > 0 {

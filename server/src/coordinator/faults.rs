@@ -4,6 +4,7 @@
 
 use super::{Actor, LiveProvider, Outgoing};
 use crate::now_ms;
+use crate::store::identities;
 use crate::store::jobs::{self, Ban};
 
 /// Faults a provider may commit on one job; the last of them bans it from the job.
@@ -33,11 +34,14 @@ pub fn fault_action(count: u32, frame_dropped: bool) -> FaultAction {
     }
 }
 
-/// Whether `provider` is one of `bans` (the same connection, or the same
-/// name: a reconnection gets a new id).
+/// Whether `provider` is one of `bans`: the same identity (whatever its
+/// connection or name), or for a ban from before identities, the same
+/// connection. Names are chosen by providers and decide nothing.
 pub fn is_banned(bans: &[Ban], provider: &LiveProvider) -> bool {
-    bans.iter()
-        .any(|b| b.provider_id == provider.id || b.provider_name == provider.hello.display_name)
+    bans.iter().any(|b| match b.identity {
+        Some(identity) => identity == provider.identity,
+        None => b.provider_id == provider.id,
+    })
 }
 
 impl Actor {
@@ -57,21 +61,27 @@ impl Actor {
         let Some(live) = self.providers.get(&provider) else {
             return;
         };
-        let name = live.hello.display_name.clone();
+        let (identity, name) = (live.identity, live.hello.display_name.clone());
         let count = self
             .jobs
             .entry(job_id)
             .or_default()
             .faults
-            .entry(name.clone())
+            .entry(identity)
             .or_insert(0);
         *count += 1;
         let count = *count;
-        tracing::warn!(job = job_id, provider, %name, count, %reason, "provider fault");
+        tracing::warn!(job = job_id, provider, identity, %name, count, %reason, "provider fault");
+        if let Err(error) = identities::record_fault(&self.db, identity).await {
+            tracing::error!(identity, %error, "cannot count a fault against an identity");
+        }
         self.log(
             job_id,
             "provider_fault",
-            format!("provider {provider} ({name}) fault {count} of {BAN_AFTER_FAULTS}: {reason}"),
+            format!(
+                "provider {provider} (identity {identity}, {name}) fault {count} of \
+                 {BAN_AFTER_FAULTS}: {reason}"
+            ),
         )
         .await;
         let close = match fault_action(count, drop_now) {
@@ -80,6 +90,7 @@ impl Actor {
             FaultAction::Ban => {
                 let ban = Ban {
                     provider_id: provider,
+                    identity: Some(identity),
                     provider_name: name,
                     at_ms: now_ms(),
                     reason: reason.clone(),
@@ -91,7 +102,7 @@ impl Actor {
                 self.log(
                     job_id,
                     "provider_banned",
-                    format!("provider {provider} banned: {reason}"),
+                    format!("provider {provider} (identity {identity}) banned: {reason}"),
                 )
                 .await;
                 format!("banned from job {job_id} after {count} faults: {reason}")
@@ -149,7 +160,7 @@ mod tests {
     }
 
     #[test]
-    fn a_ban_covers_the_same_connection_and_a_reconnection_under_the_same_name() {
+    fn a_ban_follows_the_identity_whatever_its_name_or_connection() {
         let hello = |name: &str| Hello {
             protocol_version: rookery_proto::PROTOCOL_VERSION,
             kind: rookery_proto::ProviderKind::Native,
@@ -158,24 +169,41 @@ mod tests {
             gflops: 1.0,
             display_name: name.into(),
             max_buffer_bytes: None,
+            credential: None,
         };
-        let live = |id, name| LiveProvider {
+        let live = |id, identity, name| LiveProvider {
             id,
+            identity,
             hello: hello(name),
             work: None,
             bandwidth_mbps: Some(100.0),
         };
-        let bans = [Ban {
-            provider_id: 4,
-            provider_name: "liar".into(),
-            at_ms: 0,
-            reason: "NaN".into(),
-        }];
+        let bans = [
+            Ban {
+                provider_id: 4,
+                identity: Some(40),
+                provider_name: "liar".into(),
+                at_ms: 0,
+                reason: "NaN".into(),
+            },
+            // From before identities: only that connection.
+            Ban {
+                provider_id: 6,
+                identity: None,
+                provider_name: "old".into(),
+                at_ms: 0,
+                reason: "NaN".into(),
+            },
+        ];
         // (provider, banned)
         let cases = [
-            (live(4, "renamed"), true),
-            (live(9, "liar"), true),
-            (live(5, "honest"), false),
+            // The banned identity reconnecting under another name.
+            (live(9, 40, "renamed"), true),
+            // Another identity taking the banned one's name is not banned.
+            (live(5, 50, "liar"), false),
+            (live(4, 51, "honest"), false),
+            (live(6, 60, "new"), true),
+            (live(7, 70, "old"), false),
         ];
         for (p, want) in cases {
             assert_eq!(is_banned(&bans, &p), want, "{p:?}");

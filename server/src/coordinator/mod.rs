@@ -58,6 +58,8 @@ const SYNC_LOG_EVERY_MS: u64 = 2_000;
 pub enum Event {
     Connected {
         id: u64,
+        /// The server-issued identity it proved (faults and bans follow it).
+        identity: u64,
         hello: Hello,
         tx: mpsc::UnboundedSender<Outgoing>,
     },
@@ -130,6 +132,7 @@ pub enum Event {
 #[derive(Debug, Clone)]
 pub struct LiveProvider {
     pub id: u64,
+    pub identity: u64,
     pub hello: Hello,
     pub work: Option<ProviderWork>,
     /// Measured after `Welcome`; `None` until the probe comes back.
@@ -220,6 +223,7 @@ pub enum Outgoing {
 }
 
 struct Live {
+    identity: u64,
     hello: Hello,
     tx: mpsc::UnboundedSender<Outgoing>,
     job: Option<u64>,
@@ -261,9 +265,10 @@ struct JobEntry {
     micro_batches: u64,
     /// When the last sync line was written, and syncs since.
     sync_log: (u64, u64),
-    /// Faults per provider name: by name, so that reconnecting (which gives
-    /// a new id) does not wipe a provider's record on the job.
-    faults: HashMap<String, u32>,
+    /// Faults per provider identity: reconnecting (which gives a new
+    /// connection id) or renaming does not wipe a provider's record on the
+    /// job, and nobody can add to another's by taking its name.
+    faults: HashMap<u64, u32>,
     /// The job's bans as last read from or written to the database (which
     /// is the source of truth, across restarts).
     bans: Vec<Ban>,

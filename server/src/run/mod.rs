@@ -327,7 +327,7 @@ pub struct JobRun {
     /// (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
-    /// The providers whose stage failed, by (cluster, stage, cause): a job
+    /// The identities whose stage failed, by (cluster, stage, cause): a job
     /// fails only when one stage fails the same way on
     /// [`FAIL_AFTER_PROVIDERS`] of them.
     stage_failures: HashMap<(usize, usize, String), BTreeSet<u64>>,

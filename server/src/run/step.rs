@@ -22,8 +22,21 @@ impl JobRun {
     /// A provider of this job sent `message`. Frames that break the protocol
     /// are dropped with a logged reason (and an [`Effect::Fault`] when the
     /// data was wrong rather than late); a provider's own failure loses it
-    /// its stage ([`Self::on_stage_failed`]).
+    /// its stage ([`Self::on_stage_failed`]). Each connection counts as its
+    /// own identity; see [`Self::on_message_from`].
     pub fn on_message(&mut self, provider: u64, message: ToServer) -> Vec<Effect> {
+        self.on_message_from(provider, provider, message)
+    }
+
+    /// [`Self::on_message`] from a provider connected as `identity`: a
+    /// stage's failures count distinct identities, so reconnecting does not
+    /// make one provider count as several.
+    pub fn on_message_from(
+        &mut self,
+        provider: u64,
+        identity: u64,
+        message: ToServer,
+    ) -> Vec<Effect> {
         let Some((c, s)) = self.locate(provider) else {
             tracing::warn!(
                 job = self.job_id,
@@ -74,7 +87,7 @@ impl JobRun {
                 .and_then(|()| self.on_grad_norm(c, s, g)),
             ToServer::JobFailed { job_id, message } => self
                 .check_job(job_id)
-                .map(|()| self.on_stage_failed(provider, c, s, message)),
+                .map(|()| self.on_stage_failed(provider, identity, c, s, message)),
             ToServer::Hello(_)
             | ToServer::Heartbeat { .. }
             | ToServer::Error(_)
@@ -104,12 +117,19 @@ impl JobRun {
     /// stage has failed with the same cause on [`FAIL_AFTER_PROVIDERS`]
     /// providers, so no single provider can end a job, or blame its
     /// neighbour for doing so.
-    fn on_stage_failed(&mut self, provider: u64, c: usize, s: usize, cause: String) -> Vec<Effect> {
+    fn on_stage_failed(
+        &mut self,
+        provider: u64,
+        identity: u64,
+        c: usize,
+        s: usize,
+        cause: String,
+    ) -> Vec<Effect> {
         let who = self
             .stage_failures
             .entry((c, s, cause.clone()))
             .or_default();
-        who.insert(provider);
+        who.insert(identity);
         let count = who.len();
         if count >= FAIL_AFTER_PROVIDERS {
             self.state = State::Over;

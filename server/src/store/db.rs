@@ -91,6 +91,20 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         reason          TEXT    NOT NULL,
         PRIMARY KEY (job_id, provider_id)
     );",
+    // Server-issued provider identities (credential digests), which faults,
+    // bans and credit follow; a connection records its identity, and bans
+    // name the identity (bans from before this have none).
+    "CREATE TABLE identities (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        secret_sha256   TEXT    NOT NULL UNIQUE,
+        created_ms      INTEGER NOT NULL,
+        created_ip      TEXT    NOT NULL,
+        last_seen_ms    INTEGER NOT NULL,
+        faults          INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX identities_by_address ON identities (created_ip, created_ms);
+    ALTER TABLE providers ADD COLUMN identity INTEGER;
+    ALTER TABLE job_bans ADD COLUMN identity INTEGER;",
 ];
 
 #[derive(Debug, thiserror::Error)]

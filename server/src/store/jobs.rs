@@ -340,6 +340,9 @@ pub async fn append_log(db: &Db, id: u64, record: LogRecord) -> Result<(), DbErr
 #[derive(Debug, Clone, PartialEq)]
 pub struct Ban {
     pub provider_id: u64,
+    /// The banned identity; `None` for bans recorded before identities.
+    pub identity: Option<u64>,
+    /// For people only: names are chosen by providers.
     pub provider_name: String,
     pub at_ms: u64,
     pub reason: String,
@@ -348,14 +351,15 @@ pub struct Ban {
 pub async fn ban(db: &Db, job_id: u64, ban: Ban) -> Result<(), DbError> {
     db.call(move |conn| {
         conn.execute(
-            "INSERT OR REPLACE INTO job_bans (job_id, provider_id, provider_name, at_ms, reason)
-             VALUES (?1, ?2, ?3, ?4, ?5)",
+            "INSERT OR REPLACE INTO job_bans (job_id, provider_id, provider_name, at_ms, reason, identity)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![
                 job_id as i64,
                 ban.provider_id as i64,
                 ban.provider_name,
                 ban.at_ms as i64,
-                ban.reason
+                ban.reason,
+                ban.identity.map(|i| i as i64),
             ],
         )
         .map(drop)
@@ -367,12 +371,13 @@ pub async fn ban(db: &Db, job_id: u64, ban: Ban) -> Result<(), DbError> {
 pub async fn bans(db: &Db, job_id: u64) -> Result<Vec<Ban>, DbError> {
     db.call(move |conn| {
         let mut statement = conn.prepare(
-            "SELECT provider_id, provider_name, at_ms, reason FROM job_bans
+            "SELECT provider_id, provider_name, at_ms, reason, identity FROM job_bans
              WHERE job_id = ?1 ORDER BY at_ms, provider_id",
         )?;
         let rows = statement.query_map(params![job_id as i64], |row| {
             Ok(Ban {
                 provider_id: row.get::<_, i64>(0)? as u64,
+                identity: row.get::<_, Option<i64>>(4)?.map(|i| i as u64),
                 provider_name: row.get(1)?,
                 at_ms: row.get::<_, i64>(2)? as u64,
                 reason: row.get(3)?,
@@ -567,6 +572,7 @@ mod tests {
             .unwrap();
         let banned = |id, at_ms, reason: &str| Ban {
             provider_id: id,
+            identity: Some(id + 100),
             provider_name: format!("p{id}"),
             at_ms,
             reason: reason.into(),

@@ -9,6 +9,7 @@
 pub mod checkpoints;
 pub mod datasets;
 pub mod db;
+pub mod identities;
 pub mod jobs;
 pub mod providers;
 pub mod requesters;

@@ -11,6 +11,8 @@ use crate::store::db::{Db, DbError};
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProviderRecord {
     pub id: u64,
+    /// The server-issued identity it connected as.
+    pub identity: Option<u64>,
     pub name: String,
     pub kind: ProviderKind,
     pub device: String,
@@ -29,11 +31,11 @@ pub struct Departure {
     pub reason: String,
 }
 
-pub async fn register(db: &Db, hello: Hello, now_ms: u64) -> Result<u64, DbError> {
+pub async fn register(db: &Db, hello: Hello, identity: u64, now_ms: u64) -> Result<u64, DbError> {
     db.call(move |conn| {
         conn.execute(
-            "INSERT INTO providers (name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
+            "INSERT INTO providers (name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, identity)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7)",
             params![
                 hello.display_name,
                 hello.kind.as_str(),
@@ -42,6 +44,7 @@ pub async fn register(db: &Db, hello: Hello, now_ms: u64) -> Result<u64, DbError
                 i64::try_from(hello.memory_bytes).unwrap_or(i64::MAX),
                 hello.gflops,
                 now_ms as i64,
+                identity as i64,
             ],
         )?;
         Ok(conn.last_insert_rowid() as u64)
@@ -99,7 +102,7 @@ pub async fn mark_all_gone(db: &Db, now_ms: u64, reason: &str) -> Result<usize, 
 pub async fn list(db: &Db) -> Result<Vec<ProviderRecord>, DbError> {
     db.call(|conn| {
         let mut statement = conn.prepare(
-            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps, identity
              FROM providers ORDER BY gone_ms IS NOT NULL, id DESC",
         )?;
         let rows = statement.query_map([], row_to_record)?;
@@ -111,7 +114,7 @@ pub async fn list(db: &Db) -> Result<Vec<ProviderRecord>, DbError> {
 pub async fn get(db: &Db, id: u64) -> Result<Option<ProviderRecord>, DbError> {
     db.call(move |conn| {
         conn.query_row(
-            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps, identity
              FROM providers WHERE id = ?1",
             [id as i64],
             row_to_record,
@@ -127,6 +130,7 @@ fn row_to_record(row: &rusqlite::Row<'_>) -> rusqlite::Result<ProviderRecord> {
     let gone_reason: Option<String> = row.get(9)?;
     Ok(ProviderRecord {
         id: row.get::<_, i64>(0)? as u64,
+        identity: row.get::<_, Option<i64>>(11)?.map(|i| i as u64),
         name: row.get(1)?,
         // Only this module writes the column, from a ProviderKind.
         kind: ProviderKind::parse(&kind).unwrap_or(ProviderKind::Native),
@@ -157,20 +161,24 @@ mod tests {
             gflops: 3.5,
             display_name: name.into(),
             max_buffer_bytes: None,
+            credential: None,
         }
     }
 
     #[tokio::test]
     async fn a_provider_lives_and_leaves() {
         let db = Db::open_in_memory().unwrap();
-        let id = register(&db, hello("tab"), 1_000).await.unwrap();
+        let id = register(&db, hello("tab"), 7, 1_000).await.unwrap();
         record_heartbeat(&db, id, 2_000).await.unwrap();
         let record = get(&db, id).await.unwrap().unwrap();
         assert_eq!(record.bandwidth_mbps, None);
         record_bandwidth(&db, id, 940.5).await.unwrap();
         let record = get(&db, id).await.unwrap().unwrap();
         assert_eq!(record.bandwidth_mbps, Some(940.5));
-        assert_eq!(record.kind, ProviderKind::Browser);
+        assert_eq!(
+            (record.kind, record.identity),
+            (ProviderKind::Browser, Some(7))
+        );
         assert_eq!(
             (record.connected_ms, record.last_heartbeat_ms),
             (1_000, 2_000)
@@ -195,9 +203,9 @@ mod tests {
     #[tokio::test]
     async fn list_puts_connected_providers_first() {
         let db = Db::open_in_memory().unwrap();
-        let first = register(&db, hello("first"), 1).await.unwrap();
-        let second = register(&db, hello("second"), 2).await.unwrap();
-        let third = register(&db, hello("third"), 3).await.unwrap();
+        let first = register(&db, hello("first"), 7, 1).await.unwrap();
+        let second = register(&db, hello("second"), 7, 2).await.unwrap();
+        let third = register(&db, hello("third"), 7, 3).await.unwrap();
         mark_gone(&db, second, 4, "closed".into()).await.unwrap();
         let ids: Vec<u64> = list(&db).await.unwrap().iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![third, first, second]);

@@ -74,6 +74,7 @@ impl SessionPolicy {
             gflops: offer.gflops,
             display_name: display_name.into(),
             max_buffer_bytes: offer.max_buffer_bytes,
+            credential: None,
         }
     }
 
@@ -178,7 +179,14 @@ pub enum Action {
     /// `heartbeat_interval` from now on, and start a stage worker.
     Joined {
         provider_id: u64,
+        /// The identity the server knows this provider by.
+        identity: u64,
         heartbeat_interval: Duration,
+        /// A credential the server issued now: keep it (a file, local
+        /// storage) and give it to [`SessionPolicy::hello`]'s `Hello` next
+        /// time. The session already uses it for its own reconnections
+        /// ([`ProviderSession::hello`]).
+        issued_credential: Option<String>,
     },
     /// A training message for the stage worker.
     Train(ToProvider),
@@ -240,6 +248,12 @@ impl ProviderSession {
 
     pub fn policy(&self) -> &SessionPolicy {
         &self.policy
+    }
+
+    /// The `Hello` this session sends, with any credential the server
+    /// issued it: the next session's `Hello`.
+    pub fn hello(&self) -> &Hello {
+        &self.hello
     }
 
     /// The socket opened at `now`: the first message to send.
@@ -321,6 +335,8 @@ impl ProviderSession {
                     heartbeat_interval_ms,
                     heartbeat_timeout_ms,
                     max_frame_bytes,
+                    identity,
+                    credential,
                 },
             ) => {
                 self.max_frame_bytes = match check_frame_limit(max_frame_bytes) {
@@ -338,9 +354,14 @@ impl ProviderSession {
                         .map(|floor| ms(heartbeat_timeout_ms).max(floor)),
                 };
                 self.welcomed = true;
+                if let Some(credential) = &credential {
+                    self.hello.credential = Some(credential.clone());
+                }
                 Some(Action::Joined {
                     provider_id,
+                    identity,
                     heartbeat_interval,
+                    issued_credential: credential,
                 })
             }
             (State::Joining, other) => Some(lost(format!(

@@ -27,6 +27,7 @@ use crate::admission::Slot;
 use crate::coordinator::{Event, Outgoing};
 use crate::now_ms;
 use crate::state::AppState;
+use crate::store::identities::{self, Resolved};
 use crate::store::providers;
 
 /// WebSocket close codes (RFC 6455, section 7.4.1).
@@ -73,7 +74,7 @@ pub async fn provider_socket(
         .on_upgrade(move |socket| {
             let (sink, stream) = socket.split();
             async move {
-                serve_provider(sink, stream, state).await;
+                serve_provider(sink, stream, state, ip).await;
                 drop(slot);
             }
         })
@@ -137,9 +138,14 @@ impl Ending {
     }
 }
 
-/// Serves one provider connection from its first frame to its last.
-pub async fn serve_provider<Si, St, E>(mut sink: Si, mut stream: St, state: AppState)
-where
+/// Serves one provider connection from its first frame to its last; `ip`
+/// is the peer's address (new identities are counted per address).
+pub async fn serve_provider<Si, St, E>(
+    mut sink: Si,
+    mut stream: St,
+    state: AppState,
+    ip: Option<IpAddr>,
+) where
     Si: Sink<Message> + Unpin,
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
@@ -153,28 +159,91 @@ where
         }
     };
     let name = hello.display_name.clone();
-    let id = match providers::register(&state.db, hello.clone(), now_ms()).await {
-        Ok(id) => id,
-        Err(error) => {
-            tracing::error!(%error, "cannot register provider");
-            let ending = Ending::rejected(
-                ErrorCode::Internal,
-                close_code::INTERNAL,
-                "the server cannot register providers right now; retry later",
-            );
+    let (identity, issued) = match identify(&state, &hello, ip).await {
+        Ok(identified) => identified,
+        Err(ending) => {
+            tracing::info!(?ip, %name, reason = %ending.reason(), "provider refused an identity");
             say_goodbye(&mut sink, ending).await;
             return;
         }
     };
-    tracing::info!(id, %name, "provider joined");
+    let id = match providers::register(&state.db, hello.clone(), identity, now_ms()).await {
+        Ok(id) => id,
+        Err(error) => {
+            tracing::error!(%error, "cannot register provider");
+            say_goodbye(&mut sink, unavailable()).await;
+            return;
+        }
+    };
+    tracing::info!(id, identity, new = issued.is_some(), %name, "provider joined");
 
-    let ending = session(id, hello, &mut sink, &mut stream, &state).await;
+    let joined = Joined {
+        id,
+        identity,
+        issued,
+    };
+    let ending = session(joined, hello, &mut sink, &mut stream, &state).await;
     let reason = ending.reason();
     tracing::info!(id, %name, %reason, "provider gone");
     if let Err(error) = providers::mark_gone(&state.db, id, now_ms(), reason).await {
         tracing::error!(id, %error, "cannot record that a provider left");
     }
     say_goodbye(&mut sink, ending).await;
+}
+
+/// The server cannot go on with a provider for reasons of its own.
+fn unavailable() -> Ending {
+    Ending::rejected(
+        ErrorCode::Internal,
+        close_code::INTERNAL,
+        "the server cannot register providers right now; retry later",
+    )
+}
+
+/// Who a welcomed connection is.
+struct Joined {
+    /// The connection.
+    id: u64,
+    identity: u64,
+    /// A credential issued to it now, for its `Welcome`.
+    issued: Option<String>,
+}
+
+/// The identity `hello`'s credential names, or a new one if the address
+/// may still make one.
+async fn identify(
+    state: &AppState,
+    hello: &Hello,
+    ip: Option<IpAddr>,
+) -> Result<(u64, Option<String>), Ending> {
+    let resolved = identities::resolve(
+        &state.db,
+        hello.credential.clone(),
+        ip,
+        now_ms(),
+        state.limits.identities,
+    )
+    .await
+    .map_err(|error| {
+        tracing::error!(%error, "cannot resolve a provider's identity");
+        unavailable()
+    })?;
+    match resolved {
+        Resolved::Known(identity) => Ok((identity, None)),
+        Resolved::Issued {
+            identity,
+            credential,
+        } => Ok((identity, Some(credential))),
+        Resolved::Refused { issued, faults } => Err(Ending::rejected(
+            ErrorCode::RateLimited,
+            close_code::POLICY,
+            format!(
+                "this address made {issued} new provider identities in the last hour, and they \
+                 committed {faults} faults; reconnect with a credential this server issued, or \
+                 retry later"
+            ),
+        )),
+    }
 }
 
 async fn handshake<St, E>(stream: &mut St, state: &AppState) -> Result<Hello, Ending>
@@ -240,6 +309,12 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
         // WebGPU guarantees 128 MiB; a device claiming less than 1 MiB could
         // take no stage anyway.
         Some("the largest bindable buffer must be at least 1 MiB")
+    } else if hello
+        .credential
+        .as_ref()
+        .is_some_and(|c| c.len() > rookery_proto::MAX_CREDENTIAL_CHARS)
+    {
+        Some("a credential has at most 128 characters")
     } else {
         None
     };
@@ -254,7 +329,7 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
 }
 
 async fn session<Si, St, E>(
-    id: u64,
+    joined: Joined,
     hello: Hello,
     sink: &mut Si,
     stream: &mut St,
@@ -266,11 +341,18 @@ where
     E: Display,
 {
     let limit = state.limits.max_frame_bytes;
+    let Joined {
+        id,
+        identity,
+        issued,
+    } = joined;
     let welcome = ToProvider::Welcome {
         provider_id: id,
         heartbeat_interval_ms: millis(state.limits.heartbeat_interval),
         heartbeat_timeout_ms: millis(state.limits.heartbeat_timeout),
         max_frame_bytes: limit as u64,
+        identity,
+        credential: issued,
     };
     // Parameters and optimizer state end here, so they are assembled here;
     // a stage fits its provider's memory, and so does what it uploads.
@@ -280,7 +362,12 @@ where
         return ending;
     }
     let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel();
-    state.coordinator.send(Event::Connected { id, hello, tx });
+    state.coordinator.send(Event::Connected {
+        id,
+        identity,
+        hello,
+        tx,
+    });
     let mut probe = LinkProbe::default();
     if let Err(ending) = send(sink, &probe.start()).await {
         return ending;

@@ -34,6 +34,7 @@ fn hello() -> Hello {
         gflops: 10.0,
         display_name: "unit".into(),
         max_buffer_bytes: None,
+        credential: None,
     }
 }
 
@@ -75,7 +76,7 @@ async fn run_all(
 ) -> Vec<Message> {
     let (out_tx, out_rx) = mpsc::unbounded();
     let incoming = futures_util::stream::iter(frames);
-    serve_provider(out_tx, incoming, state.clone()).await;
+    serve_provider(out_tx, incoming, state.clone(), None).await;
     out_rx.collect().await
 }
 
@@ -209,6 +210,78 @@ async fn a_large_first_frame_is_refused_before_it_is_decoded() {
     );
 }
 
+/// The `Welcome` a connection from `ip` with `hello` gets: (identity,
+/// issued credential), or the refusal's text.
+async fn welcome_of(
+    state: &AppState,
+    hello: Hello,
+    ip: [u8; 4],
+) -> Result<(u64, Option<String>), String> {
+    let (out_tx, out_rx) = mpsc::unbounded();
+    let frames = vec![binary(&ToServer::Hello(hello)), Ok(Message::Close(None))];
+    let incoming = futures_util::stream::iter(frames);
+    serve_provider(out_tx, incoming, state.clone(), Some(IpAddr::from(ip))).await;
+    let replies: Vec<Message> = out_rx.collect().await;
+    match decode_reply(replies[0].clone()) {
+        ToProvider::Welcome {
+            identity,
+            credential,
+            ..
+        } => Ok((identity, credential)),
+        ToProvider::Error(error) => Err(error.message),
+        other => panic!("expected Welcome or Error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_provider_keeps_its_identity_by_its_credential_whatever_its_name() {
+    let state = state();
+    let (identity, credential) = welcome_of(&state, hello(), [10, 0, 0, 1]).await.unwrap();
+    let credential = credential.expect("a first visit is issued a credential");
+    // Back under another name, from another address: the same identity,
+    // and nothing new to keep.
+    let renamed = Hello {
+        display_name: "someone else".into(),
+        credential: Some(credential),
+        ..hello()
+    };
+    assert_eq!(
+        welcome_of(&state, renamed, [10, 0, 0, 2]).await,
+        Ok((identity, None))
+    );
+    // Taking its name makes nobody that identity.
+    let (other, issued) = welcome_of(&state, hello(), [10, 0, 0, 3]).await.unwrap();
+    assert!(other != identity && issued.is_some());
+    let records = providers::list(&state.db).await.unwrap();
+    let mut identities: Vec<Option<u64>> = records.iter().map(|r| r.identity).collect();
+    identities.sort();
+    assert_eq!(identities, [Some(identity), Some(identity), Some(other)]);
+}
+
+#[tokio::test]
+async fn an_address_that_makes_too_many_identities_is_told_to_come_back_later() {
+    let state = AppState {
+        limits: Limits {
+            identities: identities::IssueLimit { per_window: 2 },
+            ..state().limits
+        },
+        ..state()
+    };
+    let (_, first) = welcome_of(&state, hello(), [10, 0, 0, 1]).await.unwrap();
+    welcome_of(&state, hello(), [10, 0, 0, 1]).await.unwrap();
+    let refused = welcome_of(&state, hello(), [10, 0, 0, 1])
+        .await
+        .unwrap_err();
+    assert!(refused.contains("2 new provider identities"), "{refused}");
+    // Known identities still come in, and other addresses are not affected.
+    let known = Hello {
+        credential: first,
+        ..hello()
+    };
+    assert!(welcome_of(&state, known, [10, 0, 0, 1]).await.is_ok());
+    assert!(welcome_of(&state, hello(), [10, 0, 0, 2]).await.is_ok());
+}
+
 #[tokio::test]
 async fn invalid_hellos_are_refused_with_the_reason() {
     let cases = [
@@ -253,6 +326,13 @@ async fn invalid_hellos_are_refused_with_the_reason() {
                 ..hello()
             },
             "device",
+        ),
+        (
+            Hello {
+                credential: Some("c".repeat(129)),
+                ..hello()
+            },
+            "credential",
         ),
     ];
     for (bad, expected) in cases {
@@ -391,7 +471,7 @@ async fn silence_after_hello_is_a_heartbeat_timeout() {
         .unbounded_send(binary(&ToServer::Hello(hello())))
         .unwrap();
     // Keep `in_tx` alive: the stream stays open but silent.
-    serve_provider(out_tx, in_rx, state.clone()).await;
+    serve_provider(out_tx, in_rx, state.clone(), None).await;
     drop(in_tx);
     let replies: Vec<Message> = out_rx.collect().await;
     // Welcome, the unanswered link probe, then the error.
@@ -416,7 +496,7 @@ async fn a_provider_that_reads_nothing_is_still_heard_and_timed_out() {
         .unwrap();
     let served = tokio::spawn({
         let state = state.clone();
-        async move { serve_provider(out_tx, in_rx, state).await }
+        async move { serve_provider(out_tx, in_rx, state, None).await }
     });
     assert!(matches!(
         decode_reply(out_rx.next().await.unwrap()),

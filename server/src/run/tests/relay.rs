@@ -264,7 +264,7 @@ fn frames_for_another_job_or_from_strangers_are_dropped() {
 }
 
 #[test]
-fn a_stage_fails_the_job_only_on_three_providers_with_the_same_cause() {
+fn a_stage_fails_the_job_only_on_three_identities_with_the_same_cause() {
     let (mut run, _) = started();
     let failed = |message: &str| ToServer::JobFailed {
         job_id: 1,
@@ -286,6 +286,13 @@ fn a_stage_fails_the_job_only_on_three_providers_with_the_same_cause() {
         !run.on_message(12, failed("out of memory"))
             .iter()
             .any(|e| matches!(e, Effect::Failed(_)))
+    );
+    // A new connection of an identity that failed already counts no more.
+    run.clusters[0].stages[0].provider = 20;
+    let again = run.on_message_from(20, 12, failed("out of memory"));
+    assert!(
+        !again.iter().any(|e| matches!(e, Effect::Failed(_))),
+        "{again:?}"
     );
     // The third distinct provider with the same cause ends the job with it.
     run.clusters[0].stages[0].provider = 13;

@@ -30,6 +30,8 @@ fn welcome_limited(interval_ms: u32, timeout_ms: u32, max_frame_bytes: u64) -> T
         heartbeat_interval_ms: interval_ms,
         heartbeat_timeout_ms: timeout_ms,
         max_frame_bytes,
+        identity: 9,
+        credential: None,
     }
 }
 
@@ -144,11 +146,49 @@ fn welcome_sets_the_heartbeat_pace_with_a_floor() {
             session.frame(&frame(&welcome(asked, 10_000)), Duration::ZERO),
             Some(Action::Joined {
                 provider_id: 4,
+                identity: 9,
                 heartbeat_interval: Duration::from_millis(floor),
+                issued_credential: None,
             })
         );
         assert!(session.welcomed());
     }
+}
+
+#[test]
+fn an_issued_credential_goes_into_every_later_hello() {
+    let policy = SessionPolicy::NATIVE;
+    let mut session = ProviderSession::new(policy, policy.hello("unit", offer()));
+    let ToServer::Hello(first) = session.opened(Duration::ZERO) else {
+        panic!("the first message is Hello");
+    };
+    assert_eq!(first.credential, None);
+    let issued = ToProvider::Welcome {
+        provider_id: 4,
+        heartbeat_interval_ms: 1_000,
+        heartbeat_timeout_ms: 5_000,
+        max_frame_bytes: DEFAULT_MAX_FRAME_BYTES as u64,
+        identity: 12,
+        credential: Some("s3cret".into()),
+    };
+    let Some(Action::Joined {
+        identity,
+        issued_credential,
+        ..
+    }) = session.message(issued, Duration::ZERO)
+    else {
+        panic!("Welcome joins");
+    };
+    assert_eq!(
+        (identity, issued_credential.as_deref()),
+        (12, Some("s3cret"))
+    );
+    // The next session starts from this one's Hello.
+    let mut next = ProviderSession::new(policy, session.hello().clone());
+    let ToServer::Hello(again) = next.opened(Duration::ZERO) else {
+        panic!("the first message is Hello");
+    };
+    assert_eq!(again.credential.as_deref(), Some("s3cret"));
 }
 
 #[test]
