@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::admission::{ConnectionCounter, ProviderToken};
-use crate::coordinator::Coordinator;
+use crate::coordinator::{Coordinator, DEFAULT_MAX_OUTBOX_BYTES};
 use crate::now_ms;
 use crate::store::identities::IssueLimit;
 use crate::store::tokens::{Token, token_path};
@@ -35,6 +35,12 @@ pub struct Limits {
     pub max_queued_jobs: usize,
     /// How many new provider identities one address may make.
     pub identities: IssueLimit,
+    /// The most bytes waiting to be sent to one provider (relayed frames,
+    /// micro-batches) before it is dropped as too slow a reader.
+    pub max_outbox_bytes: usize,
+    /// The longest one frame may take to go out to a provider before it
+    /// is dropped as too slow a reader (its stage is reassigned).
+    pub send_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -49,6 +55,8 @@ impl Default for Limits {
             max_http_connections_per_ip: 256,
             max_queued_jobs: 32,
             identities: IssueLimit::default(),
+            max_outbox_bytes: DEFAULT_MAX_OUTBOX_BYTES,
+            send_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -408,12 +408,12 @@ fn plan_request(job: &str, files: &[(&str, Vec<u8>)]) -> Request<Body> {
 
 /// Registers a provider with the coordinator the way the socket loop does
 /// after a handshake and a link probe; the receiver keeps its queue open.
-fn connect(
+async fn connect(
     state: &AppState,
     id: u64,
     memory_bytes: u64,
-) -> tokio::sync::mpsc::UnboundedReceiver<rookery_server::coordinator::Outgoing> {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+) -> rookery_server::coordinator::OutboxReceiver {
+    let (tx, rx) = rookery_server::coordinator::outbox(usize::MAX);
     state
         .coordinator
         .send(rookery_server::coordinator::Event::Connected {
@@ -430,13 +430,15 @@ fn connect(
                 credential: None,
             },
             tx,
-        });
+        })
+        .await;
     state
         .coordinator
         .send(rookery_server::coordinator::Event::Measured {
             id,
             bandwidth_mbps: 1000.0,
-        });
+        })
+        .await;
     rx
 }
 
@@ -450,7 +452,10 @@ async fn the_plan_preview_splits_the_model_over_the_connected_providers_and_keep
     assert_eq!(status, StatusCode::CONFLICT);
     assert!(error_of(&body).contains("no idle native provider"));
 
-    let _queues: Vec<_> = (1..=3).map(|id| connect(&state, id, 4 << 30)).collect();
+    let mut queues = Vec::new();
+    for id in 1..=3 {
+        queues.push(connect(&state, id, 4 << 30).await);
+    }
     let (status, body) = call(&state, plan_request(&job, &mnist_files())).await;
     assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
     let preview: PlanPreview = serde_json::from_slice(&body).unwrap();

@@ -62,6 +62,9 @@ async fn main() -> anyhow::Result<()> {
             &limit,
             "--max-http-connections-per-ip",
             &limit,
+            // Every simulated browser is a new identity from loopback.
+            "--new-identities-per-hour",
+            &limit,
         ],
     )?;
     let _providers: Vec<Process> = (0..3)

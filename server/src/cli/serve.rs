@@ -43,6 +43,14 @@ pub struct ServeArgs {
     /// of those identities counts as 4 more.
     #[arg(long, default_value_t = IssueLimit::default().per_window)]
     pub new_identities_per_hour: u32,
+    /// Bytes that may wait to be sent to one provider (relayed activations
+    /// and gradients, micro-batches) before it is dropped as too slow.
+    #[arg(long, default_value_t = Limits::default().max_outbox_bytes)]
+    pub max_outbox_bytes: usize,
+    /// Milliseconds one frame may take to go out to a provider before it is
+    /// dropped as too slow a reader and its stage reassigned.
+    #[arg(long, default_value_t = 30_000)]
+    pub send_timeout_ms: u64,
     /// Milliseconds a client may take to send a request's headers, or pause
     /// in the middle of an upload, before it is dropped.
     #[arg(long, default_value_t = 30_000)]
@@ -91,6 +99,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         identities: IssueLimit {
             per_window: args.new_identities_per_hour.max(1),
         },
+        // A stage's frames are at most 512 KiB; the bound must hold a few.
+        max_outbox_bytes: args.max_outbox_bytes.max(16 << 20),
+        send_timeout: Duration::from_millis(args.send_timeout_ms.max(100)),
     };
     let web_dir = is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {

@@ -11,7 +11,7 @@ use crate::run::{Effect, JobRun};
 use crate::store::jobs::JobStatus;
 
 impl Actor {
-    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
+    pub(super) async fn run(mut self, mut rx: mpsc::Receiver<Event>) {
         let mut ticker = tokio::time::interval(SCHEDULE_EVERY);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

@@ -129,7 +129,11 @@ impl Actor {
     pub(super) fn send_frame(&self, provider: u64, frame: Outgoing) {
         match self.providers.get(&provider) {
             Some(live) => {
-                let _ = live.tx.send(frame);
+                // An overflowing outbox ends its connection; the stage is
+                // lost when the connection's end is reported.
+                if let Err(overflow) = live.tx.send(frame) {
+                    tracing::warn!(provider, %overflow, "a provider's outbox overflowed");
+                }
             }
             None => tracing::warn!(provider, "no connection to send a frame to"),
         }

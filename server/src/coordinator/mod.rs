@@ -11,6 +11,7 @@
 //! - `effects`: carrying out a run's effects (frames, database rows, files,
 //!   live events);
 //! - `faults`: what a provider's fault on a job costs it, and bans;
+//! - `outbox`: each connection's queue of frames to send, bounded in bytes;
 //! - `work`: what runs off the task (reading a job's model, starting a run,
 //!   aggregating a sync, writing the weights) and comes back as an [`Event`].
 //!
@@ -23,6 +24,7 @@
 mod actor;
 mod effects;
 mod faults;
+mod outbox;
 mod schedule;
 mod work;
 
@@ -37,6 +39,7 @@ use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub use self::faults::{BAN_AFTER_FAULTS, FaultAction, fault_action, is_banned};
+pub use self::outbox::{DEFAULT_MAX_OUTBOX_BYTES, Outbox, OutboxReceiver, Overflow, outbox};
 pub use self::schedule::{by_plan_id, plan_options};
 pub use self::work::QueuedModel;
 use crate::run::{Aggregated, Effect, JobRun};
@@ -49,6 +52,9 @@ const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
 /// Live events a slow subscriber may fall behind by before it is told it
 /// lagged (and reloads what it shows).
 const EVENT_BUFFER: usize = 4096;
+/// Events the coordinator's queue holds before senders wait: at most 256
+/// relayed frames of 512 KiB, 128 MiB, whatever the providers send.
+const EVENT_QUEUE: usize = 256;
 /// A job that syncs every step would write a log line per step; sync lines
 /// are written at most this often per job, counting the syncs in between.
 const SYNC_LOG_EVERY_MS: u64 = 2_000;
@@ -61,7 +67,7 @@ pub enum Event {
         /// The server-issued identity it proved (faults and bans follow it).
         identity: u64,
         hello: Hello,
-        tx: mpsc::UnboundedSender<Outgoing>,
+        tx: Outbox,
     },
     Disconnected {
         id: u64,
@@ -161,14 +167,14 @@ impl LiveProvider {
 /// A cheap handle to the coordinator task.
 #[derive(Debug, Clone)]
 pub struct Coordinator {
-    tx: mpsc::UnboundedSender<Event>,
+    tx: mpsc::Sender<Event>,
     events: broadcast::Sender<JobEvent>,
 }
 
 impl Coordinator {
     /// Starts the coordinator on the current tokio runtime.
     pub fn spawn(db: Db, data_dir: PathBuf) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
         let (events, _) = broadcast::channel(EVENT_BUFFER);
         tokio::spawn(
             Actor {
@@ -186,9 +192,12 @@ impl Coordinator {
         Self { tx, events }
     }
 
-    /// Best effort: when the coordinator is gone the server is shutting down.
-    pub fn send(&self, event: Event) {
-        let _ = self.tx.send(event);
+    /// Waits while the coordinator's queue is full, so a flood from one
+    /// connection (relayed frames) slows that connection's reading, not the
+    /// server's memory. Best effort: when the coordinator is gone the
+    /// server is shutting down.
+    pub async fn send(&self, event: Event) {
+        let _ = self.tx.send(event).await;
     }
 
     /// Every job event from now on.
@@ -205,7 +214,7 @@ impl Coordinator {
     /// The connected providers; empty if the coordinator is gone.
     pub async fn snapshot(&self) -> Vec<LiveProvider> {
         let (reply, answer) = oneshot::channel();
-        self.send(Event::Snapshot { reply });
+        self.send(Event::Snapshot { reply }).await;
         answer.await.unwrap_or_default()
     }
 }
@@ -225,7 +234,7 @@ pub enum Outgoing {
 struct Live {
     identity: u64,
     hello: Hello,
-    tx: mpsc::UnboundedSender<Outgoing>,
+    tx: Outbox,
     job: Option<u64>,
     /// Where the payload frames this provider still owes go, in order.
     routes: VecDeque<Route>,
@@ -282,7 +291,7 @@ struct JobEntry {
 
 struct Actor {
     /// For work off the task to report back.
-    tx: mpsc::WeakUnboundedSender<Event>,
+    tx: mpsc::WeakSender<Event>,
     db: Db,
     data_dir: PathBuf,
     providers: BTreeMap<u64, Live>,

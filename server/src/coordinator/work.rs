@@ -132,7 +132,7 @@ impl Actor {
                     reason: format!("{what} crashed: {error}"),
                 });
             if let Some(tx) = tx.upgrade() {
-                let _ = tx.send(event);
+                let _ = tx.send(event).await;
             }
         });
     }

@@ -225,7 +225,7 @@ pub async fn cancel(
         now_ms(),
     )
     .await?;
-    state.coordinator.send(Event::Cancel { job_id: id });
+    state.coordinator.send(Event::Cancel { job_id: id }).await;
     log_line(&state, id, "cancelled", "cancelled by the Requester".into()).await?;
     let job = dto::job_info(find(&state, &requester, id).await?);
     state.coordinator.publish(JobEvent {

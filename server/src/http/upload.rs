@@ -275,10 +275,13 @@ pub async fn create(
     // The data is read and checked already; the scheduler starts from it.
     // Planning needs only the model: the data is read again when the job
     // starts, so a queued job holds none.
-    state.coordinator.send(Event::Prepared {
-        job_id: id,
-        model: Box::new(QueuedModel::new(prepared)),
-    });
+    state
+        .coordinator
+        .send(Event::Prepared {
+            job_id: id,
+            model: Box::new(QueuedModel::new(prepared)),
+        })
+        .await;
     Ok((StatusCode::CREATED, Json(JobCreated { id, warnings })))
 }
 

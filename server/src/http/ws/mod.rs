@@ -8,6 +8,7 @@ mod link;
 
 use std::fmt::Display;
 use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ws::{CloseFrame, Message, WebSocketUpgrade};
@@ -24,7 +25,7 @@ use rookery_proto::{
 use self::link::{LinkProbe, Owed, ProbeNext};
 use super::error::AppError;
 use crate::admission::Slot;
-use crate::coordinator::{Event, Outgoing};
+use crate::coordinator::{Event, Outgoing, outbox};
 use crate::now_ms;
 use crate::state::AppState;
 use crate::store::identities::{self, Resolved};
@@ -103,6 +104,12 @@ impl Ending {
             close_code,
             message: message.into(),
         }
+    }
+
+    /// A peer that does not take what is sent to it fast enough: dropped
+    /// (its stage is reassigned), but no fault: links are slow at times.
+    fn too_slow(message: String) -> Self {
+        Ending::rejected(ErrorCode::HeartbeatTimeout, close_code::POLICY, message)
     }
 
     fn bad_frame(error: DecodeError) -> Self {
@@ -358,18 +365,22 @@ where
     // a stage fits its provider's memory, and so does what it uploads.
     let mut params =
         Assembler::<ToServer>::new(usize::try_from(hello.memory_bytes).unwrap_or(usize::MAX));
-    if let Err(ending) = send(sink, &welcome).await {
+    let patience = state.limits.send_timeout;
+    if let Err(ending) = send(sink, &welcome, patience).await {
         return ending;
     }
-    let (tx, mut outbox) = tokio::sync::mpsc::unbounded_channel();
-    state.coordinator.send(Event::Connected {
-        id,
-        identity,
-        hello,
-        tx,
-    });
+    let (tx, mut outbox) = outbox(state.limits.max_outbox_bytes);
+    state
+        .coordinator
+        .send(Event::Connected {
+            id,
+            identity,
+            hello,
+            tx,
+        })
+        .await;
     let mut probe = LinkProbe::default();
-    if let Err(ending) = send(sink, &probe.start()).await {
+    if let Err(ending) = send(sink, &probe.start(), patience).await {
         return ending;
     }
     // Writing runs beside reading, never instead of it: a provider may be
@@ -382,13 +393,14 @@ where
         loop {
             let sent = tokio::select! {
                 Some(outgoing) = outbox.recv() => match outgoing {
-                    Outgoing::Message(message) => send_streamed(sink, &message, limit).await,
-                    Outgoing::Payload(frame) => send_frame(sink, frame).await,
+                    Ok(Outgoing::Message(message)) => send_streamed(sink, &message, limit, patience).await,
+                    Ok(Outgoing::Payload(frame)) => send_frame(sink, frame, patience).await,
                     // The coordinator already counted the fault this answers.
-                    Outgoing::Close { reason } => Err(Ending::Expelled(reason)),
+                    Ok(Outgoing::Close { reason }) => Err(Ending::Expelled(reason)),
+                    Err(overflow) => Err(Ending::too_slow(overflow.to_string())),
                 },
                 reply = reply_rx.recv() => match reply {
-                    Some(reply) => send(sink, &reply).await,
+                    Some(reply) => send(sink, &reply, patience).await,
                     None => return None,
                 },
             };
@@ -418,7 +430,7 @@ where
         let message = match rookery_proto::stream::read_frame::<ToServer>(&frame, limit) {
             Ok(Incoming::Payload(payload)) if payload.lane.is_relayed() => {
                 match owed.take(&payload) {
-                    Ok(()) => state.coordinator.send(Event::Payload { id, payload }),
+                    Ok(()) => state.coordinator.send(Event::Payload { id, payload }).await,
                     Err(problem) => {
                         break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
                     }
@@ -483,10 +495,13 @@ where
                     if let Err(error) = providers::record_bandwidth(&state.db, id, mbps).await {
                         tracing::error!(id, %error, "cannot record a bandwidth");
                     }
-                    state.coordinator.send(Event::Measured {
-                        id,
-                        bandwidth_mbps: mbps,
-                    });
+                    state
+                        .coordinator
+                        .send(Event::Measured {
+                            id,
+                            bandwidth_mbps: mbps,
+                        })
+                        .await;
                 }
                 ProbeNext::Ignore => {
                     tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
@@ -501,7 +516,7 @@ where
                 if let Err(problem) = owed.announce(&message) {
                     break Ending::rejected(ErrorCode::BadFrame, close_code::POLICY, problem);
                 }
-                state.coordinator.send(Event::Message { id, message });
+                state.coordinator.send(Event::Message { id, message }).await;
             }
             Err(error) => break Ending::bad_frame(error),
         }
@@ -515,15 +530,21 @@ where
     }
     if ending.is_fault() {
         // Before `Disconnected`: the fault counts against the job it leaves.
-        state.coordinator.send(Event::Fault {
+        state
+            .coordinator
+            .send(Event::Fault {
+                id,
+                reason: ending.reason(),
+            })
+            .await;
+    }
+    state
+        .coordinator
+        .send(Event::Disconnected {
             id,
             reason: ending.reason(),
-        });
-    }
-    state.coordinator.send(Event::Disconnected {
-        id,
-        reason: ending.reason(),
-    });
+        })
+        .await;
     ending
 }
 
@@ -588,13 +609,14 @@ async fn send_streamed<Si: Sink<Message> + Unpin>(
     sink: &mut Si,
     message: &ToProvider,
     limit: usize,
+    patience: Duration,
 ) -> Result<(), Ending> {
     let started = std::time::Instant::now();
     let frames = rookery_proto::stream::encode_streamed(message, limit)
         .map_err(|error| Ending::Left(format!("cannot encode a message: {error}")))?;
     let (count, bytes) = (frames.len(), frames.iter().map(|f| f.len()).sum::<usize>());
     for frame in frames {
-        send_frame(sink, frame).await?;
+        send_frame(sink, frame, patience).await?;
     }
     if count > 1 {
         tracing::debug!(
@@ -623,19 +645,29 @@ fn message_kind(message: &ToProvider) -> &'static str {
 async fn send<Si: Sink<Message> + Unpin>(
     sink: &mut Si,
     message: &ToProvider,
+    patience: Duration,
 ) -> Result<(), Ending> {
     let frame = rookery_proto::encode(message)
         .map_err(|error| Ending::Left(format!("cannot encode a reply: {error}")))?;
-    send_frame(sink, frame.into()).await
+    send_frame(sink, frame.into(), patience).await
 }
 
+/// Sends one frame, giving up on a peer that takes longer than `patience`
+/// to take it: one that stopped reading would otherwise hold its job for
+/// good.
 async fn send_frame<Si: Sink<Message> + Unpin>(
     sink: &mut Si,
     frame: axum::body::Bytes,
+    patience: Duration,
 ) -> Result<(), Ending> {
-    sink.send(Message::Binary(frame))
-        .await
-        .map_err(|_| Ending::Left("connection lost while sending".into()))
+    let len = frame.len();
+    match tokio::time::timeout(patience, sink.send(Message::Binary(frame))).await {
+        Ok(sent) => sent.map_err(|_| Ending::Left("connection lost while sending".into())),
+        Err(_) => Err(Ending::too_slow(format!(
+            "a frame of {len} bytes took more than {} ms to send; this provider reads too slowly",
+            patience.as_millis()
+        ))),
+    }
 }
 
 /// How long a goodbye may take: a peer that reads nothing must not hold
@@ -668,7 +700,7 @@ async fn goodbye<Si: Sink<Message> + Unpin>(sink: &mut Si, ending: Ending) {
                 code,
                 message: message.clone(),
             });
-            let _ = send(sink, &error).await;
+            let _ = send(sink, &error, GOODBYE_TIMEOUT).await;
             (close_code, message)
         }
     };

@@ -522,6 +522,48 @@ async fn a_provider_that_reads_nothing_is_still_heard_and_timed_out() {
     drop((in_tx, out_rx));
 }
 
+#[tokio::test]
+async fn a_provider_that_talks_but_stops_reading_is_dropped_after_the_send_timeout() {
+    // It heartbeats on time, so only the stalled send can tell.
+    let state = AppState {
+        limits: Limits {
+            send_timeout: Duration::from_millis(200),
+            ..state().limits
+        },
+        ..state()
+    };
+    let (out_tx, mut out_rx) = mpsc::channel(0);
+    let (in_tx, in_rx) = mpsc::unbounded();
+    in_tx
+        .unbounded_send(binary(&ToServer::Hello(hello())))
+        .unwrap();
+    let served = tokio::spawn({
+        let state = state.clone();
+        async move { serve_provider(out_tx, in_rx, state, None).await }
+    });
+    assert!(matches!(
+        decode_reply(out_rx.next().await.unwrap()),
+        ToProvider::Welcome { .. }
+    ));
+    let started = std::time::Instant::now();
+    let mut seq = 0;
+    while !served.is_finished() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "a provider that reads nothing kept its connection"
+        );
+        in_tx
+            .unbounded_send(binary(&ToServer::Heartbeat { seq }))
+            .unwrap();
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    let reason = record.gone.unwrap().reason;
+    assert!(reason.contains("reads too slowly"), "{reason}");
+    drop((in_tx, out_rx));
+}
+
 #[test]
 fn close_reasons_are_cut_on_character_boundaries() {
     let text = "é".repeat(100);
@@ -661,7 +703,9 @@ async fn the_servers_own_tensors_go_out_in_frames_within_its_limit() {
         )],
     });
     let (mut out_tx, out_rx) = mpsc::unbounded();
-    send_streamed(&mut out_tx, &message, 1024).await.unwrap();
+    send_streamed(&mut out_tx, &message, 1024, Duration::from_secs(5))
+        .await
+        .unwrap();
     drop(out_tx);
     let frames: Vec<Message> = out_rx.collect().await;
     assert!(frames.len() > 20);
