@@ -31,7 +31,13 @@ pub enum Fault {
     /// [`SLOW_MS`] slower than it could: a throttled or overloaded machine,
     /// a straggler.
     Slow,
+    /// Computes and sends honestly, but claims [`CLAIM_FACTOR`] times the
+    /// GFLOP/s it measured, to be given the biggest stages.
+    Claim,
 }
+
+/// How much a [`Fault::Claim`] provider overstates its speed.
+pub const CLAIM_FACTOR: f64 = 1000.0;
 
 /// What [`Fault::Slow`] adds to each training forward.
 pub const SLOW_MS: u64 = 150;

@@ -171,6 +171,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let mut hello = hello;
     hello.credential = credentials.load()?;
+    #[cfg(feature = "fault-injection")]
+    if rookery_provider::fault::current() == Some(rookery_provider::fault::Fault::Claim) {
+        hello.gflops *= rookery_provider::fault::CLAIM_FACTOR;
+    }
     tracing::info!(%url, credential = ?credentials.path(), known = hello.credential.is_some(), "connecting");
     connection::run(
         &url,

@@ -423,3 +423,46 @@ async fn a_straggler_stage_moves_to_a_standby_at_a_sync_and_the_job_completes() 
     assert_eq!(steps, (0..200).collect::<Vec<_>>());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_that_overstates_its_speed_is_measured_caught_and_banned() -> anyhow::Result<()>
+{
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client::new(&server)?;
+    let name = "boaster";
+    let _boaster = join(&server, &[(name, Some("claim"))]).await?;
+    // 29 GFLOP a step: the stage stays busy beyond the server's least
+    // measured time (100 ms) on any CPU a test runs on.
+    let mlp = dense_mlp(
+        256,
+        &[(2048, Some("relu")), (2048, Some("relu")), (3, None)],
+    );
+    let job = write_job(
+        &dir.path().join("wide"),
+        &mlp,
+        &Classes::cyclic(1024 * 12, 256, 3),
+        "batch_size = 1024\nclusters = 1\nstages = 1",
+    )?;
+    let id = client.submit(&job)?;
+    let log = client
+        .wait_for_log(id, "the ban", |log| {
+            log.iter().any(|l| l.kind == "provider_banned")
+        })
+        .await?;
+    let counted = faults_of(&log, name);
+    assert_eq!(counted.len(), 3, "{log:#?}");
+    for line in &counted {
+        assert!(
+            line.message.contains("claims") && line.message.contains("computed its stage at"),
+            "{}",
+            line.message
+        );
+    }
+    // An honest standby finishes the job.
+    let _standby = provider(&server, "honest", None)?;
+    wait_for_status(&client, id, "completed").await?;
+    let log = client.log(id).await?;
+    assert!(faults_of(&log, "honest").is_empty(), "{log:#?}");
+    Ok(())
+}

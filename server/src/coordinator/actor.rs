@@ -32,6 +32,7 @@ impl Actor {
                 id: *id,
                 identity: p.identity,
                 hello: p.hello.clone(),
+                measured_gflops: self.measured(p.identity),
                 work: p.work.clone(),
                 bandwidth_mbps: p.bandwidth_mbps,
             })

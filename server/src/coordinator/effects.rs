@@ -110,6 +110,11 @@ impl Actor {
                     reason,
                     frame_dropped,
                 } => self.on_fault(job_id, provider, reason, frame_dropped).await,
+                Effect::Measured {
+                    provider,
+                    gflops,
+                    busy_ms,
+                } => self.on_measured(job_id, provider, gflops, busy_ms).await,
             }
         }
     }

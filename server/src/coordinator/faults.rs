@@ -175,6 +175,7 @@ mod tests {
             id,
             identity,
             hello: hello(name),
+            measured_gflops: None,
             work: None,
             bandwidth_mbps: Some(100.0),
         };

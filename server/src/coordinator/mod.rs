@@ -12,6 +12,7 @@
 //!   live events);
 //! - `faults`: what a provider's fault on a job costs it, and bans;
 //! - `outbox`: each connection's queue of frames to send, bounded in bytes;
+//! - `rates`: providers' claimed speed checked against their measured work;
 //! - `work`: what runs off the task (reading a job's model, starting a run,
 //!   aggregating a sync, writing the weights) and comes back as an [`Event`].
 //!
@@ -25,6 +26,7 @@ mod actor;
 mod effects;
 mod faults;
 mod outbox;
+mod rates;
 mod schedule;
 mod work;
 
@@ -40,6 +42,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub use self::faults::{BAN_AFTER_FAULTS, FaultAction, fault_action, is_banned};
 pub use self::outbox::{DEFAULT_MAX_OUTBOX_BYTES, Outbox, OutboxReceiver, Overflow, outbox};
+pub use self::rates::{LIE_FACTOR, LIE_STEPS, PLAN_SLACK, planning_gflops};
 pub use self::schedule::{by_plan_id, plan_options};
 pub use self::work::QueuedModel;
 use crate::run::{Aggregated, Effect, JobRun};
@@ -140,6 +143,8 @@ pub struct LiveProvider {
     pub id: u64,
     pub identity: u64,
     pub hello: Hello,
+    /// What the server measured of its identity's stages, GFLOP/s.
+    pub measured_gflops: Option<f64>,
     pub work: Option<ProviderWork>,
     /// Measured after `Welcome`; `None` until the probe comes back.
     pub bandwidth_mbps: Option<f64>,
@@ -157,7 +162,7 @@ impl LiveProvider {
             id: self.id.to_string(),
             kind: self.hello.kind,
             memory_bytes: self.hello.memory_bytes,
-            gflops: self.hello.gflops,
+            gflops: planning_gflops(self.hello.gflops, self.measured_gflops),
             bandwidth_mbps: self.bandwidth_mbps?,
             max_buffer_bytes: self.hello.max_buffer_bytes,
         })
@@ -186,6 +191,7 @@ impl Coordinator {
                 providers: BTreeMap::new(),
                 jobs: HashMap::new(),
                 events: events.clone(),
+                rates: rates::Rates::new(),
             }
             .run(rx),
         );
@@ -298,4 +304,6 @@ struct Actor {
     /// Queued jobs the scheduler has looked at, and running jobs.
     jobs: HashMap<u64, JobEntry>,
     events: broadcast::Sender<JobEvent>,
+    /// Measured speeds by identity.
+    rates: rates::Rates,
 }

@@ -14,6 +14,7 @@ use rookery_proto::api::ProviderWork;
 use super::faults::is_banned;
 use super::work::RunRecipe;
 use super::{Actor, LiveProvider};
+use super::{Live, planning_gflops};
 use crate::run::{Effect, JobRun, STRAGGLER_STEPS};
 use crate::store::job_dir;
 use crate::store::jobs::{self, JobRecord, JobStatus};
@@ -314,18 +315,16 @@ impl Actor {
             return;
         };
         for straggler in stragglers {
-            let slow_gflops = self
-                .providers
-                .get(&straggler.provider)
-                .map_or(0.0, |p| p.hello.gflops);
+            let speed = |p: &Live| planning_gflops(p.hello.gflops, self.measured(p.identity));
+            let slow_gflops: f64 = self.providers.get(&straggler.provider).map_or(0.0, speed);
             let Some(id) = self.standby(job_id, straggler.memory_bytes) else {
                 continue;
             };
-            // A standby has only its claim to show: at the job's typical
+            // A standby may have only its claim to show: at the job's typical
             // ratio of measured to planned time, its claimed GFLOP/s must
             // promise at least twice the straggler's measured speed.
             let faster = self.providers.get(&id).is_some_and(|p| {
-                straggler.slowness * p.hello.gflops >= 2.0 * slow_gflops.max(f64::MIN_POSITIVE)
+                straggler.slowness * speed(p) >= 2.0 * slow_gflops.max(f64::MIN_POSITIVE)
             });
             if !faster {
                 continue;

@@ -43,6 +43,7 @@
 
 mod aggregate;
 mod eval;
+mod measure;
 mod metrics;
 mod recovery;
 mod start;
@@ -61,6 +62,7 @@ use rookery_proto::{Bytes, ParamOptimState, Phase, ToProvider, WireDType, WireTe
 
 pub use aggregate::{AggregateWork, Aggregated};
 
+pub use measure::MIN_MEASURED_MS;
 pub use metrics::{EpochRecord, StageTime, StepRecord};
 pub use recovery::Vacancy;
 pub use start::StartError;
@@ -98,6 +100,13 @@ pub enum Effect {
         /// Whether a frame the step needs was dropped (rather than outvoted
         /// at a sync), so the provider's stage cannot finish the step.
         frame_dropped: bool,
+    },
+    /// The server's own measure of a provider's speed on its stage this
+    /// step: its work over its busy time ([`MIN_MEASURED_MS`] or more).
+    Measured {
+        provider: u64,
+        gflops: f64,
+        busy_ms: f64,
     },
 }
 
@@ -190,6 +199,11 @@ struct StageSlot {
     step_done: bool,
     compute_ms: f64,
     uploaded: bool,
+    /// The stage's work per step, GFLOP (the plan's time at its provider's
+    /// speed); 0 where the plan did not keep the speed.
+    work_gflop: f64,
+    /// Its busy time this step, from the server's clock.
+    busy: measure::Busy,
 }
 
 /// Where one cluster stands.

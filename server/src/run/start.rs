@@ -188,6 +188,8 @@ impl JobRun {
                     step_done: false,
                     compute_ms: 0.0,
                     uploaded: false,
+                    work_gflop: stage.compute_s * micro_batches * stage.provider_gflops,
+                    busy: Default::default(),
                 });
             }
             let state = optimizer
@@ -294,6 +296,7 @@ impl JobRun {
             stage.uploaded = false;
             stage.compute_ms = 0.0;
             stage.slow_steps = 0;
+            stage.busy = Default::default();
         }
         if run.stages.iter().any(|s| s.vacant) {
             run.state = ClusterState::Waiting;

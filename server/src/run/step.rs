@@ -37,6 +37,24 @@ impl JobRun {
         identity: u64,
         message: ToServer,
     ) -> Vec<Effect> {
+        let now = Instant::now();
+        if let (
+            Some((c, s)),
+            ToServer::Activations(_)
+            | ToServer::Gradients(_)
+            | ToServer::LeafLoss(_)
+            | ToServer::StepDone(_)
+            | ToServer::GradNorm(_),
+        ) = (self.locate(provider), &message)
+        {
+            self.clusters[c].stages[s].busy.output(now);
+        }
+        let effects = self.dispatch(provider, identity, message);
+        self.note_inputs(&effects, now);
+        effects
+    }
+
+    fn dispatch(&mut self, provider: u64, identity: u64, message: ToServer) -> Vec<Effect> {
         let Some((c, s)) = self.locate(provider) else {
             tracing::warn!(
                 job = self.job_id,
@@ -253,6 +271,9 @@ impl JobRun {
             stage.step_done = false;
             stage.grad_sum_of_squares = None;
             stage.compute_ms = 0.0;
+            // What an evaluation or a rollback kept it busy with is not
+            // this step's.
+            stage.busy.take_ms();
         }
         run.reset();
         let step_targets = self.train.targets(&idx, self.spec.training.loss);
@@ -270,6 +291,7 @@ impl JobRun {
                 chunk,
             ));
         }
+        self.note_inputs(&effects, Instant::now());
         effects
     }
 
@@ -523,13 +545,17 @@ impl JobRun {
             };
             run.finished.insert(step, totals);
         }
-        for stage in &mut run.stages {
+        let busy_ms: Vec<f64> = run.stages.iter_mut().map(|s| s.busy.take_ms()).collect();
+        // Slowness by the server's clock too: a stage cannot hide by
+        // reporting less compute than it took.
+        for (stage, busy_ms) in run.stages.iter_mut().zip(&busy_ms) {
             if stage.planned_ms > 0.0 {
-                stage.slowness = Some(stage.compute_ms / stage.planned_ms);
+                stage.slowness = Some(stage.compute_ms.max(*busy_ms) / stage.planned_ms);
             }
         }
         self.count_slow_steps(c);
-        let mut effects = self.record_steps();
+        let mut effects = self.measured(c, &busy_ms);
+        effects.extend(self.record_steps());
         let done = step + 1;
         if done == self.barrier() {
             self.clusters[c].state = ClusterState::Idle;

@@ -70,6 +70,7 @@ pub(crate) fn assemble(
                         provider: p.id.clone(),
                         provider_kind: p.kind,
                         provider_memory_bytes: p.memory_bytes,
+                        provider_gflops: p.gflops,
                         first: i,
                         end: j,
                         nodes: a.nodes[i..j].iter().map(|n| n.name.clone()).collect(),

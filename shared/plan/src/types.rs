@@ -89,6 +89,10 @@ pub struct Stage {
     pub provider: String,
     pub provider_kind: ProviderKind,
     pub provider_memory_bytes: u64,
+    /// The GFLOP/s the plan assumed of its provider: with `compute_s`, the
+    /// stage's work (0 in plans stored before this was kept).
+    #[serde(default)]
+    pub provider_gflops: f64,
     /// Positions `first..end` in [`Analysis::nodes`].
     pub first: usize,
     pub end: usize,
