@@ -105,6 +105,9 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     CREATE INDEX identities_by_address ON identities (created_ip, created_ms);
     ALTER TABLE providers ADD COLUMN identity INTEGER;
     ALTER TABLE job_bans ADD COLUMN identity INTEGER;",
+    // A revoked Requester keeps its row (its jobs still name it) but no
+    // token of its works; `rookery token create` may issue it a new one.
+    "ALTER TABLE requesters ADD COLUMN revoked_ms INTEGER;",
 ];
 
 #[derive(Debug, thiserror::Error)]
