@@ -1,7 +1,8 @@
 //! Who may connect: a cap on simultaneous HTTP connections per IP address
-//! (checked as the server accepts), and for a provider WebSocket the join
+//! (checked as the server accepts), and for a provider WebSocket the page
+//! it comes from (when the server lists the origins it allows), the join
 //! token (when the server requires one) and a cap on provider connections
-//! per IP, both checked before the upgrade so a refused peer costs one HTTP
+//! per IP, all checked before the upgrade so a refused peer costs one HTTP
 //! response. Plain data with no handlers, so the app state can hold it.
 
 use std::collections::HashMap;
@@ -9,7 +10,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::http::HeaderMap;
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{AUTHORIZATION, HOST, ORIGIN};
 use sha2::{Digest, Sha256};
 
 /// Live provider connections per IP address.
@@ -126,6 +127,144 @@ impl ProviderToken {
     }
 }
 
+/// A web origin as browsers send it in `Origin`: scheme, host and port,
+/// compared with the host's case and a scheme's default port ignored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebOrigin {
+    scheme: String,
+    host: String,
+    port: Option<u16>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not an origin: write scheme://host[:port], e.g. https://example.org")]
+pub struct BadOrigin(String);
+
+impl std::str::FromStr for WebOrigin {
+    type Err = BadOrigin;
+
+    /// `scheme://host[:port]`, with at most a trailing `/` (people paste
+    /// URLs); a path, query, user or anything else is refused.
+    fn from_str(text: &str) -> Result<Self, BadOrigin> {
+        let bad = || BadOrigin(text.to_string());
+        let trimmed = text.trim();
+        let (scheme, rest) = trimmed.split_once("://").ok_or_else(bad)?;
+        let authority = rest.strip_suffix('/').unwrap_or(rest);
+        let scheme_ok = !scheme.is_empty()
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+        let (host, port) = split_authority(authority).ok_or_else(bad)?;
+        let host_ok = !host.is_empty()
+            && (host.starts_with('[') || !host.contains(':'))
+            && !host
+                .chars()
+                .any(|c| c.is_whitespace() || matches!(c, '/' | '?' | '#' | '@' | '\\'));
+        if !scheme_ok || !host_ok {
+            return Err(bad());
+        }
+        let scheme = scheme.to_ascii_lowercase();
+        // Browsers leave the default port out of `Origin`; an operator may not.
+        let port = port.filter(|&p| Some(p) != default_port(&scheme));
+        Ok(WebOrigin {
+            scheme,
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+}
+
+impl std::fmt::Display for WebOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}://{}", self.scheme, self.host)?;
+        match self.port {
+            Some(port) => write!(f, ":{port}"),
+            None => Ok(()),
+        }
+    }
+}
+
+fn default_port(scheme: &str) -> Option<u16> {
+    match scheme {
+        "http" | "ws" => Some(80),
+        "https" | "wss" => Some(443),
+        _ => None,
+    }
+}
+
+/// `host[:port]` (an IPv6 host in brackets); `None` when the port is not a
+/// number.
+fn split_authority(authority: &str) -> Option<(&str, Option<u16>)> {
+    let (host, port) = if authority.starts_with('[') {
+        let end = authority.find(']')?;
+        let (host, after) = authority.split_at(end + 1);
+        match after {
+            "" => (host, None),
+            _ => (host, Some(after.strip_prefix(':')?)),
+        }
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    match port {
+        None => Some((host, None)),
+        Some(port) => Some((host, Some(port.parse().ok()?))),
+    }
+}
+
+/// The pages whose scripts may open provider WebSockets, or anyone's (the
+/// default) when empty. A browser tab that loads some web page can be made
+/// to donate its GPU to whatever server that page names; a listed server
+/// takes donations only from pages it trusts. Native providers send no
+/// `Origin` and are not affected.
+#[derive(Debug, Clone, Default)]
+pub struct AllowedOrigins(Arc<[WebOrigin]>);
+
+impl AllowedOrigins {
+    pub fn new(origins: Vec<WebOrigin>) -> Self {
+        AllowedOrigins(origins.into())
+    }
+
+    /// Whether any page may connect (no `--allowed-origin` given).
+    pub fn is_open(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether an upgrade with these headers may go ahead: without an
+    /// `Origin` it may (no browser sent it), and with one, when the list is
+    /// set, only from a listed origin or from the server's own pages (an
+    /// origin whose host and port are the request's `Host`). `Err` carries
+    /// the refused origin as the browser sent it.
+    pub fn admits(&self, headers: &HeaderMap) -> Result<(), String> {
+        if self.is_open() {
+            return Ok(());
+        }
+        let Some(origin) = headers.get(ORIGIN) else {
+            return Ok(());
+        };
+        let shown = String::from_utf8_lossy(origin.as_bytes()).into_owned();
+        let host = headers.get(HOST).and_then(|h| h.to_str().ok());
+        let allowed = origin
+            .to_str()
+            .ok()
+            .and_then(|text| text.parse::<WebOrigin>().ok())
+            .is_some_and(|origin| self.0.contains(&origin) || is_own(&origin, host));
+        if allowed { Ok(()) } else { Err(shown) }
+    }
+}
+
+/// Whether a page at `origin` is one this server served: its host and port
+/// are the request's `Host` (which browsers write without the default port).
+fn is_own(origin: &WebOrigin, host: Option<&str>) -> bool {
+    let Some((host, port)) = host.and_then(split_authority) else {
+        return false;
+    };
+    let port = port.filter(|&p| Some(p) != default_port(&origin.scheme));
+    host.eq_ignore_ascii_case(&origin.host) && port == origin.port
+}
+
 /// Decodes `%XX` escapes and `+` of a query value; bad escapes stay as they are.
 fn percent_decode(value: &str) -> String {
     let bytes = value.as_bytes();
@@ -169,6 +308,87 @@ mod tests {
         drop((second, third, other));
         assert_eq!((counter.count(a), counter.count(b)), (0, 0));
         assert!(counter.0.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn origins_are_parsed_to_scheme_host_and_port_or_refused() {
+        let cases: [(&str, Option<&str>); 14] = [
+            ("https://example.org", Some("https://example.org")),
+            ("HTTPS://Example.ORG/", Some("https://example.org")),
+            ("https://example.org:443", Some("https://example.org")),
+            ("http://example.org:80", Some("http://example.org")),
+            ("http://example.org:8080", Some("http://example.org:8080")),
+            ("https://example.org:80", Some("https://example.org:80")),
+            ("http://[::1]:8080", Some("http://[::1]:8080")),
+            ("http://127.0.0.1:3000", Some("http://127.0.0.1:3000")),
+            ("example.org", None),
+            ("https://example.org/donate", None),
+            ("https://user@example.org", None),
+            ("https://example.org:port", None),
+            ("https://", None),
+            ("null", None),
+        ];
+        for (text, expected) in cases {
+            let parsed = text.parse::<WebOrigin>().ok().map(|o| o.to_string());
+            assert_eq!(parsed.as_deref(), expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn only_listed_origins_and_the_servers_own_pages_may_open_a_socket() {
+        let allowed = AllowedOrigins::new(vec![
+            "https://donate.example.org".parse().unwrap(),
+            "http://localhost:3000".parse().unwrap(),
+        ]);
+        // (Origin, Host, admitted)
+        let cases: [(Option<&str>, Option<&str>, bool); 14] = [
+            // Native providers send no Origin.
+            (None, Some("rookery.example.org"), true),
+            (None, None, true),
+            (
+                Some("https://donate.example.org"),
+                Some("rookery.example.org"),
+                true,
+            ),
+            (Some("https://DONATE.example.org"), None, true),
+            (Some("https://donate.example.org:443"), None, true),
+            (Some("http://donate.example.org"), None, false),
+            (Some("https://donate.example.org:8443"), None, false),
+            (Some("http://localhost:3000"), None, true),
+            (Some("http://localhost:3001"), None, false),
+            (
+                Some("https://evil.example"),
+                Some("rookery.example.org"),
+                false,
+            ),
+            (Some("null"), Some("rookery.example.org"), false),
+            // The server's own pages: the Origin's host and port are the Host.
+            (Some("http://127.0.0.1:8080"), Some("127.0.0.1:8080"), true),
+            (
+                Some("https://Rookery.example.org"),
+                Some("rookery.example.org"),
+                true,
+            ),
+            (Some("http://127.0.0.1:9090"), Some("127.0.0.1:8080"), false),
+        ];
+        for (origin, host, admitted) in cases {
+            let mut headers = HeaderMap::new();
+            if let Some(origin) = origin {
+                headers.insert(ORIGIN, origin.parse().unwrap());
+            }
+            if let Some(host) = host {
+                headers.insert(HOST, host.parse().unwrap());
+            }
+            let result = allowed.admits(&headers);
+            assert_eq!(result.is_ok(), admitted, "{origin:?} {host:?}");
+            if let (Err(refused), Some(origin)) = (result, origin) {
+                assert_eq!(refused, origin);
+            }
+        }
+        // With no list, any page may connect.
+        let mut headers = HeaderMap::new();
+        headers.insert(ORIGIN, "https://evil.example".parse().unwrap());
+        assert!(AllowedOrigins::default().admits(&headers).is_ok());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::admission::{ConnectionCounter, ProviderToken};
+use crate::admission::{AllowedOrigins, ConnectionCounter, ProviderToken};
 use crate::coordinator::{Coordinator, DEFAULT_MAX_OUTBOX_BYTES};
 use crate::now_ms;
 use crate::store::identities::IssueLimit;
@@ -75,6 +75,8 @@ pub struct AppState {
     pub api_token: Token,
     /// When set, providers must present this join token to connect.
     pub provider_token: Option<ProviderToken>,
+    /// The pages whose scripts may open provider WebSockets; any when empty.
+    pub allowed_origins: AllowedOrigins,
     pub connections: ConnectionCounter,
     pub coordinator: Coordinator,
 }
@@ -104,6 +106,7 @@ impl AppState {
             data_dir,
             api_token,
             provider_token: None,
+            allowed_origins: AllowedOrigins::default(),
             connections: ConnectionCounter::default(),
             coordinator,
         }
@@ -112,6 +115,13 @@ impl AppState {
     /// Requires providers to present `token` when they connect.
     pub fn with_provider_token(mut self, token: &str) -> Self {
         self.provider_token = Some(ProviderToken::new(token));
+        self
+    }
+
+    /// Lets only pages at `origins` (and the server's own) open provider
+    /// WebSockets; empty lets any page.
+    pub fn with_allowed_origins(mut self, origins: AllowedOrigins) -> Self {
+        self.allowed_origins = origins;
         self
     }
 

@@ -809,6 +809,68 @@ async fn the_event_stream_carries_only_the_callers_jobs() {
     assert_ne!(bobs, mine);
 }
 
+/// An event stream outlives the middleware's check of its token: once the
+/// Requester is revoked, it ends instead of carrying the next event.
+#[tokio::test]
+async fn an_open_event_stream_ends_once_its_token_is_revoked() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = state(dir.path());
+    let (bob, token) = requesters::create(&state.db, "bob", 0).await.unwrap();
+    let job = rookery_server::store::jobs::insert(
+        &state.db,
+        bob.id,
+        "j".into(),
+        "{}".into(),
+        "d".into(),
+        1,
+    )
+    .await
+    .unwrap();
+    let response = app(state.clone())
+        .oneshot(
+            authed("GET", "/api/events", Some(token.secret()))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    requesters::revoke(&state.db, "bob", 2).await.unwrap();
+    state.coordinator.publish(JobEvent {
+        job_id: job,
+        body: JobEventBody::Log {
+            entry: LogEntry {
+                at_ms: 3,
+                kind: "running".into(),
+                message: "after the revocation".into(),
+            },
+        },
+    });
+    let mut body = response.into_body();
+    let mut text = String::new();
+    loop {
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(10), body.frame())
+            .await
+            .expect("the stream ends within 10 s");
+        match frame {
+            None => break,
+            Some(frame) => text.push_str(
+                std::str::from_utf8(frame.unwrap().data_ref().unwrap_or(&Default::default()))
+                    .unwrap(),
+            ),
+        }
+    }
+    assert!(!text.contains("after the revocation"), "{text}");
+    let (status, _) = call(
+        &state,
+        authed("GET", "/api/events", Some(token.secret()))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
 #[tokio::test]
 async fn an_upload_over_the_limit_is_refused_with_413() {
     let dir = tempfile::tempdir().unwrap();

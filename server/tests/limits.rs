@@ -1,5 +1,5 @@
-//! Bounds on connections, with real clients on a loopback port: the join
-//! token, the per-IP caps on provider WebSockets and on HTTP connections,
+//! Bounds on connections, with real clients on a loopback port: the pages
+//! that may open provider sockets, the join token, the per-IP caps on provider WebSockets and on HTTP connections,
 //! the deadline for a peer that connects but never says Hello, and the
 //! timeouts for clients that stall in their headers or uploads.
 
@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind, ToProvider, ToServer};
+use rookery_server::admission::AllowedOrigins;
 use rookery_server::store::Db;
 use rookery_server::store::tokens::Token;
 use rookery_server::{AppState, Limits};
@@ -23,13 +24,22 @@ type Client =
 const LOOPBACK: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 
 async fn start(limits: Limits, provider_token: Option<&str>) -> (SocketAddr, AppState) {
+    start_with(limits, provider_token, AllowedOrigins::default()).await
+}
+
+async fn start_with(
+    limits: Limits,
+    provider_token: Option<&str>,
+    origins: AllowedOrigins,
+) -> (SocketAddr, AppState) {
     let mut state = AppState::new(
         Db::open_in_memory().unwrap(),
         limits,
         None,
         std::env::temp_dir(),
         Token::new("test-token"),
-    );
+    )
+    .with_allowed_origins(origins);
     if let Some(token) = provider_token {
         state = state.with_provider_token(token);
     }
@@ -59,6 +69,23 @@ async fn open(
             .headers_mut()
             .insert("authorization", format!("Bearer {token}").parse().unwrap());
     }
+    upgrade(request).await
+}
+
+/// Opens a WebSocket as a page at `origin` would (browsers send `Origin`).
+async fn open_from(addr: SocketAddr, origin: Option<&str>) -> Result<Client, (u16, String)> {
+    let mut request = url(addr, "").into_client_request().unwrap();
+    if let Some(origin) = origin {
+        request
+            .headers_mut()
+            .insert("origin", origin.parse().unwrap());
+    }
+    upgrade(request).await
+}
+
+async fn upgrade(
+    request: tungstenite::handshake::client::Request,
+) -> Result<Client, (u16, String)> {
     match tokio_tungstenite::connect_async(request).await {
         Ok((client, _)) => Ok(client),
         Err(tungstenite::Error::Http(response)) => {
@@ -204,6 +231,30 @@ async fn providers_need_the_join_token_when_the_server_requires_one() {
 
 /// Writes `head` on a raw socket, then goes silent; returns what the server
 /// said before it closed, and how long that took.
+#[tokio::test]
+async fn pages_outside_the_allowed_origins_get_403_before_the_upgrade() {
+    let allowed = AllowedOrigins::new(vec!["https://donate.example.org".parse().unwrap()]);
+    let (addr, _state) = start_with(Limits::default(), None, allowed).await;
+    let (status, body) = open_from(addr, Some("https://evil.example"))
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(status, 403);
+    let error: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let message = error["error"].as_str().unwrap();
+    assert!(message.contains("`https://evil.example`"), "{message}");
+    assert!(message.contains("--allowed-origin"), "{message}");
+    // A listed page, the server's own pages (its Host) and a native
+    // provider, which sends no Origin, are upgraded and join.
+    let own = format!("http://{addr}");
+    for origin in [Some("https://donate.example.org"), Some(own.as_str()), None] {
+        let mut client = open_from(addr, origin)
+            .await
+            .unwrap_or_else(|refused| panic!("{origin:?} refused: {refused:?}"));
+        join(&mut client).await;
+    }
+}
+
 async fn stall_after(addr: SocketAddr, head: &[u8]) -> (String, Duration) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();

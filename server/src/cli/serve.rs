@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
+use crate::admission::{AllowedOrigins, WebOrigin};
 use crate::http::site::is_dashboard;
 use crate::state::{AppState, Limits};
 use crate::store::identities::IssueLimit;
@@ -59,6 +60,13 @@ pub struct ServeArgs {
     /// its digest only).
     #[arg(long, env = "ROOKERY_PROVIDER_TOKEN", hide_env_values = true)]
     pub provider_token: Option<String>,
+    /// A web page origin (scheme://host[:port]) whose scripts may open
+    /// provider WebSockets, so its visitors' browsers may donate; repeat for
+    /// more. When any is given, other pages get a 403 (the server's own
+    /// pages and native providers are not affected); without it, any page
+    /// may.
+    #[arg(long = "allowed-origin", value_name = "ORIGIN")]
+    pub allowed_origins: Vec<WebOrigin>,
 }
 
 /// The provider connections' frame limit, for `rookery serve` and `rookery
@@ -122,6 +130,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             println!("Providers must present the join token (--provider-token).");
         }
         None => {}
+    }
+    if args.allowed_origins.is_empty() {
+        // Off by default so a server on a laptop just works; said loudly
+        // because a public server without it lends its visitors' GPUs to
+        // whoever embeds it.
+        tracing::warn!(
+            "no --allowed-origin given: any web page may make its visitors' browsers donate to this server; pass --allowed-origin ORIGIN (repeatable) to allow only your pages"
+        );
+    } else {
+        let shown: Vec<String> = args
+            .allowed_origins
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        println!(
+            "Browser providers only from this server's pages and {}.",
+            shown.join(", ")
+        );
+        state = state.with_allowed_origins(AllowedOrigins::new(args.allowed_origins));
     }
     let listener = tokio::net::TcpListener::bind(args.addr)
         .await

@@ -20,6 +20,8 @@ pub enum AppError {
     #[error("{0}")]
     Unauthorized(&'static str),
     #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -44,6 +46,7 @@ impl IntoResponse for AppError {
             AppError::NotFound(what) => (StatusCode::NOT_FOUND, format!("not found: {what}")),
             AppError::BadRequest(why) => (StatusCode::BAD_REQUEST, why.clone()),
             AppError::Unauthorized(why) => (StatusCode::UNAUTHORIZED, (*why).to_owned()),
+            AppError::Forbidden(why) => (StatusCode::FORBIDDEN, why.clone()),
             AppError::Conflict(why) => (StatusCode::CONFLICT, why.clone()),
             AppError::PayloadTooLarge(why) => (StatusCode::PAYLOAD_TOO_LARGE, why.clone()),
             AppError::TooManyRequests(why) => (StatusCode::TOO_MANY_REQUESTS, why.clone()),

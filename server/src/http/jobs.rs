@@ -9,7 +9,7 @@ use std::path::Path;
 
 use axum::body::Body;
 use axum::extract::{Extension, Path as UrlPath, Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router, routing};
@@ -23,11 +23,16 @@ use crate::coordinator::Event;
 use crate::state::AppState;
 use crate::store::checkpoints::{checkpoint_path, weights_path};
 use crate::store::jobs::{self, JobRecord, LogRecord};
-use crate::store::requesters::Requester;
-use crate::{dto, now_ms};
+use crate::store::requesters::{self, Requester};
+use crate::store::tokens::digest_hex;
+use crate::{admission, dto, now_ms};
 
 /// Log lines `GET /api/jobs/{id}/log` returns at most (the latest).
 const LOG_LINES: usize = 1000;
+
+/// How often an open event stream checks that the token it was opened with
+/// still works, so a revoked Requester stops hearing of its jobs.
+const STREAM_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The job endpoints (behind the Requester's token).
 pub fn routes() -> Router<AppState> {
@@ -145,6 +150,8 @@ pub struct EventFilter {
 /// `GET /api/events`: server-sent events, each a JSON [`JobEvent`] under
 /// the event name `job`. A subscriber that falls too far behind gets one
 /// `lagged` event (with how many it missed) and should reload what it shows.
+/// The stream ends before the first job event after its token is revoked
+/// (checked at most once a second); the client's reconnection then gets a 401.
 #[utoipa::path(get, path = "/api/events", tag = "jobs",
     params(("job" = Option<u64>, Query, description = "Only this job's events")), security(("api_token" = [])),
     responses((status = 200, description = "Server-sent events: `event: job` with a JobEvent as JSON data, or `event: lagged` with the number of events missed", body = JobEvent, content_type = "text/event-stream")))]
@@ -152,17 +159,26 @@ pub async fn events(
     State(state): State<AppState>,
     Extension(requester): Extension<Requester>,
     Query(filter): Query<EventFilter>,
+    headers: HeaderMap,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    /// The subscription, and whether each job seen so far is the caller's
-    /// (looked up once per job, so another Requester's jobs stay unseen).
+    /// The subscription, whether each job seen so far is the caller's
+    /// (looked up once per job, so another Requester's jobs stay unseen),
+    /// and the caller's token (as its digest) with when it last worked.
     struct Subscription {
         rx: tokio::sync::broadcast::Receiver<JobEvent>,
         owned: std::collections::HashMap<u64, bool>,
+        digest: String,
+        checked: Option<tokio::time::Instant>,
     }
     let db = state.db.clone();
     let start = Subscription {
         rx: state.coordinator.subscribe(),
         owned: Default::default(),
+        // The middleware let the request in with this token.
+        digest: admission::bearer(&headers)
+            .map(digest_hex)
+            .unwrap_or_default(),
+        checked: None,
     };
     let stream = futures_util::stream::unfold(start, move |mut sub| {
         let db = db.clone();
@@ -183,6 +199,17 @@ pub async fn events(
                         };
                         if !owned {
                             continue;
+                        }
+                        // The middleware checked the token once; a stream
+                        // outlives that check, so it checks again.
+                        if sub.checked.is_none_or(|at| at.elapsed() >= STREAM_RECHECK) {
+                            let still = requesters::authenticate_digest(&db, sub.digest.clone())
+                                .await
+                                .is_ok_and(|r| r.is_some_and(|r| r.id == requester.id));
+                            if !still {
+                                return None;
+                            }
+                            sub.checked = Some(tokio::time::Instant::now());
                         }
                         let data = serde_json::to_string(&event).unwrap_or_default();
                         return Some((Ok(SseEvent::default().event("job").data(data)), sub));

@@ -237,6 +237,19 @@ pub async fn create(
         tokio::fs::rename(&upload, &dir)
             .await
             .map_err(|e| format!("moving the upload: {e}"))?;
+        // On disk before the row below names them: a job the Requester was
+        // told is queued must still have its files after a power cut. The
+        // files and their folders, then the folders the rename changed.
+        let (synced, jobs_dir) = (dir.clone(), state.data_dir.join("jobs"));
+        tokio::task::spawn_blocking(move || {
+            store::sync_tree(&synced)?;
+            let job_dir = synced.parent().unwrap_or(&synced);
+            store::sync_dir(job_dir)?;
+            store::sync_dir(&jobs_dir)
+        })
+        .await
+        .map_err(|e| format!("syncing the upload crashed: {e}"))?
+        .map_err(|e| format!("syncing the upload to disk: {e}"))?;
         let spec = parse_job(&text, &dir).map_err(|e| e.to_string())?;
         let json = spec.to_json().map_err(|e| e.to_string())?;
         Ok::<_, String>((spec, json))
@@ -260,6 +273,9 @@ pub async fn create(
             return Err(AppError::Internal(reason));
         }
     };
+    // Only now does the job name its folder, and only a job with a folder
+    // is ever planned (`jobs::queued`): a crash before here leaves a row
+    // that nothing runs, never a queued job without its files.
     jobs::set_files(&state.db, id, spec_json, dir.display().to_string()).await?;
     tracing::info!(job = id, requester = %requester.name, "job queued");
     log_line(&state, id, "submitted", "accepted and queued".into()).await?;

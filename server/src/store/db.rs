@@ -105,6 +105,9 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     CREATE INDEX identities_by_address ON identities (created_ip, created_ms);
     ALTER TABLE providers ADD COLUMN identity INTEGER;
     ALTER TABLE job_bans ADD COLUMN identity INTEGER;",
+    // A revoked Requester keeps its row (its jobs still name it) but no
+    // token of its works; `rookery token create` may issue it a new one.
+    "ALTER TABLE requesters ADD COLUMN revoked_ms INTEGER;",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -136,7 +139,13 @@ impl Db {
         let conn = Connection::open(data_dir.join("rookery.sqlite3"))?;
         // WAL keeps readers (the dashboard) from blocking the writer (heartbeats).
         conn.pragma_update(None, "journal_mode", "WAL")?;
-        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // FULL, not NORMAL: in WAL mode NORMAL syncs only at checkpoints,
+        // so a power cut can undo committed transactions, and a job the
+        // Requester was told is queued, or a state change the coordinator
+        // acted on (running, completed, a provider's ban), would silently
+        // go back. FULL syncs the WAL at every commit; our writes are few
+        // and small, so the cost is a sync per state change.
+        conn.pragma_update(None, "synchronous", "FULL")?;
         // `rookery token create` writes while a server may hold the file.
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         Self::migrated(conn)
@@ -205,6 +214,21 @@ mod tests {
             .pragma_query_value(None, "user_version", |row| row.get(0))
             .unwrap();
         assert_eq!(version, MIGRATIONS.len());
+    }
+
+    #[test]
+    fn a_data_dirs_database_is_in_wal_mode_with_every_commit_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open_in_dir(dir.path()).unwrap();
+        let conn = db.conn.lock().unwrap();
+        let mode: String = conn
+            .pragma_query_value(None, "journal_mode", |row| row.get(0))
+            .unwrap();
+        // 2 is FULL (NORMAL is 1).
+        let synchronous: i64 = conn
+            .pragma_query_value(None, "synchronous", |row| row.get(0))
+            .unwrap();
+        assert_eq!((mode.as_str(), synchronous), ("wal", 2));
     }
 
     #[test]

@@ -127,7 +127,9 @@ pub async fn insert(
     .await
 }
 
-/// Fills in a reserved job's stored spec and folder.
+/// Fills in a reserved job's stored spec and folder. The folder's files
+/// must be on disk (synced) first: from this commit on the job may be
+/// planned, after a restart too, and reads them.
 pub async fn set_files(db: &Db, id: u64, spec_json: String, dir: String) -> Result<(), DbError> {
     db.call(move |conn| {
         conn.execute(

@@ -65,8 +65,18 @@ impl Token {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
             Err(error) => return Err(error),
         }
-        std::fs::create_dir_all(data_dir)?;
         let token = Token::generate();
+        token.save(data_dir)?;
+        Ok(token)
+    }
+
+    /// Writes this token as the data dir's token file, replacing any:
+    /// `rookery token create default` after a revocation. The file holds
+    /// the first Requester's token, so a reissued one must land there too,
+    /// or the next start would take the file's old token for a replacement.
+    pub fn save(&self, data_dir: &Path) -> std::io::Result<()> {
+        let path = token_path(data_dir);
+        std::fs::create_dir_all(data_dir)?;
         let tmp = path.with_extension("tmp");
         // A stale temporary file from a crash could have other permissions.
         match std::fs::remove_file(&tmp) {
@@ -83,11 +93,19 @@ impl Token {
             options.mode(0o600);
         }
         let mut file = options.open(&tmp)?;
-        std::io::Write::write_all(&mut file, token.secret().as_bytes())?;
+        std::io::Write::write_all(&mut file, self.secret().as_bytes())?;
         file.sync_all()?;
         drop(file);
-        std::fs::rename(&tmp, &path)?;
-        Ok(token)
+        std::fs::rename(&tmp, &path)
+    }
+
+    /// Deletes the data dir's token file, if there is one: its token was
+    /// revoked, and a dead secret left there would only mislead.
+    pub fn remove_file(data_dir: &Path) -> std::io::Result<()> {
+        match std::fs::remove_file(token_path(data_dir)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Constant-time comparison, so response times do not leak a prefix.

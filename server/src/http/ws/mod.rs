@@ -818,6 +818,13 @@ fn admit(
     headers: &HeaderMap,
     query: Option<&str>,
 ) -> Result<Option<Slot>, AppError> {
+    // First: a page the server does not trust learns nothing more, not even
+    // whether a join token is needed.
+    if let Err(origin) = state.allowed_origins.admits(headers) {
+        return Err(AppError::Forbidden(format!(
+            "pages at `{origin}` may not connect providers to this server (`rookery serve --allowed-origin` lists the pages that may)"
+        )));
+    }
     if let Some(token) = &state.provider_token
         && !token.admits(headers, query)
     {
