@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 
 use rookery_model::Loss;
-use rookery_proto::{Bytes, ParamOptimState, ToServer, WireDType, WireTensor};
+use rookery_proto::{Bytes, ParamOptimState, Phase, ToServer, WireDType, WireTensor};
 use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
 
 /// The one way a faulty provider misbehaves.
@@ -34,7 +34,13 @@ pub enum Fault {
     /// Computes and sends honestly, but claims [`CLAIM_FACTOR`] times the
     /// GFLOP/s it measured, to be given the biggest stages.
     Claim,
+    /// Scales its training activations (and, as a Leaf, its losses) by
+    /// [`SUBTLE_SCALE`]: finite, well shaped, plausible, wrong.
+    Subtle,
 }
+
+/// What a [`Fault::Subtle`] provider multiplies its results by.
+pub const SUBTLE_SCALE: f32 = 1.01;
 
 /// How much a [`Fault::Claim`] provider overstates its speed.
 pub const CLAIM_FACTOR: f64 = 1000.0;
@@ -208,6 +214,15 @@ pub fn tamper_with(fault: Fault, message: &ToServer) -> Option<ToServer> {
                 *t = WireTensor::from_f32(t.name.clone(), &t.shape_usize(), &values, t.dtype);
             }
         }
+        (ToServer::Activations(a), Fault::Subtle) if matches!(a.phase, Phase::Train { .. }) => {
+            for t in a.outputs.iter_mut().filter(|t| t.dtype.is_float()) {
+                let values: Vec<f32> = t.to_f32().ok()?.iter().map(|v| v * SUBTLE_SCALE).collect();
+                *t = WireTensor::from_f32(t.name.clone(), &t.shape_usize(), &values, t.dtype);
+            }
+        }
+        (ToServer::LeafLoss(l), Fault::Subtle) if matches!(l.phase, Phase::Train { .. }) => {
+            l.loss_sum *= f64::from(SUBTLE_SCALE);
+        }
         _ => return None,
     }
     Some(message)
@@ -238,7 +253,7 @@ fn poison(t: &mut WireTensor) -> Option<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rookery_proto::{Activations, ParamSet, Phase, WireDType};
+    use rookery_proto::{Activations, ParamSet, WireDType};
 
     fn activations() -> ToServer {
         ToServer::Activations(Activations {
@@ -278,6 +293,10 @@ mod tests {
         assert!(tamper_with(Fault::FarParams, &activations()).is_none());
         // A straggler's data is honest.
         assert!(tamper_with(Fault::Slow, &activations()).is_none());
+        assert_eq!(
+            faulty(Fault::Subtle).outputs[0].to_f32().unwrap(),
+            [1.01; 6]
+        );
         let params = ToServer::Params(ParamSet {
             job_id: 7,
             step: 1,

@@ -11,9 +11,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use rookery_e2e::{Process, Server, provider_command, rookery};
-use rookery_proto::api::{JobInfo, LogEntry, ProviderStatus};
+use rookery_proto::api::{JobInfo, JobMetrics, LogEntry, ProviderStatus};
+use rookery_test_support::job::{job_text, write_classes};
 use rookery_test_support::{Classes, dense_mlp, write_job};
 
 /// Generous: every libtorch provider measures itself at start, on all cores,
@@ -464,5 +465,120 @@ async fn a_provider_that_overstates_its_speed_is_measured_caught_and_banned() ->
     wait_for_status(&client, id, "completed").await?;
     let log = client.log(id).await?;
     assert!(faults_of(&log, "honest").is_empty(), "{log:#?}");
+    Ok(())
+}
+
+/// A learnable 4-class job with a test set, spot-checking `rate` of each
+/// stage's micro-batches.
+fn checked_job(dir: &Path, name: &str, rate: f64) -> anyhow::Result<PathBuf> {
+    let dir = dir.join(name);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join("model.toml"),
+        dense_mlp(6, &[(32, Some("relu")), (4, None)]),
+    )?;
+    write_classes(&dir, "", &Classes::learnable(16 * 250, &[6], 1))?;
+    write_classes(&dir, "test_", &Classes::learnable(400, &[6], 2))?;
+    let training = format!(
+        "batch_size = 16\nmicro_batches = 4\nclusters = 1\nstages = 2\nseed = 3\n\
+         optimizer = {{ name = \"sgd\", lr = 0.1 }}\n[training.verify]\nrate = {rate}"
+    );
+    let path = dir.join("job.toml");
+    std::fs::write(
+        &path,
+        job_text(Path::new("model.toml"), &[6], "", Some("test_"), &training),
+    )?;
+    Ok(path)
+}
+
+/// The job's final test accuracy.
+async fn accuracy(client: &Client<'_>, id: u64) -> anyhow::Result<f64> {
+    let metrics: JobMetrics = client.get(&format!("/api/jobs/{id}/metrics")).await?;
+    Ok(metrics
+        .epochs
+        .last()
+        .context("no epoch evaluated")?
+        .test_accuracy)
+}
+
+/// Starts `name` once the job is running on the providers it was planned
+/// onto, so that it is idle: the verifier.
+async fn verifier_once_running(
+    server: &Server,
+    client: &Client<'_>,
+    id: u64,
+    name: &str,
+) -> anyhow::Result<Process> {
+    wait_for_status(client, id, "running").await?;
+    let verifier = provider(server, name, None)?;
+    server
+        .wait_for_providers("the verifier", Duration::from_secs(120), |all| {
+            all.iter()
+                .any(|p| p.name == name && p.bandwidth_mbps.is_some())
+        })
+        .await?;
+    Ok(verifier)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest_run_does()
+-> anyhow::Result<()> {
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client::new(&server)?;
+    let liar = "subtle";
+    let mut first = join(&server, &[(liar, Some("subtle")), ("honest-a", None)]).await?;
+    let id = client.submit(&checked_job(dir.path(), "checked", 0.02)?)?;
+    let _verifier = verifier_once_running(&server, &client, id, "verifier").await?;
+    let log = client
+        .wait_for_log(id, "the ban", |log| {
+            log.iter().any(|l| l.kind == "provider_banned")
+        })
+        .await?;
+    // Caught by three spot checks within 200 steps, each naming its step.
+    let faults = faults_of(&log, liar);
+    assert_eq!(faults.len(), 3, "{log:#?}");
+    let last_step: u64 = faults[2]
+        .message
+        .split(", step ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .context("the fault names its step")?
+        .parse()?;
+    assert!(last_step < 200, "banned only after step {last_step}");
+    // The verifier takes the vacant stage, and the job completes.
+    wait_for_status(&client, id, "completed").await?;
+    let checked = accuracy(&client, id).await?;
+    let log = client.log(id).await?;
+    let summary = log
+        .iter()
+        .find(|l| l.kind == "spot_checks")
+        .context("no spot check summary")?;
+    eprintln!("with a liar: {}", summary.message);
+
+    // The same job with honest providers only: no check disagrees, and the
+    // accuracy is the same.
+    first.remove(0).kill();
+    let honest = client.submit(&checked_job(dir.path(), "honest", 0.02)?)?;
+    let _second = verifier_once_running(&server, &client, honest, "verifier-2").await?;
+    wait_for_status(&client, honest, "completed").await?;
+    let log = client.log(honest).await?;
+    let summary = log
+        .iter()
+        .find(|l| l.kind == "spot_checks")
+        .context("no spot check summary")?;
+    eprintln!("honest: {}", summary.message);
+    assert!(
+        summary.message.contains(" 0 disagreed"),
+        "{}",
+        summary.message
+    );
+    assert!(log.iter().all(|l| l.kind != "provider_fault"), "{log:#?}");
+    let want = accuracy(&client, honest).await?;
+    assert!(want > 0.5, "the job learns: {want}");
+    assert!(
+        (checked - want).abs() <= 0.02,
+        "accuracy {checked} with the liar caught, {want} honest"
+    );
     Ok(())
 }

@@ -526,6 +526,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             aggregation: None,
             lr_schedule,
             clip_grad_norm,
+            verify: None,
         },
     })
 }

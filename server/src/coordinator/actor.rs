@@ -6,8 +6,9 @@ use std::collections::VecDeque;
 use rookery_proto::stream::{self, Payload};
 use tokio::sync::mpsc;
 
+use super::verify::{Capture, CaptureFor};
 use super::{Actor, Event, JobEntry, Live, LiveProvider, Outgoing, Route, SCHEDULE_EVERY};
-use crate::run::{Effect, JobRun};
+use crate::run::{Effect, JobRun, TapSide};
 use crate::store::jobs::JobStatus;
 
 impl Actor {
@@ -85,6 +86,10 @@ impl Actor {
                 }
             }
             Event::Disconnected { id, reason } => {
+                if self.verifying.contains_key(&id) {
+                    let gone = Err(format!("the verifier left ({reason})"));
+                    self.finish_verification(id, gone).await;
+                }
                 let Some(live) = self.providers.remove(&id) else {
                     return;
                 };
@@ -105,27 +110,52 @@ impl Actor {
                 let _ = reply.send(self.snapshot());
             }
             Event::Message { id, message } => {
+                if self.verifying.contains_key(&id) {
+                    return self.on_verifier_message(id, message).await;
+                }
+                let owed: usize = stream::following(&message).iter().sum();
                 let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) else {
                     tracing::warn!(
                         provider = id,
                         "dropped a training frame from a provider without a job"
                     );
+                    // Its tensors go nowhere, quietly.
+                    self.route(id, owed, None);
                     return;
                 };
-                let owed: usize = stream::following(&message).iter().sum();
                 let identity = self.providers.get(&id).map_or(id, |p| p.identity);
+                // A spot check may want a copy of what streams on.
+                let header = (owed > 0 && self.run_of(job_id).is_some_and(JobRun::verifies))
+                    .then(|| message.clone());
                 let effects = match self.run_mut(job_id) {
                     Some(run) => run.on_message_from(id, identity, message),
                     None => Vec::new(),
                 };
+                let (taps, effects): (Vec<Effect>, Vec<Effect>) = effects
+                    .into_iter()
+                    .partition(|e| matches!(e, Effect::Tap { .. }));
                 if owed > 0 {
                     // The relayed message is the one whose tensors still follow.
                     let to = effects.iter().find_map(|effect| match effect {
                         Effect::Send(to, m) if !stream::following(m).is_empty() => Some(*to),
                         _ => None,
                     });
+                    let taps: Vec<(u64, TapSide)> = taps
+                        .into_iter()
+                        .filter_map(|e| match e {
+                            Effect::Tap { key, side } => Some((key, side)),
+                            _ => None,
+                        })
+                        .collect();
+                    let capture = header.filter(|_| !taps.is_empty()).and_then(|header| {
+                        Capture::new(header, owed, CaptureFor::Run { job_id, taps })
+                    });
                     if let Some(live) = self.providers.get_mut(&id) {
-                        live.routes.push_back(Route { to, left: owed });
+                        live.routes.push_back(Route {
+                            to,
+                            left: owed,
+                            capture,
+                        });
                     }
                 }
                 let synced = effects.iter().any(|e| matches!(e, Effect::ResumePoint(_)));
@@ -134,7 +164,7 @@ impl Actor {
                     self.replace_stragglers(job_id).await;
                 }
             }
-            Event::Payload { id, payload } => self.relay_payload(id, payload),
+            Event::Payload { id, payload } => self.relay_payload(id, payload).await,
             Event::Fault { id, reason } => {
                 if let Some(job_id) = self.providers.get(&id).and_then(|p| p.job) {
                     // Its socket loop is already dropping it.
@@ -190,7 +220,7 @@ impl Actor {
     }
 
     /// Passes a payload frame on along its message's route.
-    pub(super) fn relay_payload(&mut self, id: u64, payload: Payload) {
+    pub(super) async fn relay_payload(&mut self, id: u64, payload: Payload) {
         let Some(live) = self.providers.get_mut(&id) else {
             return;
         };
@@ -202,6 +232,7 @@ impl Actor {
             return;
         };
         let to = route.to;
+        let captured = Self::capture_payload(&mut route.capture, &payload);
         route.left = route.left.saturating_sub(payload.data().len());
         if route.left == 0 {
             live.routes.pop_front();
@@ -209,11 +240,15 @@ impl Actor {
         if let Some(to) = to {
             self.send_frame(to, Outgoing::Payload(payload.frame()));
         }
+        if let Some((sink, message)) = captured {
+            self.captured(sink, message).await;
+        }
     }
 
     /// Forgets a job that left (completed, failed or cancelled): its entry
     /// goes and its providers are idle again. Returns what was kept of it.
     pub(super) fn free(&mut self, job_id: u64) -> Option<JobEntry> {
+        self.release_verifiers(job_id);
         for live in self.providers.values_mut() {
             if live.job == Some(job_id) {
                 live.job = None;

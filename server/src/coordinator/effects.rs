@@ -96,6 +96,7 @@ impl Actor {
                 Effect::Aggregate(work) => self.aggregate(job_id, work),
                 Effect::Log { kind, message } => self.log(job_id, kind, message).await,
                 Effect::Completed(weights) => {
+                    self.log_spot_checks(job_id).await;
                     // The run and its data go now; the job is complete once
                     // its weights are on disk.
                     self.free(job_id);
@@ -115,6 +116,9 @@ impl Actor {
                     gflops,
                     busy_ms,
                 } => self.on_measured(job_id, provider, gflops, busy_ms).await,
+                // Taken with the message they tap, before effects apply.
+                Effect::Tap { .. } => {}
+                Effect::Verify(check) => self.start_verification(job_id, check).await,
             }
         }
     }

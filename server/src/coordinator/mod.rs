@@ -13,6 +13,7 @@
 //! - `faults`: what a provider's fault on a job costs it, and bans;
 //! - `outbox`: each connection's queue of frames to send, bounded in bytes;
 //! - `rates`: providers' claimed speed checked against their measured work;
+//! - `verify`: spot checks re-run on a verifier, and tapped messages;
 //! - `work`: what runs off the task (reading a job's model, starting a run,
 //!   aggregating a sync, writing the weights) and comes back as an [`Event`].
 //!
@@ -28,6 +29,7 @@ mod faults;
 mod outbox;
 mod rates;
 mod schedule;
+mod verify;
 mod work;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -192,6 +194,7 @@ impl Coordinator {
                 jobs: HashMap::new(),
                 events: events.clone(),
                 rates: rates::Rates::new(),
+                verifying: HashMap::new(),
             }
             .run(rx),
         );
@@ -255,6 +258,8 @@ struct Live {
 struct Route {
     to: Option<u64>,
     left: usize,
+    /// A copy being made of the message, for a spot check.
+    capture: Option<verify::Capture>,
 }
 
 /// Everything the coordinator keeps about one job, from its first
@@ -293,6 +298,8 @@ struct JobEntry {
     checkpoint: Option<CheckpointWriter>,
     /// The task writing the resume file.
     resume: Option<ResumeWriter>,
+    /// Its spot checks so far.
+    spot_checks: verify::Tally,
 }
 
 struct Actor {
@@ -306,4 +313,6 @@ struct Actor {
     events: broadcast::Sender<JobEvent>,
     /// Measured speeds by identity.
     rates: rates::Rates,
+    /// Providers re-running a spot check, by connection.
+    verifying: HashMap<u64, verify::Verifying>,
 }

@@ -52,6 +52,7 @@ mod stragglers;
 mod sync;
 #[cfg(test)]
 mod tests;
+mod verify;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::Instant;
@@ -67,6 +68,7 @@ pub use metrics::{EpochRecord, StageTime, StepRecord};
 pub use recovery::Vacancy;
 pub use start::StartError;
 pub use stragglers::{STRAGGLER_FACTOR, STRAGGLER_MIN_MS, STRAGGLER_STEPS, Straggler};
+pub use verify::{Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement, sampled};
 
 /// What the coordinator must do on the job's behalf, in order.
 #[derive(Debug)]
@@ -108,6 +110,14 @@ pub enum Effect {
         gflops: f64,
         busy_ms: f64,
     },
+    /// Keep a copy of the message just received (it streams on) and hand
+    /// its tensors back to [`JobRun::on_tapped`] once whole.
+    Tap {
+        key: u64,
+        side: TapSide,
+    },
+    /// A spot check to run on another provider.
+    Verify(Box<Verification>),
 }
 
 /// Why a frame was turned down.
@@ -341,6 +351,9 @@ pub struct JobRun {
     /// (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
+    /// Spot checks waiting for their halves or their checkpoint.
+    checks: verify::Checks,
+    next_check: u64,
     /// The identities whose stage failed, by (cluster, stage, cause): a job
     /// fails only when one stage fails the same way on
     /// [`FAIL_AFTER_PROVIDERS`] of them.

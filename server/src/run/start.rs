@@ -237,6 +237,8 @@ impl JobRun {
             step_started: Instant::now(),
             bytes_relayed: 0,
             stage_failures: HashMap::new(),
+            checks: Default::default(),
+            next_check: 0,
         };
         let effects = (0..run.clusters.len())
             .flat_map(|c| run.rebuild(c))

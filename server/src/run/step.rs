@@ -49,9 +49,55 @@ impl JobRun {
         {
             self.clusters[c].stages[s].busy.output(now);
         }
-        let effects = self.dispatch(provider, identity, message);
+        let answer = self.checked_answer(provider, &message);
+        let mut effects = self.dispatch(provider, identity, message);
+        let refused = effects
+            .iter()
+            .any(|e| matches!(e, Effect::Fault { provider: p, .. } if *p == provider));
+        if let Some(answer) = answer
+            && !refused
+        {
+            effects.extend(answer(self));
+        }
+        let taps = self.choose_checks(&effects);
+        effects.extend(taps);
         self.note_inputs(&effects, now);
         effects
+    }
+
+    /// What keeps `message` for a spot check of its micro-batch, if one is
+    /// checked (run once the message is accepted).
+    #[allow(clippy::type_complexity)]
+    fn checked_answer(
+        &self,
+        provider: u64,
+        message: &ToServer,
+    ) -> Option<Box<dyn FnOnce(&mut JobRun) -> Vec<Effect>>> {
+        let (c, s) = self.locate(provider)?;
+        match message {
+            ToServer::Activations(a) => {
+                let Phase::Train { step } = a.phase else {
+                    return None;
+                };
+                let micro = a.micro;
+                self.check_of(c, s, step, micro)?;
+                let outputs = a.outputs.clone();
+                Some(Box::new(move |run| {
+                    run.checked_output(c, s, step, micro, &outputs)
+                }))
+            }
+            ToServer::LeafLoss(l) => {
+                let Phase::Train { step } = l.phase else {
+                    return None;
+                };
+                let (micro, loss) = (l.micro, l.loss_sum);
+                self.check_of(c, s, step, micro)?;
+                Some(Box::new(move |run| {
+                    run.checked_loss(c, s, step, micro, loss)
+                }))
+            }
+            _ => None,
+        }
     }
 
     fn dispatch(&mut self, provider: u64, identity: u64, message: ToServer) -> Vec<Effect> {
@@ -292,6 +338,9 @@ impl JobRun {
             ));
         }
         self.note_inputs(&effects, Instant::now());
+        // The Root's micro-batches are the server's own: whole, untapped.
+        let taps = self.choose_checks(&effects);
+        debug_assert!(taps.is_empty(), "a fed micro-batch needs no tap");
         effects
     }
 

@@ -325,6 +325,7 @@ impl JobRun {
         }
         effects.push(Effect::Checkpoint(self.weights()));
         effects.push(self.commit_sync(step_done));
+        effects.extend(self.launch_checks());
         if self.background_sync.take().is_some() {
             // Training went on; the cluster may already wait at the next barrier.
             effects.extend(self.at_barrier());

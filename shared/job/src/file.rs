@@ -162,6 +162,15 @@ pub struct TrainingFile {
     pub lr_schedule: Option<LrScheduleFile>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clip_grad_norm: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<VerifyFile>,
+}
+
+/// `[training.verify]`: spot checks of providers' work.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyFile {
+    pub rate: f64,
 }
 
 /// `[training.lr_schedule]`, tagged by `kind`.

@@ -31,6 +31,8 @@
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16
 //! aggregation = "mean"         # mean (default) | median | centered_clip
 //! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
+//! [training.verify]            # optional: spot checks (default: none)
+//! rate = 0.02                  # share of each stage's micro-batches re-run elsewhere
 //! [training.lr_schedule]       # optional (default: constant)
 //! kind = "cosine"              # constant | linear | cosine | step
 //! warmup_steps = 10            # constant, linear, cosine (default 0)
@@ -95,7 +97,7 @@ pub use rookery_proto::WireDType;
 
 use crate::error::JobError;
 pub use crate::file::{Aggregation, DataFormat, TokenDType};
-use crate::file::{Clusters, DataFile, JobFile, ModelFile, TrainingFile};
+use crate::file::{Clusters, DataFile, JobFile, ModelFile, TrainingFile, VerifyFile};
 
 /// Most epochs a job may ask for: a million, so that epochs times steps
 /// per epoch (each at most the samples) never overflows a counter.
@@ -212,6 +214,9 @@ pub struct TrainingSpec {
     pub lr_schedule: LrSchedule,
     /// `clip_grad_norm_`'s `max_norm` across all stages, if clipping.
     pub clip_grad_norm: Option<f64>,
+    /// The share of stages' micro-batches the server re-runs on another
+    /// provider to check them (0: none).
+    pub verify_rate: f64,
 }
 
 /// A whole job. Serializes as the JSON form of the job file (paths absolute
@@ -596,6 +601,15 @@ impl JobSpec {
                 None => LrSchedule::default(),
             },
             clip_grad_norm: t.clip_grad_norm,
+            verify_rate: match t.verify.map_or(0.0, |v| v.rate) {
+                rate if (0.0..=1.0).contains(&rate) => rate,
+                rate => {
+                    return Err(JobError::field(
+                        "training.verify.rate",
+                        format!("the share of micro-batches to check is 0 to 1, not {rate}"),
+                    ));
+                }
+            },
         };
         let spec = JobSpec {
             model: ModelSection {
@@ -778,6 +792,9 @@ impl From<JobSpec> for JobFile {
                 aggregation: Some(t.aggregation),
                 lr_schedule: Some(t.lr_schedule.into()),
                 clip_grad_norm: t.clip_grad_norm,
+                verify: (t.verify_rate > 0.0).then_some(VerifyFile {
+                    rate: t.verify_rate,
+                }),
             },
         }
     }

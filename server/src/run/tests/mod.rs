@@ -90,6 +90,7 @@ fn spec() -> JobSpec {
             aggregation: Aggregation::Mean,
             lr_schedule: rookery_model::LrSchedule::default(),
             clip_grad_norm: None,
+            verify_rate: 0.0,
         },
     }
 }

@@ -1,0 +1,272 @@
+//! Running a run's spot checks ([`crate::run::Verification`]): an idle
+//! native provider with a clean record on the job takes the checked stage
+//! as of the checkpoint, gets the same `Forward`, and its result is
+//! compared with the checked provider's. A disagreement is a fault of the
+//! checked provider (three ban it); a verifier is never the checked
+//! provider's identity, never a browser tab, and never one with a fault on
+//! the job. Tapped messages (the checked micro-batch's tensors, which
+//! stream through the coordinator) are put together here as well.
+
+use std::time::Instant;
+
+use rookery_proto::api::ProviderWork;
+use rookery_proto::stream::{self, Assembler, Incoming, Payload};
+use rookery_proto::{ProviderKind, ToProvider, ToServer};
+
+use super::faults::is_banned;
+use super::{Actor, Route};
+use crate::run::{Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement};
+
+/// A copy of one streamed message being put together.
+pub(super) struct Capture {
+    assembler: Assembler<ToServer>,
+    sink: CaptureFor,
+}
+
+/// Who gets a captured message.
+pub(super) enum CaptureFor {
+    /// The job's run: the checks it tapped the message for.
+    Run {
+        job_id: u64,
+        taps: Vec<(u64, TapSide)>,
+    },
+    /// The verifier's own answer.
+    Verifier(u64),
+}
+
+impl Capture {
+    /// Starts a copy of `header`, whose tensors follow (`owed` bytes).
+    pub(super) fn new(header: ToServer, owed: usize, sink: CaptureFor) -> Option<Self> {
+        let mut assembler = Assembler::new(owed);
+        match assembler.push(Incoming::Message(header)) {
+            Ok(None) => Some(Self { assembler, sink }),
+            _ => None,
+        }
+    }
+}
+
+/// A verifier at work.
+pub(super) struct Verifying {
+    job_id: u64,
+    check: Box<Verification>,
+    started: Instant,
+}
+
+/// A job's spot checks so far, for its log at the end.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Tally {
+    pub run: u64,
+    pub disagreed: u64,
+    pub skipped: u64,
+    pub verifier_ms: f64,
+}
+
+impl Actor {
+    /// Hands `check` to the best idle verifier, or skips it (logged once).
+    pub(super) async fn start_verification(&mut self, job_id: u64, check: Box<Verification>) {
+        let checked = self.providers.get(&check.provider).map(|p| p.identity);
+        let job = self.jobs.entry(job_id).or_default();
+        let (bans, faults) = (job.bans.clone(), job.faults.clone());
+        let verifier = self
+            .snapshot()
+            .into_iter()
+            .filter(|p| p.hello.kind == ProviderKind::Native && Some(p.identity) != checked)
+            .filter(|p| !is_banned(&bans, p) && faults.get(&p.identity).is_none_or(|n| *n == 0))
+            .filter_map(|p| p.candidate().map(|spec| (p.id, spec)))
+            .filter(|(_, spec)| spec.memory_bytes >= check.memory_bytes)
+            .max_by(|a, b| a.1.gflops.total_cmp(&b.1.gflops))
+            .map(|(id, _)| id);
+        let Some(verifier) = verifier else {
+            let tally = &mut self.jobs.entry(job_id).or_default().spot_checks;
+            tally.skipped += 1;
+            if tally.skipped == 1 {
+                self.log(
+                    job_id,
+                    "spot_check",
+                    "a spot check was skipped: no idle native provider with a clean record to re-run it (later ones are counted)".into(),
+                )
+                .await;
+            }
+            return;
+        };
+        if let Some(live) = self.providers.get_mut(&verifier) {
+            live.job = Some(job_id);
+            live.work = Some(ProviderWork {
+                job_id,
+                cluster: check.cluster as u32,
+                stage: check.stage as u32,
+                role: "verifier".into(),
+                micro_batches_done: 0,
+            });
+        }
+        let assign = ToProvider::Assign(Box::new(check.assignment.clone()));
+        self.verifying.insert(
+            verifier,
+            Verifying {
+                job_id,
+                check,
+                started: Instant::now(),
+            },
+        );
+        self.send(verifier, assign);
+    }
+
+    /// A message from a provider re-running a check.
+    pub(super) async fn on_verifier_message(&mut self, id: u64, message: ToServer) {
+        let owed: usize = stream::following(&message).iter().sum();
+        match message {
+            ToServer::Ready { .. } => {
+                if let Some(v) = self.verifying.get(&id) {
+                    let forward = ToProvider::Forward(v.check.forward.clone());
+                    self.send(id, forward);
+                }
+            }
+            header @ ToServer::Activations(_) if owed > 0 => {
+                let capture = Capture::new(header, owed, CaptureFor::Verifier(id));
+                self.route(id, owed, capture);
+            }
+            ToServer::Activations(a) => {
+                self.finish_verification(id, Ok(Outcome::Activations(a.outputs)))
+                    .await
+            }
+            ToServer::LeafLoss(l) => {
+                self.finish_verification(id, Ok(Outcome::Loss(l.loss_sum)))
+                    .await
+            }
+            ToServer::JobFailed { message, .. } => self.finish_verification(id, Err(message)).await,
+            _ => self.route(id, owed, None),
+        }
+    }
+
+    /// Sends the payload frames `owed` after a message from `id` nowhere,
+    /// copying them into `capture` if there is one.
+    pub(super) fn route(&mut self, id: u64, owed: usize, capture: Option<Capture>) {
+        if owed > 0
+            && let Some(live) = self.providers.get_mut(&id)
+        {
+            live.routes.push_back(Route {
+                to: None,
+                left: owed,
+                capture,
+            });
+        }
+    }
+
+    /// A captured message is whole.
+    pub(super) async fn captured(&mut self, sink: CaptureFor, message: ToServer) {
+        let ToServer::Activations(a) = message else {
+            return;
+        };
+        match sink {
+            CaptureFor::Run { job_id, taps } => {
+                let mut effects = Vec::new();
+                if let Some(run) = self.run_mut(job_id) {
+                    for (key, side) in taps {
+                        effects.extend(run.on_tapped(key, side, a.outputs.clone()));
+                    }
+                }
+                Box::pin(self.apply(job_id, effects)).await;
+            }
+            CaptureFor::Verifier(id) => {
+                self.finish_verification(id, Ok(Outcome::Activations(a.outputs)))
+                    .await;
+            }
+        }
+    }
+
+    /// The verifier `id` answered (or could not): it is released, and the
+    /// checked provider's result compared with its.
+    pub(super) async fn finish_verification(&mut self, id: u64, got: Result<Outcome, String>) {
+        let Some(v) = self.verifying.remove(&id) else {
+            return;
+        };
+        let job_id = v.job_id;
+        self.send(id, ToProvider::Release { job_id });
+        if let Some(live) = self.providers.get_mut(&id) {
+            live.job = None;
+            live.work = None;
+        }
+        let c = &v.check;
+        let what = format!(
+            "cluster {}, stage {}, step {}, micro-batch {} (provider {})",
+            c.cluster, c.stage, c.step, c.micro, c.provider
+        );
+        let tally = &mut self.jobs.entry(job_id).or_default().spot_checks;
+        tally.verifier_ms += v.started.elapsed().as_secs_f64() * 1e3;
+        match got.and_then(|got| disagreement(&c.expected, &got)) {
+            Ok(d) if d <= VERIFY_TOLERANCE => {
+                tally.run += 1;
+                let message = format!(
+                    "spot check of {what}: provider {id}'s re-run agrees (relative difference {d:.1e})"
+                );
+                self.log(job_id, "spot_check", message).await;
+            }
+            Ok(d) => {
+                tally.run += 1;
+                tally.disagreed += 1;
+                let reason = format!(
+                    "spot check of {what}: its result differs from provider {id}'s re-run by {d:.2e} (tolerance {VERIFY_TOLERANCE:.0e})"
+                );
+                self.log(job_id, "spot_check", reason.clone()).await;
+                self.on_fault(job_id, c.provider, reason, false).await;
+            }
+            Err(problem) => {
+                let message =
+                    format!("spot check of {what} not completed: provider {id}: {problem}");
+                self.log(job_id, "spot_check", message).await;
+            }
+        }
+    }
+
+    /// What a finished job's spot checks cost and found.
+    pub(super) async fn log_spot_checks(&mut self, job_id: u64) {
+        let tally = self
+            .jobs
+            .get(&job_id)
+            .map(|j| j.spot_checks)
+            .unwrap_or_default();
+        if tally.run + tally.skipped == 0 {
+            return;
+        }
+        let message = format!(
+            "spot checks: {} micro-batches re-run on verifiers ({:.1} s of verifier time), {} disagreed, {} skipped",
+            tally.run,
+            tally.verifier_ms / 1e3,
+            tally.disagreed,
+            tally.skipped
+        );
+        self.log(job_id, "spot_checks", message).await;
+    }
+
+    /// The verifiers of `job_id`, which ended, are released.
+    pub(super) fn release_verifiers(&mut self, job_id: u64) {
+        let ids: Vec<u64> = self
+            .verifying
+            .iter()
+            .filter(|(_, v)| v.job_id == job_id)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.verifying.remove(&id);
+            self.send(id, ToProvider::Release { job_id });
+        }
+    }
+
+    /// A payload frame for a capture on `id`'s current route: the whole
+    /// message once it is complete.
+    pub(super) fn capture_payload(
+        capture: &mut Option<Capture>,
+        payload: &Payload,
+    ) -> Option<(CaptureFor, ToServer)> {
+        let c = capture.as_mut()?;
+        match c.assembler.push(Incoming::Payload(payload.clone())) {
+            Ok(None) => None,
+            Ok(Some(message)) => capture.take().map(|c| (c.sink, message)),
+            Err(error) => {
+                tracing::warn!(%error, "a tapped message did not fit together");
+                *capture = None;
+                None
+            }
+        }
+    }
+}
