@@ -18,6 +18,17 @@ use super::{
     on_wire,
 };
 
+/// A stage's answer to a spot-checked micro-batch: where, and what.
+struct CheckedAnswer {
+    at: (usize, usize, u64, u32),
+    answer: Answer,
+}
+
+enum Answer {
+    Outputs(Vec<WireTensor>),
+    Loss(f64),
+}
+
 impl JobRun {
     /// A provider of this job sent `message`. Frames that break the protocol
     /// are dropped with a logged reason (and an [`Effect::Fault`] when the
@@ -54,10 +65,16 @@ impl JobRun {
         let refused = effects
             .iter()
             .any(|e| matches!(e, Effect::Fault { provider: p, .. } if *p == provider));
-        if let Some(answer) = answer
+        if let Some(CheckedAnswer {
+            at: (c, s, step, micro),
+            answer,
+        }) = answer
             && !refused
         {
-            effects.extend(answer(self));
+            effects.extend(match answer {
+                Answer::Outputs(outputs) => self.checked_output(c, s, step, micro, &outputs),
+                Answer::Loss(loss) => self.checked_loss(c, s, step, micro, loss),
+            });
         }
         let taps = self.choose_checks(&effects);
         effects.extend(taps);
@@ -65,39 +82,23 @@ impl JobRun {
         effects
     }
 
-    /// What keeps `message` for a spot check of its micro-batch, if one is
-    /// checked (run once the message is accepted).
-    #[allow(clippy::type_complexity)]
-    fn checked_answer(
-        &self,
-        provider: u64,
-        message: &ToServer,
-    ) -> Option<Box<dyn FnOnce(&mut JobRun) -> Vec<Effect>>> {
+    /// The answer `message` gives to a spot-checked micro-batch, if it is
+    /// one (kept once the message is accepted).
+    fn checked_answer(&self, provider: u64, message: &ToServer) -> Option<CheckedAnswer> {
         let (c, s) = self.locate(provider)?;
-        match message {
-            ToServer::Activations(a) => {
-                let Phase::Train { step } = a.phase else {
-                    return None;
-                };
-                let micro = a.micro;
-                self.check_of(c, s, step, micro)?;
-                let outputs = a.outputs.clone();
-                Some(Box::new(move |run| {
-                    run.checked_output(c, s, step, micro, &outputs)
-                }))
-            }
-            ToServer::LeafLoss(l) => {
-                let Phase::Train { step } = l.phase else {
-                    return None;
-                };
-                let (micro, loss) = (l.micro, l.loss_sum);
-                self.check_of(c, s, step, micro)?;
-                Some(Box::new(move |run| {
-                    run.checked_loss(c, s, step, micro, loss)
-                }))
-            }
-            _ => None,
-        }
+        let (phase, micro, answer) = match message {
+            ToServer::Activations(a) => (a.phase, a.micro, Answer::Outputs(a.outputs.clone())),
+            ToServer::LeafLoss(l) => (l.phase, l.micro, Answer::Loss(l.loss_sum)),
+            _ => return None,
+        };
+        let Phase::Train { step } = phase else {
+            return None;
+        };
+        self.check_of(c, s, step, micro)?;
+        Some(CheckedAnswer {
+            at: (c, s, step, micro),
+            answer,
+        })
     }
 
     fn dispatch(&mut self, provider: u64, identity: u64, message: ToServer) -> Vec<Effect> {
