@@ -64,6 +64,7 @@ pub fn all() -> io::Result<Targets> {
         job_file("job file (TOML)", JOB_TOML, upload.path())?,
         job_file("job file (JSON)", JOB_JSON, upload.path())?,
         datasets(upload.path())?,
+        upgrade_headers(),
     ];
     Ok(Targets {
         list,
@@ -385,6 +386,46 @@ fn layer_spec() -> io::Result<Target> {
     })
 }
 
+/// A provider WebSocket upgrade's untrusted text: three lines, the
+/// `Origin` and `Host` headers and the query (which may carry the join
+/// token), as `--allowed-origin` and `--provider-token` read them.
+fn upgrade_headers() -> Target {
+    use axum::http::header::{HOST, ORIGIN};
+    use axum::http::{HeaderMap, HeaderValue};
+    use rookery_server::admission::{AllowedOrigins, ProviderToken, WebOrigin};
+
+    let seeds = [
+        "https://rookery.example\nrookery.example\ntoken=join%20me",
+        "http://127.0.0.1:8080\n127.0.0.1:8080\nname=x&token=join+me",
+        "https://[::1]:443/\n[::1]\ntoken=join%20me",
+        "HTTPS://Rookery.Example:443\nelsewhere.example\nx=%zz&token=join%20me",
+    ];
+    let allowed: AllowedOrigins = AllowedOrigins::new(vec![
+        "https://rookery.example"
+            .parse::<WebOrigin>()
+            .expect("a valid origin"),
+    ]);
+    let token = ProviderToken::new("join me");
+    Target {
+        name: "provider upgrade headers",
+        seeds: seeds.iter().map(|s| s.as_bytes().to_vec()).collect(),
+        text: true,
+        check: Box::new(move |_, bytes| {
+            let mut lines = bytes.split(|b| *b == b'\n');
+            let mut headers = HeaderMap::new();
+            for name in [ORIGIN, HOST] {
+                if let Some(value) = lines.next().and_then(|v| HeaderValue::from_bytes(v).ok()) {
+                    headers.insert(name, value);
+                }
+            }
+            let query = lines.next().map(String::from_utf8_lossy);
+            let _ = String::from_utf8_lossy(bytes).parse::<WebOrigin>();
+            let origin_ok = allowed.admits(&headers).is_ok();
+            token.admits(&headers, query.as_deref()) && origin_ok
+        }),
+    }
+}
+
 /// Names the job-file seeds mention; they exist (empty) in the upload folder.
 const UPLOADED: [&str; 10] = [
     "cnn.onnx",
@@ -467,6 +508,8 @@ sync_every = 1
 shuffle = true
 seed = 42
 wire_dtype = "f16"
+[training.verify]
+rate = 0.02
 "#,
     r#"
 [model]
