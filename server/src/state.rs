@@ -33,6 +33,9 @@ pub struct Limits {
     /// Jobs one Requester may have waiting in the queue at once; another
     /// upload is refused before its bytes are read.
     pub max_queued_jobs: usize,
+    /// Bytes one Requester's queued jobs' uploads may hold on disk, this
+    /// upload included.
+    pub max_queued_upload_bytes: u64,
     /// How many new provider identities one address may make.
     pub identities: IssueLimit,
     /// The most bytes waiting to be sent to one provider (relayed frames,
@@ -54,6 +57,7 @@ impl Default for Limits {
             slow_client_timeout: Duration::from_secs(30),
             max_http_connections_per_ip: 256,
             max_queued_jobs: 32,
+            max_queued_upload_bytes: 4 << 30,
             identities: IssueLimit::default(),
             max_outbox_bytes: DEFAULT_MAX_OUTBOX_BYTES,
             send_timeout: Duration::from_secs(30),

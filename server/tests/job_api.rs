@@ -1156,3 +1156,59 @@ async fn malformed_models_datasets_and_job_files_get_a_400_naming_the_problem() 
         String::from_utf8_lossy(&body)
     );
 }
+
+#[tokio::test]
+async fn a_requesters_queued_uploads_may_hold_only_so_many_bytes() {
+    let one: u64 = mnist_files().iter().map(|(_, b)| b.len() as u64).sum();
+    // (allowance, the second upload's status, what its error names)
+    let cases = [
+        // Room for half of another: refused as it streams past the allowance.
+        (one * 3 / 2, StatusCode::PAYLOAD_TOO_LARGE, "would pass"),
+        // No room at all: refused before a byte of it is read.
+        (one, StatusCode::TOO_MANY_REQUESTS, "hold"),
+    ];
+    for (allowed, want, names) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let state = AppState::new(
+            Db::open_in_memory().unwrap(),
+            Limits {
+                max_queued_upload_bytes: allowed,
+                ..Limits::default()
+            },
+            None,
+            dir.path().to_path_buf(),
+            Token::new(TOKEN),
+        );
+        let first = submit_mnist(&state, TOKEN).await;
+        let (status, body) = submit(&state, JOB, &mnist_files()).await;
+        assert_eq!(status, want, "{allowed}");
+        let error = error_of(&body);
+        assert!(
+            error.contains(names) && error.contains("--max-queued-upload-bytes"),
+            "{error}"
+        );
+        // Nothing of the refused upload stays.
+        assert_eq!(listed(&state, TOKEN).await.len(), 1);
+        let leftovers = std::fs::read_dir(dir.path().join("jobs"))
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with(".upload")
+            })
+            .count();
+        assert_eq!(leftovers, 0);
+        // A cancelled job frees its bytes.
+        let (status, _) = call(
+            &state,
+            authed("POST", &format!("/api/jobs/{first}/cancel"), Some(TOKEN))
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK);
+        submit_mnist(&state, TOKEN).await;
+    }
+}

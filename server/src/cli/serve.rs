@@ -44,6 +44,9 @@ pub struct ServeArgs {
     /// of those identities counts as 4 more.
     #[arg(long, default_value_t = IssueLimit::default().per_window)]
     pub new_identities_per_hour: u32,
+    /// Bytes one Requester's queued jobs' uploads may hold on disk.
+    #[arg(long, default_value_t = Limits::default().max_queued_upload_bytes)]
+    pub max_queued_upload_bytes: u64,
     /// Bytes that may wait to be sent to one provider (relayed activations
     /// and gradients, micro-batches) before it is dropped as too slow.
     #[arg(long, default_value_t = Limits::default().max_outbox_bytes)]
@@ -104,6 +107,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         slow_client_timeout: Duration::from_millis(args.slow_client_timeout_ms.max(100)),
         max_http_connections_per_ip: args.max_http_connections_per_ip.max(1),
         max_queued_jobs: args.max_queued_jobs.max(1),
+        max_queued_upload_bytes: args.max_queued_upload_bytes,
         identities: IssueLimit {
             per_window: args.new_identities_per_hour.max(1),
         },

@@ -52,6 +52,7 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
         // The embedded server takes only this machine's own job files: a
         // model of any size (GPT-2 small exports to 650 MB) is uploaded whole.
         max_upload_bytes: usize::MAX,
+        max_queued_upload_bytes: u64::MAX,
         ..Limits::default()
     };
     let state = AppState::open(data_dir.path(), limits, None).await?;

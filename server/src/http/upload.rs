@@ -93,12 +93,13 @@ fn relative_to(message: &str, base: &Path) -> String {
 async fn receive_checked(
     state: &AppState,
     multipart: &mut Multipart,
+    budget: Option<Budget>,
 ) -> Result<(PathBuf, String, String, Prepared), AppError> {
     let jobs_dir = state.data_dir.join("jobs");
     let upload = jobs_dir.join(format!(".upload-{:016x}", rand::random::<u64>()));
     let result = async {
         let (name, text, dataset) =
-            receive(multipart, &upload, state.limits.max_upload_bytes).await?;
+            receive(multipart, &upload, state.limits.max_upload_bytes, budget).await?;
         if let Some(dataset) = dataset {
             let (data_dir, dest) = (state.data_dir.clone(), upload.clone());
             tokio::task::spawn_blocking(move || datasets::link_into(&data_dir, &dataset, &dest))
@@ -161,7 +162,7 @@ pub async fn plan(
     State(state): State<AppState>,
     mut multipart: Multipart,
 ) -> Result<Json<PlanPreview>, AppError> {
-    let (upload, _, _, prepared) = receive_checked(&state, &mut multipart).await?;
+    let (upload, _, _, prepared) = receive_checked(&state, &mut multipart, None).await?;
     let _ = tokio::fs::remove_dir_all(&upload).await;
     // The providers the scheduler would plan onto now.
     let live = state.coordinator.snapshot().await;
@@ -203,8 +204,8 @@ pub async fn create(
 ) -> Result<(StatusCode, Json<JobCreated>), AppError> {
     // Before the upload's bytes are read: a Requester cannot fill the disk
     // or the queue with jobs waiting for providers.
-    let queued = jobs::list_owned(&state.db, requester.id)
-        .await?
+    let owned = jobs::list_owned(&state.db, requester.id).await?;
+    let queued = owned
         .iter()
         .filter(|j| j.status == jobs::JobStatus::Queued)
         .count();
@@ -213,7 +214,33 @@ pub async fn create(
             "{queued} of your jobs are queued already, the most this server keeps waiting (`rookery serve --max-queued-jobs`); cancel one or wait for one to start"
         )));
     }
-    let (upload, name, text, mut prepared) = receive_checked(&state, &mut multipart).await?;
+    // Nor can it fill the disk with the uploads of jobs it keeps waiting.
+    let dirs: Vec<PathBuf> = owned
+        .iter()
+        .filter(|j| j.status == jobs::JobStatus::Queued && !j.dir.is_empty())
+        .map(|j| PathBuf::from(&j.dir))
+        .collect();
+    let held = tokio::task::spawn_blocking(move || {
+        dirs.iter()
+            .map(|d| store::tree_bytes(d))
+            .try_fold(0u64, |sum, bytes| bytes.map(|b| sum.saturating_add(b)))
+    })
+    .await
+    .map_err(|e| AppError::Internal(format!("measuring queued uploads crashed: {e}")))?
+    .map_err(|e| AppError::Internal(format!("measuring queued uploads: {e}")))?;
+    let allowed = state.limits.max_queued_upload_bytes;
+    if held >= allowed {
+        return Err(AppError::TooManyRequests(format!(
+            "your queued jobs' uploads hold {held} bytes, the most this server keeps per Requester ({allowed}; `rookery serve --max-queued-upload-bytes`); cancel one or wait for one to start"
+        )));
+    }
+    let budget = Budget {
+        bytes: allowed - held,
+        held,
+        allowed,
+    };
+    let (upload, name, text, mut prepared) =
+        receive_checked(&state, &mut multipart, Some(budget)).await?;
     // Reserve the id, then move the files to the job's own folder and store
     // the spec with paths resolved there.
     let id = jobs::insert(
@@ -328,10 +355,19 @@ fn multipart_error(
 
 /// Stores every file part under `dir`; returns the job's name and text,
 /// and the server dataset the upload names, if any.
+/// What a Requester's upload may still add to its queued jobs' files.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    bytes: u64,
+    held: u64,
+    allowed: u64,
+}
+
 async fn receive(
     multipart: &mut Multipart,
     dir: &Path,
     limit: usize,
+    mut budget: Option<Budget>,
 ) -> Result<(String, String, Option<String>), AppError> {
     tokio::fs::create_dir_all(dir)
         .await
@@ -387,6 +423,17 @@ async fn receive(
             .await
             .map_err(|e| multipart_error(&e, &format!("part `{part}`"), limit))?
         {
+            if let Some(budget) = &mut budget {
+                budget.bytes = budget
+                    .bytes
+                    .checked_sub(chunk.len() as u64)
+                    .ok_or_else(|| {
+                        AppError::PayloadTooLarge(format!(
+                            "your queued jobs' uploads hold {} bytes and this one would pass the {} this server keeps per Requester (`rookery serve --max-queued-upload-bytes`)",
+                            budget.held, budget.allowed
+                        ))
+                    })?;
+            }
             file.write_all(&chunk).await.map_err(writing)?;
         }
         file.flush().await.map_err(writing)?;

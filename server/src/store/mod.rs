@@ -36,6 +36,27 @@ pub fn upload_dir(job_dir: &Path) -> PathBuf {
 /// folder's entries (the folder itself included), so a power cut cannot
 /// leave a job whose row names files that never reached the disk.
 /// Blocking; run it off the async threads.
+/// Bytes of the regular files under `dir` (links to server datasets are
+/// not the Requester's); 0 when it is gone.
+pub fn tree_bytes(dir: &Path) -> std::io::Result<u64> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(error) => return Err(error),
+    };
+    let mut total = 0u64;
+    for entry in entries {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
+            total = total.saturating_add(tree_bytes(&entry.path())?);
+        } else if kind.is_file() {
+            total = total.saturating_add(entry.metadata()?.len());
+        }
+    }
+    Ok(total)
+}
+
 pub fn sync_tree(dir: &Path) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
