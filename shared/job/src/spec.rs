@@ -103,6 +103,12 @@ use crate::file::{Clusters, DataFile, JobFile, ModelFile, TrainingFile, VerifyFi
 /// per epoch (each at most the samples) never overflows a counter.
 pub const MAX_EPOCHS: u64 = 1_000_000;
 
+/// The most elements one step's batch of inputs may have (2^36: 256 GiB of
+/// f32), so that every size computed from the job file's numbers (a
+/// sample's elements, a batch's, a token window) fits a counter with room
+/// to spare, on 32-bit browsers' sizes too once divided into micro-batches.
+pub const MAX_BATCH_ELEMENTS: u64 = 1 << 36;
+
 /// A data file, or one named array inside an `.npz`/safetensors file.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct DataRef {
@@ -434,6 +440,33 @@ impl JobSpec {
                 "training.batch_size",
                 "must be at least 1 (got 0)",
             ));
+        }
+        let sample = m
+            .input_shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .filter(|&n| n <= MAX_BATCH_ELEMENTS);
+        let batch = sample.and_then(|n| n.checked_mul(t.batch_size as u64));
+        match (sample, batch) {
+            (None, _) => {
+                return Err(JobError::field(
+                    "model.input_shape",
+                    format!(
+                        "{:?} is more than {MAX_BATCH_ELEMENTS} elements a sample",
+                        m.input_shape
+                    ),
+                ));
+            }
+            (Some(sample), batch) if batch.is_none_or(|b| b > MAX_BATCH_ELEMENTS) => {
+                return Err(JobError::field(
+                    "training.batch_size",
+                    format!(
+                        "{} samples of {sample} elements are more than {MAX_BATCH_ELEMENTS} elements a step",
+                        t.batch_size
+                    ),
+                ));
+            }
+            _ => {}
         }
         if !(1..=t.batch_size).contains(&t.micro_batches) {
             return Err(JobError::field(

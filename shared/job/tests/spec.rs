@@ -907,6 +907,42 @@ fn every_invalid_field_is_an_error_naming_it() {
 }
 
 #[test]
+fn sizes_from_a_job_file_that_would_overflow_are_refused_by_field() {
+    let dir = base();
+    let huge = u64::MAX.to_string();
+    let cases = [
+        (
+            "input_shape = [1, 28, 28]",
+            format!("input_shape = [{huge}, {huge}]"),
+            "model.input_shape",
+        ),
+        (
+            "input_shape = [1, 28, 28]",
+            "input_shape = [65536, 65536, 65536]".into(),
+            "model.input_shape",
+        ),
+        (
+            "batch_size = 64",
+            format!("batch_size = {huge}"),
+            "training.batch_size",
+        ),
+        (
+            "batch_size = 64",
+            "batch_size = 100000000".into(),
+            "training.batch_size",
+        ),
+    ];
+    for (replace, with, field) in cases {
+        assert!(EXAMPLE.contains(replace), "{replace}");
+        let text = EXAMPLE.replacen(replace, &with, 1);
+        match JobSpec::from_toml(&text, dir.path()) {
+            Err(JobError::Field { field: f, .. }) if f == field => {}
+            other => panic!("{with}: {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn invalid_json_fields_name_the_field_too() {
     let dir = base();
     let cases: &[(&str, &str, &[&str])] = &[
