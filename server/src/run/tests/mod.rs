@@ -12,6 +12,7 @@ mod sim;
 mod stragglers;
 mod sync;
 mod tokens;
+mod verify;
 
 use super::*;
 use rookery_job::{
