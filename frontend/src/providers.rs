@@ -1,5 +1,7 @@
 //! The Providers page: a live table of `GET /api/providers`, polled every
-//! second while the page is open.
+//! second while the page is open. Anyone sees the connected providers in
+//! numbers; the rows are every provider for a signed-in Requester, and
+//! otherwise this browser's own (by the credential its donating tabs keep).
 //!
 //! DOM contract (end-to-end tests rely on it): `<table id="providers">`, one
 //! `<tr class="provider" data-provider-id data-kind data-status>` per provider.
@@ -14,7 +16,7 @@ use futures_util::future::{Either, select};
 use gloo_net::http::Request;
 use gloo_timers::future::TimeoutFuture;
 use leptos::prelude::*;
-use rookery_proto::api::{ApiError, ProviderInfo, ProviderStatus};
+use rookery_proto::api::{ApiError, CREDENTIAL_HEADER, ProviderInfo, ProviderList};
 
 use crate::format;
 
@@ -29,6 +31,7 @@ pub fn ProvidersPage() -> impl IntoView {
     // `None` until the first successful answer, so "loading" and "no
     // providers" read differently.
     let providers = RwSignal::new(None::<Vec<ProviderInfo>>);
+    let summary = RwSignal::new(None::<rookery_proto::api::ProviderSummary>);
     let error = RwSignal::new(None::<String>);
     let last_ok_ms = RwSignal::new(None::<f64>);
     // The browser clock, re-read on every poll so relative times keep moving
@@ -42,8 +45,8 @@ pub fn ProvidersPage() -> impl IntoView {
         let alive = alive.clone();
         move || alive.store(false, Ordering::Relaxed)
     });
-    // A signed-in Requester sees names and its jobs' work; anyone else the
-    // rows without them.
+    // A signed-in Requester sees every provider, with its jobs' work;
+    // anyone else the counts and this browser's own providers.
     let auth = crate::api::use_auth();
     wasm_bindgen_futures::spawn_local(async move {
         while alive.load(Ordering::Relaxed) {
@@ -55,9 +58,13 @@ pub fn ProvidersPage() -> impl IntoView {
             let now = js_sys::Date::now();
             now_ms.set(now);
             match result {
-                Ok(mut list) => {
+                Ok(ProviderList {
+                    summary: counts,
+                    providers: mut list,
+                }) => {
                     format::sort_for_display(&mut list);
                     providers.set(Some(list));
+                    summary.set(Some(counts));
                     error.set(None);
                     last_ok_ms.set(Some(now));
                 }
@@ -69,12 +76,28 @@ pub fn ProvidersPage() -> impl IntoView {
 
     // `None` until the first answer: "0 connected" would be a guess.
     let connected = move || {
-        providers.with(|list| {
-            list.as_ref().map(|list| {
-                list.iter()
-                    .filter(|p| p.status == ProviderStatus::Connected)
-                    .count()
-            })
+        summary.with(|s| {
+            s.as_ref()
+                .map(|s| s.connected.values().sum::<u64>() as usize)
+        })
+    };
+    let counts = move || {
+        summary.get().map(|s| {
+            let kinds = s
+                .connected
+                .iter()
+                .map(|(kind, n)| format!("{n} {kind}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            view! {
+                <p id="provider-summary" class="note" data-ever-seen=s.ever_seen.to_string()>
+                    {format!(
+                        "{kinds}; {} GFLOP/s claimed together; {} providers ever joined.",
+                        format::gflops(s.connected_gflops),
+                        format::count(s.ever_seen),
+                    )}
+                </p>
+            }
         })
     };
 
@@ -114,12 +137,21 @@ pub fn ProvidersPage() -> impl IntoView {
                 }
                 .into_any(),
             ),
-            Some(list) if list.is_empty() => Some(
+            Some(list) if list.is_empty() && auth.token.with(Option::is_some) => Some(
                 view! {
                     <p id="providers-empty" class="empty">
                         "No providers have joined yet. Start a native provider with "
                         <code>"rookery-provider"</code> ", or "
                         <a href="/donate">"donate this browser's GPU"</a> "."
+                    </p>
+                }
+                .into_any(),
+            ),
+            Some(list) if list.is_empty() => Some(
+                view! {
+                    <p id="providers-empty" class="empty">
+                        "Who donates is shown to Requesters only; this browser has no providers of its own here. "
+                        <a href="/donate">"Donate this browser's GPU"</a> " to see yours."
                     </p>
                 }
                 .into_any(),
@@ -144,6 +176,7 @@ pub fn ProvidersPage() -> impl IntoView {
                 }}
             </div>
             {banner}
+            {counts}
             <div class="table-scroll">
                 <table id="providers">
                     <thead>
@@ -218,7 +251,7 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
 
 /// One poll of the API, bounded by [`FETCH_TIMEOUT_MS`]. The error is the
 /// text of the banner, so it says what went wrong in words.
-async fn fetch_providers(token: Option<String>) -> Result<Vec<ProviderInfo>, String> {
+async fn fetch_providers(token: Option<String>) -> Result<ProviderList, String> {
     let request = pin!(request_providers(token));
     let timeout = pin!(TimeoutFuture::new(FETCH_TIMEOUT_MS));
     match select(request, timeout).await {
@@ -227,10 +260,13 @@ async fn fetch_providers(token: Option<String>) -> Result<Vec<ProviderInfo>, Str
     }
 }
 
-async fn request_providers(token: Option<String>) -> Result<Vec<ProviderInfo>, String> {
+async fn request_providers(token: Option<String>) -> Result<ProviderList, String> {
     let mut request = Request::get("/api/providers");
     if let Some(token) = token {
         request = request.header("Authorization", &format!("Bearer {token}"));
+    }
+    if let Some(credential) = rookery_web_provider::stored_credential() {
+        request = request.header(CREDENTIAL_HEADER, &credential);
     }
     let response = request.send().await.map_err(|e| match e {
         // The browser hides the cause of a failed fetch (refused, DNS,
@@ -248,7 +284,7 @@ async fn request_providers(token: Option<String>) -> Result<Vec<ProviderInfo>, S
         return Err(format!("HTTP {}: {detail}", response.status()));
     }
     response
-        .json::<Vec<ProviderInfo>>()
+        .json::<ProviderList>()
         .await
         .map_err(|e| format!("unexpected answer from /api/providers ({e})"))
 }

@@ -1,8 +1,39 @@
 //! JSON bodies of the REST API, shared by the server and the dashboard.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ProviderKind;
+
+/// The header in which a caller of `GET /api/providers` presents a provider
+/// credential the server issued, to see that provider's own rows.
+pub const CREDENTIAL_HEADER: &str = "x-rookery-credential";
+
+/// Answer of `GET /api/providers`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProviderList {
+    pub summary: ProviderSummary,
+    /// For a Requester, every provider the server keeps; for anyone else,
+    /// only those whose identity the credential in `X-Rookery-Credential`
+    /// proves (a donor's own connections).
+    pub providers: Vec<ProviderInfo>,
+}
+
+/// What anyone may know of the providers: counts, never who.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ProviderSummary {
+    /// Connected providers by kind (`native`, `browser`; every kind, zero
+    /// included).
+    pub connected: BTreeMap<String, u64>,
+    /// The GFLOP/s the connected providers claim, added up.
+    pub connected_gflops: f64,
+    /// Provider identities the server has issued: every provider that ever
+    /// joined, counted once however often it reconnected.
+    pub ever_seen: u64,
+}
 
 /// Whether a provider is connected now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

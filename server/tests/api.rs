@@ -5,9 +5,10 @@
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use rookery_proto::api::{ApiError, ProviderInfo, ProviderStatus};
+use rookery_proto::api::{ApiError, CREDENTIAL_HEADER, ProviderList, ProviderStatus};
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind};
 use rookery_server::store::Db;
+use rookery_server::store::identities::{self, IssueLimit, Resolved};
 use rookery_server::store::providers;
 use rookery_server::store::tokens::Token;
 use rookery_server::{AppState, Limits, app};
@@ -49,68 +50,141 @@ fn state() -> AppState {
     )
 }
 
-#[tokio::test]
-async fn providers_endpoint_lists_registered_and_departed_providers() {
-    let state = state();
-    let (status, body) = get(&state, "/api/providers").await;
-    assert_eq!(status, StatusCode::OK);
-    assert_eq!(
-        serde_json::from_slice::<Vec<ProviderInfo>>(&body).unwrap(),
-        vec![]
-    );
-
-    let hello = Hello {
-        protocol_version: PROTOCOL_VERSION,
-        kind: ProviderKind::Native,
-        device: "libtorch 2.13.0 cpu".into(),
-        memory_bytes: 8 << 30,
-        gflops: 55.0,
-        display_name: "box".into(),
-        max_buffer_bytes: None,
-        credential: None,
-    };
-    let kept = providers::register(&state.db, hello.clone(), 1, 10)
+async fn get_with(state: &AppState, headers: &[(&str, &str)]) -> ProviderList {
+    let mut request = Request::get("/api/providers");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = app(state.clone())
+        .oneshot(request.body(Body::empty()).unwrap())
         .await
         .unwrap();
-    let left = providers::register(&state.db, hello, 2, 20).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&body).unwrap()
+}
+
+fn hello(kind: ProviderKind, name: &str, gflops: f64) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind,
+        device: "libtorch 2.13.0 cpu".into(),
+        memory_bytes: 8 << 30,
+        gflops,
+        display_name: name.into(),
+        max_buffer_bytes: None,
+        credential: None,
+    }
+}
+
+/// Two donors, each with an identity: a native box (one connection gone,
+/// one here) and a browser tab. Returns the tab's credential and the ids.
+async fn two_donors(state: &AppState) -> (String, [u64; 3]) {
+    let mut credentials = Vec::new();
+    for _ in 0..2 {
+        match identities::resolve(&state.db, None, None, 1, IssueLimit::default())
+            .await
+            .unwrap()
+        {
+            Resolved::Issued { credential, .. } => credentials.push(credential),
+            other => panic!("expected an identity, got {other:?}"),
+        }
+    }
+    let (box_id, tab_id) = (1, 2);
+    let left = providers::register(
+        &state.db,
+        hello(ProviderKind::Native, "box", 55.0),
+        box_id,
+        10,
+    )
+    .await
+    .unwrap();
     providers::mark_gone(&state.db, left, 30, "closed".into())
         .await
         .unwrap();
+    let kept = providers::register(
+        &state.db,
+        hello(ProviderKind::Native, "box", 55.0),
+        box_id,
+        40,
+    )
+    .await
+    .unwrap();
+    let tab = providers::register(
+        &state.db,
+        hello(ProviderKind::Browser, "my tab", 2.5),
+        tab_id,
+        50,
+    )
+    .await
+    .unwrap();
+    (credentials.pop().unwrap(), [left, kept, tab])
+}
 
-    // Anyone sees the rows, without names or reasons: names are often a
-    // host's, and reasons can carry a provider's words.
-    let (status, body) = get(&state, "/api/providers").await;
-    assert_eq!(status, StatusCode::OK);
-    let public: Vec<ProviderInfo> = serde_json::from_slice(&body).unwrap();
+#[tokio::test]
+async fn anyone_gets_only_counts_of_the_providers() {
+    let state = state();
+    assert_eq!(get_with(&state, &[]).await.providers, vec![]);
+    let _ = two_donors(&state).await;
+
+    let public = get_with(&state, &[]).await;
     assert_eq!(
-        public.iter().map(|p| p.name.clone()).collect::<Vec<_>>(),
-        vec![format!("provider {kept}"), format!("provider {left}")]
+        public.providers,
+        vec![],
+        "no rows: names are often a host's"
     );
-    assert!(
-        public
-            .iter()
-            .all(|p| p.gone_reason.is_none() && p.work.is_none())
+    assert_eq!(
+        public.summary.connected,
+        [("browser".to_string(), 1), ("native".to_string(), 1)].into()
     );
+    assert_eq!(public.summary.connected_gflops, 57.5);
+    assert_eq!(public.summary.ever_seen, 2);
+    // A credential this server never issued shows nothing either.
+    let stranger = get_with(&state, &[(CREDENTIAL_HEADER, "not-a-credential")]).await;
+    assert_eq!(stranger.providers, vec![]);
     let (status, _) = get_as(&state, "/api/providers", Some("wrong")).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
 
-    let (status, body) = get_as(&state, "/api/providers", Some("test-token")).await;
-    assert_eq!(status, StatusCode::OK);
-    let listed: Vec<ProviderInfo> = serde_json::from_slice(&body).unwrap();
-    assert_eq!(listed.len(), 2);
-    assert_eq!(listed[0].name, "box");
+#[tokio::test]
+async fn a_donor_sees_its_own_providers_by_its_credential_and_nobody_elses() {
+    let state = state();
+    let (tab_credential, [_, _, tab]) = two_donors(&state).await;
+    let own = get_with(&state, &[(CREDENTIAL_HEADER, &tab_credential)]).await;
+    assert_eq!(own.providers.len(), 1);
     assert_eq!(
-        (listed[0].id, listed[0].status),
-        (kept, ProviderStatus::Connected)
+        (own.providers[0].id, own.providers[0].name.as_str()),
+        (tab, "my tab")
     );
-    assert_eq!(listed[0].device, "libtorch 2.13.0 cpu");
-    assert_eq!(listed[0].gflops, 55.0);
+    assert_eq!(own.summary.ever_seen, 2);
+}
+
+#[tokio::test]
+async fn a_requester_gets_every_provider_with_names_and_reasons() {
+    let state = state();
+    let (tab_credential, [left, kept, tab]) = two_donors(&state).await;
+    let listed = get_with(
+        &state,
+        &[
+            ("authorization", "Bearer test-token"),
+            (CREDENTIAL_HEADER, &tab_credential),
+        ],
+    )
+    .await
+    .providers;
     assert_eq!(
-        (listed[1].id, listed[1].status),
-        (left, ProviderStatus::Gone)
+        listed.iter().map(|p| p.id).collect::<Vec<_>>(),
+        vec![tab, kept, left]
     );
-    assert_eq!(listed[1].gone_since_ms, Some(30));
-    assert_eq!(listed[1].gone_reason.as_deref(), Some("closed"));
+    assert_eq!(listed[1].name, "box");
+    assert_eq!(listed[1].status, ProviderStatus::Connected);
+    assert_eq!(listed[1].device, "libtorch 2.13.0 cpu");
+    assert_eq!(listed[1].gflops, 55.0);
+    assert_eq!(
+        (listed[2].status, listed[2].gone_since_ms),
+        (ProviderStatus::Gone, Some(30))
+    );
+    assert_eq!(listed[2].gone_reason.as_deref(), Some("closed"));
 }
 
 #[tokio::test]
@@ -223,6 +297,8 @@ async fn the_openapi_description_documents_every_endpoint_and_dto_the_dashboard_
         "StageView",
         "LogEntry",
         "JobEvent",
+        "ProviderList",
+        "ProviderSummary",
         "ProviderInfo",
         "ProviderWork",
         "ApiError",

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
-use rookery_proto::api::{JobCreated, JobInfo, ProviderInfo};
+use rookery_proto::api::{JobCreated, JobInfo, ProviderList};
 use rookery_proto::{Hello, PROTOCOL_VERSION, ProviderKind, ToProvider, ToServer};
 use rookery_server::store::Db;
 use rookery_server::store::tokens::Token;
@@ -158,15 +158,16 @@ async fn the_coordinator_answers_while_a_job_of_millions_of_parameters_starts() 
     // Planned onto only once its link is measured.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let listed: Vec<ProviderInfo> = http
+        let listed = http
             .get(format!("{base}/providers"))
             .bearer_auth(TOKEN)
             .send()
             .await
             .unwrap()
-            .json()
+            .json::<ProviderList>()
             .await
-            .unwrap();
+            .unwrap()
+            .providers;
         if listed.iter().any(|p| p.bandwidth_mbps.is_some()) {
             break;
         }
@@ -221,15 +222,16 @@ async fn the_coordinator_answers_while_a_job_of_millions_of_parameters_starts() 
             "the job never started"
         );
         let asked = Instant::now();
-        let listed: Vec<ProviderInfo> = http
+        let listed = http
             .get(format!("{base}/providers"))
             .bearer_auth(TOKEN)
             .send()
             .await
             .unwrap()
-            .json()
+            .json::<ProviderList>()
             .await
-            .unwrap();
+            .unwrap()
+            .providers;
         let took = asked.elapsed();
         let taken = listed
             .iter()

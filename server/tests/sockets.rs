@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
-use rookery_proto::api::{ProviderInfo, ProviderStatus};
+use rookery_proto::api::{ProviderInfo, ProviderList, ProviderStatus};
 use rookery_proto::{ErrorCode, Hello, PROTOCOL_VERSION, ProviderKind, ToProvider, ToServer};
 use rookery_server::store::Db;
 use rookery_server::store::tokens::Token;
@@ -119,7 +119,9 @@ async fn listed(state: &AppState) -> Vec<ProviderInfo> {
     let body = http_body_util::BodyExt::collect(response.into_body())
         .await
         .unwrap();
-    serde_json::from_slice(&body.to_bytes()).unwrap()
+    serde_json::from_slice::<ProviderList>(&body.to_bytes())
+        .unwrap()
+        .providers
 }
 
 async fn status_of(state: &AppState, id: u64) -> ProviderStatus {

@@ -1,8 +1,8 @@
 //! `cargo xtask bench load`: one server carrying a real training job while
 //! 500 simulated browser providers stay connected and heartbeat, against the
 //! same job on the same server with no extra connections (target: samples/s
-//! ratio >= 0.9). Prints the server's memory, the heartbeat round trip
-//! (p50, p99) and the ratio.
+//! ratio >= 0.9). Prints the server's memory (target: under 100 KiB per
+//! idle browser), the heartbeat round trip (p50, p99) and the ratio.
 //!
 //! The job is real: `rookery serve` with three `rookery-provider` processes
 //! (libtorch, one cluster of three stages) training the MNIST CNN of the
@@ -119,7 +119,7 @@ async fn main() -> anyhow::Result<()> {
     let mib = |kib: usize| kib as f64 / 1024.0;
     println!(
         "server memory (VmRSS): {:.1} MiB idle with 3 trainers, {:.1} MiB with {clients} \
-         browsers connected, {:.1} MiB peak while training with them ({:.1} KiB per browser)",
+         browsers connected, {:.1} MiB peak while training with them ({:.1} KiB per browser, target < 100 KiB)",
         mib(rss_idle),
         mib(rss_connected),
         mib(peak.load(Ordering::SeqCst)),

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use rookery_proto::api::ProviderInfo;
+use rookery_proto::api::{ProviderInfo, ProviderList};
 use rookery_test_support::workspace_root;
 
 fn dir_from_env(var: &str, default: &str) -> PathBuf {
@@ -216,7 +216,8 @@ impl Server {
             .bearer_auth(self.api_token()?)
             .send()
             .await?;
-        Ok(response.error_for_status()?.json().await?)
+        let list: ProviderList = response.error_for_status()?.json().await?;
+        Ok(list.providers)
     }
 
     /// Polls `/api/providers` until `done` holds, or fails after `timeout`

@@ -159,7 +159,7 @@ fn local_storage() -> Option<web_sys::Storage> {
     web_sys::window()?.local_storage().ok().flatten()
 }
 
-fn stored_credential() -> Option<String> {
+pub(crate) fn stored_credential() -> Option<String> {
     local_storage()?.get_item(CREDENTIAL_KEY).ok().flatten()
 }
 

@@ -57,6 +57,19 @@ pub fn default_server_url() -> Option<String> {
     }
 }
 
+/// The provider credential this browser keeps for the page's server, if
+/// it ever donated: the dashboard presents it to list its own providers.
+pub fn stored_credential() -> Option<String> {
+    #[cfg(target_arch = "wasm32")]
+    {
+        browser::stored_credential()
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        None
+    }
+}
+
 /// Donates this tab's GPU to the server at `server_ws_url` until the page
 /// closes, reporting every change of state through `on_status`.
 ///

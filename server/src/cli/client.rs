@@ -11,7 +11,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use rookery_job::{DataRef, JobSpec, ModelSource};
-use rookery_proto::api::{ApiError, JobCreated, JobInfo, JobMetrics, ProviderInfo, ProviderStatus};
+use rookery_proto::api::{
+    ApiError, JobCreated, JobInfo, JobMetrics, ProviderInfo, ProviderList, ProviderStatus,
+};
 use tokio::io::AsyncWriteExt;
 
 /// A server and the token to talk to it.
@@ -69,8 +71,10 @@ impl Client {
         Ok(Self::check(response).await?.json().await?)
     }
 
+    /// Every provider the server keeps (the client always has a token).
     pub async fn providers(&self) -> anyhow::Result<Vec<ProviderInfo>> {
-        self.get_json("/api/providers").await
+        let list: ProviderList = self.get_json("/api/providers").await?;
+        Ok(list.providers)
     }
 
     pub async fn jobs(&self) -> anyhow::Result<Vec<JobInfo>> {

@@ -70,6 +70,10 @@ pub struct ServeArgs {
     /// may.
     #[arg(long = "allowed-origin", value_name = "ORIGIN")]
     pub allowed_origins: Vec<WebOrigin>,
+    /// Days a gone provider's row is kept (for the dashboard's history)
+    /// before it is deleted; checked at start and then hourly.
+    #[arg(long, default_value_t = 30)]
+    pub provider_retention_days: u64,
 }
 
 /// The provider connections' frame limit, for `rookery serve` and `rookery
@@ -174,11 +178,31 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         "Rookery server listening on http://{addr}/ (providers: ws://{addr}{})",
         rookery_proto::PROVIDER_WS_PATH
     );
+    tokio::spawn(prune_providers(
+        state.db.clone(),
+        Duration::from_secs(args.provider_retention_days.saturating_mul(86_400)),
+    ));
     crate::serve(listener, state, shutdown_signal())
         .await
         .context("serving")?;
     println!("Rookery server stopped");
     Ok(())
+}
+
+/// Deletes providers gone longer than `retention`, now and then hourly: a
+/// public server sees a new row per tab visit, and the history is only
+/// there for the dashboard.
+async fn prune_providers(db: crate::store::Db, retention: Duration) {
+    let mut hourly = tokio::time::interval(Duration::from_secs(3_600));
+    loop {
+        hourly.tick().await;
+        let before = crate::now_ms().saturating_sub(retention.as_millis() as u64);
+        match crate::store::providers::prune_gone(&db, before).await {
+            Ok(0) => {}
+            Ok(pruned) => tracing::info!(pruned, "forgot providers gone longer than the retention"),
+            Err(error) => tracing::error!(%error, "cannot prune gone providers"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -198,9 +198,14 @@ impl Actor {
             }
             Event::WeightsWritten { job_id, written } => match written {
                 Ok(()) => self.set_status(job_id, JobStatus::Completed, None).await,
+                // Every retry failed: the training is not lost, the job
+                // resumes from its resume file when planned again.
                 Err(error) => {
-                    let reason = format!("cannot write the weights: {error}");
-                    self.set_status(job_id, JobStatus::Failed, Some(reason))
+                    let reason = format!(
+                        "cannot write the weights ({error}); the job resumes from its last checkpoint"
+                    );
+                    self.log(job_id, "queued", reason.clone()).await;
+                    self.set_status(job_id, JobStatus::Queued, Some(reason))
                         .await
                 }
             },

@@ -6,15 +6,22 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use rookery_job::{JobSpec, Prepared, prepare};
 use rookery_model::{Analysis, Graph, Init, ParamKind};
 use rookery_plan::Plan;
 use rookery_proto::WireTensor;
+use rookery_proto::api::{JobEvent, JobEventBody, LogEntry};
+use tokio::sync::broadcast;
 
 use super::{Actor, Event};
+use crate::now_ms;
 use crate::run::{AggregateWork, Effect, JobRun};
+use crate::store::Db;
 use crate::store::checkpoints::write_file;
+use crate::store::jobs::{self, LogRecord};
 use crate::store::resume;
 
 /// What a queued job keeps while it waits for providers: enough to plan it,
@@ -170,13 +177,194 @@ impl Actor {
     }
 
     /// Writes a completed job's weights off the task ([`Event::WeightsWritten`]).
+    ///
+    /// A failed write (a full disk, say) is no reason to lose the training:
+    /// the weights stay in memory and the write is tried again after each
+    /// of [`WEIGHTS_RETRY_DELAYS`], every failure in the job's log. Only
+    /// when all fail does the job report `Err`, and goes back to the queue
+    /// to resume from its resume file (which holds the last step, or an
+    /// earlier sync that replays exactly): no human is needed either way.
     pub(super) fn write_weights(&self, job_id: u64, weights: Vec<WireTensor>) {
         let path = crate::store::checkpoints::weights_path(&self.data_dir, job_id);
-        self.off_task(job_id, "writing the weights", move || {
-            Event::WeightsWritten {
-                job_id,
-                written: write_file(&path, &weights).map_err(|e| e.to_string()),
+        let (tx, db, events) = (self.tx.clone(), self.db.clone(), self.events.clone());
+        tokio::spawn(async move {
+            let weights = Arc::new(weights);
+            let mut delays = WEIGHTS_RETRY_DELAYS.iter();
+            let written = loop {
+                let (path, weights) = (path.clone(), weights.clone());
+                let error =
+                    match tokio::task::spawn_blocking(move || write_file(&path, &weights)).await {
+                        Ok(Ok(())) => break Ok(()),
+                        Ok(Err(error)) => error.to_string(),
+                        Err(crashed) => format!("the writer crashed: {crashed}"),
+                    };
+                let Some(delay) = delays.next() else {
+                    break Err(error);
+                };
+                let message = format!(
+                    "cannot write the weights ({error}); trying again in {} s",
+                    delay.as_secs()
+                );
+                tracing::warn!(job = job_id, %message);
+                log_to(&db, &events, job_id, "weights", message).await;
+                tokio::time::sleep(*delay).await;
+            };
+            if let Some(tx) = tx.upgrade() {
+                let _ = tx.send(Event::WeightsWritten { job_id, written }).await;
             }
         });
+    }
+}
+
+/// The pauses before each new try at writing a job's weights: about four
+/// minutes in all, so a disk freed meanwhile completes the job as it is.
+pub(super) const WEIGHTS_RETRY_DELAYS: [Duration; 8] = [
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+    Duration::from_secs(4),
+    Duration::from_secs(8),
+    Duration::from_secs(16),
+    Duration::from_secs(32),
+    Duration::from_secs(64),
+    Duration::from_secs(128),
+];
+
+/// A line in a job's log from work off the task, as `Actor::log` writes it.
+async fn log_to(
+    db: &Db,
+    events: &broadcast::Sender<JobEvent>,
+    job_id: u64,
+    kind: &str,
+    message: String,
+) {
+    let entry = LogEntry {
+        at_ms: now_ms(),
+        kind: kind.to_string(),
+        message,
+    };
+    let record = LogRecord {
+        at_ms: entry.at_ms,
+        kind: entry.kind.clone(),
+        message: entry.message.clone(),
+    };
+    if let Err(error) = jobs::append_log(db, job_id, record).await {
+        tracing::error!(job = job_id, %error, "cannot write to a job's log");
+    }
+    let _ = events.send(JobEvent {
+        job_id,
+        body: JobEventBody::Log { entry },
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use rookery_job::weights::read_wire_safetensors;
+    use rookery_proto::WireDType;
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::store::checkpoints::weights_path;
+    use crate::store::jobs::JobStatus;
+    use crate::store::requesters;
+
+    fn weights() -> Vec<WireTensor> {
+        vec![WireTensor::from_f32(
+            "w",
+            &[2],
+            &[1.5, -2.0],
+            WireDType::F32,
+        )]
+    }
+
+    /// A coordinator with one running job whose weights go nowhere yet: a
+    /// folder stands where the file must go, so writing fails as on a
+    /// full disk. The job has no folder of its own, so the scheduler
+    /// leaves it be once it is queued.
+    async fn coordinator_with_a_blocked_weights_file() -> (mpsc::Sender<Event>, Db, u64, PathBuf) {
+        let db = Db::open_in_memory().unwrap();
+        let data_dir = tempfile::tempdir().unwrap().keep();
+        let (requester, _) = requesters::create(&db, "r", 1).await.unwrap();
+        let job_id = jobs::insert(
+            &db,
+            requester.id,
+            "job".into(),
+            "{}".into(),
+            String::new(),
+            1,
+        )
+        .await
+        .unwrap();
+        jobs::set_status(&db, job_id, JobStatus::Running, None, 2)
+            .await
+            .unwrap();
+        let path = weights_path(&data_dir, job_id);
+        std::fs::create_dir_all(path.join("in-the-way")).unwrap();
+        let (tx, rx) = mpsc::channel(16);
+        let actor = Actor {
+            tx: tx.downgrade(),
+            db: db.clone(),
+            data_dir,
+            providers: Default::default(),
+            jobs: Default::default(),
+            events: broadcast::channel(16).0,
+            rates: super::super::rates::Rates::new(),
+        };
+        actor.write_weights(job_id, weights());
+        tokio::spawn(actor.run(rx));
+        (tx, db, job_id, path)
+    }
+
+    async fn wait_for_status(db: &Db, job_id: u64, status: JobStatus) -> jobs::JobRecord {
+        loop {
+            let job = jobs::get(db, job_id).await.unwrap().unwrap();
+            if job.status == status {
+                return job;
+            }
+            assert!(!job.status.is_finished(), "the job {:?}", job.status);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn retries_logged(db: &Db, job_id: u64) -> usize {
+        jobs::log(db, job_id, 100)
+            .await
+            .unwrap()
+            .iter()
+            .filter(|line| {
+                line.message.contains("cannot write the weights") && line.kind == "weights"
+            })
+            .count()
+    }
+
+    #[tokio::test]
+    async fn weights_that_fail_to_write_are_written_again_and_the_job_completes_with_them() {
+        let (_tx, db, job_id, path) = coordinator_with_a_blocked_weights_file().await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while retries_logged(&db, job_id).await == 0 {
+            assert!(Instant::now() < deadline, "no failed write was logged");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        std::fs::remove_dir_all(&path).unwrap();
+        wait_for_status(&db, job_id, JobStatus::Completed).await;
+        assert_eq!(read_wire_safetensors(&path).unwrap(), weights());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn weights_that_never_write_send_the_job_back_to_the_queue_to_resume_not_to_fail() {
+        let (_tx, db, job_id, _path) = coordinator_with_a_blocked_weights_file().await;
+        let job = wait_for_status(&db, job_id, JobStatus::Queued).await;
+        assert!(
+            job.detail
+                .as_deref()
+                .is_some_and(|d| d.contains("resumes from its last checkpoint")),
+            "{:?}",
+            job.detail
+        );
+        assert_eq!(
+            retries_logged(&db, job_id).await,
+            WEIGHTS_RETRY_DELAYS.len()
+        );
     }
 }

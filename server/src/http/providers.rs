@@ -1,74 +1,110 @@
-//! `GET /api/providers`: every provider the server has seen, as the
-//! dashboard lists them; names and work only for a Requester.
+//! `GET /api/providers`: the providers in numbers for anyone; every
+//! provider, with names and its own jobs' work, for a Requester; and a
+//! donor's own providers for whoever presents their credential.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::routing::get;
 use axum::{Json, Router};
-use rookery_proto::api::{ApiError, ProviderInfo, ProviderWork};
+use rookery_proto::ProviderKind;
+use rookery_proto::api::{
+    ApiError, CREDENTIAL_HEADER, ProviderList, ProviderSummary, ProviderWork,
+};
 
 use super::auth::requester_of;
 use super::error::AppError;
 use crate::dto;
 use crate::state::AppState;
-use crate::store::{jobs, providers};
+use crate::store::{identities, jobs, providers};
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/providers", get(list_providers))
 }
 
-/// Every provider the server has seen, connected ones with the stage they
-/// run. Names are often derived from a host's name and work tells who runs
-/// which job, so only a Requester sees them, and only the work of its own
-/// jobs; anyone else gets the rows without names, reasons or work (the
-/// public Providers page and the Donate page show what the server has).
+/// The providers as the caller may see them. Anyone gets the counts. Rows
+/// say who donates (names are often a host's, gone reasons carry a
+/// provider's words, work says who runs which job), so a Requester gets
+/// every row with the work of its own jobs only, and anyone else only the
+/// rows of the identity whose credential it presents in
+/// `X-Rookery-Credential` (a donating tab's, from its local storage): what
+/// that provider was told itself.
 #[utoipa::path(get, path = "/api/providers", tag = "providers",
     security((), ("api_token" = [])),
-    responses((status = 200, description = "Every provider, connected or gone; names, reasons and work only for a Requester, and work only on its own jobs", body = Vec<ProviderInfo>),
+    params(("X-Rookery-Credential" = Option<String>, Header,
+        description = "A provider credential this server issued: its providers are listed for a caller without a token")),
+    responses((status = 200, description = "The connected providers in numbers; every provider for a Requester (work only on its own jobs), else only the credential's own", body = ProviderList),
         (status = 401, description = "A token was given and is wrong", body = ApiError)))]
 pub async fn list_providers(
     State(state): State<AppState>,
     headers: HeaderMap,
-) -> Result<Json<Vec<ProviderInfo>>, AppError> {
+) -> Result<Json<ProviderList>, AppError> {
     let requester = requester_of(&state, &headers).await?;
-    let own_jobs: HashSet<u64> = match &requester {
-        Some(r) => jobs::list_owned(&state.db, r.id)
-            .await?
-            .into_iter()
-            .map(|j| j.id)
-            .collect(),
-        None => HashSet::new(),
+    let summary = summary(&state).await?;
+    let (records, shown_jobs) = match &requester {
+        Some(r) => {
+            let own_jobs: HashSet<u64> = jobs::list_owned(&state.db, r.id)
+                .await?
+                .into_iter()
+                .map(|j| j.id)
+                .collect();
+            (providers::list(&state.db).await?, Some(own_jobs))
+        }
+        None => match credential(&headers) {
+            Some(credential) => match identities::find(&state.db, credential).await? {
+                // Its own stages' work is what the provider was sent itself.
+                Some(identity) => (
+                    providers::list_of_identity(&state.db, identity).await?,
+                    None,
+                ),
+                None => (Vec::new(), None),
+            },
+            None => (Vec::new(), None),
+        },
     };
-    let records = providers::list(&state.db).await?;
-    let mut work: HashMap<u64, ProviderWork> = state
-        .coordinator
-        .snapshot()
-        .await
-        .into_iter()
-        .filter_map(|live| Some((live.id, live.work?)))
-        .filter(|(_, w)| own_jobs.contains(&w.job_id))
-        .collect();
-    Ok(Json(
-        records
+    let mut work: HashMap<u64, ProviderWork> = if records.is_empty() {
+        HashMap::new()
+    } else {
+        state
+            .coordinator
+            .snapshot()
+            .await
             .into_iter()
-            .map(|record| {
-                let work = work.remove(&record.id);
-                let info = ProviderInfo {
-                    work,
-                    ..dto::provider_info(record)
-                };
-                if requester.is_some() {
-                    info
-                } else {
-                    ProviderInfo {
-                        name: format!("provider {}", info.id),
-                        gone_reason: None,
-                        ..info
-                    }
-                }
-            })
-            .collect(),
-    ))
+            .filter_map(|live| Some((live.id, live.work?)))
+            .filter(|(_, w)| shown_jobs.as_ref().is_none_or(|j| j.contains(&w.job_id)))
+            .collect()
+    };
+    let providers = records
+        .into_iter()
+        .map(|record| {
+            let work = work.remove(&record.id);
+            rookery_proto::api::ProviderInfo {
+                work,
+                ..dto::provider_info(record)
+            }
+        })
+        .collect();
+    Ok(Json(ProviderList { summary, providers }))
+}
+
+fn credential(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(CREDENTIAL_HEADER)?.to_str().ok()?.trim();
+    (!value.is_empty()).then(|| value.to_owned())
+}
+
+async fn summary(state: &AppState) -> Result<ProviderSummary, AppError> {
+    let counts = providers::connected(&state.db).await?;
+    let mut connected: BTreeMap<String, u64> = [ProviderKind::Native, ProviderKind::Browser]
+        .into_iter()
+        .map(|kind| (kind.as_str().to_owned(), 0))
+        .collect();
+    for (kind, n) in counts.by_kind {
+        connected.insert(kind.as_str().to_owned(), n);
+    }
+    Ok(ProviderSummary {
+        connected,
+        connected_gflops: counts.gflops,
+        ever_seen: identities::count(&state.db).await?,
+    })
 }

@@ -32,6 +32,12 @@ pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_millis(10
 /// provider's rollback uses the in-memory checkpoint of the last sync.
 pub const RESUME_EVERY: std::time::Duration = std::time::Duration::from_millis(5000);
 
+/// How often a writer tries a value again after its write failed, unless a
+/// newer one comes first; the pause doubles from the writer's interval up
+/// to [`MAX_RETRY_PAUSE`].
+pub const RETRIES: u32 = 8;
+pub const MAX_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Where a job's latest checkpoint lives (the weights at its last sync).
 pub fn checkpoint_path(data_dir: &Path, job_id: u64) -> PathBuf {
     super::job_dir(data_dir, job_id).join("checkpoint.safetensors")
@@ -43,8 +49,9 @@ pub fn weights_path(data_dir: &Path, job_id: u64) -> PathBuf {
 }
 
 /// Writes the newest value it is handed to one file, in its own task, at
-/// most every `every`: values superseded before their turn are skipped.
-/// Dropping it lets the task write what it was last given and end.
+/// most every `every`: values superseded before their turn are skipped,
+/// and one whose write fails is tried again ([`RETRIES`]). Dropping it
+/// lets the task write what it was last given and end.
 pub struct LatestWriter<T> {
     latest: watch::Sender<Option<Arc<T>>>,
 }
@@ -61,22 +68,53 @@ impl<T: Send + Sync + 'static> LatestWriter<T> {
         let (latest, mut newest) = watch::channel(None::<Arc<T>>);
         let write = Arc::new(write);
         tokio::spawn(async move {
-            // `changed` sees a value sent just before the sender was dropped
-            // before it reports the channel closed.
-            while newest.changed().await.is_ok() {
-                let Some(value) = newest.borrow_and_update().clone() else {
-                    continue;
+            // A value whose write failed, and how often it has.
+            let mut failed: Option<(Arc<T>, u32)> = None;
+            loop {
+                let (value, failures) = match failed.take() {
+                    // A newer value supersedes the one that failed.
+                    Some((value, failures)) => match newest.borrow_and_update().clone() {
+                        Some(latest) if !Arc::ptr_eq(&latest, &value) => (latest, 0),
+                        _ => (value, failures),
+                    },
+                    // `changed` sees a value sent just before the sender
+                    // was dropped before it reports the channel closed.
+                    None => match newest.changed().await {
+                        Ok(()) => match newest.borrow_and_update().clone() {
+                            Some(value) => (value, 0),
+                            None => continue,
+                        },
+                        Err(_) => return,
+                    },
                 };
                 let started = tokio::time::Instant::now();
                 let write = write.clone();
-                let written = tokio::task::spawn_blocking(move || write.as_ref()(&value))
+                let to_write = value.clone();
+                let written = tokio::task::spawn_blocking(move || write.as_ref()(&to_write))
                     .await
                     .map_err(std::io::Error::other)
                     .and_then(|r| r);
+                let mut pause = every;
                 if let Err(error) = written {
-                    tracing::error!(job = job_id, %error, "cannot write the {what}");
+                    // A full disk may free up: the newest value is written
+                    // again, less and less often, even after its job ended
+                    // (a resume file is what a requeued job resumes from).
+                    let failures = failures + 1;
+                    if failures <= RETRIES {
+                        pause = every
+                            .saturating_mul(1 << (failures - 1).min(16))
+                            .min(MAX_RETRY_PAUSE);
+                        tracing::error!(
+                            job = job_id,
+                            %error,
+                            "cannot write the {what}; trying again in {pause:?}"
+                        );
+                        failed = Some((value, failures));
+                    } else {
+                        tracing::error!(job = job_id, %error, "cannot write the {what}; giving up on it");
+                    }
                 }
-                tokio::time::sleep_until(started + every).await;
+                tokio::time::sleep_until(started + pause).await;
             }
         });
         Self { latest }
@@ -156,6 +194,27 @@ mod tests {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the newest checkpoint was never written"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_that_fails_to_write_is_written_once_the_disk_lets_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("job-1").join("checkpoint.safetensors");
+        // A folder where the file goes: writing fails as on a full disk.
+        std::fs::create_dir_all(path.join("in-the-way")).unwrap();
+        let writer = CheckpointWriter::checkpoint(1, path.clone());
+        writer.save(weights(7.0));
+        drop(writer);
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        std::fs::remove_dir_all(&path).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while read_wire_safetensors(&path).ok() != Some(weights(7.0)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the failed checkpoint was never written again"
             );
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }

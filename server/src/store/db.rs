@@ -108,6 +108,10 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     // A revoked Requester keeps its row (its jobs still name it) but no
     // token of its works; `rookery token create` may issue it a new one.
     "ALTER TABLE requesters ADD COLUMN revoked_ms INTEGER;",
+    // A donor's dashboard lists its identity's providers; pruning finds
+    // long-gone ones.
+    "CREATE INDEX providers_by_identity ON providers (identity);
+    CREATE INDEX providers_by_gone ON providers (gone_ms);",
 ];
 
 #[derive(Debug, thiserror::Error)]

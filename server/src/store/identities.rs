@@ -115,6 +115,33 @@ pub async fn resolve(
     .await
 }
 
+/// The identity whose credential is `credential`, if this server issued
+/// it; unlike [`resolve`], nothing is made or touched (a dashboard showing
+/// a donor its own providers is no visit).
+pub async fn find(db: &Db, credential: String) -> Result<Option<u64>, DbError> {
+    db.call(move |conn| {
+        conn.query_row(
+            "SELECT id FROM identities WHERE secret_sha256 = ?1",
+            [digest_hex(&credential)],
+            |row| row.get::<_, i64>(0),
+        )
+        .optional()
+        .map(|id| id.map(|id| id as u64))
+    })
+    .await
+}
+
+/// How many identities this server has issued.
+pub async fn count(db: &Db) -> Result<u64, DbError> {
+    db.call(|conn| {
+        conn.query_row("SELECT COUNT(*) FROM identities", [], |row| {
+            row.get::<_, i64>(0)
+        })
+        .map(|n| n.max(0) as u64)
+    })
+    .await
+}
+
 /// Counts a fault against `identity`: it spends its address's allowance
 /// for new identities.
 pub async fn record_fault(db: &Db, identity: u64) -> Result<(), DbError> {

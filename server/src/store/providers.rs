@@ -111,6 +111,67 @@ pub async fn list(db: &Db) -> Result<Vec<ProviderRecord>, DbError> {
     .await
 }
 
+/// The providers that connected as `identity`, in [`list`]'s order.
+pub async fn list_of_identity(db: &Db, identity: u64) -> Result<Vec<ProviderRecord>, DbError> {
+    db.call(move |conn| {
+        let mut statement = conn.prepare(
+            "SELECT id, name, kind, device, memory_bytes, gflops, connected_ms, last_heartbeat_ms, gone_ms, gone_reason, bandwidth_mbps, identity
+             FROM providers WHERE identity = ?1 ORDER BY gone_ms IS NOT NULL, id DESC",
+        )?;
+        let rows = statement.query_map([identity as i64], row_to_record)?;
+        rows.collect()
+    })
+    .await
+}
+
+/// The connected providers in numbers: how many of each kind, and the
+/// GFLOP/s they claim together.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Connected {
+    pub by_kind: Vec<(ProviderKind, u64)>,
+    pub gflops: f64,
+}
+
+pub async fn connected(db: &Db) -> Result<Connected, DbError> {
+    db.call(|conn| {
+        let mut statement = conn.prepare(
+            "SELECT kind, COUNT(*), COALESCE(SUM(gflops), 0) FROM providers
+             WHERE gone_ms IS NULL GROUP BY kind ORDER BY kind",
+        )?;
+        let mut counts = Connected::default();
+        let rows = statement.query_map([], |row| {
+            Ok((
+                row.get::<_, String>(0)?,
+                row.get::<_, i64>(1)?,
+                row.get::<_, f64>(2)?,
+            ))
+        })?;
+        for row in rows {
+            let (kind, n, gflops) = row?;
+            if let Some(kind) = ProviderKind::parse(&kind) {
+                counts.by_kind.push((kind, n.max(0) as u64));
+                counts.gflops += gflops;
+            }
+        }
+        Ok(counts)
+    })
+    .await
+}
+
+/// Forgets providers gone before `before_ms` (their history is kept for
+/// a retention period, not for ever); returns how many. Connected ones stay
+/// whatever their age. Nothing refers to a provider row: bans, faults and
+/// plans name identities or keep their own copy.
+pub async fn prune_gone(db: &Db, before_ms: u64) -> Result<usize, DbError> {
+    db.call(move |conn| {
+        conn.execute(
+            "DELETE FROM providers WHERE gone_ms IS NOT NULL AND gone_ms < ?1",
+            [before_ms as i64],
+        )
+    })
+    .await
+}
+
 pub async fn get(db: &Db, id: u64) -> Result<Option<ProviderRecord>, DbError> {
     db.call(move |conn| {
         conn.query_row(
@@ -210,5 +271,55 @@ mod tests {
         let ids: Vec<u64> = list(&db).await.unwrap().iter().map(|p| p.id).collect();
         assert_eq!(ids, vec![third, first, second]);
         assert_eq!(mark_all_gone(&db, 5, "server restarted").await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn pruning_forgets_only_providers_gone_before_the_cutoff() {
+        let db = Db::open_in_memory().unwrap();
+        let long_gone = register(&db, hello("long gone"), 1, 10).await.unwrap();
+        let just_gone = register(&db, hello("just gone"), 2, 20).await.unwrap();
+        let connected = register(&db, hello("connected"), 3, 30).await.unwrap();
+        let old_but_here = register(&db, hello("old but here"), 4, 0).await.unwrap();
+        mark_gone(&db, long_gone, 99, "closed".into())
+            .await
+            .unwrap();
+        mark_gone(&db, just_gone, 100, "closed".into())
+            .await
+            .unwrap();
+
+        assert_eq!(prune_gone(&db, 100).await.unwrap(), 1);
+        let mut ids: Vec<u64> = list(&db).await.unwrap().iter().map(|p| p.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, vec![just_gone, connected, old_but_here]);
+        // Ids are never reused: a pruned provider's id stays its own.
+        let next = register(&db, hello("next"), 5, 200).await.unwrap();
+        assert!(next > old_but_here);
+    }
+
+    #[tokio::test]
+    async fn connected_counts_each_kind_and_adds_up_claimed_speed() {
+        let db = Db::open_in_memory().unwrap();
+        let native = Hello {
+            kind: ProviderKind::Native,
+            gflops: 100.0,
+            ..hello("box")
+        };
+        register(&db, native.clone(), 1, 1).await.unwrap();
+        register(&db, hello("tab"), 2, 2).await.unwrap();
+        let gone = register(&db, native, 3, 3).await.unwrap();
+        mark_gone(&db, gone, 4, "closed".into()).await.unwrap();
+        let counts = connected(&db).await.unwrap();
+        assert_eq!(
+            counts.by_kind,
+            vec![(ProviderKind::Browser, 1), (ProviderKind::Native, 1)]
+        );
+        assert_eq!(counts.gflops, 103.5);
+        let own: Vec<String> = list_of_identity(&db, 2)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(own, vec!["tab"]);
     }
 }

@@ -8,14 +8,21 @@ use rookery_proto::stream::{Lane, Payload, Streamed, check_payload};
 use rookery_proto::{ToProvider, ToServer, WireDType};
 
 /// Measures a provider's link once, right after `Welcome`: an empty probe
-/// times the round trip, then a [`LinkProbe::BYTES`] probe times the round
-/// trip plus the transfer; the difference gives the bandwidth the planner
-/// weighs boundary tensors with. Up to [`LinkProbe::ROUNDS`] such pairs are
-/// timed, while they fit in [`LinkProbe::BUDGET`], and the quickest of each
-/// kind counts: a provider connects while it (and its neighbours) are still
-/// starting, and other work can only make a probe slower. (Differences of
-/// single rounds are no good: one slow empty probe makes the link look
-/// boundless.)
+/// times the round trip, then [`LinkProbe::BYTES`] of probes times the
+/// round trip plus the transfer; the difference gives the bandwidth the
+/// planner weighs boundary tensors with. Up to [`LinkProbe::ROUNDS`] such
+/// pairs are timed, while they fit in [`LinkProbe::BUDGET`], and the
+/// quickest of each kind counts: a provider connects while it (and its
+/// neighbours) are still starting, and other work can only make a probe
+/// slower. (Differences of single rounds are no good: one slow empty probe
+/// makes the link look boundless.)
+///
+/// The full probe goes out as [`LinkProbe::CHUNKS`] probes of one seq,
+/// each padded with the same shared [`LinkProbe::CHUNK`] of zeros, and is
+/// timed to the last of their acknowledgements (every provider answers
+/// each probe as it reads it). One 1 MiB frame would cost every connection
+/// a megabyte for good: the WebSocket's write buffer keeps the capacity
+/// of the largest frame it sent, and an idle browser is mostly that.
 #[derive(Debug, Default)]
 pub(super) struct LinkProbe {
     began: Option<tokio::time::Instant>,
@@ -29,18 +36,28 @@ struct AwaitedProbe {
     /// Even: an empty probe; odd: the full one of the same round.
     seq: u32,
     sent: tokio::time::Instant,
+    /// Acknowledgements still to come for `seq`.
+    acks_left: usize,
 }
 
 pub(super) enum ProbeNext {
-    Send(ToProvider),
+    Send(Vec<ToProvider>),
     Measured(f64),
+    /// More acknowledgements of the full probe are due.
+    Awaiting,
     Ignore,
 }
+
+/// The padding of every full probe's frames, shared by all connections.
+static ZEROS: [u8; LinkProbe::CHUNK] = [0; LinkProbe::CHUNK];
 
 impl LinkProbe {
     /// Large enough to time a fast link, small enough for a slow one (8 s
     /// at 1 Mbit/s).
     pub(super) const BYTES: usize = 1 << 20;
+    /// The padding of one frame of the full probe.
+    pub(super) const CHUNK: usize = 16 << 10;
+    pub(super) const CHUNKS: usize = Self::BYTES / Self::CHUNK;
     /// What a measurement is clamped to, in Mbit/s: timer resolution makes
     /// loopback look unboundedly fast.
     pub(super) const RANGE: (f64, f64) = (1.0, 100_000.0);
@@ -49,28 +66,43 @@ impl LinkProbe {
     /// timed once).
     pub(super) const BUDGET: std::time::Duration = std::time::Duration::from_millis(500);
 
-    pub(super) fn start(&mut self) -> ToProvider {
+    pub(super) fn start(&mut self) -> Vec<ToProvider> {
         let now = tokio::time::Instant::now();
         self.began = Some(now);
         self.send(0, now)
     }
 
-    fn send(&mut self, seq: u32, now: tokio::time::Instant) -> ToProvider {
-        self.awaiting = Some(AwaitedProbe { seq, sent: now });
-        let padding = if !seq.is_multiple_of(2) {
-            vec![0; Self::BYTES].into()
+    fn send(&mut self, seq: u32, now: tokio::time::Instant) -> Vec<ToProvider> {
+        let (frames, padding) = if seq.is_multiple_of(2) {
+            (1, rookery_proto::Bytes::new())
         } else {
-            Default::default()
+            (Self::CHUNKS, rookery_proto::Bytes::from_static(&ZEROS))
         };
-        ToProvider::Probe { seq, padding }
+        self.awaiting = Some(AwaitedProbe {
+            seq,
+            sent: now,
+            acks_left: frames,
+        });
+        vec![
+            ToProvider::Probe {
+                seq,
+                padding: padding.clone(),
+            };
+            frames
+        ]
     }
 
     pub(super) fn acknowledged(&mut self, seq: u32) -> ProbeNext {
         let now = tokio::time::Instant::now();
-        let Some(awaited) = self.awaiting.take_if(|a| a.seq == seq) else {
+        let Some(awaited) = self.awaiting.as_mut().filter(|a| a.seq == seq) else {
             return ProbeNext::Ignore;
         };
+        awaited.acks_left -= 1;
+        if awaited.acks_left > 0 {
+            return ProbeNext::Awaiting;
+        }
         let took = now - awaited.sent;
+        self.awaiting = None;
         let quickest = if seq.is_multiple_of(2) {
             &mut self.quickest_empty
         } else {
@@ -157,5 +189,51 @@ impl Owed {
             self.0.pop_front();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn paddings(messages: &[ToProvider]) -> Vec<(usize, *const u8)> {
+        messages
+            .iter()
+            .map(|m| match m {
+                ToProvider::Probe { padding, .. } => (padding.len(), padding.as_ptr()),
+                other => panic!("expected a probe, got {other:?}"),
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_full_probe_is_small_frames_padded_from_one_buffer_every_connection_shares() {
+        let full = |probe: &mut LinkProbe| {
+            probe.start();
+            match probe.acknowledged(0) {
+                ProbeNext::Send(next) => paddings(&next),
+                _ => panic!("the empty probe's answer must send the full one"),
+            }
+        };
+        let (first, second) = (
+            full(&mut LinkProbe::default()),
+            full(&mut LinkProbe::default()),
+        );
+        assert_eq!(first.len(), LinkProbe::CHUNKS);
+        assert_eq!(first.iter().map(|p| p.0).sum::<usize>(), LinkProbe::BYTES);
+        assert!(first.iter().all(|p| p.0 <= 64 << 10), "{:?}", first[0]);
+        assert!(first.iter().chain(&second).all(|p| p.1 == first[0].1));
+    }
+
+    #[tokio::test]
+    async fn a_full_probe_is_timed_to_its_last_answer() {
+        let mut probe = LinkProbe::default();
+        probe.start();
+        assert!(matches!(probe.acknowledged(0), ProbeNext::Send(_)));
+        for _ in 1..LinkProbe::CHUNKS {
+            assert!(matches!(probe.acknowledged(1), ProbeNext::Awaiting));
+        }
+        assert!(matches!(probe.acknowledged(1), ProbeNext::Send(_)));
+        assert!(matches!(probe.acknowledged(1), ProbeNext::Ignore));
     }
 }

@@ -44,6 +44,11 @@ mod close_code {
 
 /// Longest close reason a control frame can carry (125 bytes less the code).
 const MAX_CLOSE_REASON: usize = 123;
+/// The WebSocket's read step and write-buffer threshold: small, since what
+/// every connection keeps is what an idle browser costs the server
+/// (`server/examples/idle_browsers.rs`); a 512 KiB payload frame takes 16
+/// reads.
+const IO_BUFFER_BYTES: usize = 32 << 10;
 
 /// The provider WebSocket's route ([`rookery_proto::PROVIDER_WS_PATH`]).
 pub fn routes() -> Router<AppState> {
@@ -72,6 +77,11 @@ pub async fn provider_socket(
     let transport_limit = state.limits.max_frame_bytes.saturating_mul(2);
     ws.max_message_size(transport_limit)
         .max_frame_size(transport_limit)
+        // tungstenite fills its whole read buffer on every read (128 KiB by
+        // default), so an idle browser's heartbeats would keep that much
+        // resident; larger frames still arrive whole, read in these steps.
+        .read_buffer_size(IO_BUFFER_BYTES)
+        .write_buffer_size(IO_BUFFER_BYTES)
         .on_upgrade(move |socket| {
             let (sink, stream) = socket.split();
             async move {
@@ -380,8 +390,10 @@ where
         })
         .await;
     let mut probe = LinkProbe::default();
-    if let Err(ending) = send(sink, &probe.start(), patience).await {
-        return ending;
+    for message in probe.start() {
+        if let Err(ending) = send(sink, &message, patience).await {
+            return ending;
+        }
     }
     // Writing runs beside reading, never instead of it: a provider may be
     // uploading hundreds of megabytes while the server streams a message to
@@ -488,7 +500,9 @@ where
             }
             Ok(ToServer::ProbeAck { seq }) => match probe.acknowledged(seq) {
                 ProbeNext::Send(next) => {
-                    let _ = replies.send(next);
+                    for message in next {
+                        let _ = replies.send(message);
+                    }
                 }
                 ProbeNext::Measured(mbps) => {
                     tracing::info!(id, mbps = format!("{mbps:.0}"), "measured the link");
@@ -503,6 +517,7 @@ where
                         })
                         .await;
                 }
+                ProbeNext::Awaiting => {}
                 ProbeNext::Ignore => {
                     tracing::debug!(id, seq, "ignored a ProbeAck nobody asked for");
                 }

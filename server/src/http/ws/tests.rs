@@ -90,17 +90,22 @@ async fn the_link_is_probed_in_rounds_and_its_best_bandwidth_recorded() {
             // An answer to a probe never sent is ignored.
             binary(&ToServer::ProbeAck { seq: 7 }),
             binary(&ToServer::ProbeAck { seq: 0 }),
-            binary(&ToServer::ProbeAck { seq: 1 }),
             // A repeated answer is ignored too.
-            binary(&ToServer::ProbeAck { seq: 1 }),
-            binary(&ToServer::ProbeAck { seq: 2 }),
-            binary(&ToServer::ProbeAck { seq: 3 }),
-            binary(&ToServer::ProbeAck { seq: 4 }),
-            binary(&ToServer::ProbeAck { seq: 5 }),
-            // Three rounds are all there is.
+            binary(&ToServer::ProbeAck { seq: 0 }),
+        ]
+        .into_iter()
+        // Each frame of a full probe is answered.
+        .chain((0..LinkProbe::CHUNKS).map(|_| binary(&ToServer::ProbeAck { seq: 1 })))
+        .chain([binary(&ToServer::ProbeAck { seq: 2 })])
+        .chain((0..LinkProbe::CHUNKS).map(|_| binary(&ToServer::ProbeAck { seq: 3 })))
+        .chain([binary(&ToServer::ProbeAck { seq: 4 })])
+        .chain((0..LinkProbe::CHUNKS).map(|_| binary(&ToServer::ProbeAck { seq: 5 })))
+        // Three rounds are all there is.
+        .chain([
             binary(&ToServer::ProbeAck { seq: 6 }),
             Ok(Message::Close(None)),
-        ],
+        ])
+        .collect(),
     )
     .await;
     let probes: Vec<(u32, usize)> = replies
@@ -113,10 +118,15 @@ async fn the_link_is_probed_in_rounds_and_its_best_bandwidth_recorded() {
             _ => None,
         })
         .collect();
-    let round = [(0, 0), (1, LinkProbe::BYTES)];
     let rounds: Vec<(u32, usize)> = (0..LinkProbe::ROUNDS)
-        .flat_map(|r| round.map(|(seq, len)| (seq + 2 * r, len)))
+        .flat_map(|r| {
+            std::iter::once((2 * r, 0)).chain(std::iter::repeat_n(
+                (2 * r + 1, LinkProbe::CHUNK),
+                LinkProbe::CHUNKS,
+            ))
+        })
         .collect();
+    assert_eq!(LinkProbe::CHUNK * LinkProbe::CHUNKS, LinkProbe::BYTES);
     assert_eq!(probes, rounds);
     let record = providers::get(&state.db, 1).await.unwrap().unwrap();
     let mbps = record.bandwidth_mbps.expect("measured");
