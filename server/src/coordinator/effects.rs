@@ -113,9 +113,13 @@ impl Actor {
                 } => self.on_fault(job_id, provider, reason, frame_dropped).await,
                 Effect::Measured {
                     provider,
-                    gflops,
+                    work_gflop,
                     busy_ms,
-                } => self.on_measured(job_id, provider, gflops, busy_ms).await,
+                    bytes,
+                } => {
+                    self.on_measured(job_id, provider, work_gflop, busy_ms, bytes)
+                        .await
+                }
                 // Taken with the message they tap, before effects apply.
                 Effect::Tap { .. } => {}
                 Effect::Verify(check) => self.start_verification(job_id, check).await,

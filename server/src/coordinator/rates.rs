@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 
 use super::Actor;
+use crate::run::MIN_MEASURED_MS;
 
 /// A claim more than this many times the measured rate is a lie ...
 pub const LIE_FACTOR: f64 = 50.0;
@@ -58,22 +59,42 @@ pub fn observe(rate: &mut Rate, claim: f64, gflops: f64) -> bool {
     false
 }
 
+/// Of `busy_ms`, the time not spent moving `bytes` over a link of
+/// `bandwidth_mbps` (unmeasured: all of it); `None` when less than
+/// [`MIN_MEASURED_MS`] is left, too little to tell computing from overhead.
+pub fn computing_ms(busy_ms: f64, bytes: u64, bandwidth_mbps: Option<f64>) -> Option<f64> {
+    let transfer_ms = match bandwidth_mbps {
+        Some(mbps) if mbps > 0.0 => bytes as f64 * 8.0 / (mbps * 1e3),
+        _ => 0.0,
+    };
+    let left = busy_ms - transfer_ms;
+    (left >= MIN_MEASURED_MS).then_some(left)
+}
+
 /// Measured rates by identity, for as long as the server runs.
 pub type Rates = HashMap<u64, Rate>;
 
 impl Actor {
-    /// A stage of `job_id` on `provider` did its step's work at `gflops`.
+    /// A stage of `job_id` on `provider` did `work_gflop` in a step that kept
+    /// it busy `busy_ms`, `bytes` of tensors moving to and from it. Their
+    /// transfer at the provider's measured bandwidth is not computing: what
+    /// is left, if enough, gives the rate.
     pub(super) async fn on_measured(
         &mut self,
         job_id: u64,
         provider: u64,
-        gflops: f64,
+        work_gflop: f64,
         busy_ms: f64,
+        bytes: u64,
     ) {
         let Some(live) = self.providers.get(&provider) else {
             return;
         };
         let (identity, claim) = (live.identity, live.hello.gflops);
+        let Some(compute_ms) = computing_ms(busy_ms, bytes, live.bandwidth_mbps) else {
+            return;
+        };
+        let gflops = work_gflop / (compute_ms / 1e3);
         let rate = self.rates.entry(identity).or_default();
         tracing::debug!(
             job = job_id,
@@ -82,12 +103,13 @@ impl Actor {
             claim,
             gflops,
             busy_ms,
+            bytes,
             "measured a stage"
         );
         if observe(rate, claim, gflops) {
             let reason = format!(
                 "it claims {claim:.1} GFLOP/s but computed its stage at {gflops:.2} GFLOP/s \
-                 ({busy_ms:.0} ms busy a step) for {LIE_STEPS} steps"
+                 ({work_gflop:.1} GFLOP in {compute_ms:.0} ms a step, transfers aside) for {LIE_STEPS} steps"
             );
             self.on_fault(job_id, provider, reason, false).await;
         }
@@ -122,6 +144,27 @@ mod tests {
         for (i, (claim, measured, fault)) in steps.into_iter().enumerate() {
             assert_eq!(observe(&mut rate, claim, measured), fault, "step {i}");
             assert_eq!(rate.gflops, measured);
+        }
+    }
+
+    #[test]
+    fn transfers_at_the_measured_bandwidth_are_not_computing() {
+        // (busy ms, bytes, Mbit/s, computing ms)
+        let cases = [
+            (500.0, 0, Some(100.0), Some(500.0)),
+            // 10 MB at 200 Mbit/s is 400 ms of the 450.
+            (450.0, 10_000_000, Some(200.0), None),
+            (900.0, 10_000_000, Some(200.0), Some(500.0)),
+            // An unmeasured link subtracts nothing.
+            (500.0, 10_000_000, None, Some(500.0)),
+            (50.0, 0, Some(100.0), None),
+        ];
+        for (busy, bytes, mbps, want) in cases {
+            assert_eq!(
+                computing_ms(busy, bytes, mbps),
+                want,
+                "{busy} {bytes} {mbps:?}"
+            );
         }
     }
 

@@ -310,6 +310,7 @@ mod tests {
             jobs: Default::default(),
             events: broadcast::channel(16).0,
             rates: super::super::rates::Rates::new(),
+            verifying: Default::default(),
         };
         actor.write_weights(job_id, weights());
         tokio::spawn(actor.run(rx));

@@ -16,7 +16,12 @@
 use std::time::{Duration, Instant};
 
 use super::{Effect, JobRun};
-use rookery_proto::ToProvider;
+use rookery_proto::{ToProvider, WireTensor};
+
+/// The bytes `tensors` put on the wire.
+pub(super) fn wire_bytes(tensors: &[WireTensor]) -> u64 {
+    tensors.iter().map(|t| t.wire_len() as u64).sum()
+}
 
 /// A stage's busy time within a step, from the server's clock.
 #[derive(Debug, Clone, Copy, Default)]
@@ -24,25 +29,31 @@ pub(super) struct Busy {
     last_in: Option<Instant>,
     last_out: Option<Instant>,
     busy: Duration,
+    /// Tensor bytes to and from the stage meanwhile: their transfer is
+    /// busy time the device did not compute.
+    bytes: u64,
 }
 
 impl Busy {
-    /// The server sent the stage something to compute at `at`.
-    pub(super) fn input(&mut self, at: Instant) {
+    /// The server sent the stage `bytes` of tensors to compute at `at`.
+    pub(super) fn input(&mut self, at: Instant, bytes: u64) {
         self.last_in = Some(at);
+        self.bytes = self.bytes.saturating_add(bytes);
     }
 
-    /// An answer from the stage arrived at `at`.
-    pub(super) fn output(&mut self, at: Instant) {
+    /// An answer of `bytes` of tensors from the stage arrived at `at`.
+    pub(super) fn output(&mut self, at: Instant, bytes: u64) {
         if let Some(since) = self.last_in.max(self.last_out) {
             self.busy += at.saturating_duration_since(since);
         }
         self.last_out = Some(at);
+        self.bytes = self.bytes.saturating_add(bytes);
     }
 
-    /// The busy time since the last call, in milliseconds.
-    pub(super) fn take_ms(&mut self) -> f64 {
-        std::mem::take(&mut self.busy).as_secs_f64() * 1e3
+    /// The busy time (milliseconds) and the bytes moved since the last call.
+    pub(super) fn take(&mut self) -> (f64, u64) {
+        let busy = std::mem::take(&mut self.busy).as_secs_f64() * 1e3;
+        (busy, std::mem::take(&mut self.bytes))
     }
 }
 
@@ -50,35 +61,44 @@ impl Busy {
 /// costs per message swamp the computing.
 pub const MIN_MEASURED_MS: f64 = 100.0;
 
+/// ... and so does a stage with less work than this a step (GFLOP): tiny
+/// stages are all overhead, however fast their device.
+pub const MIN_MEASURED_GFLOP: f64 = 5.0;
+
 impl JobRun {
     /// Notes the time of every input `effects` send to a stage of the job.
     pub(super) fn note_inputs(&mut self, effects: &[Effect], at: Instant) {
         for effect in effects {
-            if let Effect::Send(
-                to,
-                ToProvider::Forward(_) | ToProvider::Backward(_) | ToProvider::GradScale(_),
-            ) = effect
-                && let Some((c, s)) = self.locate(*to)
-            {
-                self.clusters[c].stages[s].busy.input(at);
+            let (to, bytes) = match effect {
+                Effect::Send(to, ToProvider::Forward(f)) => (*to, wire_bytes(&f.inputs)),
+                Effect::Send(to, ToProvider::Backward(b)) => (*to, wire_bytes(&b.grads)),
+                Effect::Send(to, ToProvider::GradScale(_)) => (*to, 0),
+                _ => continue,
+            };
+            if let Some((c, s)) = self.locate(to) {
+                self.clusters[c].stages[s].busy.input(at, bytes);
             }
         }
     }
 
-    /// Each stage of cluster `c` that was busy long enough this step
-    /// (`busy_ms`, by stage), as the rate its work was done at.
-    pub(super) fn measured(&self, c: usize, busy_ms: &[f64]) -> Vec<Effect> {
+    /// Each stage of cluster `c` with work enough and busy long enough this
+    /// step (`busy`: milliseconds and bytes moved, by stage), for the
+    /// coordinator to rate.
+    pub(super) fn measured(&self, c: usize, busy: &[(f64, u64)]) -> Vec<Effect> {
         self.clusters[c]
             .stages
             .iter()
-            .zip(busy_ms)
-            .filter(|(stage, busy_ms)| {
-                !stage.vacant && stage.work_gflop > 0.0 && **busy_ms >= MIN_MEASURED_MS
+            .zip(busy)
+            .filter(|(stage, (busy_ms, _))| {
+                !stage.vacant
+                    && stage.work_gflop >= MIN_MEASURED_GFLOP
+                    && *busy_ms >= MIN_MEASURED_MS
             })
-            .map(|(stage, &busy_ms)| Effect::Measured {
+            .map(|(stage, &(busy_ms, bytes))| Effect::Measured {
                 provider: stage.provider,
-                gflops: stage.work_gflop / (busy_ms / 1e3),
+                work_gflop: stage.work_gflop,
                 busy_ms,
+                bytes,
             })
             .collect()
     }
@@ -94,21 +114,21 @@ mod tests {
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut busy = Busy::default();
         // Nothing sent yet: an answer out of nowhere counts nothing.
-        busy.output(at(5));
-        assert_eq!(busy.take_ms(), 0.0);
+        busy.output(at(5), 0);
+        assert_eq!(busy.take(), (0.0, 0));
         // Four micro-batches at once, answered every 10 ms: 40 ms.
-        busy.input(at(100));
+        busy.input(at(100), 400);
         for k in 1..=4 {
-            busy.output(at(100 + 10 * k));
+            busy.output(at(100 + 10 * k), 50);
         }
-        assert_eq!(busy.take_ms(), 40.0);
+        assert_eq!(busy.take(), (40.0, 600));
         // Idle between steps: the wait for the next input is not counted.
-        busy.input(at(500));
-        busy.output(at(530));
+        busy.input(at(500), 0);
+        busy.output(at(530), 0);
         // An input arriving while it computes shortens what is counted:
         // busy time errs towards the provider.
-        busy.input(at(535));
-        busy.output(at(540));
-        assert_eq!(busy.take_ms(), 35.0);
+        busy.input(at(535), 0);
+        busy.output(at(540), 0);
+        assert_eq!(busy.take(), (35.0, 0));
     }
 }

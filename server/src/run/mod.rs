@@ -63,7 +63,7 @@ use rookery_proto::{Bytes, ParamOptimState, Phase, ToProvider, WireDType, WireTe
 
 pub use aggregate::{AggregateWork, Aggregated};
 
-pub use measure::MIN_MEASURED_MS;
+pub use measure::{MIN_MEASURED_GFLOP, MIN_MEASURED_MS};
 pub use metrics::{EpochRecord, StageTime, StepRecord};
 pub use recovery::Vacancy;
 pub use start::StartError;
@@ -103,12 +103,16 @@ pub enum Effect {
         /// at a sync), so the provider's stage cannot finish the step.
         frame_dropped: bool,
     },
-    /// The server's own measure of a provider's speed on its stage this
-    /// step: its work over its busy time ([`MIN_MEASURED_MS`] or more).
+    /// The server's own measure of a provider's stage this step: its work
+    /// ([`MIN_MEASURED_GFLOP`] or more) and busy time ([`MIN_MEASURED_MS`]
+    /// or more), for the coordinator to rate.
     Measured {
         provider: u64,
-        gflops: f64,
+        /// The stage's work this step, GFLOP.
+        work_gflop: f64,
         busy_ms: f64,
+        /// Tensor bytes to and from it meanwhile.
+        bytes: u64,
     },
     /// Keep a copy of the message just received (it streams on) and hand
     /// its tensors back to [`JobRun::on_tapped`] once whole.

@@ -13,6 +13,7 @@ use rookery_proto::{
     ToProvider, ToServer, WireDType, WireTensor,
 };
 
+use super::measure::wire_bytes;
 use super::{
     ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected, State,
     on_wire,
@@ -49,16 +50,14 @@ impl JobRun {
         message: ToServer,
     ) -> Vec<Effect> {
         let now = Instant::now();
-        if let (
-            Some((c, s)),
-            ToServer::Activations(_)
-            | ToServer::Gradients(_)
-            | ToServer::LeafLoss(_)
-            | ToServer::StepDone(_)
-            | ToServer::GradNorm(_),
-        ) = (self.locate(provider), &message)
-        {
-            self.clusters[c].stages[s].busy.output(now);
+        let sent_bytes = match &message {
+            ToServer::Activations(a) => Some(wire_bytes(&a.outputs)),
+            ToServer::Gradients(g) => Some(wire_bytes(&g.grads)),
+            ToServer::LeafLoss(_) | ToServer::StepDone(_) | ToServer::GradNorm(_) => Some(0),
+            _ => None,
+        };
+        if let (Some((c, s)), Some(bytes)) = (self.locate(provider), sent_bytes) {
+            self.clusters[c].stages[s].busy.output(now, bytes);
         }
         let answer = self.checked_answer(provider, &message);
         let mut effects = self.dispatch(provider, identity, message);
@@ -320,7 +319,7 @@ impl JobRun {
             stage.compute_ms = 0.0;
             // What an evaluation or a rollback kept it busy with is not
             // this step's.
-            stage.busy.take_ms();
+            stage.busy.take();
         }
         run.reset();
         let step_targets = self.train.targets(&idx, self.spec.training.loss);
@@ -595,16 +594,16 @@ impl JobRun {
             };
             run.finished.insert(step, totals);
         }
-        let busy_ms: Vec<f64> = run.stages.iter_mut().map(|s| s.busy.take_ms()).collect();
-        // Slowness by the server's clock too: a stage cannot hide by
-        // reporting less compute than it took.
-        for (stage, busy_ms) in run.stages.iter_mut().zip(&busy_ms) {
+        let busy: Vec<(f64, u64)> = run.stages.iter_mut().map(|s| s.busy.take()).collect();
+        // Slowness is the stage's own report: the server's busy time holds
+        // every transfer and per-message cost, which swamp small stages.
+        for stage in &mut run.stages {
             if stage.planned_ms > 0.0 {
-                stage.slowness = Some(stage.compute_ms.max(*busy_ms) / stage.planned_ms);
+                stage.slowness = Some(stage.compute_ms / stage.planned_ms);
             }
         }
         self.count_slow_steps(c);
-        let mut effects = self.measured(c, &busy_ms);
+        let mut effects = self.measured(c, &busy);
         effects.extend(self.record_steps());
         let done = step + 1;
         if done == self.barrier() {
