@@ -115,6 +115,22 @@ fn faults_of<'a>(log: &'a [LogEntry], name: &str) -> Vec<&'a LogEntry> {
         .collect()
 }
 
+/// Waits until `name` is banned from job `id`, after exactly three faults;
+/// the job's log then.
+async fn banned_after_three_faults(
+    client: &Client<'_>,
+    id: u64,
+    name: &str,
+) -> anyhow::Result<Vec<LogEntry>> {
+    let log = client
+        .wait_for_log(id, "the ban", |log| {
+            log.iter().any(|l| l.kind == "provider_banned")
+        })
+        .await?;
+    anyhow::ensure!(faults_of(&log, name).len() == 3, "{log:#?}");
+    Ok(log)
+}
+
 /// Starts the providers named (with their faults) and waits until the
 /// server has measured all of them, so the next job is planned onto them.
 async fn join(server: &Server, who: &[(&str, Option<&str>)]) -> anyhow::Result<Vec<Process>> {
@@ -263,13 +279,8 @@ async fn far_off_parameters_are_outvoted_three_times_then_banned_by_identity_not
         240,
         "batch_size = 8\nclusters = 3\nstages = 1\nsync_every = 1\naggregation = \"median\"",
     ))?;
-    let log = client
-        .wait_for_log(id, "the ban", |log| {
-            log.iter().any(|l| l.kind == "provider_banned")
-        })
-        .await?;
+    let log = banned_after_three_faults(&client, id, name).await?;
     let counted = faults_of(&log, name);
-    assert_eq!(counted.len(), 3, "{log:#?}");
     for (i, line) in counted.iter().enumerate() {
         assert!(
             line.message.contains(&format!("fault {} of 3", i + 1))
@@ -446,14 +457,8 @@ async fn a_provider_that_overstates_its_speed_is_measured_caught_and_banned() ->
         "batch_size = 1024\nclusters = 1\nstages = 1",
     )?;
     let id = client.submit(&job)?;
-    let log = client
-        .wait_for_log(id, "the ban", |log| {
-            log.iter().any(|l| l.kind == "provider_banned")
-        })
-        .await?;
-    let counted = faults_of(&log, name);
-    assert_eq!(counted.len(), 3, "{log:#?}");
-    for line in &counted {
+    let log = banned_after_three_faults(&client, id, name).await?;
+    for line in faults_of(&log, name) {
         assert!(
             line.message.contains("claims") && line.message.contains("computed its stage at"),
             "{}",
@@ -530,14 +535,9 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
     let mut first = join(&server, &[(liar, Some("subtle")), ("honest-a", None)]).await?;
     let id = client.submit(&checked_job(dir.path(), "checked", 0.02)?)?;
     let _verifier = verifier_once_running(&server, &client, id, "verifier").await?;
-    let log = client
-        .wait_for_log(id, "the ban", |log| {
-            log.iter().any(|l| l.kind == "provider_banned")
-        })
-        .await?;
     // Caught by three spot checks within 200 steps, each naming its step.
+    let log = banned_after_three_faults(&client, id, liar).await?;
     let faults = faults_of(&log, liar);
-    assert_eq!(faults.len(), 3, "{log:#?}");
     let last_step: u64 = faults[2]
         .message
         .split(", step ")

@@ -3,13 +3,13 @@
 //! status) and the live events that tell the dashboard.
 
 use rookery_proto::ToProvider;
-use rookery_proto::api::{JobEvent, JobEventBody, LogEntry};
+use rookery_proto::api::{JobEvent, JobEventBody};
 
 use super::{Actor, Outgoing, SYNC_LOG_EVERY_MS};
 use crate::run::Effect;
 use crate::store::checkpoints::{CheckpointWriter, ResumeWriter, checkpoint_path};
 use crate::store::job_dir;
-use crate::store::jobs::{self, JobStatus, LogRecord};
+use crate::store::jobs::{self, JobStatus};
 use crate::{dto, now_ms};
 
 impl Actor {
@@ -200,20 +200,7 @@ impl Actor {
 
     /// Writes a line to the job's log and sends it to live subscribers.
     pub(super) async fn log(&self, job_id: u64, kind: &str, message: String) {
-        let entry = LogEntry {
-            at_ms: now_ms(),
-            kind: kind.to_string(),
-            message,
-        };
-        let record = LogRecord {
-            at_ms: entry.at_ms,
-            kind: entry.kind.clone(),
-            message: entry.message.clone(),
-        };
-        if let Err(error) = jobs::append_log(&self.db, job_id, record).await {
-            tracing::error!(job = job_id, %error, "cannot write to a job's log");
-        }
-        self.publish(job_id, JobEventBody::Log { entry });
+        super::work::log_to(&self.db, &self.events, job_id, kind, message).await;
     }
 
     /// A sync averaged the clusters' parameters and wrote the checkpoint.

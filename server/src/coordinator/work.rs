@@ -229,8 +229,9 @@ pub(super) const WEIGHTS_RETRY_DELAYS: [Duration; 8] = [
     Duration::from_secs(128),
 ];
 
-/// A line in a job's log from work off the task, as `Actor::log` writes it.
-async fn log_to(
+/// Writes a line to a job's log and sends it to live subscribers (the
+/// coordinator's `log`, and work off its task).
+pub(super) async fn log_to(
     db: &Db,
     events: &broadcast::Sender<JobEvent>,
     job_id: u64,

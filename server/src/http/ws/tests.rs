@@ -493,12 +493,16 @@ async fn silence_after_hello_is_a_heartbeat_timeout() {
     assert!(record.gone.unwrap().reason.contains("heartbeat timeout"));
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_provider_that_reads_nothing_is_still_heard_and_timed_out() {
-    // Its replies back up (nothing takes them off the wire), as when a
-    // provider uploads for a long time while the server streams to it: the
-    // server must keep reading, and notice when the provider falls silent.
-    let state = state();
+/// A connection whose provider said Hello and reads only the `Welcome`
+/// (the writer stalls on the next frame): its frames in, what is left of
+/// its replies, and the served connection.
+async fn stalled_connection(
+    state: &AppState,
+) -> (
+    mpsc::UnboundedSender<Result<Message, std::convert::Infallible>>,
+    mpsc::Receiver<Message>,
+    tokio::task::JoinHandle<()>,
+) {
     let (out_tx, mut out_rx) = mpsc::channel(0);
     let (in_tx, in_rx) = mpsc::unbounded();
     in_tx
@@ -512,6 +516,16 @@ async fn a_provider_that_reads_nothing_is_still_heard_and_timed_out() {
         decode_reply(out_rx.next().await.unwrap()),
         ToProvider::Welcome { .. }
     ));
+    (in_tx, out_rx, served)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_provider_that_reads_nothing_is_still_heard_and_timed_out() {
+    // Its replies back up (nothing takes them off the wire), as when a
+    // provider uploads for a long time while the server streams to it: the
+    // server must keep reading, and notice when the provider falls silent.
+    let state = state();
+    let (in_tx, mut out_rx, served) = stalled_connection(&state).await;
     assert!(matches!(
         decode_reply(out_rx.next().await.unwrap()),
         ToProvider::Probe { .. }
@@ -542,19 +556,7 @@ async fn a_provider_that_talks_but_stops_reading_is_dropped_after_the_send_timeo
         },
         ..state()
     };
-    let (out_tx, mut out_rx) = mpsc::channel(0);
-    let (in_tx, in_rx) = mpsc::unbounded();
-    in_tx
-        .unbounded_send(binary(&ToServer::Hello(hello())))
-        .unwrap();
-    let served = tokio::spawn({
-        let state = state.clone();
-        async move { serve_provider(out_tx, in_rx, state, None).await }
-    });
-    assert!(matches!(
-        decode_reply(out_rx.next().await.unwrap()),
-        ToProvider::Welcome { .. }
-    ));
+    let (in_tx, out_rx, served) = stalled_connection(&state).await;
     let started = std::time::Instant::now();
     let mut seq = 0;
     while !served.is_finished() {
