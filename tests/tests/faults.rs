@@ -486,7 +486,7 @@ fn checked_job(dir: &Path, name: &str, rate: f64) -> anyhow::Result<PathBuf> {
     write_classes(&dir, "test_", &Classes::learnable(400, &[6], 2))?;
     let training = format!(
         "batch_size = 16\nmicro_batches = 4\nclusters = 1\nstages = 2\nseed = 3\n\
-         optimizer = {{ name = \"sgd\", lr = 0.1 }}\n[training.verify]\nrate = {rate}"
+         optimizer = {{ name = \"sgd\", lr = 0.1 }}\n[training.verify]\nrate = {rate:?}"
     );
     let path = dir.join("job.toml");
     std::fs::write(
@@ -546,6 +546,7 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
         .context("the fault names its step")?
         .parse()?;
     assert!(last_step < 200, "banned only after step {last_step}");
+    eprintln!("the liar's third disagreement was at step {last_step}");
     // The verifier takes the vacant stage, and the job completes.
     wait_for_status(&client, id, "completed").await?;
     let checked = accuracy(&client, id).await?;
@@ -576,6 +577,17 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
     assert!(log.iter().all(|l| l.kind != "provider_fault"), "{log:#?}");
     let want = accuracy(&client, honest).await?;
     assert!(want > 0.5, "the job learns: {want}");
+    // What the checks cost, for people: the same job without them.
+    let unchecked = client.submit(&checked_job(dir.path(), "unchecked", 0.0)?)?;
+    wait_for_status(&client, unchecked, "completed").await?;
+    let took = |info: JobInfo| info.finished_ms.unwrap_or(0) - info.started_ms.unwrap_or(0);
+    let with: JobInfo = client.get(&format!("/api/jobs/{honest}")).await?;
+    let without: JobInfo = client.get(&format!("/api/jobs/{unchecked}")).await?;
+    eprintln!(
+        "250 steps with checks at 0.02: {} ms; without: {} ms",
+        took(with),
+        took(without)
+    );
     assert!(
         (checked - want).abs() <= 0.02,
         "accuracy {checked} with the liar caught, {want} honest"
