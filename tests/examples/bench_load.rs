@@ -85,6 +85,8 @@ async fn main() -> anyhow::Result<()> {
     let alone_1 = train(&server, &token, &job).await?;
     println!("alone:                   {alone_1:>8.1} samples/s");
 
+    // After a job has run: what training keeps is not the browsers'.
+    let rss_trained = rss_kib(server.pid())?;
     let swarm = Swarm::connect(&server, clients).await?;
     let rss_connected = rss_kib(server.pid())?;
     swarm.recording.store(true, Ordering::SeqCst);
@@ -118,12 +120,14 @@ async fn main() -> anyhow::Result<()> {
     }
     let mib = |kib: usize| kib as f64 / 1024.0;
     println!(
-        "server memory (VmRSS): {:.1} MiB idle with 3 trainers, {:.1} MiB with {clients} \
-         browsers connected, {:.1} MiB peak while training with them ({:.1} KiB per browser, target < 100 KiB)",
+        "server memory (VmRSS): {:.1} MiB idle with 3 trainers, {:.1} MiB after a job, {:.1} MiB \
+         with {clients} browsers connected, {:.1} MiB peak while training with them ({:.1} KiB \
+         per browser, target < 100 KiB)",
         mib(rss_idle),
+        mib(rss_trained),
         mib(rss_connected),
         mib(peak.load(Ordering::SeqCst)),
-        (rss_connected.saturating_sub(rss_idle)) as f64 / clients as f64
+        (rss_connected.saturating_sub(rss_trained)) as f64 / clients as f64
     );
     println!(
         "heartbeat round trip while training: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms \
