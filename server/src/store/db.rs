@@ -143,13 +143,14 @@ impl Db {
         let conn = Connection::open(data_dir.join("rookery.sqlite3"))?;
         // WAL keeps readers (the dashboard) from blocking the writer (heartbeats).
         conn.pragma_update(None, "journal_mode", "WAL")?;
-        // FULL, not NORMAL: in WAL mode NORMAL syncs only at checkpoints,
-        // so a power cut can undo committed transactions, and a job the
-        // Requester was told is queued, or a state change the coordinator
-        // acted on (running, completed, a provider's ban), would silently
-        // go back. FULL syncs the WAL at every commit; our writes are few
-        // and small, so the cost is a sync per state change.
-        conn.pragma_update(None, "synchronous", "FULL")?;
+        // NORMAL: in WAL mode a commit is synced only at checkpoints, so a
+        // power cut may undo the last heartbeats and step records, which
+        // cost nothing to lose and come by the hundred a second with many
+        // providers (syncing each cut a loaded server's training speed by
+        // half in `bench load`). What must not go back (a job the Requester
+        // was told is queued, a state change the coordinator acted on, a
+        // ban, a token) is written with `call_durable`.
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
         // `rookery token create` writes while a server may hold the file.
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         Self::migrated(conn)
@@ -183,6 +184,24 @@ impl Db {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         work(&mut guard).map_err(DbError::from)
+    }
+
+    /// [`Db::call`] whose commit is synced to disk before it returns (with
+    /// every commit before it): for what a power cut must not undo.
+    pub async fn call_durable<R, F>(&self, work: F) -> Result<R, DbError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut Connection) -> rusqlite::Result<R> + Send + 'static,
+    {
+        self.call(move |conn| {
+            conn.pragma_update(None, "synchronous", "FULL")?;
+            let result = work(conn);
+            let restored = conn.pragma_update(None, "synchronous", "NORMAL");
+            let value = result?;
+            restored?;
+            Ok(value)
+        })
+        .await
     }
 
     /// Runs `work` with the connection on the blocking pool.
@@ -220,19 +239,24 @@ mod tests {
         assert_eq!(version, MIGRATIONS.len());
     }
 
-    #[test]
-    fn a_data_dirs_database_is_in_wal_mode_with_every_commit_synced() {
+    #[tokio::test]
+    async fn a_data_dirs_database_is_in_wal_mode_and_durable_calls_sync_their_commit() {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open_in_dir(dir.path()).unwrap();
-        let conn = db.conn.lock().unwrap();
-        let mode: String = conn
-            .pragma_query_value(None, "journal_mode", |row| row.get(0))
-            .unwrap();
-        // 2 is FULL (NORMAL is 1).
-        let synchronous: i64 = conn
-            .pragma_query_value(None, "synchronous", |row| row.get(0))
-            .unwrap();
-        assert_eq!((mode.as_str(), synchronous), ("wal", 2));
+        let mode = db
+            .call(|conn| {
+                conn.pragma_query_value(None, "journal_mode", |row| row.get::<_, String>(0))
+            })
+            .await;
+        assert_eq!(mode.unwrap(), "wal");
+        let synchronous = |conn: &mut Connection| {
+            conn.pragma_query_value(None, "synchronous", |row| row.get::<_, i64>(0))
+        };
+        // (plain, durable, plain again) where 1 is NORMAL and 2 is FULL.
+        let plain = db.call(synchronous).await.unwrap();
+        let durable = db.call_durable(synchronous).await.unwrap();
+        let after = db.call(synchronous).await.unwrap();
+        assert_eq!((plain, durable, after), (1, 2, 1));
     }
 
     #[test]

@@ -117,7 +117,7 @@ pub async fn insert(
     dir: String,
     now_ms: u64,
 ) -> Result<u64, DbError> {
-    db.call(move |conn| {
+    db.call_durable(move |conn| {
         conn.execute(
             "INSERT INTO jobs (name, status, spec_json, dir, created_ms, owner) VALUES (?1, 'queued', ?2, ?3, ?4, ?5)",
             params![name, spec_json, dir, now_ms as i64, owner as i64],
@@ -131,7 +131,7 @@ pub async fn insert(
 /// must be on disk (synced) first: from this commit on the job may be
 /// planned, after a restart too, and reads them.
 pub async fn set_files(db: &Db, id: u64, spec_json: String, dir: String) -> Result<(), DbError> {
-    db.call(move |conn| {
+    db.call_durable(move |conn| {
         conn.execute(
             "UPDATE jobs SET spec_json = ?2, dir = ?3 WHERE id = ?1",
             params![id as i64, spec_json, dir],
@@ -198,7 +198,7 @@ pub async fn set_status(
     detail: Option<String>,
     now_ms: u64,
 ) -> Result<bool, DbError> {
-    db.call(move |conn| {
+    db.call_durable(move |conn| {
         let changed = conn.execute(
             "UPDATE jobs SET status = ?2, detail = ?3,
                  started_ms = CASE WHEN ?2 = 'running' AND started_ms IS NULL THEN ?4 ELSE started_ms END,
@@ -351,7 +351,7 @@ pub struct Ban {
 }
 
 pub async fn ban(db: &Db, job_id: u64, ban: Ban) -> Result<(), DbError> {
-    db.call(move |conn| {
+    db.call_durable(move |conn| {
         conn.execute(
             "INSERT OR REPLACE INTO job_bans (job_id, provider_id, provider_name, at_ms, reason, identity)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",

@@ -103,7 +103,7 @@ pub async fn issue(db: &Db, name: &str, token: &Token, now_ms: u64) -> Result<Is
     }
     let digest = token.digest();
     let owned = name.to_string();
-    db.call(move |conn| {
+    db.call_durable(move |conn| {
         let tx = conn.transaction()?;
         let known: Option<(i64, Option<i64>)> = tx
             .query_row(
@@ -147,7 +147,7 @@ pub async fn issue(db: &Db, name: &str, token: &Token, now_ms: u64) -> Result<Is
 /// revoked Requester changes nothing.
 pub async fn revoke(db: &Db, name: &str, now_ms: u64) -> Result<Revoked, RevokeError> {
     let owned = name.to_string();
-    db.call(move |conn| {
+    db.call_durable(move |conn| {
         let tx = conn.transaction()?;
         let known: Option<(i64, bool)> = tx
             .query_row(
