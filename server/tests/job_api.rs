@@ -748,14 +748,7 @@ async fn a_requester_may_keep_only_so_many_jobs_queued() {
     assert!(error.contains("--max-queued-jobs"), "{error}");
     assert_eq!(listed(&state, TOKEN).await.len(), 2);
     // A cancelled job frees its place.
-    let (status, _) = call(
-        &state,
-        authed("POST", &format!("/api/jobs/{first}/cancel"), Some(TOKEN))
-            .body(Body::empty())
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    cancel(&state, TOKEN, first).await;
     submit_mnist(&state, TOKEN).await;
 }
 
@@ -803,14 +796,7 @@ async fn a_requesters_queued_uploads_may_hold_only_so_many_bytes() {
             .count();
         assert_eq!(leftovers, 0);
         // A cancelled job frees its bytes.
-        let (status, _) = call(
-            &state,
-            authed("POST", &format!("/api/jobs/{first}/cancel"), Some(TOKEN))
-                .body(Body::empty())
-                .unwrap(),
-        )
-        .await;
-        assert_eq!(status, StatusCode::OK);
+        cancel(&state, TOKEN, first).await;
         submit_mnist(&state, TOKEN).await;
     }
 }

@@ -185,3 +185,15 @@ pub async fn listed(state: &AppState, token: &str) -> Vec<u64> {
         .map(|job| job.id)
         .collect()
 }
+
+/// Cancels job `id` as `token`, which must succeed.
+pub async fn cancel(state: &AppState, token: &str, id: u64) {
+    let (status, _) = call(
+        state,
+        authed("POST", &format!("/api/jobs/{id}/cancel"), Some(token))
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
