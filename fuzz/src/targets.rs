@@ -106,6 +106,7 @@ fn protocol_to_server() -> Target {
             display_name: "fuzz".into(),
             max_buffer_bytes: None,
             credential: Some("0123456789abcdef".into()),
+            requester_token: Some("fedcba9876543210".into()),
         }),
         ToServer::Heartbeat { seq: 300 },
         ToServer::Error(ErrorMessage {

@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Default largest frame either side of a provider connection sends or
 /// accepts. The server announces its own limit in [`ToProvider::Welcome`];
@@ -115,6 +115,11 @@ pub struct Hello {
     /// [`ToProvider::Welcome`]: faults, bans and credit follow it, not the
     /// name. `None` on a provider's first visit.
     pub credential: Option<String>,
+    /// A Requester's API token, vouching for this provider: the server then
+    /// trusts it to verify that Requester's jobs (spot checks), and the
+    /// operator's (the first Requester's) vouches for every job. Native
+    /// providers only; `None` for a stranger.
+    pub requester_token: Option<String>,
 }
 
 /// The longest credential a `Hello` may carry (the server issues 64 hex
@@ -145,6 +150,9 @@ pub enum ErrorCode {
     /// The peer asked for more than the receiver allows it now (new
     /// identities from one address); it may retry later.
     RateLimited,
+    /// The Requester token the provider vouched with is not one the server
+    /// accepts (mistyped or revoked); reconnecting with it will not help.
+    Unauthorized,
 }
 
 /// Frames a provider sends to the server.
@@ -357,6 +365,7 @@ mod tests {
             display_name: "alice-laptop".into(),
             max_buffer_bytes: None,
             credential: None,
+            requester_token: Some("t0k3n".into()),
         }
     }
 
@@ -657,6 +666,7 @@ mod tests {
                 device, memory_bytes: memory, gflops, display_name: name,
                 max_buffer_bytes: None,
                 credential: None,
+                requester_token: None,
             });
             let frame = encode(&message).unwrap();
             prop_assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));

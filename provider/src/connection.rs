@@ -38,7 +38,9 @@ impl From<Disconnect> for SessionEnd {
     fn from(disconnect: Disconnect) -> Self {
         match disconnect {
             Disconnect::Lost(reason) => SessionEnd::Lost(reason),
-            Disconnect::VersionMismatch(reason) => SessionEnd::Fatal(reason),
+            Disconnect::VersionMismatch(reason) | Disconnect::Refused(reason) => {
+                SessionEnd::Fatal(reason)
+            }
         }
     }
 }
@@ -473,6 +475,7 @@ mod tests {
             display_name: "unit".into(),
             max_buffer_bytes: None,
             credential: None,
+            requester_token: None,
         }
     }
 

@@ -37,6 +37,9 @@ pub enum Fault {
     /// Scales its training activations (and, as a Leaf, its losses) by
     /// [`SUBTLE_SCALE`]: finite, well shaped, plausible, wrong.
     Subtle,
+    /// Computes its forwards honestly but scales the gradients it sends
+    /// back (as a Stem or a Leaf) by [`SUBTLE_SCALE`].
+    SubtleGradients,
 }
 
 /// What a [`Fault::Subtle`] provider multiplies its results by.
@@ -215,17 +218,24 @@ pub fn tamper_with(fault: Fault, message: &ToServer) -> Option<ToServer> {
             }
         }
         (ToServer::Activations(a), Fault::Subtle) if matches!(a.phase, Phase::Train { .. }) => {
-            for t in a.outputs.iter_mut().filter(|t| t.dtype.is_float()) {
-                let values: Vec<f32> = t.to_f32().ok()?.iter().map(|v| v * SUBTLE_SCALE).collect();
-                *t = WireTensor::from_f32(t.name.clone(), &t.shape_usize(), &values, t.dtype);
-            }
+            scale(&mut a.outputs)?;
         }
         (ToServer::LeafLoss(l), Fault::Subtle) if matches!(l.phase, Phase::Train { .. }) => {
             l.loss_sum *= f64::from(SUBTLE_SCALE);
         }
+        (ToServer::Gradients(g), Fault::SubtleGradients) => scale(&mut g.grads)?,
         _ => return None,
     }
     Some(message)
+}
+
+/// Multiplies every float tensor by [`SUBTLE_SCALE`].
+fn scale(tensors: &mut [WireTensor]) -> Option<()> {
+    for t in tensors.iter_mut().filter(|t| t.dtype.is_float()) {
+        let values: Vec<f32> = t.to_f32().ok()?.iter().map(|v| v * SUBTLE_SCALE).collect();
+        *t = WireTensor::from_f32(t.name.clone(), &t.shape_usize(), &values, t.dtype);
+    }
+    Some(())
 }
 
 fn rename(tensors: &mut [WireTensor]) {
@@ -253,7 +263,7 @@ fn poison(t: &mut WireTensor) -> Option<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rookery_proto::{Activations, ParamSet, WireDType};
+    use rookery_proto::{Activations, Gradients, ParamSet, WireDType};
 
     fn activations() -> ToServer {
         ToServer::Activations(Activations {
@@ -311,6 +321,25 @@ mod tests {
             panic!()
         };
         assert_eq!(far.params[0].to_f32().unwrap(), vec![1000.5, 999.5]);
+        // Gradients move only with SubtleGradients, which leaves activations be.
+        assert!(tamper_with(Fault::SubtleGradients, &activations()).is_none());
+        let grads = ToServer::Gradients(Gradients {
+            job_id: 7,
+            step: 1,
+            micro: 0,
+            grads: vec![WireTensor::from_f32(
+                "h",
+                &[2],
+                &[2.0, -1.0],
+                WireDType::F32,
+            )],
+            compute_ms: 1.0,
+        });
+        let Some(ToServer::Gradients(scaled)) = tamper_with(Fault::SubtleGradients, &grads) else {
+            panic!()
+        };
+        assert_eq!(scaled.grads[0].to_f32().unwrap(), vec![2.02, -1.01]);
+        assert!(tamper_with(Fault::Subtle, &grads).is_none());
     }
 
     #[test]

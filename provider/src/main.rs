@@ -44,6 +44,16 @@ struct Cli {
     /// Keep the credential in memory only: a new identity every start.
     #[arg(long)]
     ephemeral_identity: bool,
+    /// Vouch for this provider with a Requester's API token (as `rookery
+    /// serve` or `rookery token create` printed it): the server then trusts
+    /// it to re-run spot checks of that Requester's jobs, or of every job
+    /// with the operator's token.
+    #[arg(long, env = "ROOKERY_REQUESTER_TOKEN", hide_env_values = true)]
+    requester_token: Option<String>,
+    /// The most memory the server may plan stages into on this machine, in
+    /// MiB (default: all the memory the device has).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    max_memory_mib: Option<u64>,
     /// What runs the stages: libtorch (CPU or CUDA, see --device), or our own
     /// WGSL kernels on any GPU through wgpu (Vulkan, Metal, DX12), so AMD,
     /// Intel and Apple GPUs can donate without CUDA.
@@ -137,7 +147,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 
     let name = cli.name.unwrap_or_else(default_name);
-    let (hello, make_trainer) = match cli.backend {
+    let (mut hello, make_trainer) = match cli.backend {
         BackendChoice::Torch => {
             let device = compute::select(cli.device).context("choosing a compute device")?;
             let profile = tokio::task::spawn_blocking(move || device.profile())
@@ -149,6 +159,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         BackendChoice::Wgpu => wgpu_provider(name).await?,
     };
+    if let Some(mib) = cli.max_memory_mib {
+        hello.memory_bytes = hello.memory_bytes.min(mib.saturating_mul(1 << 20));
+    }
     println!(
         "{}: {} with {:.1} GiB, {:.1} GFLOP/s measured",
         hello.display_name,
@@ -169,8 +182,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         (None, true) => CredentialFile::ephemeral(),
         (None, false) => CredentialFile::default_for(&url, &hello.display_name),
     };
-    let mut hello = hello;
     hello.credential = credentials.load()?;
+    hello.requester_token = cli.requester_token;
     #[cfg(feature = "fault-injection")]
     if rookery_provider::fault::current() == Some(rookery_provider::fault::Fault::Claim) {
         hello.gflops *= rookery_provider::fault::CLAIM_FACTOR;

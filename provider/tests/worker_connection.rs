@@ -25,6 +25,7 @@ fn hello() -> rookery_proto::Hello {
         display_name: "worker-connection".into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     }
 }
 

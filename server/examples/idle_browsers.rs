@@ -163,6 +163,7 @@ async fn browser(url: String, i: usize, ready: Arc<AtomicUsize>) -> anyhow::Resu
         display_name: format!("browser-{i}"),
         max_buffer_bytes: Some(128 << 20),
         credential: None,
+        requester_token: None,
     });
     sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
         .await?;

@@ -74,6 +74,7 @@ fn hello(kind: ProviderKind, name: &str, gflops: f64) -> Hello {
         display_name: name.into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     }
 }
 

@@ -288,6 +288,7 @@ async fn connect(
         .send(rookery_server::coordinator::Event::Connected {
             id,
             identity: id,
+            vouched_by: None,
             hello: Hello {
                 protocol_version: rookery_proto::PROTOCOL_VERSION,
                 kind: ProviderKind::Native,
@@ -297,6 +298,7 @@ async fn connect(
                 display_name: format!("p{id}"),
                 max_buffer_bytes: None,
                 credential: None,
+                requester_token: None,
             },
             tx,
         })

@@ -110,6 +110,7 @@ async fn join(client: &mut Client) -> u64 {
         display_name: "limits".into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     });
     let frame = rookery_proto::encode(&hello).unwrap();
     client.send(Message::Binary(frame.into())).await.unwrap();

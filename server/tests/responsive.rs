@@ -96,6 +96,7 @@ async fn provider(addr: std::net::SocketAddr) -> tokio::sync::oneshot::Receiver<
         display_name: "worker".into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     });
     let send = |m: &ToServer| Message::Binary(rookery_proto::encode(m).unwrap().into());
     ws.send(send(&hello)).await.unwrap();

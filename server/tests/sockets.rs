@@ -93,6 +93,7 @@ fn hello(name: &str) -> ToServer {
         display_name: name.into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     })
 }
 

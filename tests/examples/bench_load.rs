@@ -340,6 +340,7 @@ impl Browser {
             display_name: self.name.clone(),
             max_buffer_bytes: Some(128 << 20),
             credential: None,
+            requester_token: None,
         });
         sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
             .await?;

@@ -129,6 +129,7 @@ async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
         display_name: name.into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     };
     send(&mut socket, &ToServer::Hello(hello)).await?;
     match receive(&mut socket, &mut Assembler::<ToProvider>::new(RECEIVE_CAP)).await? {

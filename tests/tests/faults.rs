@@ -106,7 +106,17 @@ impl<'a> Client<'a> {
 
 fn provider(server: &Server, name: &str, fault: Option<&str>) -> anyhow::Result<Process> {
     let extra: Vec<&str> = fault.map_or(Vec::new(), |f| vec!["--fault", f]);
-    Process::spawn(provider_command(server, name, &extra)?.env("RUST_LOG", "warn"))
+    provider_with(server, name, &extra)
+}
+
+fn provider_with(server: &Server, name: &str, extra: &[&str]) -> anyhow::Result<Process> {
+    Process::spawn(provider_command(server, name, extra)?.env("RUST_LOG", "warn"))
+}
+
+/// A provider the operator vouches for with the server's first Requester
+/// token: trusted to verify spot checks.
+fn vouched_provider(server: &Server, name: &str) -> anyhow::Result<Process> {
+    provider_with(server, name, &["--requester-token", &server.api_token()?])
 }
 
 fn faults_of<'a>(log: &'a [LogEntry], name: &str) -> Vec<&'a LogEntry> {
@@ -134,10 +144,19 @@ async fn banned_after_three_faults(
 /// Starts the providers named (with their faults) and waits until the
 /// server has measured all of them, so the next job is planned onto them.
 async fn join(server: &Server, who: &[(&str, Option<&str>)]) -> anyhow::Result<Vec<Process>> {
+    let who: Vec<(&str, Vec<&str>)> = who
+        .iter()
+        .map(|(name, fault)| (*name, fault.map_or(Vec::new(), |f| vec!["--fault", f])))
+        .collect();
+    join_with(server, &who).await
+}
+
+/// [`join`], each provider with its own arguments.
+async fn join_with(server: &Server, who: &[(&str, Vec<&str>)]) -> anyhow::Result<Vec<Process>> {
     let before = server.providers().await?.len();
     let started: Vec<Process> = who
         .iter()
-        .map(|(name, fault)| provider(server, name, *fault))
+        .map(|(name, extra)| provider_with(server, name, extra))
         .collect::<anyhow::Result<_>>()?;
     server
         .wait_for_providers("the new providers", Duration::from_secs(120), |all| {
@@ -506,8 +525,8 @@ async fn accuracy(client: &Client<'_>, id: u64) -> anyhow::Result<f64> {
         .test_accuracy)
 }
 
-/// Starts `name` once the job is running on the providers it was planned
-/// onto, so that it is idle: the verifier.
+/// Starts `name`, vouched for, once the job is running on the providers it
+/// was planned onto, so that it is idle: the verifier.
 async fn verifier_once_running(
     server: &Server,
     client: &Client<'_>,
@@ -515,7 +534,7 @@ async fn verifier_once_running(
     name: &str,
 ) -> anyhow::Result<Process> {
     wait_for_status(client, id, "running").await?;
-    let verifier = provider(server, name, None)?;
+    let verifier = vouched_provider(server, name)?;
     server
         .wait_for_providers("the verifier", Duration::from_secs(120), |all| {
             all.iter()
@@ -592,5 +611,77 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
         (checked - want).abs() <= 0.02,
         "accuracy {checked} with the liar caught, {want} honest"
     );
+    Ok(())
+}
+
+/// A learnable job whose Root holds nearly all the memory (a 512 -> 1024
+/// layer) and whose Leaf almost none, spot-checking a tenth of each
+/// stage's micro-batches.
+fn lopsided_job(dir: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::write(
+        dir.join("model.toml"),
+        dense_mlp(512, &[(1024, Some("relu")), (4, None)]),
+    )?;
+    write_classes(dir, "", &Classes::learnable(16 * 120, &[512], 1))?;
+    let training = "batch_size = 16\nmicro_batches = 4\nclusters = 1\nstages = 2\nseed = 5\n\
+         optimizer = { name = \"sgd\", lr = 0.05 }\n[training.verify]\nrate = 0.1";
+    let path = dir.join("job.toml");
+    std::fs::write(
+        &path,
+        job_text(Path::new("model.toml"), &[512], "", None, training),
+    )?;
+    Ok(path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spot_checks_rerun_the_backward_and_only_vouched_for_providers_verify() -> anyhow::Result<()>
+{
+    let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
+    let dir = tempfile::tempdir()?;
+    let client = Client::new(&server)?;
+    // Its forwards are honest, its gradients 1% off; with 2 MiB it fits
+    // only the Leaf, whose gradients go back to the Root.
+    let liar = "gradients";
+    let _first = join_with(
+        &server,
+        &[
+            (
+                liar,
+                vec!["--fault", "subtle-gradients", "--max-memory-mib", "2"],
+            ),
+            ("honest-root", vec![]),
+        ],
+    )
+    .await?;
+    let id = client.submit(&lopsided_job(dir.path())?)?;
+    // A stranger idles beside the vouched-for verifier, and never verifies.
+    let stranger = provider(&server, "stranger", None)?;
+    let _verifier = verifier_once_running(&server, &client, id, "verifier").await?;
+    let log = banned_after_three_faults(&client, id, liar).await?;
+    for fault in faults_of(&log, liar) {
+        assert!(
+            fault.message.contains("stage 1") && fault.message.contains("input gradients differ"),
+            "{}",
+            fault.message
+        );
+    }
+    wait_for_status(&client, id, "completed").await?;
+    let stranger_id = server
+        .providers()
+        .await?
+        .iter()
+        .find(|p| p.name == "stranger")
+        .context("the stranger connected")?
+        .id;
+    let log = client.log(id).await?;
+    let reruns: Vec<&LogEntry> = log.iter().filter(|l| l.kind == "spot_check").collect();
+    assert!(reruns.len() >= 3, "{log:#?}");
+    assert!(
+        reruns.iter().all(|l| !l
+            .message
+            .contains(&format!("provider {stranger_id}'s re-run"))),
+        "{reruns:#?}"
+    );
+    drop(stranger);
     Ok(())
 }

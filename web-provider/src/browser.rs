@@ -146,6 +146,7 @@ impl From<Disconnect> for End {
                 "This page and the server speak different protocol versions ({message}). \
                  Reload the page to get the server's current version."
             )),
+            Disconnect::Refused(message) => End::GiveUp(message),
         }
     }
 }

@@ -32,6 +32,7 @@ impl Actor {
             .map(|(id, p)| LiveProvider {
                 id: *id,
                 identity: p.identity,
+                vouched_by: p.vouched_by.clone(),
                 hello: p.hello.clone(),
                 measured_gflops: self.measured(p.identity),
                 work: p.work.clone(),
@@ -54,6 +55,7 @@ impl Actor {
             Event::Connected {
                 id,
                 identity,
+                vouched_by,
                 hello,
                 tx,
             } => {
@@ -67,6 +69,7 @@ impl Actor {
                     id,
                     Live {
                         identity,
+                        vouched_by,
                         hello,
                         tx,
                         job: None,

@@ -170,10 +170,12 @@ mod tests {
             display_name: name.into(),
             max_buffer_bytes: None,
             credential: None,
+            requester_token: None,
         };
         let live = |id, identity, name| LiveProvider {
             id,
             identity,
+            vouched_by: None,
             hello: hello(name),
             measured_gflops: None,
             work: None,

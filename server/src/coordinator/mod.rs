@@ -51,6 +51,7 @@ use crate::run::{Aggregated, Effect, JobRun};
 use crate::store::Db;
 use crate::store::checkpoints::{CheckpointWriter, ResumeWriter};
 use crate::store::jobs::Ban;
+use crate::store::requesters::Requester;
 
 /// How often queued jobs are matched against idle providers.
 const SCHEDULE_EVERY: Duration = Duration::from_millis(300);
@@ -71,6 +72,8 @@ pub enum Event {
         id: u64,
         /// The server-issued identity it proved (faults and bans follow it).
         identity: u64,
+        /// The Requester whose token it presented.
+        vouched_by: Option<Requester>,
         hello: Hello,
         tx: Outbox,
     },
@@ -145,6 +148,9 @@ pub struct LiveProvider {
     pub id: u64,
     pub identity: u64,
     pub hello: Hello,
+    /// The Requester whose token it presented: trusted to verify that
+    /// Requester's jobs ([`verify::trusted_for`]).
+    pub vouched_by: Option<Requester>,
     /// What the server measured of its identity's stages, GFLOP/s.
     pub measured_gflops: Option<f64>,
     pub work: Option<ProviderWork>,
@@ -242,6 +248,7 @@ pub enum Outgoing {
 
 struct Live {
     identity: u64,
+    vouched_by: Option<Requester>,
     hello: Hello,
     tx: Outbox,
     job: Option<u64>,
@@ -300,6 +307,9 @@ struct JobEntry {
     resume: Option<ResumeWriter>,
     /// Its spot checks so far.
     spot_checks: verify::Tally,
+    /// The Requester who submitted it, once it starts: whose vouched-for
+    /// providers may verify it.
+    owner: Option<u64>,
 }
 
 struct Actor {

@@ -117,6 +117,7 @@ impl Actor {
             }
         }
         let entry = self.jobs.entry(job_id).or_default();
+        entry.owner = job.owner;
         // Each stage carries its cluster's micro-batches every step.
         entry.micro_batches = model.spec.training.micro_batches.max(1) as u64;
         entry.starting = Some(view);

@@ -1,21 +1,32 @@
 //! Running a run's spot checks ([`crate::run::Verification`]): an idle
-//! native provider with a clean record on the job takes the checked stage
-//! as of the checkpoint, gets the same `Forward`, and its result is
-//! compared with the checked provider's. A disagreement is a fault of the
-//! checked provider (three ban it); a verifier is never the checked
-//! provider's identity, never a browser tab, and never one with a fault on
-//! the job. Tapped messages (the checked micro-batch's tensors, which
-//! stream through the coordinator) are put together here as well.
+//! trusted provider takes the checked stage as of the checkpoint, gets the
+//! same `Forward` (and a Stem the same `Backward`), and its results are
+//! compared with the checked provider's, forward first, then the input
+//! gradients. A disagreement is a fault of the checked provider (three ban
+//! it), unless it is trusted too: two vouched-for providers that disagree
+//! are logged, nobody is blamed.
+//!
+//! Trusted means native and vouched for ([`trusted_for`]): started with the
+//! token of the job's Requester, or of the operator (the data dir's first
+//! Requester), and never the checked provider's identity, banned from the
+//! job or with a fault on it. A stranger's word never convicts another
+//! stranger, so without a trusted provider idle, checks are skipped (and
+//! the job's log says how to add one). Tapped messages (the checked
+//! micro-batch's tensors, which stream through the coordinator) are put
+//! together here as well.
 
 use std::time::Instant;
 
 use rookery_proto::api::ProviderWork;
 use rookery_proto::stream::{self, Assembler, Incoming, Payload};
-use rookery_proto::{ProviderKind, ToProvider, ToServer};
+use rookery_proto::{ProviderKind, ToProvider, ToServer, WireTensor};
 
 use super::faults::is_banned;
 use super::{Actor, Route};
-use crate::run::{Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement};
+use crate::run::{
+    Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement, tensors_disagreement,
+};
+use crate::store::requesters::{self, Requester};
 
 /// A copy of one streamed message being put together.
 pub(super) struct Capture {
@@ -50,6 +61,26 @@ pub(super) struct Verifying {
     job_id: u64,
     check: Box<Verification>,
     started: Instant,
+    /// The checked provider is trusted as well: a disagreement blames nobody.
+    checked_trusted: bool,
+    /// How far the forward results differ, once compared and within the
+    /// tolerance: the check goes on to the backward.
+    forward: Option<f64>,
+}
+
+/// How far a verifier's results are from the checked provider's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Verdict {
+    forward: f64,
+    /// The input gradients' difference, for a stage whose backward is checked.
+    backward: Option<f64>,
+}
+
+/// Whether a provider vouched for by `by` may verify a job of `owner`:
+/// native providers only carry a vouch ([`crate::http`] refuses it from a
+/// browser), and the operator's vouches for every job.
+pub fn trusted_for(by: Option<&Requester>, owner: Option<u64>) -> bool {
+    by.is_some_and(|r| r.name == requesters::FIRST || Some(r.id) == owner)
 }
 
 /// A job's spot checks so far, for its log at the end.
@@ -64,13 +95,18 @@ pub(super) struct Tally {
 impl Actor {
     /// Hands `check` to the best idle verifier, or skips it (logged once).
     pub(super) async fn start_verification(&mut self, job_id: u64, check: Box<Verification>) {
-        let checked = self.providers.get(&check.provider).map(|p| p.identity);
+        let checked = self.providers.get(&check.provider);
+        let checked_identity = checked.map(|p| p.identity);
         let job = self.jobs.entry(job_id).or_default();
-        let (bans, faults) = (job.bans.clone(), job.faults.clone());
+        let (bans, faults, owner) = (job.bans.clone(), job.faults.clone(), job.owner);
+        let checked_trusted = checked.is_some_and(|p| trusted_for(p.vouched_by.as_ref(), owner));
         let verifier = self
             .snapshot()
             .into_iter()
-            .filter(|p| p.hello.kind == ProviderKind::Native && Some(p.identity) != checked)
+            .filter(|p| {
+                p.hello.kind == ProviderKind::Native && Some(p.identity) != checked_identity
+            })
+            .filter(|p| trusted_for(p.vouched_by.as_ref(), owner))
             .filter(|p| !is_banned(&bans, p) && faults.get(&p.identity).is_none_or(|n| *n == 0))
             .filter_map(|p| p.candidate().map(|spec| (p.id, spec)))
             .filter(|(_, spec)| spec.memory_bytes >= check.memory_bytes)
@@ -83,7 +119,10 @@ impl Actor {
                 self.log(
                     job_id,
                     "spot_check",
-                    "a spot check was skipped: no idle native provider with a clean record to re-run it (later ones are counted)".into(),
+                    "a spot check was skipped: no trusted provider is idle to re-run it (start a \
+                     native one with `rookery-provider --requester-token` and this job's Requester's \
+                     or the operator's token); later ones are counted"
+                        .into(),
                 )
                 .await;
             }
@@ -106,6 +145,8 @@ impl Actor {
                 job_id,
                 check,
                 started: Instant::now(),
+                checked_trusted,
+                forward: None,
             },
         );
         self.send(verifier, assign);
@@ -125,14 +166,16 @@ impl Actor {
                 let capture = Capture::new(header, owed, CaptureFor::Verifier(id));
                 self.route(id, owed, capture);
             }
+            header @ ToServer::Gradients(_) if owed > 0 => {
+                let capture = Capture::new(header, owed, CaptureFor::Verifier(id));
+                self.route(id, owed, capture);
+            }
             ToServer::Activations(a) => {
-                self.finish_verification(id, Ok(Outcome::Activations(a.outputs)))
+                self.verifier_result(id, Outcome::Activations(a.outputs))
                     .await
             }
-            ToServer::LeafLoss(l) => {
-                self.finish_verification(id, Ok(Outcome::Loss(l.loss_sum)))
-                    .await
-            }
+            ToServer::LeafLoss(l) => self.verifier_result(id, Outcome::Loss(l.loss_sum)).await,
+            ToServer::Gradients(g) => self.verifier_gradients(id, g.grads).await,
             ToServer::JobFailed { message, .. } => self.finish_verification(id, Err(message)).await,
             _ => self.route(id, owed, None),
         }
@@ -154,29 +197,72 @@ impl Actor {
 
     /// A captured message is whole.
     pub(super) async fn captured(&mut self, sink: CaptureFor, message: ToServer) {
-        let ToServer::Activations(a) = message else {
-            return;
+        let (tensors, gradients) = match message {
+            ToServer::Activations(a) => (a.outputs, false),
+            ToServer::Gradients(g) => (g.grads, true),
+            _ => return,
         };
         match sink {
             CaptureFor::Run { job_id, taps } => {
                 let mut effects = Vec::new();
                 if let Some(run) = self.run_mut(job_id) {
                     for (key, side) in taps {
-                        effects.extend(run.on_tapped(key, side, a.outputs.clone()));
+                        effects.extend(run.on_tapped(key, side, tensors.clone()));
                     }
                 }
                 Box::pin(self.apply(job_id, effects)).await;
             }
+            CaptureFor::Verifier(id) if gradients => self.verifier_gradients(id, tensors).await,
             CaptureFor::Verifier(id) => {
-                self.finish_verification(id, Ok(Outcome::Activations(a.outputs)))
+                self.verifier_result(id, Outcome::Activations(tensors))
                     .await;
             }
         }
     }
 
+    /// The verifier `id`'s forward result: compared, and if it agrees the
+    /// check goes on to the backward (a Stem is sent the same `Backward`; a
+    /// Leaf's gradients follow its loss by themselves), or ends.
+    async fn verifier_result(&mut self, id: u64, got: Outcome) {
+        let Some(v) = self.verifying.get_mut(&id) else {
+            return;
+        };
+        let forward = match disagreement(&v.check.expected, &got) {
+            Ok(d) => d,
+            Err(problem) => return self.finish_verification(id, Err(problem)).await,
+        };
+        if forward > VERIFY_TOLERANCE || v.check.expected_grads.is_none() {
+            let verdict = Verdict {
+                forward,
+                backward: None,
+            };
+            return self.finish_verification(id, Ok(verdict)).await;
+        }
+        v.forward = Some(forward);
+        if let Some(backward) = v.check.backward.clone() {
+            self.send(id, ToProvider::Backward(backward));
+        }
+    }
+
+    /// The verifier `id`'s input gradients.
+    async fn verifier_gradients(&mut self, id: u64, got: Vec<WireTensor>) {
+        let Some(v) = self.verifying.get(&id) else {
+            return;
+        };
+        let (Some(forward), Some(expected)) = (v.forward, v.check.expected_grads.as_ref()) else {
+            let early = Err("it sent gradients before its forward result".to_string());
+            return self.finish_verification(id, early).await;
+        };
+        let verdict = tensors_disagreement(expected, &got).map(|backward| Verdict {
+            forward,
+            backward: Some(backward),
+        });
+        self.finish_verification(id, verdict).await;
+    }
+
     /// The verifier `id` answered (or could not): it is released, and the
-    /// checked provider's result compared with its.
-    pub(super) async fn finish_verification(&mut self, id: u64, got: Result<Outcome, String>) {
+    /// checked provider's results compared with its.
+    pub(super) async fn finish_verification(&mut self, id: u64, got: Result<Verdict, String>) {
         let Some(v) = self.verifying.remove(&id) else {
             return;
         };
@@ -193,22 +279,39 @@ impl Actor {
         );
         let tally = &mut self.jobs.entry(job_id).or_default().spot_checks;
         tally.verifier_ms += v.started.elapsed().as_secs_f64() * 1e3;
-        match got.and_then(|got| disagreement(&c.expected, &got)) {
-            Ok(d) if d <= VERIFY_TOLERANCE => {
+        let worst = |v: &Verdict| v.forward.max(v.backward.unwrap_or(0.0));
+        match got {
+            Ok(verdict) if worst(&verdict) <= VERIFY_TOLERANCE => {
                 tally.run += 1;
+                let backward = verdict
+                    .backward
+                    .map_or(String::new(), |b| format!(", input gradients {b:.1e}"));
                 let message = format!(
-                    "spot check of {what}: provider {id}'s re-run agrees (relative difference {d:.1e})"
+                    "spot check of {what}: provider {id}'s re-run agrees (relative difference {:.1e}{backward})",
+                    verdict.forward
                 );
                 self.log(job_id, "spot_check", message).await;
             }
-            Ok(d) => {
+            Ok(verdict) => {
                 tally.run += 1;
                 tally.disagreed += 1;
+                let (which, d) = match verdict.backward {
+                    Some(b) if verdict.forward <= VERIFY_TOLERANCE => {
+                        ("its input gradients differ", b)
+                    }
+                    _ => ("its result differs", verdict.forward),
+                };
                 let reason = format!(
-                    "spot check of {what}: its result differs from provider {id}'s re-run by {d:.2e} (tolerance {VERIFY_TOLERANCE:.0e})"
+                    "spot check of {what}: {which} from provider {id}'s re-run by {d:.2e} (tolerance {VERIFY_TOLERANCE:.0e})"
                 );
-                self.log(job_id, "spot_check", reason.clone()).await;
-                self.on_fault(job_id, c.provider, reason, false).await;
+                if v.checked_trusted {
+                    let message =
+                        format!("{reason}; both providers are vouched for, so neither is blamed");
+                    self.log(job_id, "spot_check", message).await;
+                } else {
+                    self.log(job_id, "spot_check", reason.clone()).await;
+                    self.on_fault(job_id, c.provider, reason, false).await;
+                }
             }
             Err(problem) => {
                 let message =
@@ -267,6 +370,33 @@ impl Actor {
                 *capture = None;
                 None
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_jobs_requester_or_the_operator_vouches_for_a_verifier() {
+        let requester = |id, name: &str| Requester {
+            id,
+            name: name.into(),
+        };
+        let operator = requester(1, requesters::FIRST);
+        let alice = requester(2, "alice");
+        // (vouched by, the job's owner, trusted)
+        let cases = [
+            (None, Some(2), false),
+            (Some(&alice), Some(2), true),
+            (Some(&alice), Some(3), false),
+            (Some(&alice), None, false),
+            (Some(&operator), Some(3), true),
+            (Some(&operator), None, true),
+        ];
+        for (by, owner, trusted) in cases {
+            assert_eq!(trusted_for(by, owner), trusted, "{by:?} for {owner:?}");
         }
     }
 }

@@ -68,7 +68,9 @@ pub use metrics::{EpochRecord, StageTime, StepRecord};
 pub use recovery::Vacancy;
 pub use start::StartError;
 pub use stragglers::{STRAGGLER_FACTOR, STRAGGLER_MIN_MS, STRAGGLER_STEPS, Straggler};
-pub use verify::{Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement, sampled};
+pub use verify::{
+    Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement, sampled, tensors_disagreement,
+};
 
 /// What the coordinator must do on the job's behalf, in order.
 #[derive(Debug)]

@@ -28,6 +28,7 @@ struct CheckedAnswer {
 enum Answer {
     Outputs(Vec<WireTensor>),
     Loss(f64),
+    Grads(Vec<WireTensor>),
 }
 
 impl JobRun {
@@ -73,6 +74,7 @@ impl JobRun {
             effects.extend(match answer {
                 Answer::Outputs(outputs) => self.checked_output(c, s, step, micro, &outputs),
                 Answer::Loss(loss) => self.checked_loss(c, s, step, micro, loss),
+                Answer::Grads(grads) => self.checked_grads(c, s, step, micro, &grads),
             });
         }
         let taps = self.choose_checks(&effects);
@@ -84,16 +86,31 @@ impl JobRun {
     /// The answer `message` gives to a spot-checked micro-batch, if it is
     /// one (kept once the message is accepted).
     fn checked_answer(&self, provider: u64, message: &ToServer) -> Option<CheckedAnswer> {
+        if self.checks.is_empty() {
+            return None;
+        }
         let (c, s) = self.locate(provider)?;
-        let (phase, micro, answer) = match message {
-            ToServer::Activations(a) => (a.phase, a.micro, Answer::Outputs(a.outputs.clone())),
-            ToServer::LeafLoss(l) => (l.phase, l.micro, Answer::Loss(l.loss_sum)),
+        let (step, micro) = match message {
+            ToServer::Activations(Activations {
+                phase: Phase::Train { step },
+                micro,
+                ..
+            })
+            | ToServer::LeafLoss(LeafLoss {
+                phase: Phase::Train { step },
+                micro,
+                ..
+            })
+            | ToServer::Gradients(Gradients { step, micro, .. }) => (*step, *micro),
             _ => return None,
         };
-        let Phase::Train { step } = phase else {
-            return None;
-        };
         self.check_of(c, s, step, micro)?;
+        let answer = match message {
+            ToServer::Activations(a) => Answer::Outputs(a.outputs.clone()),
+            ToServer::LeafLoss(l) => Answer::Loss(l.loss_sum),
+            ToServer::Gradients(g) => Answer::Grads(g.grads.clone()),
+            _ => return None,
+        };
         Some(CheckedAnswer {
             at: (c, s, step, micro),
             answer,

@@ -1,12 +1,17 @@
 //! Spot checks, as BOINC does with redundancy: a seeded share
 //! (`[training.verify] rate`) of each stage's training micro-batches is
-//! re-run on another provider and the two results compared.
+//! re-run on another provider and the two results compared, forward and
+//! backward: a Root's activations; a Stem's activations and, given the
+//! same output gradients, its input gradients; a Leaf's loss and input
+//! gradients. (A Root's backward sends nothing: it shows in its
+//! parameters, which syncs compare across clusters.)
 //!
 //! A re-run must start from the parameters the stage used, which the server
 //! knows only right after a sync: the first step after one (and the step a
 //! sync in the background is taken at) is checkable. The run keeps the
-//! micro-batch's input (the `Forward` the stage got) and its result (its
-//! activations, or a Leaf's loss); tensors that stream through the
+//! micro-batch's input (the `Forward` the stage got, and a Stem's
+//! `Backward`) and its results (its activations, or a Leaf's loss, and the
+//! gradients it sent back); tensors that stream through the
 //! coordinator come back tapped ([`Effect::Tap`], [`JobRun::on_tapped`]).
 //! Once the checkpoint of that step is taken the check is handed to the
 //! coordinator ([`Effect::Verify`]), which assigns the stage to an idle
@@ -16,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use rookery_proto::{Assignment, Forward, Phase, ToProvider, WireTensor};
+use rookery_proto::{Assignment, Backward, Forward, Phase, ToProvider, WireTensor};
 
 use super::{Effect, JobRun};
 
@@ -35,13 +40,17 @@ pub enum Outcome {
     Loss(f64),
 }
 
-/// Which half of a check a tapped message completes.
+/// Which part of a check a tapped message completes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TapSide {
     /// The activations the checked stage was sent.
     Input,
     /// The activations it answered with.
     Output,
+    /// The gradients of its outputs it was sent (a Stem's `Backward`).
+    BackwardInput,
+    /// The gradients of its inputs it answered with.
+    BackwardOutput,
 }
 
 /// A check ready to run, for the coordinator.
@@ -61,6 +70,10 @@ pub struct Verification {
     pub forward: Forward,
     /// What it answered.
     pub expected: Outcome,
+    /// The gradients of its outputs it was sent (a Stem's only).
+    pub backward: Option<Backward>,
+    /// The gradients of its inputs it sent back (a Stem's or a Leaf's).
+    pub expected_grads: Option<Vec<WireTensor>>,
 }
 
 /// A check waiting for its halves, or for its step's checkpoint.
@@ -74,6 +87,31 @@ pub(super) struct Pending {
     forward: Forward,
     input_ready: bool,
     expected: Option<Outcome>,
+    /// Whether the stage runs a backward the check repeats, and what of
+    /// it is in: a Stem is sent a `Backward`, a Leaf computes its own.
+    role: Role,
+    backward: Option<Backward>,
+    backward_ready: bool,
+    expected_grads: Option<Vec<WireTensor>>,
+}
+
+/// What of a stage's backward a check repeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// A Root sends no gradients.
+    Root,
+    /// Sent output gradients, sends input gradients.
+    Stem,
+    /// Sends input gradients right after its loss.
+    Leaf,
+}
+
+impl Pending {
+    fn ready(&self) -> bool {
+        let backward_in = self.role != Role::Stem || self.backward_ready;
+        let grads_out = self.role == Role::Root || self.expected_grads.is_some();
+        self.input_ready && self.expected.is_some() && backward_in && grads_out
+    }
 }
 
 /// Checks by key, in the order they were chosen.
@@ -104,34 +142,38 @@ pub fn sampled(seed: u64, step: u64, cluster: usize, stage: usize, micro: u32, r
 pub fn disagreement(expected: &Outcome, got: &Outcome) -> Result<f64, String> {
     match (expected, got) {
         (Outcome::Loss(a), Outcome::Loss(b)) => Ok((a - b).abs() / a.abs().max(1e-12)),
-        (Outcome::Activations(a), Outcome::Activations(b)) => {
-            if a.len() != b.len() {
-                return Err(format!("{} tensors against {}", b.len(), a.len()));
-            }
-            let mut worst = 0.0f64;
-            for (x, y) in a.iter().zip(b) {
-                if x.name != y.name || x.shape != y.shape {
-                    return Err(format!(
-                        "tensor {} {:?} against {} {:?}",
-                        y.name, y.shape, x.name, x.shape
-                    ));
-                }
-                let (x, y) = (
-                    x.to_f32().map_err(|e| e.to_string())?,
-                    y.to_f32().map_err(|e| e.to_string())?,
-                );
-                let diff: f64 = x
-                    .iter()
-                    .zip(&y)
-                    .map(|(p, q)| (f64::from(*p) - f64::from(*q)).powi(2))
-                    .sum();
-                let size: f64 = x.iter().map(|p| f64::from(*p).powi(2)).sum();
-                worst = worst.max((diff / size.max(1e-24)).sqrt());
-            }
-            Ok(worst)
-        }
+        (Outcome::Activations(a), Outcome::Activations(b)) => tensors_disagreement(a, b),
         _ => Err("results of different kinds".into()),
     }
+}
+
+/// [`disagreement`] of two lists of tensors (activations or gradients),
+/// matched by position, name and shape.
+pub fn tensors_disagreement(a: &[WireTensor], b: &[WireTensor]) -> Result<f64, String> {
+    if a.len() != b.len() {
+        return Err(format!("{} tensors against {}", b.len(), a.len()));
+    }
+    let mut worst = 0.0f64;
+    for (x, y) in a.iter().zip(b) {
+        if x.name != y.name || x.shape != y.shape {
+            return Err(format!(
+                "tensor {} {:?} against {} {:?}",
+                y.name, y.shape, x.name, x.shape
+            ));
+        }
+        let (x, y) = (
+            x.to_f32().map_err(|e| e.to_string())?,
+            y.to_f32().map_err(|e| e.to_string())?,
+        );
+        let diff: f64 = x
+            .iter()
+            .zip(&y)
+            .map(|(p, q)| (f64::from(*p) - f64::from(*q)).powi(2))
+            .sum();
+        let size: f64 = x.iter().map(|p| f64::from(*p).powi(2)).sum();
+        worst = worst.max((diff / size.max(1e-24)).sqrt());
+    }
+    Ok(worst)
 }
 
 impl JobRun {
@@ -177,6 +219,13 @@ impl JobRun {
         let key = self.next_check;
         self.next_check += 1;
         let input_ready = !forward.inputs.iter().any(WireTensor::follows);
+        let last = self.clusters[c].stages.len() - 1;
+        let role = match s {
+            // A lone stage is its cluster's Root: it sends no gradients.
+            0 => Role::Root,
+            s if s == last => Role::Leaf,
+            _ => Role::Stem,
+        };
         self.checks.insert(
             key,
             Pending {
@@ -188,6 +237,10 @@ impl JobRun {
                 forward: forward.clone(),
                 input_ready,
                 expected: None,
+                role,
+                backward: None,
+                backward_ready: false,
+                expected_grads: None,
             },
         );
         Some((key, input_ready))
@@ -226,6 +279,31 @@ impl JobRun {
         self.launch_checks()
     }
 
+    /// Stage `s` sent the gradients of its inputs for micro-batch `micro`
+    /// of `step`: kept if it is checked, or tapped when they stream on.
+    pub(super) fn checked_grads(
+        &mut self,
+        c: usize,
+        s: usize,
+        step: u64,
+        micro: u32,
+        grads: &[WireTensor],
+    ) -> Vec<Effect> {
+        let Some(key) = self.check_of(c, s, step, micro) else {
+            return Vec::new();
+        };
+        if grads.iter().any(WireTensor::follows) {
+            return vec![Effect::Tap {
+                key,
+                side: TapSide::BackwardOutput,
+            }];
+        }
+        if let Some(check) = self.checks.get_mut(&key) {
+            check.expected_grads = Some(grads.to_vec());
+        }
+        self.launch_checks()
+    }
+
     /// The Leaf reported `loss_sum` for micro-batch `micro` of `step`.
     pub(super) fn checked_loss(
         &mut self,
@@ -255,6 +333,13 @@ impl JobRun {
                 check.input_ready = true;
             }
             TapSide::Output => check.expected = Some(Outcome::Activations(outputs)),
+            TapSide::BackwardInput => {
+                if let Some(backward) = check.backward.as_mut() {
+                    backward.grads = outputs;
+                    check.backward_ready = true;
+                }
+            }
+            TapSide::BackwardOutput => check.expected_grads = Some(outputs),
         }
         self.launch_checks()
     }
@@ -267,7 +352,7 @@ impl JobRun {
         let ready: Vec<u64> = self
             .checks
             .iter()
-            .filter(|(_, p)| p.step == synced && p.input_ready && p.expected.is_some())
+            .filter(|(_, p)| p.step == synced && p.ready())
             .map(|(key, _)| *key)
             .collect();
         let mut effects = Vec::new();
@@ -291,26 +376,53 @@ impl JobRun {
                 memory_bytes: self.clusters[p.cluster].stages[p.stage].memory_bytes,
                 forward: p.forward,
                 expected,
+                backward: p.backward,
+                expected_grads: p.expected_grads,
             })));
         }
         effects
     }
 
-    /// Notes checks for the forwards among `effects` (sent to a stage).
+    /// Notes checks for the forwards among `effects` (sent to a stage), and
+    /// the backwards sent to checked stages.
     pub(super) fn choose_checks(&mut self, effects: &[Effect]) -> Vec<Effect> {
         let mut taps = Vec::new();
         for effect in effects {
-            if let Effect::Send(to, ToProvider::Forward(forward)) = effect
-                && let Some((c, s)) = self.locate(*to)
-                && let Some((key, false)) = self.maybe_check(c, s, forward)
-            {
-                taps.push(Effect::Tap {
-                    key,
-                    side: TapSide::Input,
-                });
+            match effect {
+                Effect::Send(to, ToProvider::Forward(forward)) => {
+                    if let Some((c, s)) = self.locate(*to)
+                        && let Some((key, false)) = self.maybe_check(c, s, forward)
+                    {
+                        taps.push(Effect::Tap {
+                            key,
+                            side: TapSide::Input,
+                        });
+                    }
+                }
+                Effect::Send(to, ToProvider::Backward(backward)) => {
+                    taps.extend(self.checked_backward(*to, backward));
+                }
+                _ => {}
             }
         }
         taps
+    }
+
+    /// `backward` is sent to `to`: kept if it completes a check, tapped
+    /// when its gradients stream on.
+    fn checked_backward(&mut self, to: u64, backward: &Backward) -> Option<Effect> {
+        let (c, s) = self.locate(to)?;
+        let key = self.check_of(c, s, backward.step, backward.micro)?;
+        let check = self.checks.get_mut(&key)?;
+        check.backward = Some(backward.clone());
+        if backward.grads.iter().any(WireTensor::follows) {
+            return Some(Effect::Tap {
+                key,
+                side: TapSide::BackwardInput,
+            });
+        }
+        check.backward_ready = true;
+        None
     }
 }
 

@@ -223,6 +223,7 @@ mod tests {
             display_name: name.into(),
             max_buffer_bytes: None,
             credential: None,
+            requester_token: None,
         }
     }
 

@@ -75,6 +75,7 @@ impl SessionPolicy {
             display_name: display_name.into(),
             max_buffer_bytes: offer.max_buffer_bytes,
             credential: None,
+            requester_token: None,
         }
     }
 
@@ -202,6 +203,9 @@ pub enum Disconnect {
     /// The server speaks another protocol version (its words): reconnecting
     /// cannot help.
     VersionMismatch(String),
+    /// The server will not take this provider as it is configured (its
+    /// words): reconnecting cannot help either.
+    Refused(String),
 }
 
 #[derive(Debug)]
@@ -325,6 +329,13 @@ impl ProviderSession {
                     message,
                 }),
             ) => Some(Action::End(Disconnect::VersionMismatch(message))),
+            (
+                _,
+                ToProvider::Error(ErrorMessage {
+                    code: ErrorCode::Unauthorized,
+                    message,
+                }),
+            ) => Some(Action::End(Disconnect::Refused(message))),
             (_, ToProvider::Error(ErrorMessage { message, .. })) => {
                 Some(lost(format!("the server refused this provider: {message}")))
             }

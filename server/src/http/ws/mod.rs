@@ -19,7 +19,8 @@ use axum::routing::get;
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use rookery_proto::stream::{Assembler, Incoming, Lane, Streamed};
 use rookery_proto::{
-    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ToProvider, ToServer,
+    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ProviderKind, ToProvider,
+    ToServer,
 };
 
 use self::link::{LinkProbe, Owed, ProbeNext};
@@ -30,6 +31,7 @@ use crate::now_ms;
 use crate::state::AppState;
 use crate::store::identities::{self, Resolved};
 use crate::store::providers;
+use crate::store::requesters::{self, Requester};
 
 /// WebSocket close codes (RFC 6455, section 7.4.1).
 mod close_code {
@@ -167,7 +169,7 @@ pub async fn serve_provider<Si, St, E>(
     St: Stream<Item = Result<Message, E>> + Unpin,
     E: Display,
 {
-    let hello = match handshake(&mut stream, &state).await {
+    let mut hello = match handshake(&mut stream, &state).await {
         Ok(hello) => hello,
         Err(ending) => {
             tracing::info!(reason = %ending.reason(), "provider refused at handshake");
@@ -184,6 +186,14 @@ pub async fn serve_provider<Si, St, E>(
             return;
         }
     };
+    let vouched_by = match vouch(&state, &mut hello).await {
+        Ok(vouched_by) => vouched_by,
+        Err(ending) => {
+            tracing::info!(?ip, %name, reason = %ending.reason(), "provider refused a vouch");
+            say_goodbye(&mut sink, ending).await;
+            return;
+        }
+    };
     let id = match providers::register(&state.db, hello.clone(), identity, now_ms()).await {
         Ok(id) => id,
         Err(error) => {
@@ -192,11 +202,12 @@ pub async fn serve_provider<Si, St, E>(
             return;
         }
     };
-    tracing::info!(id, identity, new = issued.is_some(), %name, "provider joined");
+    tracing::info!(id, identity, new = issued.is_some(), vouched_by = ?vouched_by.as_ref().map(|r| &r.name), %name, "provider joined");
 
     let joined = Joined {
         id,
         identity,
+        vouched_by,
         issued,
     };
     let ending = session(joined, hello, &mut sink, &mut stream, &state).await;
@@ -217,11 +228,34 @@ fn unavailable() -> Ending {
     )
 }
 
+/// The Requester whose token `hello` vouches with, if any; the token is
+/// taken out of the `Hello`, which is kept and shown elsewhere.
+async fn vouch(state: &AppState, hello: &mut Hello) -> Result<Option<Requester>, Ending> {
+    let Some(token) = hello.requester_token.take() else {
+        return Ok(None);
+    };
+    match requesters::authenticate(&state.db, &token).await {
+        Ok(Some(requester)) => Ok(Some(requester)),
+        Ok(None) => Err(Ending::rejected(
+            ErrorCode::Unauthorized,
+            close_code::POLICY,
+            "the Requester token this provider vouches with is not one this server accepts \
+             (mistyped, or revoked with `rookery token revoke`); fix --requester-token or leave it out",
+        )),
+        Err(error) => {
+            tracing::error!(%error, "cannot check a provider's Requester token");
+            Err(unavailable())
+        }
+    }
+}
+
 /// Who a welcomed connection is.
 struct Joined {
     /// The connection.
     id: u64,
     identity: u64,
+    /// The Requester who vouched for it.
+    vouched_by: Option<Requester>,
     /// A credential issued to it now, for its `Welcome`.
     issued: Option<String>,
 }
@@ -332,6 +366,14 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
         .is_some_and(|c| c.len() > rookery_proto::MAX_CREDENTIAL_CHARS)
     {
         Some("a credential has at most 128 characters")
+    } else if hello
+        .requester_token
+        .as_ref()
+        .is_some_and(|t| t.len() > rookery_proto::MAX_CREDENTIAL_CHARS)
+    {
+        Some("a Requester token has at most 128 characters")
+    } else if hello.requester_token.is_some() && hello.kind != ProviderKind::Native {
+        Some("only native providers are vouched for with a Requester token")
     } else {
         None
     };
@@ -361,6 +403,7 @@ where
     let Joined {
         id,
         identity,
+        vouched_by,
         issued,
     } = joined;
     let welcome = ToProvider::Welcome {
@@ -385,6 +428,7 @@ where
         .send(Event::Connected {
             id,
             identity,
+            vouched_by,
             hello,
             tx,
         })

@@ -35,6 +35,7 @@ fn hello() -> Hello {
         display_name: "unit".into(),
         max_buffer_bytes: None,
         credential: None,
+        requester_token: None,
     }
 }
 
@@ -290,6 +291,64 @@ async fn an_address_that_makes_too_many_identities_is_told_to_come_back_later() 
     };
     assert!(welcome_of(&state, known, [10, 0, 0, 1]).await.is_ok());
     assert!(welcome_of(&state, hello(), [10, 0, 0, 2]).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_requester_token_vouches_for_a_native_provider_and_a_wrong_or_revoked_one_is_refused() {
+    let state = state();
+    let (_, alice) = requesters::create(&state.db, "alice", 0).await.unwrap();
+    let (_, bob) = requesters::create(&state.db, "bob", 0).await.unwrap();
+    requesters::revoke(&state.db, "bob", 1).await.unwrap();
+    let vouched = |token: &str, kind| Hello {
+        requester_token: Some(token.into()),
+        kind,
+        max_buffer_bytes: (kind == ProviderKind::Browser).then_some(1 << 27),
+        ..hello()
+    };
+    // (hello, refused with)
+    let cases = [
+        (vouched(alice.secret(), ProviderKind::Native), None),
+        (
+            vouched("not-a-token", ProviderKind::Native),
+            Some("not one this server accepts"),
+        ),
+        (
+            vouched(bob.secret(), ProviderKind::Native),
+            Some("not one this server accepts"),
+        ),
+        (
+            vouched(alice.secret(), ProviderKind::Browser),
+            Some("only native providers"),
+        ),
+    ];
+    for (hello, refused) in cases {
+        let got = welcome_of(&state, hello, [10, 0, 0, 1]).await;
+        match refused {
+            None => assert!(got.is_ok(), "{got:?}"),
+            Some(reason) => assert!(got.as_ref().is_err_and(|e| e.contains(reason)), "{got:?}"),
+        }
+    }
+    // A refused vouch ends the provider for good (it would only be refused
+    // again), and the token is kept nowhere.
+    let (out_tx, out_rx) = mpsc::unbounded();
+    let frames = vec![binary(&ToServer::Hello(vouched(
+        "nope",
+        ProviderKind::Native,
+    )))];
+    serve_provider(
+        out_tx,
+        futures_util::stream::iter(frames),
+        state.clone(),
+        None,
+    )
+    .await;
+    let replies: Vec<Message> = out_rx.collect().await;
+    let ToProvider::Error(error) = decode_reply(replies[0].clone()) else {
+        panic!("{replies:?}")
+    };
+    assert_eq!(error.code, ErrorCode::Unauthorized);
+    let records = format!("{:?}", providers::list(&state.db).await.unwrap());
+    assert!(!records.contains(alice.secret()), "{records}");
 }
 
 #[tokio::test]

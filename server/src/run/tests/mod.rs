@@ -28,6 +28,11 @@ use rookery_proto::{
 /// `clusters` chains of Root -> Leaf planned over identical native
 /// providers with ids `ids`, at micro-batch 2.
 fn two_stage_plan(graph: &Graph, ids: std::ops::Range<u64>, clusters: usize) -> Plan {
+    plan_of(graph, ids, clusters, 2)
+}
+
+/// `clusters` clusters of `stages` stages on providers `ids`.
+fn plan_of(graph: &Graph, ids: std::ops::Range<u64>, clusters: usize, stages: usize) -> Plan {
     let providers: Vec<ProviderSpec> = ids
         .map(|i| ProviderSpec {
             id: i.to_string(),
@@ -41,7 +46,7 @@ fn two_stage_plan(graph: &Graph, ids: std::ops::Range<u64>, clusters: usize) -> 
     let options = PlanOptions {
         micro_batch: 2,
         clusters: ClusterCount::Fixed(clusters),
-        stages_per_cluster: Some(2),
+        stages_per_cluster: Some(stages),
         ..PlanOptions::default()
     };
     rookery_plan::clusterize(graph, &providers, &options).unwrap()
@@ -225,6 +230,23 @@ fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {
 fn roles(run: &JobRun) -> [[u64; 2]; 2] {
     let p = |c: usize, s: usize| run.clusters[c].stages[s].provider;
     [[p(0, 0), p(0, 1)], [p(1, 0), p(1, 1)]]
+}
+
+/// A stage's input gradients: `name` of `shape`, all 0.25.
+fn gradients(step: u64, micro: u32, shape: &[usize], name: &str) -> ToServer {
+    let n: usize = shape.iter().product();
+    ToServer::Gradients(Gradients {
+        job_id: 1,
+        step,
+        micro,
+        grads: vec![WireTensor::from_f32(
+            name,
+            shape,
+            &vec![0.25; n],
+            WireDType::F32,
+        )],
+        compute_ms: 1.0,
+    })
 }
 
 fn activations(step: u64, micro: u32, shape: &[usize], name: &str) -> ToServer {

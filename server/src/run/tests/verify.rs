@@ -66,6 +66,10 @@ fn a_checked_micro_batch_is_handed_over_with_its_input_result_and_checkpoint() {
         samples: 2,
     });
     let effects = run.on_message(leaf0, loss);
+    // Its input gradients complete it: they are checked too.
+    assert!(verifications(&effects).is_empty(), "{effects:?}");
+    let grads = gradients(0, sent.micro, &[2, 8], &boundary);
+    let effects = run.on_message(leaf0, grads.clone());
     let [check] = verifications(&effects)[..] else {
         panic!("{effects:?}")
     };
@@ -73,6 +77,84 @@ fn a_checked_micro_batch_is_handed_over_with_its_input_result_and_checkpoint() {
     assert_eq!(check.forward, relayed);
     assert!(check.forward.labels.is_some());
     assert_eq!(check.expected, Outcome::Loss(1.25));
+    let ToServer::Gradients(g) = grads else {
+        unreachable!()
+    };
+    assert_eq!(check.expected_grads, Some(g.grads));
+    assert_eq!(check.backward, None, "a Leaf computes its own backward");
+}
+
+#[test]
+fn a_stems_check_holds_the_backward_it_was_sent_and_the_gradients_it_answered() {
+    let graph = rookery_model::from_toml(MLP).unwrap();
+    let mut spec = spec();
+    spec.training.clusters = ClusterCount::Fixed(1);
+    spec.training.verify_rate = 1.0;
+    let plan = plan_of(&graph, 10..13, 1, 3);
+    let ids = (10..13).map(|i| (i.to_string(), i)).collect();
+    let analysis = graph.analyze().unwrap();
+    let (mut run, _) =
+        JobRun::start(1, spec, graph, &analysis, &plan, &ids, data(8), None, None).unwrap();
+    let stages = &run.clusters[0].stages;
+    assert_eq!(stages.len(), 3);
+    let [root, stem, leaf] = [0, 1, 2].map(|s| stages[s].provider);
+    let output = |s: usize| run.clusters[0].stages[s].outputs[0].clone();
+    let ((root_out, root_shape, _), (stem_out, stem_shape, _)) = (output(0), output(1));
+    for p in [root, stem] {
+        run.on_message(p, ToServer::Ready { job_id: 1 });
+    }
+    let fed = run.on_message(leaf, ToServer::Ready { job_id: 1 });
+    let micro = match sends(&fed)[0] {
+        (_, ToProvider::Forward(f)) => f.micro,
+        other => panic!("{other:?}"),
+    };
+    let shape = |s: &[usize]| [2].into_iter().chain(s.iter().copied()).collect::<Vec<_>>();
+    let (root_shape, stem_shape) = (shape(&root_shape), shape(&stem_shape));
+    // A Root's check is its forward alone.
+    let effects = run.on_message(root, activations(0, micro, &root_shape, &root_out));
+    let [check] = verifications(&effects)[..] else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(
+        (
+            check.stage,
+            check.backward.as_ref(),
+            check.expected_grads.as_ref()
+        ),
+        (0, None, None)
+    );
+    // The Stem's waits for its backward.
+    let effects = run.on_message(stem, activations(0, micro, &stem_shape, &stem_out));
+    assert!(verifications(&effects).is_empty());
+    let loss = ToServer::LeafLoss(LeafLoss {
+        job_id: 1,
+        phase: Phase::Train { step: 0 },
+        micro,
+        loss_sum: 0.5,
+        correct: 0,
+        samples: 2,
+    });
+    run.on_message(leaf, loss);
+    let effects = run.on_message(leaf, gradients(0, micro, &stem_shape, &stem_out));
+    let [leaf_check] = verifications(&effects)[..] else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(leaf_check.stage, 2);
+    let backward = match sends(&effects)[..] {
+        [(to, ToProvider::Backward(b))] if to == stem => b.clone(),
+        ref other => panic!("{other:?}"),
+    };
+    let answered = gradients(0, micro, &root_shape, &root_out);
+    let effects = run.on_message(stem, answered.clone());
+    let [check] = verifications(&effects)[..] else {
+        panic!("{effects:?}")
+    };
+    let ToServer::Gradients(answered) = answered else {
+        unreachable!()
+    };
+    assert_eq!((check.stage, check.provider), (1, stem));
+    assert_eq!(check.backward, Some(backward));
+    assert_eq!(check.expected_grads, Some(answered.grads));
 }
 
 #[test]

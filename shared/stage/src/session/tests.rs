@@ -218,11 +218,14 @@ fn reactions_to_server_messages_once_welcomed() {
 }
 
 #[test]
-fn a_version_mismatch_is_its_own_end_other_errors_are_lost_sessions() {
-    for (code, mismatch) in [
-        (ErrorCode::VersionMismatch, true),
-        (ErrorCode::HeartbeatTimeout, false),
-        (ErrorCode::Internal, false),
+fn a_version_mismatch_or_a_refused_vouch_ends_for_good_other_errors_are_lost_sessions() {
+    // (code, how the session ends: 'v' version, 'r' refused, 'l' lost)
+    for (code, end_kind) in [
+        (ErrorCode::VersionMismatch, 'v'),
+        (ErrorCode::Unauthorized, 'r'),
+        (ErrorCode::HeartbeatTimeout, 'l'),
+        (ErrorCode::Internal, 'l'),
+        (ErrorCode::RateLimited, 'l'),
     ] {
         let mut session = ProviderSession::new(
             SessionPolicy::NATIVE,
@@ -236,14 +239,15 @@ fn a_version_mismatch_is_its_own_end_other_errors_are_lost_sessions() {
             }),
             Duration::ZERO,
         );
-        match end {
-            Some(Action::End(Disconnect::VersionMismatch(text))) if mismatch => {
+        match (end, end_kind) {
+            (Some(Action::End(Disconnect::VersionMismatch(text))), 'v')
+            | (Some(Action::End(Disconnect::Refused(text))), 'r') => {
                 assert_eq!(text, "server speaks 2");
             }
-            Some(Action::End(Disconnect::Lost(text))) if !mismatch => {
+            (Some(Action::End(Disconnect::Lost(text))), 'l') => {
                 assert!(text.contains("server speaks 2"), "{text}");
             }
-            other => panic!("{code:?}: {other:?}"),
+            (other, _) => panic!("{code:?}: {other:?}"),
         }
     }
 }
