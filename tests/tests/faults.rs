@@ -501,7 +501,7 @@ fn checked_job(dir: &Path, name: &str, rate: f64) -> anyhow::Result<PathBuf> {
         dir.join("model.toml"),
         dense_mlp(6, &[(32, Some("relu")), (4, None)]),
     )?;
-    write_classes(&dir, "", &Classes::learnable(16 * 250, &[6], 1))?;
+    write_classes(&dir, "", &Classes::learnable(16 * 600, &[6], 1))?;
     write_classes(&dir, "test_", &Classes::learnable(400, &[6], 2))?;
     let training = format!(
         "batch_size = 16\nmicro_batches = 4\nclusters = 1\nstages = 2\nseed = 3\n\
@@ -513,6 +513,17 @@ fn checked_job(dir: &Path, name: &str, rate: f64) -> anyhow::Result<PathBuf> {
         job_text(Path::new("model.toml"), &[6], "", Some("test_"), &training),
     )?;
     Ok(path)
+}
+
+/// The step a spot check's log line names.
+fn step_of(line: &LogEntry) -> Option<u64> {
+    line.message
+        .split(", step ")
+        .nth(1)?
+        .split(',')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The job's final test accuracy.
@@ -554,18 +565,24 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
     let mut first = join(&server, &[(liar, Some("subtle")), ("honest-a", None)]).await?;
     let id = client.submit(&checked_job(dir.path(), "checked", 0.02)?)?;
     let _verifier = verifier_once_running(&server, &client, id, "verifier").await?;
-    // Caught by three spot checks within 200 steps, each naming its step.
+    // Caught by three spot checks within 200 steps of the first (the
+    // verifier joins a job already under way), each naming its step.
     let log = banned_after_three_faults(&client, id, liar).await?;
     let faults = faults_of(&log, liar);
-    let last_step: u64 = faults[2]
-        .message
-        .split(", step ")
-        .nth(1)
-        .and_then(|rest| rest.split(',').next())
-        .context("the fault names its step")?
-        .parse()?;
-    assert!(last_step < 200, "banned only after step {last_step}");
-    eprintln!("the liar's third disagreement was at step {last_step}");
+    let last_step = step_of(faults[2]).context("the fault names its step")?;
+    let first_check = log
+        .iter()
+        .filter(|l| l.kind == "spot_check")
+        .filter_map(step_of)
+        .min()
+        .context("no spot check ran")?;
+    assert!(
+        last_step - first_check < 200,
+        "banned only at step {last_step}, checked from step {first_check}"
+    );
+    eprintln!(
+        "the liar's third disagreement was at step {last_step}, the first check at step {first_check}"
+    );
     // The verifier takes the vacant stage, and the job completes.
     wait_for_status(&client, id, "completed").await?;
     let checked = accuracy(&client, id).await?;
@@ -603,7 +620,7 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
     let with: JobInfo = client.get(&format!("/api/jobs/{honest}")).await?;
     let without: JobInfo = client.get(&format!("/api/jobs/{unchecked}")).await?;
     eprintln!(
-        "250 steps with checks at 0.02: {} ms; without: {} ms",
+        "600 steps with checks at 0.02: {} ms; without: {} ms",
         took(with),
         took(without)
     );

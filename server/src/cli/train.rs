@@ -92,6 +92,9 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
             // Several libtorch processes share these cores: OpenMP threads that
             // spin while idle would steal them from the stage that computes.
             .env("OMP_WAIT_POLICY", "PASSIVE")
+            // This machine's own providers: trusted to verify spot checks
+            // (in the environment, not on a command line others can read).
+            .env("ROOKERY_REQUESTER_TOKEN", &token)
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", provider_bin.display()))?;

@@ -307,6 +307,8 @@ struct JobEntry {
     resume: Option<ResumeWriter>,
     /// Its spot checks so far.
     spot_checks: verify::Tally,
+    /// Checks waiting for a verifier to finish the one before.
+    queued_checks: VecDeque<Box<crate::run::Verification>>,
     /// The Requester who submitted it, once it starts: whose vouched-for
     /// providers may verify it.
     owner: Option<u64>,

@@ -56,8 +56,13 @@ impl Capture {
     }
 }
 
+/// Checks a job keeps for its busy verifiers at most; more are skipped.
+pub(super) const QUEUED_CHECKS: usize = 8;
+
 /// A verifier at work.
 pub(super) struct Verifying {
+    /// The verifier's connection.
+    verifier: u64,
     job_id: u64,
     check: Box<Verification>,
     started: Instant,
@@ -93,7 +98,9 @@ pub(super) struct Tally {
 }
 
 impl Actor {
-    /// Hands `check` to the best idle verifier, or skips it (logged once).
+    /// Hands `check` to the best idle verifier; or queues it while one of
+    /// the job's verifiers is busy (a step's checks come together), up to
+    /// [`QUEUED_CHECKS`]; or skips it (logged once).
     pub(super) async fn start_verification(&mut self, job_id: u64, check: Box<Verification>) {
         let checked = self.providers.get(&check.provider);
         let checked_identity = checked.map(|p| p.identity);
@@ -113,7 +120,13 @@ impl Actor {
             .max_by(|a, b| a.1.gflops.total_cmp(&b.1.gflops))
             .map(|(id, _)| id);
         let Some(verifier) = verifier else {
-            let tally = &mut self.jobs.entry(job_id).or_default().spot_checks;
+            let busy = self.verifying.values().any(|v| v.job_id == job_id);
+            let job = self.jobs.entry(job_id).or_default();
+            if busy && job.queued_checks.len() < QUEUED_CHECKS {
+                job.queued_checks.push_back(check);
+                return;
+            }
+            let tally = &mut job.spot_checks;
             tally.skipped += 1;
             if tally.skipped == 1 {
                 self.log(
@@ -142,6 +155,7 @@ impl Actor {
         self.verifying.insert(
             verifier,
             Verifying {
+                verifier,
                 job_id,
                 check,
                 started: Instant::now(),
@@ -272,6 +286,27 @@ impl Actor {
             live.job = None;
             live.work = None;
         }
+        self.judge(v, got).await;
+        // The next queued check whose provider still works on the job (one
+        // dropped meanwhile, banned perhaps, is past checking).
+        while let Some(next) = self
+            .jobs
+            .get_mut(&job_id)
+            .filter(|job| job.run.is_some())
+            .and_then(|job| job.queued_checks.pop_front())
+        {
+            if self.providers.get(&next.provider).and_then(|p| p.job) == Some(job_id) {
+                Box::pin(self.start_verification(job_id, next)).await;
+                break;
+            }
+        }
+    }
+
+    /// Logs what check `v` found, and faults the checked provider if it
+    /// disagrees with a trusted one.
+    async fn judge(&mut self, v: Verifying, got: Result<Verdict, String>) {
+        let job_id = v.job_id;
+        let id = v.verifier;
         let c = &v.check;
         let what = format!(
             "cluster {}, stage {}, step {}, micro-batch {} (provider {})",
