@@ -16,7 +16,7 @@ use rookery_proto::{
 use super::measure::wire_bytes;
 use super::{
     ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected, State,
-    on_wire,
+    TapSide, on_wire,
 };
 
 /// A stage's answer to a spot-checked micro-batch: where, and what.
@@ -72,9 +72,15 @@ impl JobRun {
             && !refused
         {
             effects.extend(match answer {
-                Answer::Outputs(outputs) => self.checked_output(c, s, step, micro, &outputs),
+                Answer::Outputs(outputs) => {
+                    self.checked_answer_tensors((c, s, step, micro), &outputs, TapSide::Output)
+                }
                 Answer::Loss(loss) => self.checked_loss(c, s, step, micro, loss),
-                Answer::Grads(grads) => self.checked_grads(c, s, step, micro, &grads),
+                Answer::Grads(grads) => self.checked_answer_tensors(
+                    (c, s, step, micro),
+                    &grads,
+                    TapSide::BackwardOutput,
+                ),
             });
         }
         let taps = self.choose_checks(&effects);

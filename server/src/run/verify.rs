@@ -254,54 +254,23 @@ impl JobRun {
             .map(|(key, _)| *key)
     }
 
-    /// Stage `s` answered micro-batch `micro` of `step` with `outputs`:
-    /// kept if it is checked, or tapped when its bytes stream on.
-    pub(super) fn checked_output(
+    /// Stage `s` answered micro-batch `micro` of `step` with `tensors`
+    /// (its activations, `TapSide::Output`, or its input gradients,
+    /// `TapSide::BackwardOutput`): kept if it is checked, or tapped when
+    /// their bytes stream on.
+    pub(super) fn checked_answer_tensors(
         &mut self,
-        c: usize,
-        s: usize,
-        step: u64,
-        micro: u32,
-        outputs: &[WireTensor],
+        (c, s, step, micro): (usize, usize, u64, u32),
+        tensors: &[WireTensor],
+        side: TapSide,
     ) -> Vec<Effect> {
         let Some(key) = self.check_of(c, s, step, micro) else {
             return Vec::new();
         };
-        if outputs.iter().any(WireTensor::follows) {
-            return vec![Effect::Tap {
-                key,
-                side: TapSide::Output,
-            }];
+        if tensors.iter().any(WireTensor::follows) {
+            return vec![Effect::Tap { key, side }];
         }
-        if let Some(check) = self.checks.get_mut(&key) {
-            check.expected = Some(Outcome::Activations(outputs.to_vec()));
-        }
-        self.launch_checks()
-    }
-
-    /// Stage `s` sent the gradients of its inputs for micro-batch `micro`
-    /// of `step`: kept if it is checked, or tapped when they stream on.
-    pub(super) fn checked_grads(
-        &mut self,
-        c: usize,
-        s: usize,
-        step: u64,
-        micro: u32,
-        grads: &[WireTensor],
-    ) -> Vec<Effect> {
-        let Some(key) = self.check_of(c, s, step, micro) else {
-            return Vec::new();
-        };
-        if grads.iter().any(WireTensor::follows) {
-            return vec![Effect::Tap {
-                key,
-                side: TapSide::BackwardOutput,
-            }];
-        }
-        if let Some(check) = self.checks.get_mut(&key) {
-            check.expected_grads = Some(grads.to_vec());
-        }
-        self.launch_checks()
+        self.on_tapped(key, side, tensors.to_vec())
     }
 
     /// The Leaf reported `loss_sum` for micro-batch `micro` of `step`.

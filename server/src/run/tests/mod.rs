@@ -232,35 +232,34 @@ fn roles(run: &JobRun) -> [[u64; 2]; 2] {
     [[p(0, 0), p(0, 1)], [p(1, 0), p(1, 1)]]
 }
 
+/// One tensor `name` of `shape`, every value `value`.
+fn filled(name: &str, shape: &[usize], value: f32) -> Vec<WireTensor> {
+    let n: usize = shape.iter().product();
+    vec![WireTensor::from_f32(
+        name,
+        shape,
+        &vec![value; n],
+        WireDType::F32,
+    )]
+}
+
 /// A stage's input gradients: `name` of `shape`, all 0.25.
 fn gradients(step: u64, micro: u32, shape: &[usize], name: &str) -> ToServer {
-    let n: usize = shape.iter().product();
     ToServer::Gradients(Gradients {
         job_id: 1,
         step,
         micro,
-        grads: vec![WireTensor::from_f32(
-            name,
-            shape,
-            &vec![0.25; n],
-            WireDType::F32,
-        )],
+        grads: filled(name, shape, 0.25),
         compute_ms: 1.0,
     })
 }
 
 fn activations(step: u64, micro: u32, shape: &[usize], name: &str) -> ToServer {
-    let n: usize = shape.iter().product();
     ToServer::Activations(Activations {
         job_id: 1,
         phase: Phase::Train { step },
         micro,
-        outputs: vec![WireTensor::from_f32(
-            name,
-            shape,
-            &vec![0.5; n],
-            WireDType::F32,
-        )],
+        outputs: filled(name, shape, 0.5),
         compute_ms: 1.0,
     })
 }
