@@ -107,6 +107,10 @@ fn protocol_to_server() -> Target {
             max_buffer_bytes: None,
             credential: Some("0123456789abcdef".into()),
             requester_token: Some("fedcba9876543210".into()),
+            donor: Some(rookery_proto::DonorCard {
+                name: "fuzz".into(),
+                team: None,
+            }),
         }),
         ToServer::Heartbeat { seq: 300 },
         ToServer::Error(ErrorMessage {

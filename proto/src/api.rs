@@ -21,6 +21,20 @@ pub struct ProviderList {
     pub providers: Vec<ProviderInfo>,
 }
 
+/// A donor on the public leaderboard (`GET /api/leaderboard`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct LeaderboardEntry {
+    /// The name the donor chose (`rookery-provider --donor-name`), or
+    /// `anonymous`.
+    pub name: String,
+    /// The team it joined, if any.
+    pub team: Option<String>,
+    /// Accepted training work, GFLOP: each finished step's planned work
+    /// of its stages, once a checkpoint holds it; a ban withdraws the job's.
+    pub credit: f64,
+}
+
 /// What anyone may know of the providers: counts, never who.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

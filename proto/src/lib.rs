@@ -120,7 +120,22 @@ pub struct Hello {
     /// operator's (the first Requester's) vouches for every job. Native
     /// providers only; `None` for a stranger.
     pub requester_token: Option<String>,
+    /// How the donor behind this provider wants to appear on the public
+    /// leaderboard; `None` keeps it anonymous (and keeps an earlier card).
+    pub donor: Option<DonorCard>,
 }
+
+/// A donor's public name and team, as the leaderboard shows them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DonorCard {
+    /// 1 to [`MAX_DONOR_CHARS`] characters.
+    pub name: String,
+    /// At most [`MAX_DONOR_CHARS`] characters.
+    pub team: Option<String>,
+}
+
+/// The longest donor name or team a `Hello` may carry, in characters.
+pub const MAX_DONOR_CHARS: usize = 40;
 
 /// The longest credential a `Hello` may carry (the server issues 64 hex
 /// digits).
@@ -271,6 +286,12 @@ pub enum ToProvider {
     /// Scale the step's gradients and step (answer to every stage's
     /// [`ToServer::GradNorm`]).
     GradScale(GradScale),
+    /// The work this provider's identity is credited with so far: GFLOP of
+    /// accepted training work, less any a spot check or ban withdrew. Sent
+    /// as it grows.
+    Credit {
+        gflop: f64,
+    },
 }
 
 /// Everything that can go wrong turning bytes into a message.
@@ -366,6 +387,10 @@ mod tests {
             max_buffer_bytes: None,
             credential: None,
             requester_token: Some("t0k3n".into()),
+            donor: Some(DonorCard {
+                name: "alice".into(),
+                team: Some("ravens".into()),
+            }),
         }
     }
 
@@ -523,6 +548,7 @@ mod tests {
                 step: 5,
                 scale: 0.5,
             }),
+            ToProvider::Credit { gflop: 1234.5 },
         ];
         for code in [
             ErrorCode::VersionMismatch,
@@ -531,6 +557,8 @@ mod tests {
             ErrorCode::UnexpectedMessage,
             ErrorCode::HeartbeatTimeout,
             ErrorCode::Internal,
+            ErrorCode::RateLimited,
+            ErrorCode::Unauthorized,
         ] {
             messages.push(ToProvider::Error(ErrorMessage {
                 code,
@@ -667,6 +695,7 @@ mod tests {
                 max_buffer_bytes: None,
                 credential: None,
                 requester_token: None,
+                donor: None,
             });
             let frame = encode(&message).unwrap();
             prop_assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));

@@ -141,7 +141,7 @@ where
             }
             Some(Action::End(disconnect)) => return (session, disconnect.into()),
             // Before `Welcome` the session ends rather than asking for these.
-            Some(Action::Send(_) | Action::Train(_)) => {
+            Some(Action::Send(_) | Action::Train(_) | Action::Credit(_)) => {
                 return (
                     session,
                     SessionEnd::Lost("the session broke its own rules".into()),
@@ -192,7 +192,7 @@ where
             _ = ticker.tick() => match session.heartbeat_due(now()) {
                 Action::Send(message) => queue(&out, &session, &message),
                 Action::End(disconnect) => Err(disconnect.into()),
-                Action::Joined { .. } | Action::Train(_) => Ok(()),
+                Action::Joined { .. } | Action::Train(_) | Action::Credit(_) => Ok(()),
             },
             frame = next_frame(stream) => match frame.map(|frame| session.frame(&frame, now())) {
                 Err(end) => Err(end),
@@ -203,6 +203,10 @@ where
                     .send(message)
                     .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
                 Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
+                Ok(Some(Action::Credit(gflop))) => {
+                    println!("credit: {} of accepted training work", flop_text(gflop));
+                    Ok(())
+                }
             },
             replies = worker.replies.recv() => match replies {
                 Some(replies) => replies.iter().try_for_each(|m| queue(&out, &session, m)),
@@ -458,6 +462,18 @@ pub async fn run(
     }
 }
 
+/// `gflop` in the largest unit that keeps it above 1: "3.20 TFLOP".
+pub fn flop_text(gflop: f64) -> String {
+    const UNITS: [&str; 5] = ["GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP"];
+    let mut value = gflop;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < UNITS.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,6 +492,7 @@ mod tests {
             max_buffer_bytes: None,
             credential: None,
             requester_token: None,
+            donor: None,
         }
     }
 
@@ -632,5 +649,17 @@ mod tests {
             .unwrap();
         assert!(matches!(end, SessionEnd::Lost(_)), "{end:?}");
         drop(out_rx);
+    }
+
+    #[test]
+    fn credit_is_shown_in_the_largest_unit_above_one() {
+        for (gflop, text) in [
+            (0.5, "0.50 GFLOP"),
+            (999.0, "999.00 GFLOP"),
+            (3_200.0, "3.20 TFLOP"),
+            (4.5e6, "4.50 PFLOP"),
+        ] {
+            assert_eq!(flop_text(gflop), text);
+        }
     }
 }

@@ -50,6 +50,13 @@ struct Cli {
     /// with the operator's token.
     #[arg(long, env = "ROOKERY_REQUESTER_TOKEN", hide_env_values = true)]
     requester_token: Option<String>,
+    /// The name to show on the server's public leaderboard for this
+    /// provider's credit (default: anonymous).
+    #[arg(long, env = "ROOKERY_DONOR_NAME")]
+    donor_name: Option<String>,
+    /// A team to count this provider's credit toward on the leaderboard.
+    #[arg(long, env = "ROOKERY_TEAM", requires = "donor_name")]
+    team: Option<String>,
     /// The most memory the server may plan stages into on this machine, in
     /// MiB (default: all the memory the device has).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
@@ -184,6 +191,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     };
     hello.credential = credentials.load()?;
     hello.requester_token = cli.requester_token;
+    hello.donor = cli.donor_name.map(|name| rookery_proto::DonorCard {
+        name,
+        team: cli.team,
+    });
     #[cfg(feature = "fault-injection")]
     if rookery_provider::fault::current() == Some(rookery_provider::fault::Fault::Claim) {
         hello.gflops *= rookery_provider::fault::CLAIM_FACTOR;

@@ -26,6 +26,7 @@ fn hello() -> rookery_proto::Hello {
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     }
 }
 

@@ -164,6 +164,7 @@ async fn browser(url: String, i: usize, ready: Arc<AtomicUsize>) -> anyhow::Resu
         max_buffer_bytes: Some(128 << 20),
         credential: None,
         requester_token: None,
+        donor: None,
     });
     sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
         .await?;

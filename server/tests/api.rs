@@ -75,6 +75,7 @@ fn hello(kind: ProviderKind, name: &str, gflops: f64) -> Hello {
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     }
 }
 

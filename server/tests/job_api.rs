@@ -299,6 +299,7 @@ async fn connect(
                 max_buffer_bytes: None,
                 credential: None,
                 requester_token: None,
+                donor: None,
             },
             tx,
         })

@@ -111,6 +111,7 @@ async fn join(client: &mut Client) -> u64 {
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     });
     let frame = rookery_proto::encode(&hello).unwrap();
     client.send(Message::Binary(frame.into())).await.unwrap();

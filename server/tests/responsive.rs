@@ -97,6 +97,7 @@ async fn provider(addr: std::net::SocketAddr) -> tokio::sync::oneshot::Receiver<
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     });
     let send = |m: &ToServer| Message::Binary(rookery_proto::encode(m).unwrap().into());
     ws.send(send(&hello)).await.unwrap();

@@ -94,6 +94,7 @@ fn hello(name: &str) -> ToServer {
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     })
 }
 

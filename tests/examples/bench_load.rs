@@ -341,6 +341,7 @@ impl Browser {
             max_buffer_bytes: Some(128 << 20),
             credential: None,
             requester_token: None,
+            donor: None,
         });
         sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
             .await?;

@@ -130,6 +130,7 @@ async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     };
     send(&mut socket, &ToServer::Hello(hello)).await?;
     match receive(&mut socket, &mut Assembler::<ToProvider>::new(RECEIVE_CAP)).await? {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use rookery_e2e::{Process, Server, provider_command, rookery};
-use rookery_proto::api::{JobInfo, JobMetrics, LogEntry, ProviderStatus};
+use rookery_proto::api::{JobInfo, JobMetrics, LeaderboardEntry, LogEntry, ProviderStatus};
 use rookery_test_support::job::{job_text, write_classes};
 use rookery_test_support::{Classes, dense_mlp, write_job};
 
@@ -632,16 +632,16 @@ async fn spot_checks_catch_a_subtly_wrong_provider_and_the_job_ends_as_an_honest
 }
 
 /// A learnable job whose Root holds nearly all the memory (a 512 -> 1024
-/// layer) and whose Leaf almost none, spot-checking a tenth of each
+/// layer) and whose Leaf almost none, spot-checking a quarter of each
 /// stage's micro-batches.
 fn lopsided_job(dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::write(
         dir.join("model.toml"),
         dense_mlp(512, &[(1024, Some("relu")), (4, None)]),
     )?;
-    write_classes(dir, "", &Classes::learnable(16 * 120, &[512], 1))?;
+    write_classes(dir, "", &Classes::learnable(16 * 300, &[512], 1))?;
     let training = "batch_size = 16\nmicro_batches = 4\nclusters = 1\nstages = 2\nseed = 5\n\
-         optimizer = { name = \"sgd\", lr = 0.05 }\n[training.verify]\nrate = 0.1";
+         optimizer = { name = \"sgd\", lr = 0.05 }\n[training.verify]\nrate = 0.25";
     let path = dir.join("job.toml");
     std::fs::write(
         &path,
@@ -651,8 +651,8 @@ fn lopsided_job(dir: &Path) -> anyhow::Result<PathBuf> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spot_checks_rerun_the_backward_and_only_vouched_for_providers_verify() -> anyhow::Result<()>
-{
+async fn spot_checks_rerun_the_backward_only_vouched_for_providers_verify_and_a_liar_keeps_no_credit()
+-> anyhow::Result<()> {
     let server = Server::start(HEARTBEAT_TIMEOUT_MS)?;
     let dir = tempfile::tempdir()?;
     let client = Client::new(&server)?;
@@ -664,9 +664,19 @@ async fn spot_checks_rerun_the_backward_and_only_vouched_for_providers_verify() 
         &[
             (
                 liar,
-                vec!["--fault", "subtle-gradients", "--max-memory-mib", "2"],
+                vec![
+                    "--fault",
+                    "subtle-gradients",
+                    "--max-memory-mib",
+                    "2",
+                    "--donor-name",
+                    "liar",
+                ],
             ),
-            ("honest-root", vec![]),
+            (
+                "honest-root",
+                vec!["--donor-name", "honest root", "--team", "ravens"],
+            ),
         ],
     )
     .await?;
@@ -698,6 +708,25 @@ async fn spot_checks_rerun_the_backward_and_only_vouched_for_providers_verify() 
             .message
             .contains(&format!("provider {stranger_id}'s re-run"))),
         "{reruns:#?}"
+    );
+    // Credit: the public leaderboard shows the honest donor's accepted
+    // work, and none of the liar's, which its ban withdrew.
+    assert!(log.iter().any(|l| l.kind == "credit_withdrawn"), "{log:#?}");
+    let board: Vec<LeaderboardEntry> = reqwest::get(server.http_url("/api/leaderboard"))
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let honest = board
+        .iter()
+        .find(|e| e.name == "honest root")
+        .with_context(|| format!("{board:?}"))?;
+    assert_eq!(honest.team.as_deref(), Some("ravens"));
+    assert!(honest.credit > 0.0, "{board:?}");
+    assert!(board.iter().all(|e| e.name != "liar"), "{board:?}");
+    assert!(
+        board.windows(2).all(|w| w[0].credit >= w[1].credit),
+        "{board:?}"
     );
     drop(stranger);
     Ok(())

@@ -335,6 +335,8 @@ where
                     },
                 ));
             }
+            // The Donate page does not show credit yet; the leaderboard does.
+            Some(Action::Credit(_)) => {}
             Some(Action::Train(message)) => {
                 // The session hands out training work only once welcomed.
                 let Some(worker) = &training else {

@@ -83,6 +83,7 @@ impl Actor {
                     self.log_sync(job_id).await;
                 }
                 Effect::ResumePoint(point) => {
+                    self.accept_work(job_id, false).await;
                     // Shares the run's buffers; the writer writes the newest
                     // it holds, at most every few seconds.
                     let dir = job_dir(&self.data_dir, job_id);
@@ -97,6 +98,7 @@ impl Actor {
                 Effect::Log { kind, message } => self.log(job_id, kind, message).await,
                 Effect::Completed(weights) => {
                     self.log_spot_checks(job_id).await;
+                    self.accept_work(job_id, true).await;
                     // The run and its data go now; the job is complete once
                     // its weights are on disk.
                     self.free(job_id);
@@ -123,6 +125,7 @@ impl Actor {
                 // Taken with the message they tap, before effects apply.
                 Effect::Tap { .. } => {}
                 Effect::Verify(check) => self.start_verification(job_id, check).await,
+                Effect::Worked { provider, gflop } => self.worked(job_id, provider, gflop),
             }
         }
     }

@@ -96,6 +96,7 @@ impl Actor {
                     reason: reason.clone(),
                 };
                 self.jobs.entry(job_id).or_default().bans.push(ban.clone());
+                self.withdraw_credit(job_id, identity).await;
                 if let Err(error) = jobs::ban(&self.db, job_id, ban).await {
                     tracing::error!(job = job_id, provider, %error, "cannot record a ban");
                 }
@@ -171,6 +172,7 @@ mod tests {
             max_buffer_bytes: None,
             credential: None,
             requester_token: None,
+            donor: None,
         };
         let live = |id, identity, name| LiveProvider {
             id,

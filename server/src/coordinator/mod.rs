@@ -24,6 +24,7 @@
 //! and HTTP calls are answered meanwhile.
 
 mod actor;
+mod credit;
 mod effects;
 mod faults;
 mod outbox;
@@ -307,6 +308,9 @@ struct JobEntry {
     resume: Option<ResumeWriter>,
     /// Its spot checks so far.
     spot_checks: verify::Tally,
+    /// Credit earned on the job: work since its last checkpoint, and work
+    /// a checkpoint accepted that is not yet written.
+    credit: credit::Pending,
     /// Checks waiting for a verifier to finish the one before.
     queued_checks: VecDeque<Box<crate::run::Verification>>,
     /// The Requester who submitted it, once it starts: whose vouched-for

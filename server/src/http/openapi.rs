@@ -18,6 +18,7 @@ use crate::state::AppState;
     paths(
         super::site::health,
         super::providers::list_providers,
+        super::providers::leaderboard,
         super::jobs::list,
         super::upload::create,
         super::jobs::get,

@@ -10,17 +10,43 @@ use axum::routing::get;
 use axum::{Json, Router};
 use rookery_proto::ProviderKind;
 use rookery_proto::api::{
-    ApiError, CREDENTIAL_HEADER, ProviderList, ProviderSummary, ProviderWork,
+    ApiError, CREDENTIAL_HEADER, LeaderboardEntry, ProviderList, ProviderSummary, ProviderWork,
 };
 
 use super::auth::requester_of;
 use super::error::AppError;
 use crate::dto;
 use crate::state::AppState;
-use crate::store::{identities, jobs, providers};
+use crate::store::{credit, identities, jobs, providers};
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/providers", get(list_providers))
+    Router::new()
+        .route("/providers", get(list_providers))
+        .route("/leaderboard", get(leaderboard))
+}
+
+/// Donors shown on the leaderboard at most.
+pub const LEADERBOARD_SIZE: usize = 100;
+
+/// The donors with the most credit, most first: public, as each donor chose
+/// to appear (a name and team from its provider's `Hello`, else
+/// `anonymous`); no identity, address or host name.
+#[utoipa::path(get, path = "/api/leaderboard", tag = "providers",
+    responses((status = 200, description = "The 100 donors with the most accepted work, most first", body = Vec<LeaderboardEntry>)))]
+pub async fn leaderboard(
+    State(state): State<AppState>,
+) -> Result<Json<Vec<LeaderboardEntry>>, AppError> {
+    let standings = credit::leaderboard(&state.db, LEADERBOARD_SIZE).await?;
+    Ok(Json(
+        standings
+            .into_iter()
+            .map(|s| LeaderboardEntry {
+                name: s.name.unwrap_or_else(|| "anonymous".into()),
+                team: s.team,
+                credit: s.gflop,
+            })
+            .collect(),
+    ))
 }
 
 /// The providers as the caller may see them. Anyone gets the counts. Rows

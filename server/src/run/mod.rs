@@ -124,6 +124,12 @@ pub enum Effect {
     },
     /// A spot check to run on another provider.
     Verify(Box<Verification>),
+    /// A provider's stage finished a step its cluster finished: its planned
+    /// work, GFLOP, to credit once a checkpoint holds the step.
+    Worked {
+        provider: u64,
+        gflop: f64,
+    },
 }
 
 /// Why a frame was turned down.

@@ -627,6 +627,16 @@ impl JobRun {
         }
         self.count_slow_steps(c);
         let mut effects = self.measured(c, &busy);
+        effects.extend(
+            self.clusters[c]
+                .stages
+                .iter()
+                .filter(|stage| !stage.vacant)
+                .map(|stage| Effect::Worked {
+                    provider: stage.provider,
+                    gflop: stage.work_gflop,
+                }),
+        );
         effects.extend(self.record_steps());
         let done = step + 1;
         if done == self.barrier() {

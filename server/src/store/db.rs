@@ -112,6 +112,16 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     // long-gone ones.
     "CREATE INDEX providers_by_identity ON providers (identity);
     CREATE INDEX providers_by_gone ON providers (gone_ms);",
+    // Credit: accepted training work per identity and job (a ban withdraws
+    // a job's), and the name and team a donor shows on the leaderboard.
+    "CREATE TABLE credit (
+        identity        INTEGER NOT NULL,
+        job_id          INTEGER NOT NULL,
+        gflop           REAL    NOT NULL,
+        PRIMARY KEY (identity, job_id)
+    );
+    ALTER TABLE identities ADD COLUMN donor_name TEXT;
+    ALTER TABLE identities ADD COLUMN team TEXT;",
 ];
 
 #[derive(Debug, thiserror::Error)]

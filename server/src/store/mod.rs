@@ -7,6 +7,7 @@
 //! knows about HTTP or sockets.
 
 pub mod checkpoints;
+pub mod credit;
 pub mod datasets;
 pub mod db;
 pub mod identities;

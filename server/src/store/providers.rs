@@ -224,6 +224,7 @@ mod tests {
             max_buffer_bytes: None,
             credential: None,
             requester_token: None,
+            donor: None,
         }
     }
 

@@ -76,6 +76,7 @@ impl SessionPolicy {
             max_buffer_bytes: offer.max_buffer_bytes,
             credential: None,
             requester_token: None,
+            donor: None,
         }
     }
 
@@ -191,6 +192,8 @@ pub enum Action {
     },
     /// A training message for the stage worker.
     Train(ToProvider),
+    /// The identity's credit grew to this many GFLOP of accepted work.
+    Credit(f64),
     /// The session is over.
     End(Disconnect),
 }
@@ -385,6 +388,7 @@ impl ProviderSession {
             (State::Joined { .. }, ToProvider::Probe { seq, .. }) => {
                 Some(Action::Send(ToServer::ProbeAck { seq }))
             }
+            (State::Joined { .. }, ToProvider::Credit { gflop }) => Some(Action::Credit(gflop)),
             (State::Joined { .. }, ToProvider::Welcome { .. }) => Some(lost(
                 "the server sent Welcome to a provider it had welcomed".into(),
             )),
@@ -443,6 +447,7 @@ fn kind(message: &ToProvider) -> &'static str {
         ToProvider::Release { .. } => "Release",
         ToProvider::Probe { .. } => "Probe",
         ToProvider::GradScale(_) => "GradScale",
+        ToProvider::Credit { .. } => "Credit",
     }
 }
 

@@ -281,7 +281,8 @@ pub fn job_of(message: &ToProvider) -> Option<u64> {
         ToProvider::Welcome { .. }
         | ToProvider::Heartbeat { .. }
         | ToProvider::Error(_)
-        | ToProvider::Probe { .. } => None,
+        | ToProvider::Probe { .. }
+        | ToProvider::Credit { .. } => None,
     }
 }
 
@@ -313,6 +314,7 @@ fn describe(message: &ToProvider) -> String {
         ToProvider::Heartbeat { .. } => "Heartbeat".into(),
         ToProvider::Error(_) => "Error".into(),
         ToProvider::Probe { .. } => "Probe".into(),
+        ToProvider::Credit { .. } => "Credit".into(),
     }
 }
 

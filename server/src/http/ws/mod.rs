@@ -19,8 +19,8 @@ use axum::routing::get;
 use futures_util::{Sink, SinkExt, Stream, StreamExt};
 use rookery_proto::stream::{Assembler, Incoming, Lane, Streamed};
 use rookery_proto::{
-    DecodeError, ErrorCode, ErrorMessage, Hello, PROTOCOL_VERSION, ProviderKind, ToProvider,
-    ToServer,
+    DecodeError, DonorCard, ErrorCode, ErrorMessage, Hello, MAX_DONOR_CHARS, PROTOCOL_VERSION,
+    ProviderKind, ToProvider, ToServer,
 };
 
 use self::link::{LinkProbe, Owed, ProbeNext};
@@ -30,8 +30,8 @@ use crate::coordinator::{Event, Outgoing, outbox};
 use crate::now_ms;
 use crate::state::AppState;
 use crate::store::identities::{self, Resolved};
-use crate::store::providers;
 use crate::store::requesters::{self, Requester};
+use crate::store::{credit, providers};
 
 /// WebSocket close codes (RFC 6455, section 7.4.1).
 mod close_code {
@@ -194,6 +194,12 @@ pub async fn serve_provider<Si, St, E>(
             return;
         }
     };
+    if let Some(card) = hello.donor.clone()
+        && let Err(error) = credit::set_donor(&state.db, identity, card).await
+    {
+        // The leaderboard keeps the old card; the work goes on.
+        tracing::error!(identity, %error, "cannot record a donor's card");
+    }
     let id = match providers::register(&state.db, hello.clone(), identity, now_ms()).await {
         Ok(id) => id,
         Err(error) => {
@@ -226,6 +232,25 @@ fn unavailable() -> Ending {
         close_code::INTERNAL,
         "the server cannot register providers right now; retry later",
     )
+}
+
+/// What is wrong with a donor's leaderboard card, if anything: its name
+/// and team are shown to everyone, so they are short, printable and the
+/// name is not blank.
+fn donor_card_problem(card: &DonorCard) -> Option<&'static str> {
+    let fits =
+        |text: &str| text.chars().count() <= MAX_DONOR_CHARS && !text.chars().any(char::is_control);
+    if card.name.trim().is_empty() || !fits(&card.name) {
+        Some("a donor name must have 1 to 40 printable characters")
+    } else if card
+        .team
+        .as_deref()
+        .is_some_and(|team| team.trim().is_empty() || !fits(team))
+    {
+        Some("a team must have 1 to 40 printable characters")
+    } else {
+        None
+    }
 }
 
 /// The Requester whose token `hello` vouches with, if any; the token is
@@ -374,6 +399,10 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
         Some("a Requester token has at most 128 characters")
     } else if hello.requester_token.is_some() && hello.kind != ProviderKind::Native {
         Some("only native providers are vouched for with a Requester token")
+    } else if let Some(card) = &hello.donor
+        && let Some(problem) = donor_card_problem(card)
+    {
+        Some(problem)
     } else {
         None
     };

@@ -36,6 +36,7 @@ fn hello() -> Hello {
         max_buffer_bytes: None,
         credential: None,
         requester_token: None,
+        donor: None,
     }
 }
 
@@ -402,6 +403,36 @@ async fn invalid_hellos_are_refused_with_the_reason() {
                 ..hello()
             },
             "credential",
+        ),
+        (
+            Hello {
+                donor: Some(DonorCard {
+                    name: " ".into(),
+                    team: None,
+                }),
+                ..hello()
+            },
+            "donor name",
+        ),
+        (
+            Hello {
+                donor: Some(DonorCard {
+                    name: "n".repeat(41),
+                    team: None,
+                }),
+                ..hello()
+            },
+            "donor name",
+        ),
+        (
+            Hello {
+                donor: Some(DonorCard {
+                    name: "alice".into(),
+                    team: Some("a\u{7}b".into()),
+                }),
+                ..hello()
+            },
+            "team",
         ),
     ];
     for (bad, expected) in cases {

@@ -24,6 +24,28 @@ fn an_undisturbed_run_records_every_step_once_and_syncs_at_each_barrier() {
         .count();
     assert_eq!(epochs, 2);
     assert!(sim.completed().is_some());
+    // Every stage's work on every step its cluster finished, once, for credit.
+    let mut worked: BTreeMap<u64, (u32, f64)> = BTreeMap::new();
+    for e in &sim.out {
+        if let Effect::Worked { provider, gflop } = e {
+            let entry = worked.entry(*provider).or_default();
+            entry.0 += 1;
+            entry.1 += gflop;
+        }
+    }
+    let (run, _) = recovery_run(None);
+    let planned: BTreeMap<u64, f64> = run
+        .clusters
+        .iter()
+        .flat_map(|c| c.stages.iter().map(|s| (s.provider, s.work_gflop)))
+        .collect();
+    assert_eq!(worked.len(), 4);
+    for (provider, (steps, gflop)) in worked {
+        // Each cluster runs all 8 steps on its share of the data.
+        assert_eq!(steps, 8, "provider {provider}");
+        assert!(planned[&provider] > 0.0);
+        assert!((gflop - 8.0 * planned[&provider]).abs() < 1e-9 * gflop);
+    }
 }
 
 #[test]
