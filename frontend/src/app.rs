@@ -11,6 +11,7 @@ use crate::api::Auth;
 use crate::donate::{DonatePage, Donation};
 use crate::job_detail::JobDetailPage;
 use crate::jobs::JobsPage;
+use crate::leaderboard::LeaderboardPage;
 use crate::new_job::NewJobPage;
 use crate::providers::ProvidersPage;
 use crate::signin::Guarded;
@@ -30,6 +31,7 @@ pub fn App() -> impl IntoView {
                     <Route path=path!("/jobs/:id") view=|| view! { <Guarded><JobDetailPage /></Guarded> } />
                     <Route path=path!("/providers") view=ProvidersPage />
                     <Route path=path!("/donate") view=DonatePage />
+                    <Route path=path!("/leaderboard") view=LeaderboardPage />
                 </Routes>
             </main>
         </Router>
@@ -64,6 +66,9 @@ fn Header() -> impl IntoView {
                 </a>
                 <a href="/providers" aria-current=current(&["/providers"])>
                     "Providers"
+                </a>
+                <a href="/leaderboard" aria-current=current(&["/leaderboard"])>
+                    "Leaderboard"
                 </a>
                 <a href="/donate" aria-current=current(&["/donate"])>
                     "Donate"

@@ -15,6 +15,7 @@ pub mod donate;
 pub mod format;
 pub mod job_detail;
 pub mod jobs;
+pub mod leaderboard;
 pub mod new_job;
 pub mod providers;
 pub mod signin;

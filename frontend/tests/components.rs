@@ -19,10 +19,11 @@ use leptos_router::components::Router;
 use rookery_frontend::api::Auth;
 use rookery_frontend::chart::{BUCKETS, LineChart};
 use rookery_frontend::job_detail::plan_diagram;
+use rookery_frontend::leaderboard::leaderboard_table;
 use rookery_frontend::new_job::NewJobPage;
 use rookery_frontend::signin::SignIn;
 use rookery_proto::ProviderKind;
-use rookery_proto::api::{ClusterView, PlanView, StageView};
+use rookery_proto::api::{ClusterView, LeaderboardEntry, PlanView, StageView};
 use wasm_bindgen::JsCast;
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
 
@@ -332,4 +333,40 @@ async fn sign_in_asks_for_a_token_before_calling_the_server() {
         .unwrap();
     assert!(error.contains("Paste the API token"), "{error}");
     root.remove();
+}
+
+#[wasm_bindgen_test]
+async fn the_leaderboard_ranks_donors_with_their_team_and_credit_in_readable_units() {
+    let entry = |name: &str, team: Option<&str>, credit: f64| LeaderboardEntry {
+        name: name.into(),
+        team: team.map(Into::into),
+        credit,
+    };
+    let root = host();
+    let entries = vec![
+        entry("alice", Some("ravens"), 3_200.0),
+        entry("anonymous", None, 12.5),
+    ];
+    let _mounted = leptos::mount::mount_to(root.clone(), move || leaderboard_table(&entries));
+    settle().await;
+    assert_eq!(count(&root, "#leaderboard tr.donor"), 2);
+    let first = query(&root, "tr.donor[data-rank='1']").unwrap();
+    let text = first.text_content().unwrap();
+    assert!(
+        text.contains("alice") && text.contains("ravens") && text.contains("3.20 TFLOP"),
+        "{text}"
+    );
+    let second = query(&root, "tr.donor[data-rank='2']").unwrap();
+    assert!(second.text_content().unwrap().contains("12.50 GFLOP"));
+
+    let empty = host();
+    let _none = leptos::mount::mount_to(empty.clone(), || leaderboard_table(&[]));
+    settle().await;
+    assert!(query(&empty, "#leaderboard").is_none());
+    assert!(
+        empty
+            .text_content()
+            .unwrap()
+            .contains("No accepted work yet")
+    );
 }

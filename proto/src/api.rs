@@ -35,6 +35,19 @@ pub struct LeaderboardEntry {
     pub credit: f64,
 }
 
+/// `gflop` in the largest unit that keeps it at 1 or more, as credit is
+/// shown to people: "3.20 TFLOP".
+pub fn flop_text(gflop: f64) -> String {
+    const UNITS: [&str; 5] = ["GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP"];
+    let mut value = gflop;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < UNITS.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
 /// What anyone may know of the providers: counts, never who.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -111,6 +124,20 @@ pub struct ApiError {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn credit_is_shown_in_the_largest_unit_at_or_above_one() {
+        for (gflop, text) in [
+            (0.5, "0.50 GFLOP"),
+            (999.0, "999.00 GFLOP"),
+            (3_200.0, "3.20 TFLOP"),
+            (4.5e6, "4.50 PFLOP"),
+            (7e15, "7000.00 ZFLOP"),
+        ] {
+            assert_eq!(flop_text(gflop), text);
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -204,7 +204,10 @@ where
                     .map_err(|_| SessionEnd::Lost("the training thread stopped".into())),
                 Ok(Some(Action::End(disconnect))) => Err(disconnect.into()),
                 Ok(Some(Action::Credit(gflop))) => {
-                    println!("credit: {} of accepted training work", flop_text(gflop));
+                    println!(
+                        "credit: {} of accepted training work",
+                        rookery_proto::api::flop_text(gflop)
+                    );
                     Ok(())
                 }
             },
@@ -462,18 +465,6 @@ pub async fn run(
     }
 }
 
-/// `gflop` in the largest unit that keeps it above 1: "3.20 TFLOP".
-pub fn flop_text(gflop: f64) -> String {
-    const UNITS: [&str; 5] = ["GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP"];
-    let mut value = gflop;
-    let mut unit = 0;
-    while value >= 1000.0 && unit + 1 < UNITS.len() {
-        value /= 1000.0;
-        unit += 1;
-    }
-    format!("{value:.2} {}", UNITS[unit])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -649,17 +640,5 @@ mod tests {
             .unwrap();
         assert!(matches!(end, SessionEnd::Lost(_)), "{end:?}");
         drop(out_rx);
-    }
-
-    #[test]
-    fn credit_is_shown_in_the_largest_unit_above_one() {
-        for (gflop, text) in [
-            (0.5, "0.50 GFLOP"),
-            (999.0, "999.00 GFLOP"),
-            (3_200.0, "3.20 TFLOP"),
-            (4.5e6, "4.50 PFLOP"),
-        ] {
-            assert_eq!(flop_text(gflop), text);
-        }
     }
 }
