@@ -93,13 +93,34 @@ pub fn prepare(spec: JobSpec) -> Result<Prepared, PrepareError> {
         .graph
         .analyze()
         .map_err(|e| PrepareError::from(e.to_string()))?;
+    let mut warnings = loaded.warnings;
+    warnings.extend(double_softmax(&loaded.graph, loss));
     Ok(Prepared {
         spec,
         graph: loaded.graph,
         analysis,
-        warnings: loaded.warnings,
+        warnings,
         train,
         test,
+    })
+}
+
+/// A warning when the model's output is a Softmax and the loss is
+/// cross-entropy, which applies its own log-softmax to logits: the
+/// probabilities would be softmaxed twice (a common slip when porting a
+/// Keras or RavDL model, whose last layer often holds the softmax).
+pub fn double_softmax(graph: &rookery_model::Graph, loss: rookery_model::Loss) -> Option<String> {
+    if !matches!(loss, rookery_model::Loss::CrossEntropy { .. }) {
+        return None;
+    }
+    let output = graph.outputs.first()?;
+    let last = graph.nodes.iter().find(|n| &n.name == output)?;
+    matches!(last.op, rookery_model::Op::Softmax { .. }).then(|| {
+        format!(
+            "the model ends in Softmax (`{output}`) and the loss is cross-entropy, which takes \
+             logits and applies its own log-softmax: the softmax is applied twice. Remove the \
+             last Softmax (PyTorch's nn.CrossEntropyLoss expects logits too)"
+        )
     })
 }
 
@@ -165,4 +186,41 @@ fn positions_error(spec: &JobSpec, graph: &Graph) -> Option<JobError> {
             ),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_model::Loss;
+
+    #[test]
+    fn a_softmax_before_cross_entropy_is_warned_about_and_nothing_else_is() {
+        let ending = |last: &str| {
+            rookery_model::from_toml(&format!(
+                "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 3\n{last}"
+            ))
+            .unwrap()
+        };
+        let softmax = ending("[[layers]]\ntype = \"Activation\"\nname = \"softmax\"\n");
+        // (graph, loss, warned)
+        let cases = [
+            (&softmax, Loss::cross_entropy(), true),
+            (&softmax, Loss::Mse, false),
+            (
+                &ending("[[layers]]\ntype = \"Activation\"\nname = \"log_softmax\"\n"),
+                Loss::cross_entropy(),
+                false,
+            ),
+            (&ending(""), Loss::cross_entropy(), false),
+        ];
+        for (graph, loss, warned) in cases {
+            let warning = double_softmax(graph, loss);
+            assert_eq!(warning.is_some(), warned, "{loss:?}: {warning:?}");
+        }
+        assert!(
+            double_softmax(&softmax, Loss::cross_entropy())
+                .unwrap()
+                .contains("twice")
+        );
+    }
 }

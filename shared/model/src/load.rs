@@ -51,7 +51,7 @@ pub fn load_model_file(
             let graph = spec.to_graph().map_err(|e| fail(e.to_string()))?;
             Ok(LoadedModel {
                 graph,
-                warnings: Vec::new(),
+                warnings: spec.warnings(),
             })
         }
         Some("onnx") => {

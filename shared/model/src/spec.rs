@@ -83,12 +83,19 @@ pub enum LayerSpec {
         units: usize,
         #[serde(default)]
         activation: Option<String>,
-        #[serde(default = "yes")]
+        #[serde(default = "yes", alias = "use_bias")]
         bias: bool,
     },
     Conv2D {
-        #[serde(alias = "nb_filters")]
+        #[serde(alias = "nb_filters", alias = "out_channels")]
         filters: usize,
+        /// RavDL's and PyTorch's: the input's channels, which Rookery
+        /// infers; checked when given.
+        #[serde(default)]
+        in_channels: Option<usize>,
+        /// PyTorch's: only `zeros` (its default) is supported.
+        #[serde(default)]
+        padding_mode: Option<String>,
         kernel_size: Pair,
         #[serde(default = "one", alias = "strides")]
         stride: Pair,
@@ -104,6 +111,7 @@ pub enum LayerSpec {
         activation: Option<String>,
     },
     MaxPooling2D {
+        #[serde(alias = "kernel_size")]
         pool_size: Pair,
         #[serde(default, alias = "strides")]
         stride: Option<Pair>,
@@ -111,6 +119,7 @@ pub enum LayerSpec {
         padding: Padding,
     },
     AveragePooling2D {
+        #[serde(alias = "kernel_size")]
         pool_size: Pair,
         #[serde(default, alias = "strides")]
         stride: Option<Pair>,
@@ -118,17 +127,25 @@ pub enum LayerSpec {
         padding: Padding,
     },
     GlobalAveragePooling2D,
+    /// `momentum` is PyTorch's: the share of each batch's statistics in
+    /// the running ones (0.1); Keras's convention (the share kept, 0.99)
+    /// gets a warning ([`ModelSpec::warnings`]).
     BatchNormalization1D {
         #[serde(default = "default_eps", alias = "epsilon")]
         eps: f32,
         #[serde(default = "default_momentum")]
         momentum: f32,
+        /// Only `true`: the layer always learns a weight and a bias.
+        #[serde(default = "yes")]
+        affine: bool,
     },
     BatchNormalization2D {
         #[serde(default = "default_eps", alias = "epsilon")]
         eps: f32,
         #[serde(default = "default_momentum")]
         momentum: f32,
+        #[serde(default = "yes")]
+        affine: bool,
     },
     LayerNormalization {
         #[serde(default = "default_eps", alias = "epsilon")]
@@ -144,13 +161,24 @@ pub enum LayerSpec {
         #[serde(default = "last_axis")]
         axis: i64,
     },
-    Flatten,
+    /// Every dimension after the batch into one: PyTorch's defaults
+    /// `start_dim = 1`, `end_dim = -1`, the only values accepted.
+    Flatten {
+        #[serde(default = "one_i64")]
+        start_dim: i64,
+        #[serde(default = "last_axis")]
+        end_dim: i64,
+    },
     Embedding {
         #[serde(alias = "input_dim", alias = "vocab_size")]
         num_embeddings: usize,
-        #[serde(alias = "output_dim")]
+        #[serde(alias = "output_dim", alias = "embed_dim")]
         embedding_dim: usize,
     },
+}
+
+fn one_i64() -> i64 {
+    1
 }
 
 fn one_usize() -> usize {
@@ -170,7 +198,7 @@ impl LayerSpec {
             LayerSpec::LayerNormalization { .. } => "LayerNormalization",
             LayerSpec::Dropout { .. } => "Dropout",
             LayerSpec::Activation { .. } => "Activation",
-            LayerSpec::Flatten => "Flatten",
+            LayerSpec::Flatten { .. } => "Flatten",
             LayerSpec::Embedding { .. } => "Embedding",
         }
     }
@@ -182,6 +210,31 @@ pub fn from_toml(text: &str) -> Result<Graph, SpecError> {
 }
 
 impl ModelSpec {
+    /// What the author should hear about a spec that builds: a BatchNorm
+    /// `momentum` that looks like Keras's convention (the share of the
+    /// running statistics kept) rather than PyTorch's, which Rookery follows.
+    pub fn warnings(&self) -> Vec<String> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(index, layer)| match layer {
+                LayerSpec::BatchNormalization1D { momentum, .. }
+                | LayerSpec::BatchNormalization2D { momentum, .. }
+                    if *momentum > 0.5 =>
+                {
+                    Some(format!(
+                        "layer {index} ({}): momentum {momentum} looks like Keras's convention (the \
+                         share of the running statistics kept); Rookery follows PyTorch's (the share \
+                         of each batch), so the equivalent is {:.3}",
+                        layer.type_name(),
+                        1.0 - momentum
+                    ))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Parses layer by layer so an error can name the layer index.
     pub fn from_toml(text: &str) -> Result<Self, SpecError> {
         let mut table: toml::Table =
@@ -315,6 +368,8 @@ impl Builder {
             }
             LayerSpec::Conv2D {
                 filters,
+                in_channels,
+                padding_mode,
                 kernel_size,
                 stride,
                 padding,
@@ -335,6 +390,26 @@ impl Builder {
                         format!("needs a [C, H, W] input, got {:?}", &self.info.shape[1..]),
                     ));
                 };
+                if let Some(given) = in_channels
+                    && *given != channels
+                {
+                    return Err(field(
+                        "in_channels",
+                        format!(
+                            "{given} does not match the input's {channels} channels (Rookery infers them; leave in_channels out)"
+                        ),
+                    ));
+                }
+                if let Some(mode) = padding_mode.as_deref()
+                    && mode != "zeros"
+                {
+                    return Err(field(
+                        "padding_mode",
+                        format!(
+                            "`{mode}` is not supported: only `zeros`, PyTorch's default, pads here"
+                        ),
+                    ));
+                }
                 if channels % groups != 0 || filters % groups != 0 {
                     return Err(field(
                         "groups",
@@ -391,8 +466,22 @@ impl Builder {
             LayerSpec::GlobalAveragePooling2D => {
                 self.node(index, ty, Op::GlobalAveragePool, vec![])?;
             }
-            LayerSpec::BatchNormalization1D { eps, momentum }
-            | LayerSpec::BatchNormalization2D { eps, momentum } => {
+            LayerSpec::BatchNormalization1D {
+                eps,
+                momentum,
+                affine,
+            }
+            | LayerSpec::BatchNormalization2D {
+                eps,
+                momentum,
+                affine,
+            } => {
+                if !affine {
+                    return Err(field(
+                        "affine",
+                        "`false` is not supported: BatchNorm here always learns a weight and a bias (leave affine out)".into(),
+                    ));
+                }
                 let rank = self.info.shape.len();
                 let ok = match layer {
                     LayerSpec::BatchNormalization1D { .. } => rank == 2 || rank == 3,
@@ -443,7 +532,24 @@ impl Builder {
             LayerSpec::Activation { name, axis } => {
                 self.activation(index, ty, "name", name, *axis)?;
             }
-            LayerSpec::Flatten => {
+            LayerSpec::Flatten { start_dim, end_dim } => {
+                let last = self.info.shape.len() as i64 - 1;
+                if *start_dim != 1 {
+                    return Err(field(
+                        "start_dim",
+                        format!(
+                            "{start_dim} is not supported: Flatten keeps the batch dimension and joins the rest (start_dim = 1)"
+                        ),
+                    ));
+                }
+                if *end_dim != -1 && *end_dim != last {
+                    return Err(field(
+                        "end_dim",
+                        format!(
+                            "{end_dim} is not supported: Flatten joins every dimension after the batch (end_dim = -1)"
+                        ),
+                    ));
+                }
                 self.node(index, ty, Op::Flatten { axis: 1 }, vec![])?;
             }
             LayerSpec::Embedding {

@@ -111,3 +111,106 @@ fn same_padding_and_spec_round_trip() {
     let g = spec.to_graph().unwrap();
     assert_eq!(g.analyze().unwrap().nodes[0].output.shape, [1, 4, 9, 9]);
 }
+
+/// A `[C, H, W]` input, then `layer`'s TOML lines as one layer.
+fn conv_input_then(layer: &str) -> String {
+    format!("input_shape = [3, 8, 8]\n[[layers]]\n{layer}\n")
+}
+
+#[test]
+fn ravdl_argument_names_build_the_same_graph_as_ours() {
+    // (RavDL's or PyTorch's way, Rookery's way)
+    let cases = [
+        (
+            conv_input_then(
+                "type = \"Conv2D\"\nin_channels = 3\nout_channels = 4\nkernel_size = 3\npadding_mode = \"zeros\"",
+            ),
+            conv_input_then("type = \"Conv2D\"\nfilters = 4\nkernel_size = 3"),
+        ),
+        (
+            conv_input_then("type = \"MaxPooling2D\"\nkernel_size = 2"),
+            conv_input_then("type = \"MaxPooling2D\"\npool_size = 2"),
+        ),
+        (
+            conv_input_then("type = \"AveragePooling2D\"\nkernel_size = 2"),
+            conv_input_then("type = \"AveragePooling2D\"\npool_size = 2"),
+        ),
+        (
+            "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 2\nuse_bias = false\n".into(),
+            "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 2\nbias = false\n".into(),
+        ),
+        (
+            "input_shape = [5]\n[[layers]]\ntype = \"Embedding\"\nvocab_size = 9\nembed_dim = 3\n"
+                .into(),
+            "input_shape = [5]\n[[layers]]\ntype = \"Embedding\"\nvocab_size = 9\nembedding_dim = 3\n"
+                .into(),
+        ),
+        (
+            conv_input_then("type = \"Flatten\"\nstart_dim = 1\nend_dim = -1"),
+            conv_input_then("type = \"Flatten\""),
+        ),
+        (
+            conv_input_then("type = \"Flatten\"\nend_dim = 3"),
+            conv_input_then("type = \"Flatten\""),
+        ),
+        (
+            conv_input_then("type = \"BatchNormalization2D\"\naffine = true"),
+            conv_input_then("type = \"BatchNormalization2D\""),
+        ),
+    ];
+    for (theirs, ours) in cases {
+        let (a, b) = (from_toml(&theirs), from_toml(&ours));
+        assert_eq!(a, b, "{theirs}");
+        assert!(a.is_ok(), "{theirs}: {a:?}");
+    }
+}
+
+#[test]
+fn ravdl_arguments_we_cannot_honour_are_refused_naming_what_to_write() {
+    // (layer, field, words the message must hold)
+    let cases = [
+        (
+            "type = \"Conv2D\"\nin_channels = 1\nfilters = 4\nkernel_size = 3",
+            "in_channels",
+            "input's 3 channels",
+        ),
+        (
+            "type = \"Conv2D\"\nfilters = 4\nkernel_size = 3\npadding_mode = \"reflect\"",
+            "padding_mode",
+            "only `zeros`",
+        ),
+        (
+            "type = \"BatchNormalization2D\"\naffine = false",
+            "affine",
+            "leave affine out",
+        ),
+        (
+            "type = \"Flatten\"\nstart_dim = 2",
+            "start_dim",
+            "start_dim = 1",
+        ),
+        ("type = \"Flatten\"\nend_dim = 2", "end_dim", "end_dim = -1"),
+    ];
+    for (layer, field, words) in cases {
+        let e = err(&conv_input_then(layer)).to_string();
+        assert!(e.contains(&format!("field `{field}`")), "{layer}: {e}");
+        assert!(e.contains(words), "{layer}: {e}");
+    }
+}
+
+#[test]
+fn a_keras_style_batchnorm_momentum_is_warned_about_with_its_pytorch_equivalent() {
+    let spec = |momentum: f32| {
+        ModelSpec::from_toml(&conv_input_then(&format!(
+            "type = \"BatchNormalization2D\"\nmomentum = {momentum}"
+        )))
+        .unwrap()
+    };
+    let warnings = spec(0.99).warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("Keras") && warnings[0].contains("0.010"),
+        "{warnings:?}"
+    );
+    assert!(spec(0.1).warnings().is_empty());
+}
