@@ -12,12 +12,19 @@ use leptos::prelude::*;
 /// Buckets a series is reduced to; each keeps two points at most.
 pub const BUCKETS: usize = 400;
 
-const WIDTH: f64 = 600.0;
-const HEIGHT: f64 = 220.0;
-const LEFT: f64 = 56.0;
-const RIGHT: f64 = 8.0;
-const TOP: f64 = 10.0;
-const BOTTOM: f64 = 24.0;
+// The drawing's own units are about the pixels it gets in the page (a
+// chart column is 20rem or more, the drawing 292 pixels or more inside
+// it), so text of `TICK_FONT` units reads at about that many pixels: a
+// 600-unit drawing showed 11-unit ticks at 7 pixels.
+/// The drawing's width, in its own units.
+pub const WIDTH: f64 = 320.0;
+const HEIGHT: f64 = 124.0;
+const LEFT: f64 = 46.0;
+const RIGHT: f64 = 6.0;
+const TOP: f64 = 8.0;
+const BOTTOM: f64 = 20.0;
+/// Tick and axis text size, in the drawing's units.
+pub const TICK_FONT: f64 = 12.0;
 
 /// At most `2 * buckets` points of `points` (sorted by x): per bucket of
 /// consecutive points, the lowest and highest in their own order, plus the
@@ -153,7 +160,7 @@ pub fn LineChart(
                         .with(|(count, shown, b)| match b {
                             None => {
                                 view! {
-                                    <text x=WIDTH / 2.0 y=HEIGHT / 2.0 class="chart-empty" text-anchor="middle">
+                                    <text x=WIDTH / 2.0 y=HEIGHT / 2.0 class="chart-empty" font-size=TICK_FONT text-anchor="middle">
                                         "No data yet"
                                     </text>
                                 }
@@ -186,16 +193,16 @@ pub fn LineChart(
                                         y2=HEIGHT - BOTTOM
                                         class="chart-axis"
                                     ></line>
-                                    <text x=LEFT - 4.0 y=TOP + 8.0 text-anchor="end" class="chart-tick">
+                                    <text x=LEFT - 4.0 y=TOP + TICK_FONT * 0.75 text-anchor="end" class="chart-tick" font-size=TICK_FONT>
                                         {tick(b.y.1)}
                                     </text>
-                                    <text x=LEFT - 4.0 y=HEIGHT - BOTTOM text-anchor="end" class="chart-tick">
+                                    <text x=LEFT - 4.0 y=HEIGHT - BOTTOM text-anchor="end" class="chart-tick" font-size=TICK_FONT>
                                         {tick(b.y.0)}
                                     </text>
-                                    <text x=LEFT y=HEIGHT - 6.0 class="chart-tick">
+                                    <text x=LEFT y=HEIGHT - 4.0 class="chart-tick" font-size=TICK_FONT>
                                         {tick(b.x.0)}
                                     </text>
-                                    <text x=WIDTH - RIGHT y=HEIGHT - 6.0 text-anchor="end" class="chart-tick">
+                                    <text x=WIDTH - RIGHT y=HEIGHT - 4.0 text-anchor="end" class="chart-tick" font-size=TICK_FONT>
                                         {format!("{} {x_label}", tick(b.x.1))}
                                     </text>
                                     <path d=d class="chart-line"></path>

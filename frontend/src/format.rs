@@ -1,7 +1,7 @@
 //! Plain functions that turn API data into the words and numbers the pages
 //! show. Kept free of Leptos and the browser so they are unit-tested natively.
 
-use rookery_proto::api::{ProviderInfo, ProviderStatus};
+use rookery_proto::api::{LogEntry, ProviderInfo, ProviderStatus};
 use rookery_web_provider::DonateStatus;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -231,10 +231,115 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
     }
 }
 
+/// One line of a job's event log as the page shows it: a run of
+/// consecutive checkpoint lines (a job that syncs every step writes one
+/// every two seconds, each counting the syncs since the last) is one line,
+/// counting them all and dated by the latest, so it updates in place.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogLine {
+    pub at_ms: u64,
+    pub kind: String,
+    pub message: String,
+    /// Log entries the line stands for.
+    pub entries: usize,
+}
+
+/// `entries` as the page's lines, oldest first.
+pub fn group_log(entries: &[LogEntry]) -> Vec<LogLine> {
+    let mut lines: Vec<LogLine> = Vec::new();
+    let mut syncs = 0u64;
+    for entry in entries {
+        if entry.kind != "checkpoint" {
+            syncs = 0;
+            lines.push(LogLine {
+                at_ms: entry.at_ms,
+                kind: entry.kind.clone(),
+                message: entry.message.clone(),
+                entries: 1,
+            });
+            continue;
+        }
+        // "N syncs averaged ..." counts N; "parameters averaged ..." one.
+        let n: u64 = entry
+            .message
+            .split_once(" syncs ")
+            .and_then(|(n, _)| n.parse().ok())
+            .unwrap_or(1);
+        let grouped = lines.last().is_some_and(|l| l.kind == "checkpoint");
+        syncs = if grouped { syncs + n } else { n };
+        let message = match syncs {
+            1 => entry.message.clone(),
+            _ => format!(
+                "{} syncs averaged parameters across clusters; checkpoint taken",
+                count(syncs)
+            ),
+        };
+        match lines.last_mut() {
+            Some(line) if grouped => {
+                line.at_ms = entry.at_ms;
+                line.message = message;
+                line.entries += 1;
+            }
+            _ => lines.push(LogLine {
+                at_ms: entry.at_ms,
+                kind: entry.kind.clone(),
+                message,
+                entries: 1,
+            }),
+        }
+    }
+    lines
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rookery_proto::ProviderKind;
+
+    #[test]
+    fn repeated_checkpoint_lines_read_as_one_that_counts_every_sync() {
+        let entry = |at_ms: u64, kind: &str, message: &str| LogEntry {
+            at_ms,
+            kind: kind.into(),
+            message: message.into(),
+        };
+        let sync = "parameters averaged across clusters; checkpoint taken";
+        let entries = [
+            entry(1, "running", "started"),
+            entry(2, "checkpoint", sync),
+            entry(
+                3,
+                "checkpoint",
+                "6 syncs averaged parameters across clusters; checkpoint taken",
+            ),
+            entry(
+                4,
+                "checkpoint",
+                "1200 syncs averaged parameters across clusters; checkpoint taken",
+            ),
+            entry(5, "epoch", "epoch 1"),
+            entry(6, "checkpoint", sync),
+        ];
+        let lines = group_log(&entries);
+        let seen: Vec<(u64, &str, usize)> = lines
+            .iter()
+            .map(|l| (l.at_ms, l.kind.as_str(), l.entries))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (1, "running", 1),
+                (4, "checkpoint", 3),
+                (5, "epoch", 1),
+                (6, "checkpoint", 1)
+            ]
+        );
+        assert_eq!(
+            lines[1].message,
+            "1,207 syncs averaged parameters across clusters; checkpoint taken"
+        );
+        assert_eq!(lines[3].message, sync);
+    }
 
     fn provider(id: u64, status: ProviderStatus, since: u64, gone: Option<u64>) -> ProviderInfo {
         ProviderInfo {

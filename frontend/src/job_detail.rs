@@ -378,15 +378,15 @@ pub fn JobDetailPage() -> impl IntoView {
             <ol id="job-log" class="log">
                 {move || {
                     let now = now_ms.get();
-                    log.get()
+                    log.with(|entries| format::group_log(entries))
                         .into_iter()
                         .rev()
-                        .map(|entry| {
+                        .map(|line| {
                             view! {
-                                <li data-kind=entry.kind.clone()>
-                                    <time>{format::relative(now, entry.at_ms)}</time>
-                                    <span class="log-kind">{entry.kind.replace('_', " ")}</span>
-                                    <span class="log-message">{entry.message}</span>
+                                <li data-kind=line.kind.clone() data-entries=line.entries.to_string()>
+                                    <time>{format::relative(now, line.at_ms)}</time>
+                                    <span class="log-kind">{line.kind.replace('_', " ")}</span>
+                                    <span class="log-message">{line.message}</span>
                                 </li>
                             }
                         })

@@ -85,6 +85,24 @@ async fn a_hundred_thousand_loss_points_draw_as_a_few_hundred_and_grow_live() {
     };
     assert!(ticks.contains(&"2.50".to_string()), "{ticks:?}");
     assert!(ticks.iter().any(|t| t == "100k steps"), "{ticks:?}");
+    // In the narrowest chart column (20rem, less the figure's padding and
+    // border: 292 pixels of drawing), tick text is drawn at 10 pixels or
+    // more: its size times the drawing's scale.
+    svg.set_attribute("style", "width: 292px").unwrap();
+    settle().await;
+    let scale = svg.get_bounding_client_rect().width() / rookery_frontend::chart::WIDTH;
+    let tick = query(&root, "text.chart-tick").unwrap();
+    let font: f64 = web_sys::window()
+        .unwrap()
+        .get_computed_style(&tick)
+        .unwrap()
+        .unwrap()
+        .get_property_value("font-size")
+        .unwrap()
+        .trim_end_matches("px")
+        .parse()
+        .unwrap();
+    assert!(font * scale >= 10.0, "{font} px at scale {scale}");
 
     points.update(|p| p.push((100_000.0, 0.01)));
     settle().await;
