@@ -77,6 +77,7 @@ pub fn DonatePage() -> impl IntoView {
             <p>
                 "Nothing is installed on your computer. You can keep browsing this dashboard while donating; closing the tab stops it at once."
             </p>
+            <DonorFields />
             <button
                 id="donate-start"
                 class="button-primary"
@@ -101,5 +102,46 @@ pub fn DonatePage() -> impl IntoView {
                 }}
             </div>
         </section>
+    }
+}
+
+/// The name and team the leaderboard shows for this browser's donations,
+/// kept in local storage as they are typed (blank: anonymous).
+#[component]
+fn DonorFields() -> impl IntoView {
+    let card = rookery_web_provider::stored_donor();
+    let name = RwSignal::new(card.as_ref().map(|c| c.name.clone()).unwrap_or_default());
+    let team = RwSignal::new(card.and_then(|c| c.team).unwrap_or_default());
+    let keep =
+        move || rookery_web_provider::keep_donor(&name.get_untracked(), &team.get_untracked());
+    view! {
+        <fieldset class="donor-fields">
+            <legend>"On the leaderboard (optional)"</legend>
+            <label>
+                "Your name "
+                <input
+                    id="donor-name"
+                    maxlength="40"
+                    placeholder="anonymous"
+                    prop:value=move || name.get()
+                    on:input=move |ev| {
+                        name.set(event_target_value(&ev));
+                        keep();
+                    }
+                />
+            </label>
+            <label>
+                "Team "
+                <input
+                    id="donor-team"
+                    maxlength="40"
+                    prop:value=move || team.get()
+                    on:input=move |ev| {
+                        team.set(event_target_value(&ev));
+                        keep();
+                    }
+                />
+            </label>
+        </fieldset>
     }
 }

@@ -388,3 +388,25 @@ async fn the_leaderboard_ranks_donors_with_their_team_and_credit_in_readable_uni
             .contains("No accepted work yet")
     );
 }
+
+#[wasm_bindgen_test]
+async fn a_donors_leaderboard_name_and_team_are_kept_for_the_tabs_next_hello() {
+    let root = host();
+    let _mounted = leptos::mount::mount_to(root.clone(), rookery_frontend::donate::DonatePage);
+    settle().await;
+    set_value(&root, "#donor-name", " Ada ");
+    set_value(&root, "#donor-team", "ravens");
+    settle().await;
+    assert_eq!(
+        rookery_web_provider::stored_donor(),
+        Some(rookery_proto::DonorCard {
+            name: "Ada".into(),
+            team: Some("ravens".into()),
+        })
+    );
+    // A blank name is anonymous, whatever the team.
+    set_value(&root, "#donor-name", "  ");
+    settle().await;
+    assert_eq!(rookery_web_provider::stored_donor(), None);
+    root.remove();
+}

@@ -10,7 +10,7 @@ use futures_channel::mpsc;
 use futures_util::StreamExt;
 use gloo_timers::future::TimeoutFuture;
 use rookery_kernels::{GpuContext, GpuError};
-use rookery_proto::{Bytes, Hello, ToProvider, ToServer};
+use rookery_proto::{Bytes, DonorCard, Hello, ToProvider, ToServer};
 use rookery_stage::session::{
     Action, Backoff, DeviceOffer, Disconnect, ProviderSession, SessionPolicy, page_provider_url,
 };
@@ -164,6 +164,33 @@ pub(crate) fn stored_credential() -> Option<String> {
     local_storage()?.get_item(CREDENTIAL_KEY).ok().flatten()
 }
 
+/// Where a tab keeps the name and team its donor chose for the
+/// leaderboard (the Donate page writes them).
+const DONOR_NAME_KEY: &str = "rookery.donor.name";
+const DONOR_TEAM_KEY: &str = "rookery.donor.team";
+
+pub(crate) fn stored_donor() -> Option<DonorCard> {
+    let storage = local_storage()?;
+    let read = |key| {
+        storage
+            .get_item(key)
+            .ok()
+            .flatten()
+            .filter(|v: &String| !v.trim().is_empty())
+    };
+    Some(DonorCard {
+        name: read(DONOR_NAME_KEY)?,
+        team: read(DONOR_TEAM_KEY),
+    })
+}
+
+pub(crate) fn keep_donor(name: &str, team: &str) {
+    if let Some(storage) = local_storage() {
+        let _ = storage.set_item(DONOR_NAME_KEY, name.trim());
+        let _ = storage.set_item(DONOR_TEAM_KEY, team.trim());
+    }
+}
+
 /// A tab that cannot store it (private browsing may refuse) still donates,
 /// as a new identity on its next visit.
 fn keep_credential(credential: &str) {
@@ -192,6 +219,7 @@ where
         // Read afresh each time: another tab of this origin may have been
         // issued the credential meanwhile.
         hello.credential = stored_credential();
+        hello.donor = stored_donor();
         on_status(DonateStatus::Connecting {
             adapter: adapter.clone(),
             gflops,

@@ -70,6 +70,28 @@ pub fn stored_credential() -> Option<String> {
     }
 }
 
+/// The name and team this browser's donor chose for the leaderboard, if
+/// any: sent in every `Hello` from then on.
+pub fn stored_donor() -> Option<rookery_proto::DonorCard> {
+    #[cfg(target_arch = "wasm32")]
+    {
+        browser::stored_donor()
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        None
+    }
+}
+
+/// Keeps the donor's leaderboard name and team (blank: anonymous) for this
+/// browser's tabs; a tab donating now sends them when it next connects.
+pub fn keep_donor(name: &str, team: &str) {
+    #[cfg(target_arch = "wasm32")]
+    browser::keep_donor(name, team);
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = (name, team);
+}
+
 /// Donates this tab's GPU to the server at `server_ws_url` until the page
 /// closes, reporting every change of state through `on_status`.
 ///
