@@ -114,34 +114,28 @@ fn DonorFields() -> impl IntoView {
     let team = RwSignal::new(card.and_then(|c| c.team).unwrap_or_default());
     let keep =
         move || rookery_web_provider::keep_donor(&name.get_untracked(), &team.get_untracked());
+    let field = move |id: &'static str, label: &'static str, value: RwSignal<String>| {
+        view! {
+            <label>
+                {label}
+                <input
+                    id=id
+                    maxlength="40"
+                    placeholder=(id == "donor-name").then_some("anonymous")
+                    prop:value=move || value.get()
+                    on:input=move |ev| {
+                        value.set(event_target_value(&ev));
+                        keep();
+                    }
+                />
+            </label>
+        }
+    };
     view! {
         <fieldset class="donor-fields">
             <legend>"On the leaderboard (optional)"</legend>
-            <label>
-                "Your name "
-                <input
-                    id="donor-name"
-                    maxlength="40"
-                    placeholder="anonymous"
-                    prop:value=move || name.get()
-                    on:input=move |ev| {
-                        name.set(event_target_value(&ev));
-                        keep();
-                    }
-                />
-            </label>
-            <label>
-                "Team "
-                <input
-                    id="donor-team"
-                    maxlength="40"
-                    prop:value=move || team.get()
-                    on:input=move |ev| {
-                        team.set(event_target_value(&ev));
-                        keep();
-                    }
-                />
-            </label>
+            {field("donor-name", "Your name ", name)}
+            {field("donor-team", "Team ", team)}
         </fieldset>
     }
 }
