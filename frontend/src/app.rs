@@ -25,7 +25,7 @@ pub fn App() -> impl IntoView {
             <Header />
             <main>
                 <Routes fallback=NotFound>
-                    <Route path=path!("/") view=|| view! { <Guarded><JobsPage /></Guarded> } />
+                    <Route path=path!("/") view=Home />
                     <Route path=path!("/jobs") view=|| view! { <Guarded><JobsPage /></Guarded> } />
                     <Route path=path!("/jobs/new") view=|| view! { <Guarded><NewJobPage /></Guarded> } />
                     <Route path=path!("/jobs/:id") view=|| view! { <Guarded><JobDetailPage /></Guarded> } />
@@ -35,6 +35,20 @@ pub fn App() -> impl IntoView {
                 </Routes>
             </main>
         </Router>
+    }
+}
+
+/// `/`: a Requester's jobs once signed in; for everyone else, a visitor
+/// who may donate, the Donate page.
+#[component]
+fn Home() -> impl IntoView {
+    let auth = crate::api::use_auth();
+    move || {
+        if auth.token.with(Option::is_some) {
+            view! { <JobsPage /> }.into_any()
+        } else {
+            view! { <DonatePage /> }.into_any()
+        }
     }
 }
 
@@ -52,25 +66,41 @@ fn Header() -> impl IntoView {
     };
     let donating = use_context::<Donation>().map(|d| d.running);
     let auth = crate::api::use_auth();
+    // Signed out, `/` is the Donate page.
+    let donate_current = move || {
+        let home = pathname.with(|p| p.trim_end_matches('/').is_empty());
+        let donate = pathname.with(|p| p.trim_end_matches('/') == "/donate");
+        (donate || (home && auth.token.with(Option::is_none))).then_some("page")
+    };
     view! {
         <header class="site-header">
             <a class="brand" href="/">
                 "Rookery"
             </a>
             <nav aria-label="Main">
-                <a href="/jobs" aria-current=current(&["", "/jobs"])>
-                    "Jobs"
-                </a>
-                <a href="/jobs/new" aria-current=current(&["/jobs/new"])>
-                    "New job"
-                </a>
+                // A visitor sees what donors see; the Requester's pages
+                // appear once signed in.
+                {move || {
+                    auth.token
+                        .with(Option::is_some)
+                        .then(|| {
+                            view! {
+                                <a href="/jobs" aria-current=current(&["", "/jobs"])>
+                                    "Jobs"
+                                </a>
+                                <a href="/jobs/new" aria-current=current(&["/jobs/new"])>
+                                    "New job"
+                                </a>
+                            }
+                        })
+                }}
                 <a href="/providers" aria-current=current(&["/providers"])>
                     "Providers"
                 </a>
                 <a href="/leaderboard" aria-current=current(&["/leaderboard"])>
                     "Leaderboard"
                 </a>
-                <a href="/donate" aria-current=current(&["/donate"])>
+                <a href="/donate" aria-current=donate_current>
                     "Donate"
                     {move || {
                         donating
@@ -80,15 +110,21 @@ fn Header() -> impl IntoView {
                 </a>
             </nav>
             {move || {
-                auth.token
-                    .with(Option::is_some)
-                    .then(|| {
-                        view! {
-                            <button id="sign-out" class="link" on:click=move |_| auth.sign_out(None)>
-                                "Sign out"
-                            </button>
-                        }
-                    })
+                if auth.token.with(Option::is_some) {
+                    view! {
+                        <button id="sign-out" class="link" on:click=move |_| auth.sign_out(None)>
+                            "Sign out"
+                        </button>
+                    }
+                        .into_any()
+                } else {
+                    view! {
+                        <a id="sign-in" class="link" href="/jobs">
+                            "Requesters: sign in"
+                        </a>
+                    }
+                        .into_any()
+                }
             }}
         </header>
     }

@@ -1,13 +1,19 @@
-//! The Donate page: lends this tab's GPU to the server through
-//! `rookery_web_provider::donate`.
+//! The Donate page, for visitors: what donating runs and sends, in plain
+//! words, one button that lends this tab's GPU to the server through
+//! `rookery_web_provider::donate`, and while it does, the stage and
+//! micro-batches done, the time donated, the work credited and a live chart
+//! of the tab's own throughput. It is the home page for anyone not signed
+//! in as a Requester.
 //!
-//! DOM contract (end-to-end tests rely on it): `<button id="donate-start">` and
+//! DOM contract (end-to-end tests rely on it): `<button id="donate-start">`,
 //! `<div id="donate-status" data-state="idle|probing|no-webgpu|benchmarking|
-//! connecting|connected|reconnecting|failed">`.
+//! connecting|connected|reconnecting|failed">`, and while donating
+//! `#donate-time`, `#donate-credit` and `svg#donate-throughput`.
 
 use leptos::prelude::*;
 use rookery_web_provider::DonateStatus;
 
+use crate::chart::LineChart;
 use crate::format;
 
 /// The donation outlives the Donate page: it is created once by the app and
@@ -19,7 +25,16 @@ pub struct Donation {
     pub status: RwSignal<Option<DonateStatus>>,
     /// True from the click until `donate` returns.
     pub running: RwSignal<bool>,
+    /// When the server first welcomed the tab (the browser's clock, ms).
+    pub since_ms: RwSignal<Option<f64>>,
+    /// `(ms since then, micro-batches done)` at each step of progress.
+    pub samples: RwSignal<Vec<(f64, u64)>>,
+    /// The accepted work the server last said this browser is credited with.
+    pub credit_gflop: RwSignal<Option<f64>>,
 }
+
+/// Progress samples a donation keeps: the newest, a few hours' worth.
+const KEPT_SAMPLES: usize = 20_000;
 
 impl Default for Donation {
     fn default() -> Self {
@@ -32,7 +47,39 @@ impl Donation {
         Self {
             status: RwSignal::new(None),
             running: RwSignal::new(false),
+            since_ms: RwSignal::new(None),
+            samples: RwSignal::new(Vec::new()),
+            credit_gflop: RwSignal::new(None),
         }
+    }
+
+    /// Files a report from the donation: credit beside the state, progress
+    /// into the samples, the state itself.
+    fn report(self, status: DonateStatus) {
+        let now = js_sys::Date::now();
+        match status {
+            DonateStatus::Credited { gflop } => {
+                self.credit_gflop.set(Some(gflop));
+                return;
+            }
+            DonateStatus::Connected { .. } | DonateStatus::Training { .. }
+                if self.since_ms.get_untracked().is_none() =>
+            {
+                self.since_ms.set(Some(now));
+            }
+            _ => {}
+        }
+        if let (DonateStatus::Training { micro_batches, .. }, Some(since)) =
+            (&status, self.since_ms.get_untracked())
+        {
+            self.samples.update(|samples| {
+                if samples.len() == KEPT_SAMPLES {
+                    samples.remove(0);
+                }
+                samples.push((now - since, *micro_batches));
+            });
+        }
+        self.status.set(Some(status));
     }
 
     fn start(self) {
@@ -48,8 +95,7 @@ impl Donation {
         self.running.set(true);
         self.status.set(Some(DonateStatus::Probing));
         wasm_bindgen_futures::spawn_local(async move {
-            let status = self.status;
-            rookery_web_provider::donate(url, move |s| status.set(Some(s))).await;
+            rookery_web_provider::donate(url, move |s| self.report(s)).await;
             // `donate` only returns when the donation is over (failed, or no
             // WebGPU): let the person try again.
             self.running.set(false);
@@ -67,15 +113,28 @@ pub fn DonatePage() -> impl IntoView {
         donation
     });
     let status = donation.status;
+    // The clock the time donated is read against, ticking while the page is open.
+    let now_ms = RwSignal::new(js_sys::Date::now());
+    let alive = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    on_cleanup({
+        let alive = alive.clone();
+        move || alive.store(false, std::sync::atomic::Ordering::Relaxed)
+    });
+    crate::api::tick_clock(alive, now_ms);
+    let throughput = Signal::derive(move || {
+        donation
+            .samples
+            .with(|s| format::throughput(s, THROUGHPUT_WINDOW_MS))
+    });
 
     view! {
         <section class="page donate-page">
             <h1>"Donate this GPU"</h1>
             <p>
-                "Donating lends this browser tab's graphics card to Rookery: the tab runs parts of a model's training on your GPU through WebGPU and sends the results back to the server."
+                "Donating lends this browser tab's graphics card to people training AI models on this Rookery server. The tab runs a slice of a model (a few of its layers) on your GPU through WebGPU, on numbers the server sends it, and sends the results back."
             </p>
             <p>
-                "Nothing is installed on your computer. You can keep browsing this dashboard while donating; closing the tab stops it at once."
+                "What is sent: the numbers of the layers it runs and what they compute, nothing else. Nothing is read from your computer, nothing is installed, and closing the tab stops it at once."
             </p>
             <DonorFields />
             <button
@@ -101,9 +160,46 @@ pub fn DonatePage() -> impl IntoView {
                     }
                 }}
             </div>
+            {move || {
+                donation
+                    .since_ms
+                    .get()
+                    .map(|since| {
+                        let donated = (now_ms.get() - since).max(0.0) as u64;
+                        view! {
+                            <dl class="donate-figures">
+                                <dt>"Time donated"</dt>
+                                <dd id="donate-time">{format::duration(donated)}</dd>
+                                <dt>"Work credited"</dt>
+                                <dd id="donate-credit">
+                                    {move || {
+                                        donation
+                                            .credit_gflop
+                                            .get()
+                                            .map_or(
+                                                "none yet (credit comes at the job's checkpoints)".to_string(),
+                                                rookery_proto::api::flop_text,
+                                            )
+                                    }}
+                                </dd>
+                            </dl>
+                            <div class="charts">
+                                <LineChart
+                                    id="donate-throughput"
+                                    title="This tab's micro-batches per minute"
+                                    x_label="min"
+                                    points=throughput
+                                />
+                            </div>
+                        }
+                    })
+            }}
         </section>
     }
 }
+
+/// The throughput chart's resolution.
+const THROUGHPUT_WINDOW_MS: f64 = 10_000.0;
 
 /// The name and team the leaderboard shows for this browser's donations,
 /// kept in local storage as they are typed (blank: anonymous).

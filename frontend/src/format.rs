@@ -176,7 +176,38 @@ pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
         Some(DonateStatus::Training { .. }) => "training",
         Some(DonateStatus::Reconnecting { .. }) => "reconnecting",
         Some(DonateStatus::Failed { .. }) => "failed",
+        // Never kept as the state (`Donation` files it apart).
+        Some(DonateStatus::Credited { .. }) => "connected",
     }
+}
+
+/// A tab's throughput over time from `(ms since it joined, micro-batches
+/// done)` samples: micro-batches a minute in each `window_ms`, dated by the
+/// window's end (minutes), from the first window with a sample.
+pub fn throughput(samples: &[(f64, u64)], window_ms: f64) -> Vec<(f64, f64)> {
+    let Some(&(last_ms, _)) = samples.last() else {
+        return Vec::new();
+    };
+    let windows = (last_ms / window_ms).floor() as usize + 1;
+    let mut done = vec![None::<u64>; windows];
+    for &(at, count) in samples {
+        let w = ((at / window_ms).floor() as usize).min(windows - 1);
+        done[w] = Some(done[w].map_or(count, |c: u64| c.max(count)));
+    }
+    let per_minute = 60_000.0 / window_ms;
+    let mut before = 0u64;
+    let mut points = Vec::new();
+    let mut started = false;
+    for (w, count) in done.into_iter().enumerate() {
+        let now = count.unwrap_or(before).max(before);
+        started |= count.is_some();
+        if started {
+            let end_min = (w as f64 + 1.0) * window_ms / 60_000.0;
+            points.push((end_min, (now - before) as f64 * per_minute));
+        }
+        before = now;
+    }
+    points
 }
 
 /// What the Donate page says about the donation, in plain words: a headline
@@ -228,6 +259,13 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
             Some(reason.clone()),
         ),
         Some(DonateStatus::Failed { reason }) => ("Donation stopped.".into(), Some(reason.clone())),
+        Some(DonateStatus::Credited { gflop }) => (
+            format!(
+                "Credited with {} of accepted work.",
+                rookery_proto::api::flop_text(*gflop)
+            ),
+            None,
+        ),
     }
 }
 
@@ -295,6 +333,18 @@ pub fn group_log(entries: &[LogEntry]) -> Vec<LogLine> {
 mod tests {
     use super::*;
     use rookery_proto::ProviderKind;
+
+    #[test]
+    fn a_tabs_throughput_is_micro_batches_a_minute_per_window() {
+        // 10 s windows: 5 micro-batches in the first, none in the second,
+        // 10 in the third.
+        let samples = [(1_000.0, 2), (9_000.0, 5), (21_000.0, 9), (29_999.0, 15)];
+        assert_eq!(
+            throughput(&samples, 10_000.0),
+            [(1.0 / 6.0, 30.0), (2.0 / 6.0, 0.0), (0.5, 60.0)]
+        );
+        assert!(throughput(&[], 10_000.0).is_empty());
+    }
 
     #[test]
     fn repeated_checkpoint_lines_read_as_one_that_counts_every_sync() {

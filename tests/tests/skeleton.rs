@@ -97,6 +97,21 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
     }
     let shot = browser.screenshot("providers").await?;
     println!("Providers page screenshot: {}", shot.display());
+    // Signed out, the home page is the Donate page, and the bar has no
+    // Requester's pages in it.
+    browser.client.goto(&server.http_url("/")).await?;
+    browser
+        .client
+        .wait()
+        .at_most(Duration::from_secs(30))
+        .for_element(Locator::Css("#donate-start"))
+        .await?;
+    let requester_links = browser
+        .client
+        .find_all(Locator::Css("nav a[href='/jobs/new']"))
+        .await?;
+    anyhow::ensure!(requester_links.is_empty(), "a visitor sees New job");
+    browser.client.find(Locator::Css("#sign-in")).await?;
 
     native.kill();
     let providers = server

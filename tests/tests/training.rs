@@ -286,6 +286,38 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
         seen_training,
         "the Donate page never showed the stage training"
     );
+    // The page shows what the tab gave: time, the work credited (sent at
+    // checkpoints and at the end) and its own throughput.
+    let started = Instant::now();
+    loop {
+        let credit = browser
+            .client
+            .find(Locator::Css("#donate-credit"))
+            .await?
+            .text()
+            .await?;
+        let points = browser
+            .client
+            .find(Locator::Css("svg#donate-throughput"))
+            .await?
+            .attr("data-points")
+            .await?;
+        let time = browser
+            .client
+            .find(Locator::Css("#donate-time"))
+            .await?
+            .text()
+            .await?;
+        if credit.contains("FLOP") && points.as_deref().is_some_and(|p| p != "0") {
+            println!("the tab donated {time} and was credited {credit}");
+            break;
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(30),
+            "the Donate page shows credit {credit:?}, {points:?} throughput points, time {time:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let metrics = client.metrics(id).await?;
     let got: Vec<f64> = metrics.steps.iter().map(|s| s.loss).collect();
     let what = format!("with a browser {} stage", browser_stages[0].role);

@@ -363,8 +363,7 @@ where
                     },
                 ));
             }
-            // The Donate page does not show credit yet; the leaderboard does.
-            Some(Action::Credit(_)) => {}
+            Some(Action::Credit(gflop)) => on_status(DonateStatus::Credited { gflop }),
             Some(Action::Train(message)) => {
                 // The session hands out training work only once welcomed.
                 let Some(worker) = &training else {

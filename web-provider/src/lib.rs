@@ -42,6 +42,9 @@ pub enum DonateStatus {
     Reconnecting { reason: String },
     /// Something failed that retrying will not fix.
     Failed { reason: String },
+    /// Not a state but news beside it: the server now credits this
+    /// browser's identity with `gflop` of accepted work in all.
+    Credited { gflop: f64 },
 }
 
 /// The provider WebSocket URL of the server that served this page
