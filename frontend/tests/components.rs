@@ -363,7 +363,7 @@ async fn the_leaderboard_ranks_donors_with_their_team_and_credit_in_readable_uni
     let root = host();
     let entries = vec![
         entry("alice", Some("ravens"), 3_200.0),
-        entry("anonymous", None, 12.5),
+        entry("anonymous", None, 0.0125),
     ];
     let _mounted = leptos::mount::mount_to(root.clone(), move || leaderboard_table(&entries));
     settle().await;
@@ -375,7 +375,7 @@ async fn the_leaderboard_ranks_donors_with_their_team_and_credit_in_readable_uni
         "{text}"
     );
     let second = query(&root, "tr.donor[data-rank='2']").unwrap();
-    assert!(second.text_content().unwrap().contains("12.50 GFLOP"));
+    assert!(second.text_content().unwrap().contains("12.50 MFLOP"));
 
     let empty = host();
     let _none = leptos::mount::mount_to(empty.clone(), || leaderboard_table(&[]));

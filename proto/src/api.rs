@@ -36,10 +36,12 @@ pub struct LeaderboardEntry {
 }
 
 /// `gflop` in the largest unit that keeps it at 1 or more, as credit is
-/// shown to people: "3.20 TFLOP".
+/// shown to people: "3.20 TFLOP", "12.00 MFLOP".
 pub fn flop_text(gflop: f64) -> String {
-    const UNITS: [&str; 5] = ["GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP"];
-    let mut value = gflop;
+    const UNITS: [&str; 8] = [
+        "FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP", "ZFLOP",
+    ];
+    let mut value = gflop * 1e9;
     let mut unit = 0;
     while value >= 1000.0 && unit + 1 < UNITS.len() {
         value /= 1000.0;
@@ -128,7 +130,9 @@ mod tests {
     #[test]
     fn credit_is_shown_in_the_largest_unit_at_or_above_one() {
         for (gflop, text) in [
-            (0.5, "0.50 GFLOP"),
+            (0.0, "0.00 FLOP"),
+            (2e-9, "2.00 FLOP"),
+            (0.5, "500.00 MFLOP"),
             (999.0, "999.00 GFLOP"),
             (3_200.0, "3.20 TFLOP"),
             (4.5e6, "4.50 PFLOP"),
