@@ -31,6 +31,10 @@ pub struct Donation {
     pub samples: RwSignal<Vec<(f64, u64)>>,
     /// The accepted work the server last said this browser is credited with.
     pub credit_gflop: RwSignal<Option<f64>>,
+    /// Why the donor paused, while paused: the button, or the tab hidden.
+    pub paused: RwSignal<Option<String>>,
+    /// Whether hiding the tab pauses the donation (on unless unticked).
+    pub pause_when_hidden: RwSignal<bool>,
 }
 
 /// Progress samples a donation keeps: the newest, a few hours' worth.
@@ -44,13 +48,23 @@ impl Default for Donation {
 
 impl Donation {
     pub fn new() -> Self {
-        Self {
+        let donation = Self {
             status: RwSignal::new(None),
             running: RwSignal::new(false),
             since_ms: RwSignal::new(None),
             samples: RwSignal::new(Vec::new()),
             credit_gflop: RwSignal::new(None),
-        }
+            paused: RwSignal::new(None),
+            pause_when_hidden: RwSignal::new(true),
+        };
+        follow_visibility(donation);
+        donation
+    }
+
+    /// Pauses with `reason`, or resumes with `None`.
+    pub fn set_paused(self, reason: Option<String>) {
+        self.paused.set(reason.clone());
+        rookery_web_provider::set_paused(reason);
     }
 
     /// Files a report from the donation: credit beside the state, progress
@@ -126,6 +140,7 @@ pub fn DonatePage() -> impl IntoView {
             .samples
             .with(|s| format::throughput(s, THROUGHPUT_WINDOW_MS))
     });
+    let pause_when_hidden = donation.pause_when_hidden;
 
     view! {
         <section class="page donate-page">
@@ -145,6 +160,37 @@ pub fn DonatePage() -> impl IntoView {
             >
                 "Donate this GPU"
             </button>
+            {move || {
+                donation
+                    .running
+                    .get()
+                    .then(|| {
+                        view! {
+                            <button
+                                id="donate-pause"
+                                on:click=move |_| {
+                                    let reason = donation
+                                        .paused
+                                        .get_untracked()
+                                        .is_none()
+                                        .then(|| "paused from the Donate page".to_string());
+                                    donation.set_paused(reason);
+                                }
+                            >
+                                {move || if donation.paused.get().is_some() { "Resume" } else { "Pause" }}
+                            </button>
+                        }
+                    })
+            }}
+            <label class="donate-option">
+                <input
+                    id="pause-when-hidden"
+                    type="checkbox"
+                    prop:checked=move || pause_when_hidden.get()
+                    on:change=move |ev| pause_when_hidden.set(event_target_checked(&ev))
+                />
+                " Pause while this tab is hidden"
+            </label>
             <div
                 id="donate-status"
                 class="donate-status"
@@ -234,4 +280,34 @@ fn DonorFields() -> impl IntoView {
             {field("donor-team", "Team ", team)}
         </fieldset>
     }
+}
+
+/// Why a hidden tab pauses: its donor is not watching it.
+const HIDDEN: &str = "the tab is hidden";
+
+/// Pauses the donation while the tab is hidden (if the donor wants that),
+/// and resumes it when the tab shows again, unless the donor paused it by
+/// hand. Registered once, with the donation, for the page's lifetime.
+fn follow_visibility(donation: Donation) {
+    use wasm_bindgen::JsCast;
+    let Some(document) = web_sys::window().and_then(|w| w.document()) else {
+        return;
+    };
+    let listener = wasm_bindgen::closure::Closure::<dyn Fn()>::new({
+        let document = document.clone();
+        move || {
+            let wanted = donation.pause_when_hidden.try_get_untracked() == Some(true);
+            let hidden = document.hidden() && wanted;
+            let paused = donation.paused.try_get_untracked().flatten();
+            if hidden && paused.is_none() && donation.running.try_get_untracked() == Some(true) {
+                donation.set_paused(Some(HIDDEN.into()));
+            } else if !hidden && paused.as_deref() == Some(HIDDEN) {
+                donation.set_paused(None);
+            }
+        }
+    });
+    let _ = document
+        .add_event_listener_with_callback("visibilitychange", listener.as_ref().unchecked_ref());
+    // It lives as long as the page does, as the donation does.
+    listener.forget();
 }

@@ -176,6 +176,7 @@ pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
         Some(DonateStatus::Training { .. }) => "training",
         Some(DonateStatus::Reconnecting { .. }) => "reconnecting",
         Some(DonateStatus::Failed { .. }) => "failed",
+        Some(DonateStatus::Paused { .. }) => "paused",
         // Never kept as the state (`Donation` files it apart).
         Some(DonateStatus::Credited { .. }) => "connected",
     }
@@ -259,6 +260,10 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
             Some(reason.clone()),
         ),
         Some(DonateStatus::Failed { reason }) => ("Donation stopped.".into(), Some(reason.clone())),
+        Some(DonateStatus::Paused { reason }) => (
+            "Paused: this tab computes nothing until you resume.".into(),
+            Some(reason.clone()),
+        ),
         Some(DonateStatus::Credited { gflop }) => (
             format!(
                 "Credited with {} of accepted work.",

@@ -448,9 +448,20 @@ impl Browser {
     }
 
     /// Opens `server`'s Donate page, presses the button and waits until the
-    /// server has welcomed the tab.
+    /// server has welcomed the tab. The tab keeps donating when hidden (the
+    /// tests open other pages in other tabs), as a donor who unticks the
+    /// box does.
     pub async fn start_donating(&self, server: &Server) -> anyhow::Result<()> {
         self.client.goto(&server.http_url("/donate")).await?;
+        let hidden_pauses = self
+            .client
+            .wait()
+            .at_most(Duration::from_secs(30))
+            .for_element(fantoccini::Locator::Css("#pause-when-hidden"))
+            .await?;
+        if hidden_pauses.prop("checked").await?.as_deref() == Some("true") {
+            hidden_pauses.click().await?;
+        }
         self.client
             .wait()
             .at_most(Duration::from_secs(30))

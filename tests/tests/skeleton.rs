@@ -61,6 +61,7 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
     );
 
     // The Providers page, opened in a second tab so the donating tab keeps running.
+    let donating = browser.client.window().await?;
     let tab = browser.client.new_window(true).await?;
     browser.client.switch_to_window(tab.handle).await?;
     browser.client.goto(&server.http_url("/providers")).await?;
@@ -112,6 +113,58 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
         .await?;
     anyhow::ensure!(requester_links.is_empty(), "a visitor sees New job");
     browser.client.find(Locator::Css("#sign-in")).await?;
+
+    // Paused from its page, the tab leaves saying why (the provider list
+    // shows it), and on resume it joins again.
+    browser.client.switch_to_window(donating).await?;
+    browser
+        .client
+        .find(Locator::Css("#donate-pause"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .wait_for_attr(
+            "#donate-status",
+            "data-state",
+            "paused",
+            Duration::from_secs(10),
+        )
+        .await?;
+    server
+        .wait_for_providers(
+            "the paused tab gone, saying why",
+            Duration::from_secs(10),
+            |all| {
+                all.iter().any(|p| {
+                    p.id == browser_info.id
+                        && p.status == ProviderStatus::Gone
+                        && p.gone_reason
+                            .as_deref()
+                            .is_some_and(|r| r.contains("paused by the donor"))
+                })
+            },
+        )
+        .await?;
+    browser
+        .client
+        .find(Locator::Css("#donate-pause"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .wait_for_attr(
+            "#donate-status",
+            "data-state",
+            "connected",
+            Duration::from_secs(30),
+        )
+        .await?;
+    server
+        .wait_for_providers("the resumed tab back", Duration::from_secs(30), |all| {
+            connected(all, ProviderKind::Browser).len() == 1
+        })
+        .await?;
 
     native.kill();
     let providers = server

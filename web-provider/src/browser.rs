@@ -136,6 +136,31 @@ enum End {
     Reconnect(String),
     /// Stop donating: reconnecting cannot help. The text is for a person.
     GiveUp(String),
+    /// The donor paused donating; the loop waits for the resume.
+    Paused,
+}
+
+thread_local! {
+    /// Why the donor paused, while paused, and the running connection's
+    /// event queue, so a pause ends it at once.
+    static PAUSE: std::cell::RefCell<(Option<String>, Option<mpsc::UnboundedSender<Event>>)> =
+        const { std::cell::RefCell::new((None, None)) };
+}
+
+/// Pauses donating with `reason` (the connection closes, saying why, and
+/// the server gives its stage to another provider), or resumes with `None`.
+pub(crate) fn set_paused(reason: Option<String>) {
+    PAUSE.with(|pause| {
+        let mut pause = pause.borrow_mut();
+        if let (Some(reason), Some(events)) = (&reason, &pause.1) {
+            let _ = events.unbounded_send(Event::Pause(reason.clone()));
+        }
+        pause.0 = reason;
+    });
+}
+
+fn paused() -> Option<String> {
+    PAUSE.with(|pause| pause.borrow().0.clone())
 }
 
 impl From<Disconnect> for End {
@@ -216,6 +241,13 @@ where
     let mut hello = policy.hello("browser tab", offer);
     let mut backoff = policy.backoff();
     loop {
+        if let Some(reason) = paused() {
+            on_status(DonateStatus::Paused { reason });
+            while paused().is_some() {
+                TimeoutFuture::new(250).await;
+            }
+            backoff = policy.backoff();
+        }
         // Read afresh each time: another tab of this origin may have been
         // issued the credential meanwhile.
         hello.credential = stored_credential();
@@ -237,6 +269,8 @@ where
                 on_status(DonateStatus::Failed { reason });
                 return;
             }
+            // The top of the loop waits for the resume.
+            End::Paused => {}
             End::Reconnect(reason) => {
                 let delay = backoff.next_delay();
                 on_status(DonateStatus::Reconnecting {
@@ -263,6 +297,8 @@ enum Event {
     HeartbeatDue,
     /// The stage worker cannot send its replies: the session is over.
     WorkerLost(String),
+    /// The donor paused: close, saying why.
+    Pause(String),
 }
 
 /// One connection, from opening the socket to its end. Training messages go
@@ -283,6 +319,7 @@ where
         Ok(socket) => Rc::new(socket),
         Err(reason) => return End::GiveUp(reason),
     };
+    PAUSE.with(|pause| pause.borrow_mut().1 = Some(events.clone()));
     let mut session = ProviderSession::new(SessionPolicy::BROWSER, hello.clone());
     let mut opened = false;
     let mut training: Option<mpsc::UnboundedSender<ToProvider>> = None;
@@ -303,6 +340,10 @@ where
                 );
             }
             Event::WorkerLost(reason) => break End::Reconnect(reason),
+            Event::Pause(reason) => {
+                socket.close_saying(&format!("paused by the donor: {reason}"));
+                break End::Paused;
+            }
             Event::Closed { code, reason } => {
                 let detail = if reason.is_empty() {
                     format!("code {code}")
@@ -376,6 +417,7 @@ where
             Some(Action::End(disconnect)) => break disconnect.into(),
         }
     };
+    PAUSE.with(|pause| pause.borrow_mut().1 = None);
     if session.earned_quick_reconnect(now()) {
         backoff.reset();
     }
@@ -512,6 +554,15 @@ impl Socket {
             _on_close: on_close,
             _on_error: on_error,
         })
+    }
+
+    /// Closes normally with `reason` (cut to the 123 bytes a close frame holds).
+    fn close_saying(&self, reason: &str) {
+        let mut end = reason.len().min(123);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let _ = self.ws.close_with_code_and_reason(1000, &reason[..end]);
     }
 
     fn send(&self, frame: &[u8]) -> Result<(), String> {

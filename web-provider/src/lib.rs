@@ -42,6 +42,9 @@ pub enum DonateStatus {
     Reconnecting { reason: String },
     /// Something failed that retrying will not fix.
     Failed { reason: String },
+    /// The donor paused donating (`reason`, for a person); resuming
+    /// connects again.
+    Paused { reason: String },
     /// Not a state but news beside it: the server now credits this
     /// browser's identity with `gflop` of accepted work in all.
     Credited { gflop: f64 },
@@ -93,6 +96,15 @@ pub fn keep_donor(name: &str, team: &str) {
     browser::keep_donor(name, team);
     #[cfg(not(target_arch = "wasm32"))]
     let _ = (name, team);
+}
+
+/// Pauses this tab's donation with `reason` (shown to the donor and in the
+/// server's provider list), or resumes it with `None`.
+pub fn set_paused(reason: Option<String>) {
+    #[cfg(target_arch = "wasm32")]
+    browser::set_paused(reason);
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = reason;
 }
 
 /// Donates this tab's GPU to the server at `server_ws_url` until the page

@@ -677,7 +677,16 @@ where
                     "text frames are not part of the protocol; send binary frames",
                 ));
             }
-            Some(Ok(Message::Close(_))) => return Err(Ending::Left("closed".into())),
+            // A close frame's reason (at most 123 bytes) says why, as a
+            // donor's pause does.
+            Some(Ok(Message::Close(frame))) => {
+                let reason = frame
+                    .map(|f| f.reason.as_str().trim().to_string())
+                    .filter(|r| !r.is_empty());
+                return Err(Ending::Left(
+                    reason.map_or("closed".into(), |r| format!("closed: {r}")),
+                ));
+            }
             // Pings are answered by the transport; they still prove liveness.
             Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
             Some(Err(error)) => {
