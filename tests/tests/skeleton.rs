@@ -117,20 +117,7 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
     // Paused from its page, the tab leaves saying why (the provider list
     // shows it), and on resume it joins again.
     browser.client.switch_to_window(donating).await?;
-    browser
-        .client
-        .find(Locator::Css("#donate-pause"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .wait_for_attr(
-            "#donate-status",
-            "data-state",
-            "paused",
-            Duration::from_secs(10),
-        )
-        .await?;
+    press_pause_and_wait_for(&browser, "paused").await?;
     server
         .wait_for_providers(
             "the paused tab gone, saying why",
@@ -146,20 +133,7 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
             },
         )
         .await?;
-    browser
-        .client
-        .find(Locator::Css("#donate-pause"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .wait_for_attr(
-            "#donate-status",
-            "data-state",
-            "connected",
-            Duration::from_secs(30),
-        )
-        .await?;
+    press_pause_and_wait_for(&browser, "connected").await?;
     server
         .wait_for_providers("the resumed tab back", Duration::from_secs(30), |all| {
             connected(all, ProviderKind::Browser).len() == 1
@@ -184,4 +158,23 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
     );
     browser.client.clone().close().await?;
     Ok(())
+}
+
+/// Presses the Donate page's Pause (or Resume) button and waits until the
+/// donation's state is `state`.
+async fn press_pause_and_wait_for(browser: &Browser, state: &str) -> anyhow::Result<()> {
+    browser
+        .client
+        .find(Locator::Css("#donate-pause"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .wait_for_attr(
+            "#donate-status",
+            "data-state",
+            state,
+            Duration::from_secs(30),
+        )
+        .await
 }
