@@ -259,7 +259,14 @@ mod tests {
     fn the_path_spans_the_plot_area() {
         let points = [(0.0, 0.0), (10.0, 1.0)];
         let b = bounds(&points).unwrap();
-        assert_eq!(path(&points, b), "M56.0 196.0 L592.0 10.0");
+        let want = format!(
+            "M{:.1} {:.1} L{:.1} {:.1}",
+            LEFT,
+            HEIGHT - BOTTOM,
+            WIDTH - RIGHT,
+            TOP
+        );
+        assert_eq!(path(&points, b), want);
         // A single point still has a drawable range.
         let one = bounds(&[(3.0, 0.5)]).unwrap();
         assert!(one.x.0 < one.x.1 && one.y.0 < one.y.1);
