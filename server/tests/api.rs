@@ -260,9 +260,10 @@ async fn the_openapi_description_documents_every_endpoint_and_dto_the_dashboard_
         ("post", "/api/plan"),
         ("get", "/api/events"),
         ("get", "/api/datasets"),
+        ("get", "/api/leaderboard"),
     ];
     let paths = doc["paths"].as_object().unwrap();
-    assert_eq!(paths.len(), 13, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(paths.len(), 14, "{:?}", paths.keys().collect::<Vec<_>>());
     for (method, path) in endpoints {
         let operation = &doc["paths"][path][method];
         assert!(operation.is_object(), "{method} {path} is not documented");
@@ -292,6 +293,7 @@ async fn the_openapi_description_documents_every_endpoint_and_dto_the_dashboard_
     for dto in [
         "JobInfo",
         "JobCreated",
+        "LeaderboardEntry",
         "JobMetrics",
         "StepMetric",
         "PlanPreview",
