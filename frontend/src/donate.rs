@@ -27,7 +27,8 @@ pub struct Donation {
     pub running: RwSignal<bool>,
     /// When the server first welcomed the tab (the browser's clock, ms).
     pub since_ms: RwSignal<Option<f64>>,
-    /// `(ms since then, micro-batches done)` at each step of progress.
+    /// `(ms since then, micro-batches done)` at each step of progress (the
+    /// newest [`KEPT_SAMPLES`] are shown).
     pub samples: RwSignal<Vec<(f64, u64)>>,
     /// The accepted work the server last said this browser is credited with.
     pub credit_gflop: RwSignal<Option<f64>>,
@@ -37,7 +38,9 @@ pub struct Donation {
     pub pause_when_hidden: RwSignal<bool>,
 }
 
-/// Progress samples a donation keeps: the newest, a few hours' worth.
+/// Progress samples the chart shows: the newest, a few hours' worth. Up to
+/// twice as many are kept, the older ones dropped in one go, so a sample
+/// costs O(1) rather than a shift of the whole list.
 const KEPT_SAMPLES: usize = 20_000;
 
 impl Default for Donation {
@@ -87,8 +90,8 @@ impl Donation {
             (&status, self.since_ms.get_untracked())
         {
             self.samples.update(|samples| {
-                if samples.len() == KEPT_SAMPLES {
-                    samples.remove(0);
+                if samples.len() == 2 * KEPT_SAMPLES {
+                    samples.drain(..KEPT_SAMPLES);
                 }
                 samples.push((now - since, *micro_batches));
             });
@@ -136,9 +139,12 @@ pub fn DonatePage() -> impl IntoView {
     });
     crate::api::tick_clock(alive, now_ms);
     let throughput = Signal::derive(move || {
-        donation
-            .samples
-            .with(|s| format::throughput(s, THROUGHPUT_WINDOW_MS))
+        donation.samples.with(|s| {
+            format::throughput(
+                &s[s.len().saturating_sub(KEPT_SAMPLES)..],
+                THROUGHPUT_WINDOW_MS,
+            )
+        })
     });
     let pause_when_hidden = donation.pause_when_hidden;
 

@@ -61,8 +61,6 @@ pub(super) const QUEUED_CHECKS: usize = 8;
 
 /// A verifier at work.
 pub(super) struct Verifying {
-    /// The verifier's connection.
-    verifier: u64,
     job_id: u64,
     check: Box<Verification>,
     started: Instant,
@@ -155,7 +153,6 @@ impl Actor {
         self.verifying.insert(
             verifier,
             Verifying {
-                verifier,
                 job_id,
                 check,
                 started: Instant::now(),
@@ -286,7 +283,7 @@ impl Actor {
             live.job = None;
             live.work = None;
         }
-        self.judge(v, got).await;
+        self.judge(id, v, got).await;
         // The next queued check whose provider still works on the job (one
         // dropped meanwhile, banned perhaps, is past checking).
         while let Some(next) = self
@@ -302,11 +299,10 @@ impl Actor {
         }
     }
 
-    /// Logs what check `v` found, and faults the checked provider if it
-    /// disagrees with a trusted one.
-    async fn judge(&mut self, v: Verifying, got: Result<Verdict, String>) {
+    /// Logs what check `v`, run by verifier `id`, found, and faults the
+    /// checked provider if it disagrees with a trusted one.
+    async fn judge(&mut self, id: u64, v: Verifying, got: Result<Verdict, String>) {
         let job_id = v.job_id;
-        let id = v.verifier;
         let c = &v.check;
         let what = format!(
             "cluster {}, stage {}, step {}, micro-batch {} (provider {})",

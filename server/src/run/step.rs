@@ -26,9 +26,10 @@ struct CheckedAnswer {
 }
 
 enum Answer {
-    Outputs(Vec<WireTensor>),
+    /// Its activations (`TapSide::Output`) or its input gradients
+    /// (`TapSide::BackwardOutput`).
+    Tensors(Vec<WireTensor>, TapSide),
     Loss(f64),
-    Grads(Vec<WireTensor>),
 }
 
 impl JobRun {
@@ -72,15 +73,10 @@ impl JobRun {
             && !refused
         {
             effects.extend(match answer {
-                Answer::Outputs(outputs) => {
-                    self.checked_answer_tensors((c, s, step, micro), &outputs, TapSide::Output)
+                Answer::Tensors(tensors, side) => {
+                    self.checked_answer_tensors((c, s, step, micro), &tensors, side)
                 }
                 Answer::Loss(loss) => self.checked_loss(c, s, step, micro, loss),
-                Answer::Grads(grads) => self.checked_answer_tensors(
-                    (c, s, step, micro),
-                    &grads,
-                    TapSide::BackwardOutput,
-                ),
             });
         }
         let taps = self.choose_checks(&effects);
@@ -112,9 +108,9 @@ impl JobRun {
         };
         self.check_of(c, s, step, micro)?;
         let answer = match message {
-            ToServer::Activations(a) => Answer::Outputs(a.outputs.clone()),
+            ToServer::Activations(a) => Answer::Tensors(a.outputs.clone(), TapSide::Output),
             ToServer::LeafLoss(l) => Answer::Loss(l.loss_sum),
-            ToServer::Gradients(g) => Answer::Grads(g.grads.clone()),
+            ToServer::Gradients(g) => Answer::Tensors(g.grads.clone(), TapSide::BackwardOutput),
             _ => return None,
         };
         Some(CheckedAnswer {
