@@ -5,7 +5,9 @@
 //! reuse it. Each part is checked before anything is installed, so a second run
 //! only looks (well under 2 s):
 //!
-//! - the `wasm32-unknown-unknown` rustup target;
+//! - the rustup targets: `wasm32-unknown-unknown` for the browser's provider,
+//!   and the Windows and macOS desktops that `cargo xtask test` checks the
+//!   native provider's wgpu build for ([`DESKTOP_TARGETS`]);
 //! - Debian packages: chromium, chromium-driver, lavapipe (mesa-vulkan-drivers),
 //!   and g++/python3/pip where the steps below need them;
 //! - `wasm-bindgen-cli` at exactly the `wasm-bindgen` version in Cargo.lock (the
@@ -23,6 +25,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub const WASM_TARGET: &str = "wasm32-unknown-unknown";
+/// The desktops besides Linux that donors run `rookery-provider --backend
+/// wgpu` on; checked (not linked: that needs their SDKs) without libtorch.
+pub const DESKTOP_TARGETS: [&str; 2] = ["x86_64-pc-windows-gnu", "aarch64-apple-darwin"];
 /// The libtorch that tch 0.26 (torch-sys) is written against; its build script
 /// checks `build-version` against this.
 const TORCH_VERSION: &str = "2.13.0";
@@ -168,7 +173,7 @@ pub fn main(args: &[String]) -> Result<()> {
 pub fn ensure() -> Result<Env> {
     let cache = cache_dir()?;
     let env = env()?;
-    step("rustup target", ensure_wasm_target)?;
+    step("rustup targets", ensure_targets)?;
     // Python (and pip) are only needed while libtorch is not assembled yet.
     let need_libtorch = !is_complete(&libtorch_dir(&cache));
     let need_wheels = need_libtorch && find_wheels(&cache).is_none();
@@ -180,14 +185,18 @@ pub fn ensure() -> Result<Env> {
     Ok(env)
 }
 
-fn ensure_wasm_target() -> Result<()> {
+fn ensure_targets() -> Result<()> {
     let installed = probe(Command::new("rustup").args(["target", "list", "--installed"]))
         .context("`rustup target list` failed: install Rust with rustup (https://rustup.rs)")?;
-    if installed.lines().any(|line| line.trim() == WASM_TARGET) {
-        println!("{WASM_TARGET} is installed");
+    let missing: Vec<&str> = std::iter::once(WASM_TARGET)
+        .chain(DESKTOP_TARGETS)
+        .filter(|target| !installed.lines().any(|line| line.trim() == *target))
+        .collect();
+    if missing.is_empty() {
+        println!("{WASM_TARGET} and {} are installed", DESKTOP_TARGETS.join(", "));
         return Ok(());
     }
-    run(Command::new("rustup").args(["target", "add", WASM_TARGET]))
+    run(Command::new("rustup").args(["target", "add"]).args(&missing))
 }
 
 /// Exact checks for files the packages provide, so a present system installs nothing.

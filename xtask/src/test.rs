@@ -65,6 +65,21 @@ fn steps(summary: &mut Summary, skip_lint: bool) -> Result<()> {
             summary.step(name, || run(&mut cargo(args)))?;
         }
     }
+    // Donors on Windows and macOS run the wgpu provider; its build is
+    // checked for both (no libtorch), so a Unix-only call fails here.
+    for target in setup::DESKTOP_TARGETS {
+        summary.step(&format!("check provider for {target}"), || {
+            run(&mut cargo(&[
+                "check",
+                "-p",
+                "rookery-provider",
+                "--features",
+                "wgpu",
+                "--target",
+                target,
+            ]))
+        })?;
+    }
     summary.step("build binaries", || {
         run(&mut cargo(&[
             "build",
