@@ -128,7 +128,11 @@ pub fn gone_detail(info: &ProviderInfo, now_ms: f64) -> Option<String> {
     if info.status != ProviderStatus::Gone {
         return None;
     }
-    let reason = info.gone_reason.as_deref().filter(|r| !r.trim().is_empty());
+    let reason = info
+        .paused_reason
+        .as_deref()
+        .or(info.gone_reason.as_deref())
+        .filter(|r| !r.trim().is_empty());
     let when = info.gone_since_ms.map(|since| relative(now_ms, since));
     match (reason, when) {
         (Some(reason), Some(when)) => Some(format!("{reason}, {when}")),
@@ -177,8 +181,35 @@ pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
         Some(DonateStatus::Reconnecting { .. }) => "reconnecting",
         Some(DonateStatus::Failed { .. }) => "failed",
         Some(DonateStatus::Paused { .. }) => "paused",
-        // Never kept as the state (`Donation` files it apart).
-        Some(DonateStatus::Credited { .. }) => "connected",
+        // Never kept as the state (`Donation` files them apart).
+        Some(DonateStatus::Credited { .. } | DonateStatus::DeviceBusy(_)) => "connected",
+    }
+}
+
+/// What the Donate page says of the job a tab trains: its name where its
+/// Requester made it public, else only that it is private.
+pub fn donate_job(public_name: Option<&str>) -> String {
+    match public_name {
+        Some(name) => format!("This tab is training \u{201c}{name}\u{201d}."),
+        None => "This tab is training a private job (its Requester keeps the name private).".into(),
+    }
+}
+
+/// A provider's GPU cap as the Providers page shows it ("GPU cap 50%"),
+/// if it has one.
+pub fn gpu_cap(duty_cycle: Option<f64>) -> Option<String> {
+    duty_cycle
+        .filter(|d| d.is_finite() && *d < 1.0)
+        .map(|d| format!("GPU cap {:.0}%", d * 100.0))
+}
+
+/// The status word of a provider row: `paused` for a tab its donor paused
+/// (the reason is its detail), else [`status_attr`]'s word.
+pub fn status_word(info: &ProviderInfo) -> &'static str {
+    if info.status == ProviderStatus::Gone && info.paused_reason.is_some() {
+        "paused"
+    } else {
+        status_attr(info.status)
     }
 }
 
@@ -247,6 +278,7 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
             stage,
             stages,
             micro_batches,
+            ..
         }) => (
             format!(
                 "Provider #{provider_id} is training stage {} of {stages} of job #{job_id}: \
@@ -270,6 +302,13 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
                 rookery_proto::api::flop_text(*gflop)
             ),
             None,
+        ),
+        Some(DonateStatus::DeviceBusy(busy)) => (
+            "Pausing: the GPU is busy with something else.".into(),
+            Some(format!(
+                "micro-batches took {:.0} ms instead of {:.0} ms",
+                busy.latest_ms, busy.typical_ms
+            )),
         ),
     }
 }
@@ -411,6 +450,8 @@ mod tests {
             gone_since_ms: gone,
             gone_reason: gone.map(|_| "heartbeat timeout".into()),
             work: None,
+            duty_cycle: None,
+            paused_reason: None,
         }
     }
 
@@ -524,6 +565,7 @@ mod tests {
             stage: 1,
             stages: 3,
             micro_batches: 40,
+            public_name: None,
         };
         assert_eq!(donate_state(Some(&s)), "training");
         let (headline, _) = donate_text(Some(&s));
@@ -531,5 +573,34 @@ mod tests {
             headline.contains("stage 2 of 3 of job #3") && headline.contains("40 micro-batches"),
             "{headline}"
         );
+    }
+
+    #[test]
+    fn a_jobs_public_name_shows_and_a_private_job_says_only_that() {
+        assert_eq!(
+            donate_job(Some("Handwritten digits for the Lab")),
+            "This tab is training \u{201c}Handwritten digits for the Lab\u{201d}."
+        );
+        let private = donate_job(None);
+        assert!(private.contains("a private job"), "{private}");
+    }
+
+    #[test]
+    fn a_capped_provider_shows_its_cap_and_a_paused_one_its_reason() {
+        assert_eq!(gpu_cap(Some(0.5)).as_deref(), Some("GPU cap 50%"));
+        assert_eq!(gpu_cap(Some(0.1)).as_deref(), Some("GPU cap 10%"));
+        assert_eq!(gpu_cap(Some(1.0)), None);
+        assert_eq!(gpu_cap(None), None);
+        let mut p = provider(1, ProviderStatus::Gone, 0, Some(1_000));
+        assert_eq!(status_word(&p), "gone");
+        p.gone_reason = Some("closed: paused by the donor: the tab is hidden".into());
+        p.paused_reason = Some("the tab is hidden".into());
+        assert_eq!(status_word(&p), "paused");
+        assert_eq!(
+            gone_detail(&p, 4_000.0).as_deref(),
+            Some("the tab is hidden, 3 s ago")
+        );
+        let p = provider(2, ProviderStatus::Connected, 0, None);
+        assert_eq!(status_word(&p), "connected");
     }
 }

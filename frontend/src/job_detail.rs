@@ -84,7 +84,7 @@ pub fn merge_metric(metrics: &mut JobMetrics, body: &JobEventBody) {
             if metrics
                 .epochs
                 .last()
-                .is_none_or(|last| last.epoch < epoch.epoch) =>
+                .is_none_or(|last| last.step < epoch.step) =>
         {
             metrics.epochs.push(epoch.clone());
         }
@@ -186,12 +186,7 @@ pub fn JobDetailPage() -> impl IntoView {
     });
     let epoch_points = move |pick: fn(&EpochMetric) -> f64| {
         Signal::derive(move || {
-            metrics.with(|m| {
-                m.epochs
-                    .iter()
-                    .map(|e| (e.epoch as f64 + 1.0, pick(e)))
-                    .collect()
-            })
+            metrics.with(|m| m.epochs.iter().map(|e| (e.step as f64, pick(e))).collect())
         })
     };
     let test_loss = epoch_points(|e| e.test_loss);
@@ -302,8 +297,8 @@ pub fn JobDetailPage() -> impl IntoView {
             <div class="charts">
                 <LineChart id="loss-chart" title="Training loss per step" x_label="steps" points=loss_points />
                 <LineChart id="throughput-chart" title="Samples per second" x_label="steps" points=speed_points />
-                <LineChart id="test-loss-chart" title="Test loss per epoch" x_label="epochs" points=test_loss dots=true />
-                <LineChart id="accuracy-chart" title="Test accuracy per epoch (%)" x_label="epochs" points=accuracy dots=true />
+                <LineChart id="test-loss-chart" title="Test loss" x_label="steps" points=test_loss dots=true />
+                <LineChart id="accuracy-chart" title="Test accuracy (%)" x_label="steps" points=accuracy dots=true />
             </div>
             <h2>"Stages: busy and idle"</h2>
             {move || {
@@ -361,6 +356,33 @@ pub fn JobDetailPage() -> impl IntoView {
                 >
                     "Weights (safetensors)"
                 </button>
+                {move || {
+                    // Each cluster's own weights, kept once a job of several completes.
+                    let clusters = job.with(|j| {
+                        j.as_ref()
+                            .filter(|j| j.status == "completed")
+                            .and_then(|j| j.plan.as_ref())
+                            .map_or(0, |p| p.clusters.len())
+                    });
+                    (clusters > 1)
+                        .then(|| {
+                            (0..clusters)
+                                .map(|c| {
+                                    view! {
+                                        <button
+                                            class="download-cluster"
+                                            on:click=move |_| download(
+                                                format!("/api/jobs/{id}/weights?cluster={c}"),
+                                                format!("job-{id}-weights-cluster-{c}.safetensors"),
+                                            )
+                                        >
+                                            {format!("Cluster {c}'s weights")}
+                                        </button>
+                                    }
+                                })
+                                .collect_view()
+                        })
+                }}
                 <button
                     id="download-metrics-json"
                     on:click=move |_| download(format!("/api/jobs/{id}/metrics"), format!("job-{id}-metrics.json"))
@@ -478,6 +500,7 @@ mod tests {
             samples_per_s: 1.0,
             elapsed_ms: 1.0,
             bytes_relayed: 0,
+            bytes_synced: 0,
             stages: stages
                 .iter()
                 .map(|&(cluster, stage, compute_ms, idle_ms)| StageMetric {

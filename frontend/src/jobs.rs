@@ -304,6 +304,7 @@ mod tests {
                     samples_per_s: 50.0,
                     elapsed_ms: 1.0,
                     bytes_relayed: 0,
+                    bytes_synced: 0,
                     stages: vec![],
                 },
             },

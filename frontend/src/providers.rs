@@ -6,7 +6,9 @@
 //! DOM contract (end-to-end tests rely on it): `<table id="providers">`, one
 //! `<tr class="provider" data-provider-id data-kind data-status>` per provider.
 //! Each row shows the job and stage a provider runs, its micro-batches done
-//! there, and its uptime.
+//! there, and its uptime; a tab whose donor capped its GPU use says so
+//! (`.gpu-cap`, "GPU cap 50%"), and a tab its donor paused reads "paused"
+//! with the reason (its `data-status` stays `gone`).
 
 use std::pin::pin;
 use std::sync::Arc;
@@ -207,6 +209,8 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
     let gone_detail = format::gone_detail(&p, now_ms);
     let uptime = format::uptime(&p, now_ms);
     let status = format::status_attr(p.status);
+    let status_word = format::status_word(&p);
+    let cap = format::gpu_cap(p.duty_cycle);
     let kind = p.kind.as_str();
     view! {
         <tr
@@ -221,11 +225,14 @@ fn provider_row(p: ProviderInfo, now_ms: f64) -> impl IntoView {
             </td>
             <td class="device">{p.device}</td>
             <td class="num">{format::gib(p.memory_bytes)}</td>
-            <td class="num">{format::gflops(p.gflops)}</td>
+            <td class="num">
+                {format::gflops(p.gflops)}
+                {cap.map(|cap| view! { <span class="detail gpu-cap">{cap}</span> })}
+            </td>
             <td class="num link">{format::bandwidth(p.bandwidth_mbps)}</td>
             <td class="status">
                 <span class=format!("dot dot-{status}") aria-hidden="true"></span>
-                {status}
+                {status_word}
                 {gone_detail.map(|detail| view! { <span class="detail">{detail}</span> })}
             </td>
             <td class="work">

@@ -410,3 +410,168 @@ async fn a_donors_leaderboard_name_and_team_are_kept_for_the_tabs_next_hello() {
     assert_eq!(rookery_web_provider::stored_donor(), None);
     root.remove();
 }
+
+/// The Donate page mounted with its donation at hand, as the app provides
+/// it; keep the handle to keep it mounted.
+async fn donate_page() -> (
+    web_sys::HtmlElement,
+    rookery_frontend::donate::Donation,
+    impl Sized,
+) {
+    use rookery_frontend::donate::{DonatePage, Donation};
+    let root = host();
+    let slot = std::rc::Rc::new(std::cell::Cell::new(None));
+    let mounted = leptos::mount::mount_to(root.clone(), {
+        let slot = slot.clone();
+        move || {
+            let donation = Donation::new();
+            slot.set(Some(donation));
+            provide_context(donation);
+            view! { <DonatePage /> }
+        }
+    });
+    settle().await;
+    (root, slot.get().unwrap(), mounted)
+}
+
+fn training(public_name: Option<&str>) -> rookery_web_provider::DonateStatus {
+    rookery_web_provider::DonateStatus::Training {
+        provider_id: 4,
+        adapter: "SwiftShader".into(),
+        gflops: 10.0,
+        job_id: 9,
+        stage: 0,
+        stages: 2,
+        micro_batches: 3,
+        public_name: public_name.map(str::to_owned),
+    }
+}
+
+#[wasm_bindgen_test]
+async fn the_donate_page_names_a_public_job_and_calls_a_private_one_private() {
+    let (root, donation, _mounted) = donate_page().await;
+    assert!(query(&root, "#donate-job").is_none(), "not training yet");
+    donation
+        .status
+        .set(Some(training(Some("Handwritten digits for the Lab"))));
+    settle().await;
+    let job = query(&root, "#donate-job").unwrap();
+    assert_eq!(job.get_attribute("data-public").as_deref(), Some("true"));
+    assert!(
+        job.text_content()
+            .unwrap()
+            .contains("Handwritten digits for the Lab")
+    );
+    donation.status.set(Some(training(None)));
+    settle().await;
+    let job = query(&root, "#donate-job").unwrap();
+    assert_eq!(job.get_attribute("data-public").as_deref(), Some("false"));
+    let text = job.text_content().unwrap();
+    assert!(text.contains("a private job"), "{text}");
+    assert!(!text.contains("Handwritten"), "{text}");
+    root.remove();
+}
+
+/// Replaces `navigator.getBattery` with `script`'s value for the test
+/// (`undefined`: a browser without it); [`restore_battery`] undoes it.
+fn fake_get_battery(script: &str) {
+    js_sys::eval(&format!(
+        "window.__realGetBattery = Object.getOwnPropertyDescriptor(Navigator.prototype, 'getBattery'); \
+         Object.defineProperty(Navigator.prototype, 'getBattery', \
+         {{ value: {script}, configurable: true, writable: true }});"
+    ))
+    .unwrap();
+}
+
+fn restore_battery() {
+    js_sys::eval(
+        "if (window.__realGetBattery) { \
+           Object.defineProperty(Navigator.prototype, 'getBattery', window.__realGetBattery); \
+         } else { delete Navigator.prototype.getBattery; }",
+    )
+    .unwrap();
+}
+
+#[wasm_bindgen_test]
+async fn without_get_battery_the_donate_page_says_so_and_never_pauses_for_it() {
+    fake_get_battery("undefined");
+    let (root, donation, _mounted) = donate_page().await;
+    let status = query(&root, "#battery-status").unwrap();
+    assert_eq!(
+        status.get_attribute("data-battery").as_deref(),
+        Some("unavailable")
+    );
+    assert_eq!(
+        status.text_content().unwrap().trim(),
+        "battery status not available in this browser"
+    );
+    assert_eq!(donation.paused.get_untracked(), None);
+    restore_battery();
+    root.remove();
+}
+
+#[wasm_bindgen_test]
+async fn on_battery_the_donation_pauses_and_resumes_once_charging_or_unticked() {
+    use rookery_frontend::donate::ON_BATTERY;
+    js_sys::eval("window.__battery = new EventTarget(); window.__battery.charging = false;")
+        .unwrap();
+    fake_get_battery("() => Promise.resolve(window.__battery)");
+    let (root, donation, _mounted) = donate_page().await;
+    let battery = || {
+        query(&root, "#battery-status")
+            .unwrap()
+            .get_attribute("data-battery")
+    };
+    assert_eq!(battery().as_deref(), Some("discharging"));
+    assert_eq!(donation.paused.get_untracked().as_deref(), Some(ON_BATTERY));
+    // Plugged in: it resumes.
+    js_sys::eval(
+        "window.__battery.charging = true; \
+         window.__battery.dispatchEvent(new Event('chargingchange'));",
+    )
+    .unwrap();
+    settle().await;
+    assert_eq!(battery().as_deref(), Some("charging"));
+    assert_eq!(donation.paused.get_untracked(), None);
+    // Unplugged again: paused again, until the donor unticks the box.
+    js_sys::eval(
+        "window.__battery.charging = false; \
+         window.__battery.dispatchEvent(new Event('chargingchange'));",
+    )
+    .unwrap();
+    settle().await;
+    assert_eq!(donation.paused.get_untracked().as_deref(), Some(ON_BATTERY));
+    click(&root, "#pause-on-battery");
+    settle().await;
+    assert_eq!(donation.paused.get_untracked(), None);
+    restore_battery();
+    root.remove();
+}
+
+#[wasm_bindgen_test]
+async fn the_gpu_cap_is_kept_in_percent_for_the_next_visit() {
+    let (root, donation, _mounted) = donate_page().await;
+    set_value(&root, "#donate-cap", "50");
+    settle().await;
+    assert_eq!(rookery_web_provider::stored_gpu_cap(), 50);
+    assert_eq!(donation.gpu_cap.get_untracked(), 50);
+    assert_eq!(
+        query(&root, "#donate-cap-value")
+            .unwrap()
+            .text_content()
+            .as_deref(),
+        Some("50%")
+    );
+    let stored = web_sys::window()
+        .unwrap()
+        .local_storage()
+        .unwrap()
+        .unwrap()
+        .get_item("rookery.donor.gpu_cap")
+        .unwrap();
+    assert_eq!(stored.as_deref(), Some("50"));
+    set_value(&root, "#donate-cap", "100");
+    settle().await;
+    assert_eq!(rookery_web_provider::stored_gpu_cap(), 100);
+    root.remove();
+}

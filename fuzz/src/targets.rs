@@ -111,6 +111,7 @@ fn protocol_to_server() -> Target {
                 name: "fuzz".into(),
                 team: None,
             }),
+            duty_cycle: 0.5,
         }),
         ToServer::Heartbeat { seq: 300 },
         ToServer::Error(ErrorMessage {
@@ -162,6 +163,7 @@ fn protocol_to_server() -> Target {
             step: 9,
             sum_of_squares: 4.5,
         }),
+        ToServer::DutyCycle { duty_cycle: 0.5 },
     ];
     Target {
         name: "protocol ToServer",
@@ -236,6 +238,7 @@ fn protocol_to_provider() -> io::Result<Target> {
             optimizer_state: Vec::new(),
             lr_schedule: rookery_model::LrSchedule::default(),
             clip_grad_norm: None,
+            public_name: Some("fuzz".into()),
         })),
         ToProvider::Forward(Forward {
             job_id: 1,

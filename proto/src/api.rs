@@ -97,6 +97,30 @@ pub struct ProviderInfo {
     /// The stage it runs now, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work: Option<ProviderWork>,
+    /// While connected, the share of the time its donor lets its GPU
+    /// compute (0.1 to 1; below 1 the planner counts it at `gflops` times
+    /// this).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duty_cycle: Option<f64>,
+    /// Why its donor paused it, when that is why it is gone (the tab was
+    /// hidden, the device went on battery, the GPU was busy, or the
+    /// button): [`pause_reason`] of its `gone_reason`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_reason: Option<String>,
+}
+
+/// How a donating tab's close frame begins when its donor (or the tab on
+/// the donor's behalf) pauses it; the reason follows.
+pub const PAUSED_BY_DONOR: &str = "paused by the donor: ";
+
+/// The donor's reason in a gone provider's reason (`closed: paused by the
+/// donor: the tab is hidden` gives `the tab is hidden`), if it paused.
+pub fn pause_reason(gone_reason: &str) -> Option<&str> {
+    let reason = gone_reason
+        .strip_prefix("closed: ")?
+        .strip_prefix(PAUSED_BY_DONOR)?
+        .trim();
+    (!reason.is_empty()).then_some(reason)
 }
 
 /// What a connected provider is doing for a job.
@@ -160,12 +184,28 @@ mod tests {
             gone_since_ms: Some(5),
             gone_reason: Some("closed".into()),
             work: None,
+            duty_cycle: Some(0.5),
+            paused_reason: None,
         };
         let json = serde_json::to_value(&info).unwrap();
         assert_eq!(json["kind"], "browser");
         assert_eq!(json["status"], "gone");
         let back: ProviderInfo = serde_json::from_value(json).unwrap();
         assert_eq!(back, info);
+    }
+
+    #[test]
+    fn a_donors_pause_reads_as_its_reason_and_other_ends_as_none() {
+        let paused = format!("closed: {PAUSED_BY_DONOR}the tab is hidden");
+        assert_eq!(pause_reason(&paused), Some("the tab is hidden"));
+        for other in [
+            "closed",
+            "closed: going away",
+            "heartbeat timeout: no frame for 2000 ms",
+            "closed: paused by the donor: ",
+        ] {
+            assert_eq!(pause_reason(other), None, "{other}");
+        }
     }
 }
 
@@ -343,13 +383,23 @@ pub struct StepMetric {
     pub elapsed_ms: f64,
     /// Activation and gradient bytes the server relayed during the step.
     pub bytes_relayed: u64,
+    /// Parameter and optimizer-state bytes that syncs moved since the
+    /// previous step (uploads and what went back): the traffic between
+    /// clusters and the server.
+    #[serde(default)]
+    pub bytes_synced: u64,
     pub stages: Vec<StageMetric>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EpochMetric {
+    /// The epoch evaluated (0-based): the one that just ended, or the one
+    /// under way for an evaluation every `val_every` steps.
     pub epoch: u64,
+    /// Steps done when the evaluation was taken.
+    #[serde(default)]
+    pub step: u64,
     pub test_loss: f64,
     pub test_accuracy: f64,
     pub samples: u64,

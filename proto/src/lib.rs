@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Default largest frame either side of a provider connection sends or
 /// accepts. The server announces its own limit in [`ToProvider::Welcome`];
@@ -123,6 +123,20 @@ pub struct Hello {
     /// How the donor behind this provider wants to appear on the public
     /// leaderboard; `None` keeps it anonymous (and keeps an earlier card).
     pub donor: Option<DonorCard>,
+    /// The share of the time its donor lets the GPU compute (a cap the
+    /// provider keeps by idling after each piece of work), from
+    /// [`MIN_DUTY_CYCLE`] to 1 (no cap): the planner counts the provider at
+    /// `gflops * duty_cycle`. [`ToServer::DutyCycle`] changes it later.
+    pub duty_cycle: f64,
+}
+
+/// The least [`Hello::duty_cycle`] a provider may keep: a tenth of the time.
+pub const MIN_DUTY_CYCLE: f64 = 0.1;
+
+/// Whether `duty_cycle` is one a provider may announce: finite, from
+/// [`MIN_DUTY_CYCLE`] to 1.
+pub fn valid_duty_cycle(duty_cycle: f64) -> bool {
+    (MIN_DUTY_CYCLE..=1.0).contains(&duty_cycle)
 }
 
 /// A donor's public name and team, as the leaderboard shows them.
@@ -206,6 +220,11 @@ pub enum ToServer {
     OptimizerState(OptimizerState),
     /// A stage's share of the global gradient norm (jobs that clip).
     GradNorm(GradNorm),
+    /// The donor changed the share of the time the GPU may compute (see
+    /// [`Hello::duty_cycle`]); the planner counts it from now on.
+    DutyCycle {
+        duty_cycle: f64,
+    },
 }
 
 impl ToServer {
@@ -226,6 +245,7 @@ impl ToServer {
             ToServer::ProbeAck { .. } => "ProbeAck",
             ToServer::OptimizerState(_) => "OptimizerState",
             ToServer::GradNorm(_) => "GradNorm",
+            ToServer::DutyCycle { .. } => "DutyCycle",
         }
     }
 }
@@ -292,6 +312,10 @@ pub enum ToProvider {
     Credit {
         gflop: f64,
     },
+    /// Replace the stage's optimizer state (the clusters' average, for jobs
+    /// with `average_optimizer`); sent just before the sync's
+    /// [`ToProvider::SetParams`].
+    SetOptimizerState(OptimizerState),
 }
 
 /// Everything that can go wrong turning bytes into a message.
@@ -391,6 +415,7 @@ mod tests {
                 name: "alice".into(),
                 team: Some("ravens".into()),
             }),
+            duty_cycle: 0.5,
         }
     }
 
@@ -458,6 +483,7 @@ mod tests {
                 step: 5,
                 sum_of_squares: 2.25,
             }),
+            ToServer::DutyCycle { duty_cycle: 0.25 },
         ]
     }
 
@@ -516,6 +542,7 @@ mod tests {
                     min_lr: 1e-5,
                 },
                 clip_grad_norm: Some(1.0),
+                public_name: Some("Handwritten digits for the Lab".into()),
             })),
             ToProvider::Forward(Forward {
                 job_id: 1,
@@ -648,6 +675,16 @@ mod tests {
     }
 
     #[test]
+    fn a_duty_cycle_is_a_tenth_to_all_of_the_time() {
+        for ok in [MIN_DUTY_CYCLE, 0.5, 1.0] {
+            assert!(valid_duty_cycle(ok), "{ok}");
+        }
+        for bad in [0.0, 0.09, 1.01, -0.5, f64::NAN, f64::INFINITY] {
+            assert!(!valid_duty_cycle(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn version_is_readable_from_a_hello_of_any_shape() {
         let frame = encode(&ToServer::Hello(Hello {
             protocol_version: 99,
@@ -696,6 +733,7 @@ mod tests {
                 credential: None,
                 requester_token: None,
                 donor: None,
+                duty_cycle: 1.0,
             });
             let frame = encode(&message).unwrap();
             prop_assert_eq!(decode::<ToServer>(&frame, 1 << 16), Ok(message));

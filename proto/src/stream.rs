@@ -13,7 +13,7 @@
 //! |------|---------------|---------------|
 //! | [`Lane::Forward`] | `Activations.outputs` | `Forward`: `labels`, then `inputs` |
 //! | [`Lane::Backward`] | `Gradients.grads` | `Backward.grads` |
-//! | [`Lane::Params`] | `Params.params`; `OptimizerState`: each param's `slots` | `Assign`: `params`, then each `optimizer_state` entry's `slots`; `SetParams.params` |
+//! | [`Lane::Params`] | `Params.params`; `OptimizerState`: each param's `slots` | `Assign`: `params`, then each `optimizer_state` entry's `slots`; `SetParams.params`; `SetOptimizerState`: each param's `slots` |
 //!
 //! The server checks each activation or gradient payload as it arrives and
 //! passes the very same frame on to the next stage, which assembles the
@@ -195,7 +195,9 @@ impl Streamed for ToProvider {
         match self {
             ToProvider::Forward(_) => Some(Lane::Forward),
             ToProvider::Backward(_) => Some(Lane::Backward),
-            ToProvider::Assign(_) | ToProvider::SetParams(_) => Some(Lane::Params),
+            ToProvider::Assign(_) | ToProvider::SetParams(_) | ToProvider::SetOptimizerState(_) => {
+                Some(Lane::Params)
+            }
             _ => None,
         }
     }
@@ -209,6 +211,9 @@ impl Streamed for ToProvider {
             }
             ToProvider::Backward(Backward { grads: t, .. })
             | ToProvider::SetParams(ParamSet { params: t, .. }) => t.iter().collect(),
+            ToProvider::SetOptimizerState(OptimizerState { params, .. }) => {
+                params.iter().flat_map(|p| &p.slots).collect()
+            }
             ToProvider::Assign(a) => {
                 let Assignment {
                     params,
@@ -231,6 +236,9 @@ impl Streamed for ToProvider {
             }
             ToProvider::Backward(Backward { grads: t, .. })
             | ToProvider::SetParams(ParamSet { params: t, .. }) => t.iter_mut().collect(),
+            ToProvider::SetOptimizerState(OptimizerState { params, .. }) => {
+                params.iter_mut().flat_map(|p| &mut p.slots).collect()
+            }
             ToProvider::Assign(a) => {
                 let Assignment {
                     params,
@@ -666,7 +674,13 @@ mod tests {
                 optimizer_state: optimizer_state(&p),
                 lr_schedule: rookery_model::LrSchedule::default(),
                 clip_grad_norm: None,
+                public_name: None,
             })),
+            ToProvider::SetOptimizerState(OptimizerState {
+                job_id: 1,
+                step: 4,
+                params: optimizer_state(&p),
+            }),
             ToProvider::SetParams(ParamSet {
                 job_id: 1,
                 step: 4,

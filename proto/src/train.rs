@@ -73,6 +73,10 @@ pub struct Assignment {
     /// [`GradNorm`] after a step's last backward and steps only once the
     /// server answers [`GradScale`].
     pub clip_grad_norm: Option<f64>,
+    /// The job's name as its Requester lets donors see it (the job file's
+    /// `public_name`); `None` keeps the job private, and a donating tab
+    /// says only that it trains a private job.
+    pub public_name: Option<String>,
 }
 
 /// The names of optimizer state slots, as `torch.optim` names them in a

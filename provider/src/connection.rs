@@ -484,6 +484,7 @@ mod tests {
             credential: None,
             requester_token: None,
             donor: None,
+            duty_cycle: 1.0,
         }
     }
 

@@ -141,6 +141,10 @@ impl<B: Backend> Backend for SlowedStage<B> {
         self.0.set_parameters(values)
     }
 
+    fn set_optimizer_state(&mut self, states: &[ParamOptimState]) -> Result<(), B::Error> {
+        self.0.set_optimizer_state(states)
+    }
+
     async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, B::Error> {
         self.0.optimizer_state().await
     }

@@ -27,6 +27,7 @@ fn hello() -> rookery_proto::Hello {
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     }
 }
 
@@ -70,6 +71,7 @@ fn assignment(graph_json: String) -> Assignment {
         optimizer_state: Vec::new(),
         lr_schedule: rookery_model::LrSchedule::default(),
         clip_grad_norm: None,
+        public_name: None,
     }
 }
 

@@ -165,6 +165,7 @@ async fn browser(url: String, i: usize, ready: Arc<AtomicUsize>) -> anyhow::Resu
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     });
     sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
         .await?;

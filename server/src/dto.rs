@@ -50,6 +50,7 @@ pub fn step_metric(s: StepRecord) -> StepMetric {
         samples_per_s: s.samples_per_s,
         elapsed_ms: s.elapsed_ms,
         bytes_relayed: s.bytes_relayed,
+        bytes_synced: s.bytes_synced,
         stages: s
             .stages
             .into_iter()
@@ -68,6 +69,7 @@ pub fn step_metric(s: StepRecord) -> StepMetric {
 pub fn epoch_metric(e: &EpochRecord) -> EpochMetric {
     EpochMetric {
         epoch: e.epoch,
+        step: e.step,
         test_loss: e.test_loss,
         test_accuracy: e.test_accuracy,
         samples: e.samples,
@@ -101,8 +103,14 @@ pub fn provider_info(record: ProviderRecord) -> ProviderInfo {
         connected_since_ms: record.connected_ms,
         last_heartbeat_ms: record.last_heartbeat_ms,
         gone_since_ms: record.gone.as_ref().map(|gone| gone.at_ms),
+        paused_reason: record
+            .gone
+            .as_ref()
+            .and_then(|gone| rookery_proto::api::pause_reason(&gone.reason))
+            .map(str::to_owned),
         gone_reason: record.gone.map(|gone| gone.reason),
         work: None,
+        duty_cycle: None,
     }
 }
 
@@ -175,9 +183,10 @@ pub fn plan_view(plan: &Plan, graph: &Graph, who: &HashMap<String, (u64, Hello)>
 }
 
 /// The header of `GET /api/jobs/{id}/metrics.csv`: one row per step
-/// (`kind` = `step`) then one per evaluated epoch (`kind` = `epoch`); the
-/// columns a row's kind does not have are empty.
-pub const METRICS_CSV_HEADER: &str = "kind,step,epoch,loss,samples_per_s,elapsed_ms,bytes_relayed,test_loss,test_accuracy,test_samples";
+/// (`kind` = `step`) then one per evaluation (`kind` = `epoch`, at the
+/// epoch's end or every `val_every` steps); the columns a row's kind does
+/// not have are empty.
+pub const METRICS_CSV_HEADER: &str = "kind,step,epoch,loss,samples_per_s,elapsed_ms,bytes_relayed,bytes_synced,test_loss,test_accuracy,test_samples";
 
 pub fn metrics_csv(steps: &[StepRecord], epochs: &[EpochRecord]) -> String {
     let mut csv = String::with_capacity(64 * (steps.len() + epochs.len() + 1));
@@ -186,15 +195,15 @@ pub fn metrics_csv(steps: &[StepRecord], epochs: &[EpochRecord]) -> String {
     for s in steps {
         let _ = writeln!(
             csv,
-            "step,{},{},{},{},{},{},,,",
-            s.step, s.epoch, s.loss, s.samples_per_s, s.elapsed_ms, s.bytes_relayed
+            "step,{},{},{},{},{},{},{},,,",
+            s.step, s.epoch, s.loss, s.samples_per_s, s.elapsed_ms, s.bytes_relayed, s.bytes_synced
         );
     }
     for e in epochs {
         let _ = writeln!(
             csv,
-            "epoch,,{},,,,,{},{},{}",
-            e.epoch, e.test_loss, e.test_accuracy, e.samples
+            "epoch,{},{},,,,,,{},{},{}",
+            e.step, e.epoch, e.test_loss, e.test_accuracy, e.samples
         );
     }
     csv
@@ -214,6 +223,7 @@ mod tests {
             samples_per_s: 100.0,
             elapsed_ms: 12.5,
             bytes_relayed: 4096,
+            bytes_synced: 512,
             stages: vec![StageTime {
                 cluster: 0,
                 stage: 0,
@@ -224,6 +234,7 @@ mod tests {
         };
         let epochs = [EpochRecord {
             epoch: 0,
+            step: 2,
             test_loss: 0.25,
             test_accuracy: 0.9,
             samples: 2000,
@@ -234,9 +245,9 @@ mod tests {
             lines,
             [
                 METRICS_CSV_HEADER,
-                "step,0,0,2.5,100,12.5,4096,,,",
-                "step,1,0,1.5,100,12.5,4096,,,",
-                "epoch,,0,,,,,0.25,0.9,2000",
+                "step,0,0,2.5,100,12.5,4096,512,,,",
+                "step,1,0,1.5,100,12.5,4096,512,,,",
+                "epoch,2,0,,,,,,0.25,0.9,2000",
             ]
         );
         let columns = METRICS_CSV_HEADER.split(',').count();

@@ -46,6 +46,10 @@ enum Command {
         id: u64,
         #[arg(short, long, default_value = "weights.safetensors")]
         out: PathBuf,
+        /// One cluster's own weights as it finished (0-based; Ravnest's
+        /// `model_fusion(cluster_id)`) instead of the clusters' combined ones.
+        #[arg(long)]
+        cluster: Option<usize>,
         #[command(flatten)]
         server: remote::ServerArgs,
     },
@@ -107,7 +111,12 @@ async fn run() -> anyhow::Result<()> {
         Command::Submit { job, server } => remote::submit(job, server).await,
         Command::Jobs { server } => remote::jobs(server).await,
         Command::Watch { id, server } => remote::watch(id, server).await,
-        Command::Download { id, out, server } => remote::download(id, out, server).await,
+        Command::Download {
+            id,
+            out,
+            cluster,
+            server,
+        } => remote::download(id, cluster, out, server).await,
         Command::Cancel { id, server } => remote::cancel(id, server).await,
         Command::Train(args) => train::run(args).await,
         Command::Generate(args) => generate::run(args).await,

@@ -76,6 +76,7 @@ fn hello(kind: ProviderKind, name: &str, gflops: f64) -> Hello {
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     }
 }
 

@@ -119,6 +119,21 @@ async fn a_good_upload_is_queued_listed_and_cancellable_once() {
     let (status, body) = call(&state, get(format!("/api/jobs/{}/weights", created.id))).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(error_of(&body).contains("none yet"));
+    // One cluster's own weights exist only once a job of several completes;
+    // a cluster that is not a number is a client error.
+    let (status, body) = call(
+        &state,
+        get(format!("/api/jobs/{}/weights?cluster=1", created.id)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(error_of(&body).contains("cluster 1"), "{}", error_of(&body));
+    let (status, _) = call(
+        &state,
+        get(format!("/api/jobs/{}/weights?cluster=first", created.id)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
 
     let cancel = || {
         authed(
@@ -300,6 +315,7 @@ async fn connect(
                 credential: None,
                 requester_token: None,
                 donor: None,
+                duty_cycle: 1.0,
             },
             tx,
         })

@@ -112,6 +112,7 @@ async fn join(client: &mut Client) -> u64 {
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     });
     let frame = rookery_proto::encode(&hello).unwrap();
     client.send(Message::Binary(frame.into())).await.unwrap();

@@ -98,6 +98,7 @@ async fn provider(addr: std::net::SocketAddr) -> tokio::sync::oneshot::Receiver<
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     });
     let send = |m: &ToServer| Message::Binary(rookery_proto::encode(m).unwrap().into());
     ws.send(send(&hello)).await.unwrap();

@@ -95,6 +95,7 @@ fn hello(name: &str) -> ToServer {
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     })
 }
 

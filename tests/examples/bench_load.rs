@@ -342,6 +342,7 @@ impl Browser {
             credential: None,
             requester_token: None,
             donor: None,
+            duty_cycle: 1.0,
         });
         sink.send(Message::Binary(rookery_proto::encode(&hello)?.into()))
             .await?;

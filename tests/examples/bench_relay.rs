@@ -131,6 +131,7 @@ async fn join(url: &str, name: &str) -> anyhow::Result<Socket> {
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     };
     send(&mut socket, &ToServer::Hello(hello)).await?;
     match receive(&mut socket, &mut Assembler::<ToProvider>::new(RECEIVE_CAP)).await? {

@@ -285,7 +285,10 @@ async fn a_server_killed_mid_job_resumes_from_its_checkpoint_and_keeps_the_queue
     .await;
     let finished_metrics = client(&server).metrics(finished).await.unwrap();
     let weights = dir.path().join("finished.safetensors");
-    client(&server).download(finished, &weights).await.unwrap();
+    client(&server)
+        .download(finished, None, &weights)
+        .await
+        .unwrap();
     let weights_before = std::fs::read(&weights).unwrap();
 
     // A running job and, behind it, a queued one (every provider is busy).
@@ -316,7 +319,10 @@ async fn a_server_killed_mid_job_resumes_from_its_checkpoint_and_keeps_the_queue
         client(&server).metrics(finished).await.unwrap(),
         finished_metrics
     );
-    client(&server).download(finished, &weights).await.unwrap();
+    client(&server)
+        .download(finished, None, &weights)
+        .await
+        .unwrap();
     assert_eq!(std::fs::read(&weights).unwrap(), weights_before);
 
     // The providers reconnect by themselves; the running job resumes from its

@@ -17,6 +17,9 @@ fn connected(providers: &[ProviderInfo], kind: ProviderKind) -> Vec<&ProviderInf
         .collect()
 }
 
+/// Also the Donate page's controls as the server sees them: the tab's GPU
+/// cap in the provider list (and on the Providers page), a pause's reason,
+/// and no pause where the browser tells nothing of a battery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone()
 -> anyhow::Result<()> {
@@ -60,6 +63,64 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
         "{browser_info:?}"
     );
 
+    // The tab degrades cleanly where the browser tells nothing of a
+    // battery: asked again (unticking and ticking the box) without
+    // `navigator.getBattery`, it says so and keeps donating.
+    let battery = battery_status(&browser).await?;
+    anyhow::ensure!(
+        battery.0 == "unavailable" || battery.0 == "charging",
+        "headless Chromium has no battery to run on, so nothing pauses for one: {battery:?}"
+    );
+    browser
+        .client
+        .execute(
+            "Object.defineProperty(Navigator.prototype, 'getBattery', \
+             { value: undefined, configurable: true, writable: true });",
+            Vec::new(),
+        )
+        .await?;
+    for _ in 0..2 {
+        browser
+            .client
+            .find(Locator::Css("#pause-on-battery"))
+            .await?
+            .click()
+            .await?;
+    }
+    let battery = battery_status(&browser).await?;
+    assert_eq!(
+        battery,
+        (
+            "unavailable".to_string(),
+            "battery status not available in this browser".to_string()
+        )
+    );
+    let state = browser
+        .client
+        .find(Locator::Css("#donate-status"))
+        .await?
+        .attr("data-state")
+        .await?;
+    assert_eq!(state.as_deref(), Some("connected"), "no battery, no pause");
+
+    // The donor caps the GPU at half: the server's provider list says so
+    // at once (the planner counts the tab at half its GFLOP/s).
+    assert_eq!(browser_info.duty_cycle, Some(1.0), "{browser_info:?}");
+    browser
+        .client
+        .execute(
+            "const cap = document.querySelector('#donate-cap'); cap.value = '50'; \
+             cap.dispatchEvent(new Event('input', { bubbles: true }));",
+            Vec::new(),
+        )
+        .await?;
+    server
+        .wait_for_providers("the tab's GPU cap at 50%", Duration::from_secs(10), |all| {
+            all.iter()
+                .any(|p| p.id == browser_info.id && p.duty_cycle == Some(0.5))
+        })
+        .await?;
+
     // The Providers page, opened in a second tab so the donating tab keeps running.
     let donating = browser.client.window().await?;
     let tab = browser.client.new_window(true).await?;
@@ -87,12 +148,21 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
         {
             count = shown.attr("data-count").await?;
         }
-        if kinds == ["browser"] && count.as_deref() == Some("2") {
+        let mut caps = Vec::new();
+        for cap in browser
+            .client
+            .find_all(Locator::Css("#providers tr.provider .gpu-cap"))
+            .await?
+        {
+            caps.push(cap.text().await?);
+        }
+        if kinds == ["browser"] && count.as_deref() == Some("2") && caps == ["GPU cap 50%"] {
             break;
         }
         anyhow::ensure!(
             started.elapsed() < Duration::from_secs(30),
-            "the Providers page shows connected rows of kinds {kinds:?} and a count of {count:?}"
+            "the Providers page shows connected rows of kinds {kinds:?}, a count of {count:?} \
+             and caps {caps:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -129,14 +199,17 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
                         && p.gone_reason
                             .as_deref()
                             .is_some_and(|r| r.contains("paused by the donor"))
+                        && p.paused_reason.as_deref() == Some("paused from the Donate page")
                 })
             },
         )
         .await?;
     press_pause_and_wait_for(&browser, "connected").await?;
+    // It comes back with the cap its donor keeps.
     server
         .wait_for_providers("the resumed tab back", Duration::from_secs(30), |all| {
-            connected(all, ProviderKind::Browser).len() == 1
+            let tabs = connected(all, ProviderKind::Browser);
+            tabs.len() == 1 && tabs[0].duty_cycle == Some(0.5)
         })
         .await?;
 
@@ -158,6 +231,24 @@ async fn a_native_and_a_browser_provider_join_and_the_killed_one_is_marked_gone(
     );
     browser.client.clone().close().await?;
     Ok(())
+}
+
+/// What `#battery-status` says, once the browser has answered:
+/// `(data-battery, text)`.
+async fn battery_status(browser: &Browser) -> anyhow::Result<(String, String)> {
+    let started = std::time::Instant::now();
+    loop {
+        let element = browser.client.find(Locator::Css("#battery-status")).await?;
+        let state = element.attr("data-battery").await?.unwrap_or_default();
+        if state != "unknown" {
+            return Ok((state, element.text().await?));
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(10),
+            "the battery status stayed unknown"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Presses the Donate page's Pause (or Resume) button and waits until the

@@ -93,6 +93,99 @@ fn reference_losses(job_file: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// One parameter's optimizer state, owned: name, steps, slots.
+type OwnedState = (String, u64, Vec<(String, Tensor)>);
+
+/// The per-step losses of a job's clusters trained in one process: each
+/// cluster its own share of the step's batch, from the same parameters,
+/// with its own optimizer; then the sync the job takes every step, which
+/// averages the parameters (in f64, rounded once, as the server does) and,
+/// with `average_optimizer`, every optimizer state slot. A step's loss is
+/// the clusters' mean, as the server records it.
+fn reference_cluster_losses(job_file: &Path, average_optimizer: bool) -> Vec<f64> {
+    let batches = JobBatches::open(job_file).unwrap();
+    let t = batches.spec.training.clone();
+    assert_eq!(t.sync_every, 1, "the reference syncs every step");
+    let rookery_model::ClusterCount::Fixed(clusters) = t.clusters else {
+        panic!("a fixed cluster count")
+    };
+    let graph = batches.graph.clone();
+    let mut params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
+    let mut optimizers: Vec<TorchOptimizer> = (0..clusters)
+        .map(|_| TorchOptimizer::new(t.optimizer).unwrap())
+        .collect();
+    let mean = |copies: &[&Tensor]| {
+        let sum = copies
+            .iter()
+            .map(|c| c.to_kind(tch::Kind::Double))
+            .reduce(|a, b| a + b)
+            .unwrap();
+        (sum / copies.len() as f64).to_kind(tch::Kind::Float)
+    };
+    batches
+        .map(|batch| {
+            let per = t.batch_size;
+            let width = batch.x.len() / batch.y.len();
+            let mut copies = Vec::new();
+            let mut loss = 0.0;
+            for (c, optimizer) in optimizers.iter_mut().enumerate() {
+                let mut own: std::collections::BTreeMap<String, Tensor> =
+                    params.iter().map(|(k, v)| (k.clone(), v.copy())).collect();
+                let mut shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+                shape[0] = per as i64;
+                let x = Tensor::from_slice(&batch.x[c * per * width..(c + 1) * per * width])
+                    .reshape(shape.as_slice());
+                let y = Tensor::from_slice(&batch.y[c * per..(c + 1) * per]);
+                let inputs = [(graph.inputs[0].name.clone(), x)];
+                loss += train_step_clipped(
+                    &graph,
+                    &mut own,
+                    &inputs,
+                    &y,
+                    t.loss,
+                    optimizer,
+                    step_seed(t.seed, batch.step),
+                    None,
+                )
+                .unwrap();
+                copies.push(own);
+            }
+            for (name, value) in params.iter_mut() {
+                let each: Vec<&Tensor> = copies.iter().map(|c| &c[name]).collect();
+                *value = mean(&each);
+            }
+            if average_optimizer {
+                let exported: Vec<_> = optimizers.iter().map(|o| o.export()).collect();
+                let combined: Vec<OwnedState> = exported[0]
+                    .iter()
+                    .map(|(name, steps, slots)| {
+                        let slots = slots
+                            .iter()
+                            .enumerate()
+                            .map(|(i, (slot, _))| {
+                                let each: Vec<&Tensor> = exported
+                                    .iter()
+                                    .map(|e| e.iter().find(|p| &p.0 == name).unwrap().2[i].1)
+                                    .collect();
+                                (slot.to_string(), mean(&each))
+                            })
+                            .collect();
+                        (name.clone(), *steps, slots)
+                    })
+                    .collect();
+                drop(exported);
+                for optimizer in &mut optimizers {
+                    for (name, steps, slots) in &combined {
+                        let slots = slots.iter().map(|(s, v)| (s.clone(), v.copy())).collect();
+                        optimizer.import(name, *steps, slots).unwrap();
+                    }
+                }
+            }
+            loss / clusters as f64
+        })
+        .collect()
+}
+
 /// `got` is the single-process reference's losses of `job_file` within
 /// `tolerance` (relative) on every step; `what` names the setup in failures.
 fn assert_matches_reference(job_file: &Path, got: &[f64], tolerance: f64, what: &str) {
@@ -189,6 +282,67 @@ fn two_clusters_with_sgd_match_the_reference_with_the_doubled_batch() {
     assert_same_losses(&job, 4, 20, 1e-5, true);
 }
 
+/// Ravnest's `average_optim`: two clusters of Adam that average their
+/// moments at each sync train as the one-process reference that does, which
+/// differs from one that keeps each cluster's own; and Ravnest's
+/// `model_fusion(cluster_id)`: each cluster's own weights come back beside
+/// the combined ones, which are their mean.
+#[test]
+fn two_adam_clusters_averaging_their_state_match_the_reference_and_each_clusters_weights_come_back()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let training = "epochs = 1\nbatch_size = 8\nmicro_batches = 2\n\
+        optimizer = { name = \"adam\", lr = 0.01 }\nclusters = 2\nstages = 2\nsync_every = 1\n\
+        seed = 11\naverage_optimizer = true";
+    let job = job(dir.path(), &mlp(), &[12], 20 * 16, training);
+    let averaged = reference_cluster_losses(&job, true);
+    let separate = reference_cluster_losses(&job, false);
+    let apart = averaged
+        .iter()
+        .zip(&separate)
+        .map(|(a, s)| ((a - s) / s).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        apart > 1e-4,
+        "averaging the state changes nothing here ({apart:e})"
+    );
+
+    let out = dir.path().join("out");
+    let metrics = rookery_train(&job, 4, &out).unwrap();
+    let got: Vec<f64> = metrics.steps.iter().map(|s| s.loss).collect();
+    assert_eq!(got.len(), averaged.len());
+    for (step, (g, w)) in got.iter().zip(&averaged).enumerate() {
+        let rel = (g - w).abs() / w.abs();
+        assert!(
+            rel < 1e-5,
+            "step {step}: {g}, reference {w} (relative {rel:e})"
+        );
+    }
+
+    let read = |name: &str| rookery_job::weights::read_wire_safetensors(&out.join(name)).unwrap();
+    let combined = read("weights.safetensors");
+    let own = [
+        read("weights-cluster-0.safetensors"),
+        read("weights-cluster-1.safetensors"),
+    ];
+    assert!(!out.join("weights-cluster-2.safetensors").exists());
+    for (i, t) in combined.iter().enumerate() {
+        let (a, b) = (own[0][i].to_f32().unwrap(), own[1][i].to_f32().unwrap());
+        assert_eq!((&own[0][i].name, &own[1][i].name), (&t.name, &t.name));
+        assert_ne!(
+            a, b,
+            "{}: the clusters trained on different samples",
+            t.name
+        );
+        let mean: Vec<f32> = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| ((f64::from(*x) + f64::from(*y)) / 2.0) as f32)
+            .collect();
+        assert_eq!(t.to_f32().unwrap(), mean, "{}", t.name);
+    }
+}
+
 /// A browser tab on the Donate page trains one of three stages (our own
 /// kernels on WebGPU, SwiftShader in headless Chromium) beside two libtorch
 /// providers, to the single-process reference's losses step for step.
@@ -224,6 +378,13 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
         "train_labels = \"y.npy\"\n",
         "train_labels = \"y.npy\"\ntest_inputs = \"x.npy\"\ntest_labels = \"y.npy\"\n",
     );
+    // The WebGPU tab's job is public, the CPU tab's private: the Donate
+    // page names the one and says only "a private job" of the other.
+    let public_name = webgpu.then_some("Handwritten digits for the Lab");
+    let text = match public_name {
+        Some(name) => format!("public_name = \"{name}\"\n{text}"),
+        None => text,
+    };
     std::fs::write(&job_file, text)?;
     let server = Server::start(10_000)?;
     let _root = start_native_provider(&server, "native-a")?;
@@ -259,8 +420,21 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
         if !seen_training
             && let Ok(status) = browser.client.find(Locator::Css("#donate-status")).await
             && status.attr("data-state").await?.as_deref() == Some("training")
+            && let Ok(shown) = browser.client.find(Locator::Css("#donate-job")).await
         {
             seen_training = true;
+            let text = shown.text().await?;
+            let public = shown.attr("data-public").await?;
+            match public_name {
+                Some(name) => assert!(
+                    text.contains(name) && public.as_deref() == Some("true"),
+                    "{text:?} {public:?}"
+                ),
+                None => assert!(
+                    text.contains("a private job") && public.as_deref() == Some("false"),
+                    "{text:?} {public:?}"
+                ),
+            }
             let name = if webgpu {
                 "donate-training"
             } else {

@@ -10,7 +10,7 @@ use futures_channel::mpsc;
 use futures_util::StreamExt;
 use gloo_timers::future::TimeoutFuture;
 use rookery_kernels::{GpuContext, GpuError};
-use rookery_proto::{Bytes, DonorCard, Hello, ToProvider, ToServer};
+use rookery_proto::{Bytes, DonorCard, Hello, Phase, ToProvider, ToServer};
 use rookery_stage::session::{
     Action, Backoff, DeviceOffer, Disconnect, ProviderSession, SessionPolicy, page_provider_url,
 };
@@ -21,6 +21,7 @@ use web_sys::{BinaryType, CloseEvent, MessageEvent, WebSocket};
 
 use crate::DonateStatus;
 use crate::measure;
+use crate::pace::{self, BusyDetector};
 
 const NO_WEBGPU: &str = "This browser does not offer WebGPU, so it cannot donate its GPU. \
      Try a recent Chrome or Edge, or Firefox Nightly.";
@@ -163,6 +164,51 @@ fn paused() -> Option<String> {
     PAUSE.with(|pause| pause.borrow().0.clone())
 }
 
+/// Where a browser keeps its donor's cap on GPU use, in percent.
+const GPU_CAP_KEY: &str = "rookery.donor.gpu_cap";
+
+thread_local! {
+    /// This tab's cap in percent, once read or set.
+    static GPU_CAP: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+pub(crate) fn stored_gpu_cap() -> u32 {
+    if let Some(percent) = GPU_CAP.with(std::cell::Cell::get) {
+        return percent;
+    }
+    let percent = local_storage()
+        .and_then(|storage| storage.get_item(GPU_CAP_KEY).ok().flatten())
+        .and_then(|text| text.trim().parse::<u32>().ok())
+        .map_or(100, |p| p.clamp(pace::MIN_CAP_PERCENT, 100));
+    GPU_CAP.with(|cap| cap.set(Some(percent)));
+    percent
+}
+
+pub(crate) fn set_gpu_cap(percent: u32) {
+    let percent = percent.clamp(pace::MIN_CAP_PERCENT, 100);
+    GPU_CAP.with(|cap| cap.set(Some(percent)));
+    if let Some(storage) = local_storage() {
+        let _ = storage.set_item(GPU_CAP_KEY, &percent.to_string());
+    }
+    PAUSE.with(|pause| {
+        if let Some(events) = &pause.borrow().1 {
+            let _ = events.unbounded_send(Event::DutyCycle(pace::duty_cycle_of_percent(percent)));
+        }
+    });
+}
+
+/// The share of the time this tab's GPU may compute now.
+fn duty_cycle() -> f64 {
+    pace::duty_cycle_of_percent(stored_gpu_cap())
+}
+
+/// The browser's high-resolution clock, ms (the date's where it has none).
+fn now_ms() -> f64 {
+    web_sys::window()
+        .and_then(|window| window.performance())
+        .map_or_else(js_sys::Date::now, |performance| performance.now())
+}
+
 impl From<Disconnect> for End {
     fn from(disconnect: Disconnect) -> Self {
         match disconnect {
@@ -252,6 +298,7 @@ where
         // issued the credential meanwhile.
         hello.credential = stored_credential();
         hello.donor = stored_donor();
+        hello.duty_cycle = duty_cycle();
         on_status(DonateStatus::Connecting {
             adapter: adapter.clone(),
             gflops,
@@ -299,6 +346,8 @@ enum Event {
     WorkerLost(String),
     /// The donor paused: close, saying why.
     Pause(String),
+    /// The donor changed the cap on GPU use: tell the server.
+    DutyCycle(f64),
 }
 
 /// One connection, from opening the socket to its end. Training messages go
@@ -321,6 +370,7 @@ where
     };
     PAUSE.with(|pause| pause.borrow_mut().1 = Some(events.clone()));
     let mut session = ProviderSession::new(SessionPolicy::BROWSER, hello.clone());
+    let hello_duty_cycle = hello.duty_cycle;
     let mut opened = false;
     let mut training: Option<mpsc::UnboundedSender<ToProvider>> = None;
     let end = loop {
@@ -330,8 +380,20 @@ where
         let action = match event {
             Event::Open => {
                 opened = true;
-                Some(Action::Send(session.opened(now())))
+                let first = session.opened(now());
+                if let Err(reason) = send(&socket, &first, session.max_frame_bytes()) {
+                    break End::Reconnect(reason);
+                }
+                // The cap changed while the socket opened.
+                let duty_cycle = duty_cycle();
+                (duty_cycle != hello_duty_cycle)
+                    .then_some(Action::Send(ToServer::DutyCycle { duty_cycle }))
             }
+            Event::DutyCycle(duty_cycle) if opened => {
+                Some(Action::Send(ToServer::DutyCycle { duty_cycle }))
+            }
+            // Announced once the socket opens.
+            Event::DutyCycle(_) => None,
             Event::Frame(frame) => session.frame(&Bytes::from(frame), now()),
             Event::HeartbeatDue => Some(session.heartbeat_due(now())),
             Event::Text => {
@@ -341,7 +403,7 @@ where
             }
             Event::WorkerLost(reason) => break End::Reconnect(reason),
             Event::Pause(reason) => {
-                socket.close_saying(&format!("paused by the donor: {reason}"));
+                socket.close_saying(&format!("{}{reason}", rookery_proto::api::PAUSED_BY_DONOR));
                 break End::Paused;
             }
             Event::Closed { code, reason } => {
@@ -452,13 +514,30 @@ async fn train<D: Device + 'static>(
     events: mpsc::UnboundedSender<Event>,
     progress: Progress,
 ) {
+    let mut public_name = None;
+    let mut detector = BusyDetector::new();
     while let Some(message) = messages.next().await {
         let job_id = rookery_stage::worker::job_of(&message);
-        for reply in worker.handle(message).await {
+        if let ToProvider::Assign(assignment) = &message {
+            public_name.clone_from(&assignment.public_name);
+            detector.reset();
+        }
+        let micro_batch = matches!(
+            &message,
+            ToProvider::Forward(f) if matches!(f.phase, Phase::Train { .. })
+        );
+        let started = now_ms();
+        let replies = worker.handle(message).await;
+        // Replies carry read-back results, so the GPU's work is done.
+        let busy_ms = now_ms() - started;
+        for reply in replies {
             if let Err(reason) = send(&socket, &reply, max_frame_bytes) {
                 let _ = events.unbounded_send(Event::WorkerLost(reason));
                 return;
             }
+        }
+        if micro_batch && let Some(busy) = detector.observe(busy_ms) {
+            (progress.on_status)(DonateStatus::DeviceBusy(busy));
         }
         let status = match (worker.progress(), job_id) {
             (Some((stage, stages, micro_batches)), Some(job_id)) => DonateStatus::Training {
@@ -469,6 +548,7 @@ async fn train<D: Device + 'static>(
                 stage,
                 stages,
                 micro_batches,
+                public_name: public_name.clone(),
             },
             _ => DonateStatus::Connected {
                 provider_id: progress.provider_id,
@@ -477,6 +557,11 @@ async fn train<D: Device + 'static>(
             },
         };
         (progress.on_status)(status);
+        // The donor's cap: idle so the GPU works that share of the time.
+        let idle = pace::idle_ms(busy_ms, duty_cycle());
+        if idle >= 1.0 {
+            TimeoutFuture::new(idle.min(f64::from(u32::MAX)) as u32).await;
+        }
     }
 }
 

@@ -9,6 +9,7 @@
 #[cfg(target_arch = "wasm32")]
 mod browser;
 mod measure;
+pub mod pace;
 
 /// What the donation is doing now; the Donate page shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +30,8 @@ pub enum DonateStatus {
     },
     /// Running a stage of a job (`stage` of `stages`: this tab's share of the
     /// model), with `micro_batches` forward and backward passes done.
+    /// `public_name` is the job's name if its Requester lets donors see
+    /// it; `None` for a private job.
     Training {
         provider_id: u64,
         adapter: String,
@@ -37,6 +40,7 @@ pub enum DonateStatus {
         stage: u32,
         stages: u32,
         micro_batches: u64,
+        public_name: Option<String>,
     },
     /// The connection dropped; the tab retries after a pause.
     Reconnecting { reason: String },
@@ -48,6 +52,10 @@ pub enum DonateStatus {
     /// Not a state but news beside it: the server now credits this
     /// browser's identity with `gflop` of accepted work in all.
     Credited { gflop: f64 },
+    /// News beside the state: the stage's micro-batches have been far
+    /// slower than usual several times in a row, so something else is
+    /// using the GPU; the page pauses the donation for a while.
+    DeviceBusy(pace::Busy),
 }
 
 /// The provider WebSocket URL of the server that served this page
@@ -96,6 +104,30 @@ pub fn keep_donor(name: &str, team: &str) {
     browser::keep_donor(name, team);
     #[cfg(not(target_arch = "wasm32"))]
     let _ = (name, team);
+}
+
+/// The cap on GPU use this browser's donor chose, in percent (10 to 100;
+/// 100 when never set): kept in local storage like the donor's name.
+pub fn stored_gpu_cap() -> u32 {
+    #[cfg(target_arch = "wasm32")]
+    {
+        browser::stored_gpu_cap()
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        100
+    }
+}
+
+/// Caps this browser's GPU use at `percent` (clamped to 10 to 100): kept
+/// for its tabs, kept by this tab from its next piece of work (it idles
+/// after each so the GPU works that share of the time), and told to the
+/// server at once, whose planner counts the tab that much slower.
+pub fn set_gpu_cap(percent: u32) {
+    #[cfg(target_arch = "wasm32")]
+    browser::set_gpu_cap(percent);
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = percent;
 }
 
 /// Pauses this tab's donation with `reason` (shown to the donor and in the

@@ -63,6 +63,16 @@ const BENCHES: &[Bench] = &[
         wasm_size: false,
     },
     Bench {
+        name: "sync",
+        package: "rookery-e2e",
+        example: "bench_sync",
+        features: &[],
+        needs_binaries: true,
+        checked: false,
+        needs_torch_python: false,
+        wasm_size: false,
+    },
+    Bench {
         name: "load",
         package: "rookery-e2e",
         example: "bench_load",

@@ -193,10 +193,15 @@ fn ensure_targets() -> Result<()> {
         .filter(|target| !installed.lines().any(|line| line.trim() == *target))
         .collect();
     if missing.is_empty() {
-        println!("{WASM_TARGET} and {} are installed", DESKTOP_TARGETS.join(", "));
+        println!(
+            "{WASM_TARGET} and {} are installed",
+            DESKTOP_TARGETS.join(", ")
+        );
         return Ok(());
     }
-    run(Command::new("rustup").args(["target", "add"]).args(&missing))
+    run(Command::new("rustup")
+        .args(["target", "add"])
+        .args(&missing))
 }
 
 /// Exact checks for files the packages provide, so a present system installs nothing.

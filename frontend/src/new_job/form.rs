@@ -15,6 +15,7 @@ use serde_json::Value;
 /// Every non-file input: its element id and the job-file field the server
 /// names it by.
 pub const FIELDS: &[(&str, &str)] = &[
+    ("public-name", "public_name"),
     ("input-shape", "model.input_shape"),
     ("data-format", "data.format"),
     ("seq-len", "data.seq_len"),
@@ -124,6 +125,7 @@ pub fn tokens_label(id: &str) -> Option<&'static str> {
 /// Defaults that train the MNIST example well.
 pub fn defaults() -> BTreeMap<&'static str, String> {
     [
+        ("public-name", ""),
         ("input-shape", "1, 28, 28"),
         ("data-format", "idx"),
         ("seq-len", ""),
@@ -494,6 +496,8 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
         return Err(errors);
     }
     Ok(JobFile {
+        // Empty: private. The server checks its length and characters.
+        public_name: Some(values.get("public-name").to_string()).filter(|n| !n.is_empty()),
         model: ModelFile {
             onnx,
             spec,
@@ -527,6 +531,9 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             lr_schedule,
             clip_grad_norm,
             verify: None,
+            val_every: None,
+            average_optimizer: None,
+            sync: None,
         },
     })
 }
@@ -683,6 +690,13 @@ mod tests {
         assert_eq!(job["training"]["loss"], "cross_entropy");
         assert!(job["training"].get("lr_schedule").is_none());
         assert!(job["training"].get("clip_grad_norm").is_none());
+        assert!(job.get("public_name").is_none(), "private unless named");
+        let mut named = filled();
+        named
+            .text
+            .insert("public-name", " Digits for the Lab ".into());
+        let job = build_job(&named).unwrap();
+        assert_eq!(job.public_name.as_deref(), Some("Digits for the Lab"));
         let mut spec = filled();
         spec.files.insert("model-file", "cnn.toml".into());
         spec.text.insert("stages", "3".into());
@@ -691,6 +705,18 @@ mod tests {
         assert_eq!(job["training"]["stages"], 3);
         assert_eq!(job_file_name(&spec), "cnn.json");
         assert_eq!(job_file_name(&FormValues::default()), "job.json");
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    #[test]
+    fn a_public_name_the_server_refuses_is_shown_at_its_input() {
+        let mut long = filled();
+        long.text.insert("public-name", "x".repeat(81));
+        let refused = parse_on_server(&build_job(&long).unwrap()).unwrap_err();
+        let rookery_job::JobError::Field { field, .. } = refused else {
+            panic!("{refused:?}")
+        };
+        assert_eq!(input_for(&field, &long), Some("public-name"));
     }
 
     #[test]

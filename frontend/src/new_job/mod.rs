@@ -388,6 +388,11 @@ pub fn NewJobPage() -> impl IntoView {
             </p>
             <h1>"New job"</h1>
             <form id="new-job" class="form wide" on:submit=submit novalidate=true>
+                {text_input(
+                    "public-name",
+                    "Public name (optional)",
+                    "shown to donors whose tabs train this job; empty keeps the job private",
+                )}
                 <fieldset>
                     <legend>"Model"</legend>
                     {file_input("model-file", "ONNX export or layer-spec file", ".onnx,.toml", model_file, false)}

@@ -192,6 +192,11 @@ impl Backend for TorchStage {
         Ok(self.exec.set_parameters(&values)?)
     }
 
+    fn set_optimizer_state(&mut self, states: &[ParamOptimState]) -> Result<(), TorchWorkerError> {
+        let device = self.exec.device();
+        restore_optimizer(&mut self.optimizer, &self.exec, states, device)
+    }
+
     async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, TorchWorkerError> {
         self.optimizer
             .export()

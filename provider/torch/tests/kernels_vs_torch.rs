@@ -8,7 +8,11 @@
 //! allowed `TOL_ELEMENTWISE` (one f32 rounding of a few operations) or, for
 //! sums over `k` terms, `gemm_tol`-style `sqrt(k)` growth (`tol_sum`).
 //! Dropout is not compared: it uses its own counter-based RNG by design,
-//! which torch does not have.
+//! which torch does not have. The parametrised activations run through
+//! `rookery_torch::exec::activation`, the libtorch executor's own mapping
+//! (ATen ops where tch binds torch's defaults, torch's arithmetic in ATen
+//! ops otherwise), every entry of `UNARIES` at its kinks as well as on
+//! random inputs.
 #![cfg(feature = "torch")]
 #![allow(clippy::unwrap_used)]
 
@@ -162,6 +166,68 @@ fn shape(max_rank: usize, max_dim: usize) -> impl Strategy<Value = Vec<usize>> {
     prop::collection::vec(1..=max_dim, 1..=max_rank)
 }
 
+/// `op` on libtorch, forward; autograd gives the backward.
+fn torch_unary(op: Unary, x: &Tensor) -> Tensor {
+    match op {
+        Unary::Relu => x.relu(),
+        Unary::Gelu => x.gelu("none"),
+        Unary::GeluTanh => x.gelu("tanh"),
+        Unary::Sigmoid => x.sigmoid(),
+        Unary::Tanh => x.tanh(),
+        Unary::Identity => x.shallow_clone() * 1.0,
+        Unary::Neg => x.neg(),
+        Unary::Abs => x.abs(),
+        Unary::Sqrt => x.sqrt(),
+        Unary::Reciprocal => x.reciprocal(),
+        Unary::Exp => x.exp(),
+        Unary::Log => x.log(),
+        Unary::Activation(a) => rookery_torch::exec::activation(x, a).unwrap(),
+    }
+}
+
+/// The CPU reference of `op` against libtorch at `xs`, forward and backward.
+fn unary_matches_torch(op: Unary, xs: &[f32], dy: &[f32]) -> Result<(), TestCaseError> {
+    let x = leaf(xs, &[xs.len()]);
+    let y = torch_unary(op, &x);
+    backward(&y, dy);
+    let what = op.label();
+    close(
+        &op.reference(xs),
+        &vals(&y),
+        TOL_ELEMENTWISE,
+        &format!("{what} y"),
+    )?;
+    close(
+        &op.reference_backward(xs, dy),
+        &grad(&x),
+        TOL_ELEMENTWISE,
+        &format!("{what} dx"),
+    )
+}
+
+/// Every unary op, each parameter set of each activation included, at its
+/// kinks (with an upstream gradient of 0.75 there, so a wrong branch of the
+/// gradient shows) and at spread values, large ones included.
+#[test]
+fn every_unary_op_matches_torch_at_its_kinks_and_across_its_range() {
+    for (i, op) in UNARIES.into_iter().enumerate() {
+        let kinks = op.kinks();
+        let spread = scaled(64, i as u64, 4.0)
+            .into_iter()
+            .chain([-30.0, -9.5, 9.5, 30.0])
+            .map(|v| op.domain(v));
+        let xs: Vec<f32> = kinks.iter().copied().chain(spread).collect();
+        let dy: Vec<f32> = kinks
+            .iter()
+            .map(|_| 0.75)
+            .chain(sample_matrix(xs.len() - kinks.len(), i as u64 ^ 9))
+            .collect();
+        if let Err(e) = unary_matches_torch(op, &xs, &dy) {
+            panic!("{e}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
@@ -170,24 +236,7 @@ proptest! {
         let op = UNARIES[op];
         let xs: Vec<f32> = scaled(len, seed, 4.0).into_iter().map(|v| op.domain(v)).collect();
         let dy = sample_matrix(len, seed ^ 1);
-        let x = leaf(&xs, &[len]);
-        let y = match op {
-            Unary::Relu => x.relu(),
-            Unary::Gelu => x.gelu("none"),
-            Unary::GeluTanh => x.gelu("tanh"),
-            Unary::Sigmoid => x.sigmoid(),
-            Unary::Tanh => x.tanh(),
-            Unary::Identity => x.shallow_clone() * 1.0,
-            Unary::Neg => x.neg(),
-            Unary::Abs => x.abs(),
-            Unary::Sqrt => x.sqrt(),
-            Unary::Reciprocal => x.reciprocal(),
-            Unary::Exp => x.exp(),
-            Unary::Log => x.log(),
-        };
-        backward(&y, &dy);
-        close(&op.reference(&xs), &vals(&y), TOL_ELEMENTWISE, op.name())?;
-        close(&op.reference_backward(&xs, &dy), &grad(&x), TOL_ELEMENTWISE, op.name())?;
+        unary_matches_torch(op, &xs, &dy)?;
     }
 
     #[test]

@@ -130,6 +130,91 @@ type = "Dense"
 units = 4
 "#;
 
+/// The activations added beside ReLU, GELU, sigmoid and tanh, with other
+/// parameters than torch's defaults where they have any, softmin included,
+/// each after a Dense layer.
+const ACTIVATION_MLP: &str = r#"
+input_shape = [6]
+[[layers]]
+type = "Dense"
+units = 8
+activation = "selu"
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "leaky_relu"
+negative_slope = 0.2
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "elu"
+alpha = 0.5
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "softplus"
+beta = 2
+threshold = 0.5
+[[layers]]
+type = "Dense"
+units = 8
+activation = "softsign"
+[[layers]]
+type = "Dense"
+units = 8
+activation = "tanhshrink"
+[[layers]]
+type = "Dense"
+units = 8
+activation = "logsigmoid"
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "hardshrink"
+lambd = 0.1
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "hardtanh"
+min_val = -0.2
+max_val = 0.3
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "softmin"
+dim = 1
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "softshrink"
+lambd = 0.05
+[[layers]]
+type = "Dense"
+units = 8
+[[layers]]
+type = "Activation"
+name = "threshold"
+threshold = 0.02
+value = -0.5
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
 /// The demo CNN: Conv2d, BatchNorm2d, max pooling, Dropout, Dense.
 const MNIST_CNN: &str = include_str!("../../../examples/mnist-cnn.toml");
 
@@ -231,7 +316,7 @@ fn stage_bounds(graph: &Graph, range: std::ops::Range<usize>, batch: usize) -> S
                 ulps += WGSL_INVERSE_SQRT_ULPS + WGSL_DIVISION_ULPS;
                 (3 * n, 3 * n)
             }
-            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Softmin { axis } => {
                 let from = if *axis < 0 {
                     out.len() - axis.unsigned_abs() as usize
                 } else {
@@ -240,11 +325,16 @@ fn stage_bounds(graph: &Graph, range: std::ops::Range<usize>, batch: usize) -> S
                 ulps += wgsl_exp_ulps(EXP_ARGUMENT) + WGSL_DIVISION_ULPS;
                 (2 * out[from], 2 * out[from])
             }
-            Op::Sigmoid | Op::Tanh | Op::Gelu => {
+            Op::Sigmoid | Op::Tanh | Op::Gelu | Op::Elu { .. } | Op::Selu | Op::Tanhshrink => {
                 ulps += wgsl_exp_ulps(EXP_ARGUMENT) + WGSL_DIVISION_ULPS;
                 (1, 1)
             }
-            Op::Div => {
+            // WGSL's `log` near 1 is within an absolute 2^-21, 4 ULPs there.
+            Op::Softplus { .. } | Op::LogSigmoid => {
+                ulps += wgsl_exp_ulps(EXP_ARGUMENT) + 2.0 * WGSL_DIVISION_ULPS + 4.0;
+                (1, 1)
+            }
+            Op::Div | Op::Softsign => {
                 ulps += WGSL_DIVISION_ULPS;
                 (1, 1)
             }
@@ -544,6 +634,42 @@ fn layer_norm_and_softmax_stages_match_libtorch_on_the_gpu_and_the_cpu_reference
     for (range, config) in [(0..3, adam()), (1..5, sgd_momentum()), (0..n, adam())] {
         same_as_torch(gpu(), &graph, range.clone(), config);
         same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn activation_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(ACTIVATION_MLP).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [
+        (0..n, adam()),
+        (0..n / 2, sgd_momentum()),
+        (n / 2..n, adam()),
+    ] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+/// The MLPs of tests/fixtures/activations, all twelve activations as
+/// PyTorch's two exporters write them, imported at a batch of 2.
+#[test]
+fn imported_activation_mlps_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    for name in [
+        "custom-dynamo.onnx",
+        "custom-legacy.onnx",
+        "defaults-dynamo.onnx",
+        "defaults-legacy.onnx",
+    ] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/activations")
+            .join(name);
+        let graph = rookery_model::onnx::import_file(&path, &[2, 6])
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .graph;
+        let n = graph.nodes.len();
+        same_as_torch(gpu(), &graph, 0..n, sgd_gentle());
+        same_as_torch(CpuDevice, &graph, 0..n, sgd_gentle());
     }
 }
 

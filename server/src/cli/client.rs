@@ -176,10 +176,18 @@ impl Client {
     }
 
     /// Writes the job's weights (or latest checkpoint) to `out`.
-    pub async fn download(&self, id: u64, out: &Path) -> anyhow::Result<u64> {
+    /// Downloads a job's weights into `out`: the combined ones, or one
+    /// cluster's own.
+    pub async fn download(
+        &self,
+        id: u64,
+        cluster: Option<usize>,
+        out: &Path,
+    ) -> anyhow::Result<u64> {
+        let query = cluster.map(|c| format!("?cluster={c}")).unwrap_or_default();
         let response = self
             .http
-            .get(self.url(&format!("/api/jobs/{id}/weights")))
+            .get(self.url(&format!("/api/jobs/{id}/weights{query}")))
             .bearer_auth(&self.token)
             .send()
             .await

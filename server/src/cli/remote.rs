@@ -58,8 +58,13 @@ pub async fn watch(id: u64, server: ServerArgs) -> anyhow::Result<()> {
 }
 
 /// `rookery download`: the job's weights (or latest checkpoint) to `out`.
-pub async fn download(id: u64, out: PathBuf, server: ServerArgs) -> anyhow::Result<()> {
-    let bytes = server.client()?.download(id, &out).await?;
+pub async fn download(
+    id: u64,
+    cluster: Option<usize>,
+    out: PathBuf,
+    server: ServerArgs,
+) -> anyhow::Result<()> {
+    let bytes = server.client()?.download(id, cluster, &out).await?;
     println!("wrote {} ({bytes} bytes)", out.display());
     Ok(())
 }

@@ -17,7 +17,8 @@ pub struct TrainArgs {
     /// How many local `rookery-provider` processes to start.
     #[arg(long, default_value_t = 3)]
     pub local_providers: usize,
-    /// Where weights.safetensors and metrics.json go.
+    /// Where weights.safetensors (and, with several clusters, each one's own
+    /// weights-cluster-N.safetensors) and metrics.json go.
     #[arg(long, default_value = "rookery-out")]
     pub out: PathBuf,
     /// The provider binary (default: `rookery-provider` beside this program).
@@ -111,7 +112,15 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
     let job = client.watch(created.id).await?;
     finished(&job)?;
     let weights = args.out.join("weights.safetensors");
-    client.download(job.id, &weights).await?;
+    client.download(job.id, None, &weights).await?;
+    // Each cluster's own too, where several trained.
+    let clusters = job.plan.as_ref().map_or(0, |p| p.clusters.len());
+    if clusters > 1 {
+        for c in 0..clusters {
+            let own = args.out.join(format!("weights-cluster-{c}.safetensors"));
+            client.download(job.id, Some(c), &own).await?;
+        }
+    }
     let metrics = client.metrics(job.id).await?;
     let metrics_path = args.out.join("metrics.json");
     std::fs::write(&metrics_path, serde_json::to_string_pretty(&metrics)?)

@@ -179,6 +179,12 @@ impl Actor {
                     live.bandwidth_mbps = Some(bandwidth_mbps);
                 }
             }
+            // Plans from now on count the new cap; a stage it runs stays.
+            Event::DutyCycle { id, duty_cycle } => {
+                if let Some(live) = self.providers.get_mut(&id) {
+                    live.hello.duty_cycle = duty_cycle;
+                }
+            }
             Event::Prepared { job_id, model } => {
                 let job = self.jobs.entry(job_id).or_default();
                 job.loading = false;

@@ -58,8 +58,9 @@ impl Actor {
                         tracing::error!(job = job_id, %error, "cannot record an epoch");
                     }
                     let message = format!(
-                        "epoch {} evaluated on {} test samples: loss {:.4}, accuracy {:.2}%",
+                        "epoch {} evaluated after step {} on {} test samples: loss {:.4}, accuracy {:.2}%",
                         record.epoch,
+                        record.step,
                         record.samples,
                         record.test_loss,
                         record.test_accuracy * 100.0

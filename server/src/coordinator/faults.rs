@@ -173,6 +173,7 @@ mod tests {
             credential: None,
             requester_token: None,
             donor: None,
+            duty_cycle: 1.0,
         };
         let live = |id, identity, name| LiveProvider {
             id,

@@ -45,7 +45,7 @@ use tokio::sync::{broadcast, mpsc, oneshot};
 
 pub use self::faults::{BAN_AFTER_FAULTS, FaultAction, fault_action, is_banned};
 pub use self::outbox::{DEFAULT_MAX_OUTBOX_BYTES, Outbox, OutboxReceiver, Overflow, outbox};
-pub use self::rates::{LIE_FACTOR, LIE_STEPS, PLAN_SLACK, planning_gflops};
+pub use self::rates::{LIE_FACTOR, LIE_STEPS, PLAN_SLACK, capped_claim, planning_gflops};
 pub use self::schedule::{by_plan_id, plan_options};
 pub use self::work::QueuedModel;
 use crate::run::{Aggregated, Effect, JobRun};
@@ -107,6 +107,11 @@ pub enum Event {
         id: u64,
         bandwidth_mbps: f64,
     },
+    /// The provider's donor changed its GPU cap (checked by the socket loop).
+    DutyCycle {
+        id: u64,
+        duty_cycle: f64,
+    },
     /// A queued job's model, read (by the upload, which checked the job
     /// against its data, or off the task for a job queued before a restart)
     /// so that it can be planned on every scheduling tick.
@@ -161,7 +166,8 @@ pub struct LiveProvider {
 
 impl LiveProvider {
     /// What the planner knows of it, if a job may be planned onto it now:
-    /// idle and with its link measured. Browser tabs and `--backend wgpu`
+    /// idle and with its link measured, at the speed its donor's GPU cap
+    /// leaves it ([`capped_claim`]). Browser tabs and `--backend wgpu`
     /// providers run our own kernels, so their GPU's buffer limit comes along.
     pub fn candidate(&self) -> Option<ProviderSpec> {
         if self.work.is_some() {
@@ -171,7 +177,7 @@ impl LiveProvider {
             id: self.id.to_string(),
             kind: self.hello.kind,
             memory_bytes: self.hello.memory_bytes,
-            gflops: planning_gflops(self.hello.gflops, self.measured_gflops),
+            gflops: planning_gflops(capped_claim(&self.hello), self.measured_gflops),
             bandwidth_mbps: self.bandwidth_mbps?,
             max_buffer_bytes: self.hello.max_buffer_bytes,
         })

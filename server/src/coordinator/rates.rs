@@ -11,6 +11,8 @@
 
 use std::collections::HashMap;
 
+use rookery_proto::Hello;
+
 use super::Actor;
 use crate::run::MIN_MEASURED_MS;
 
@@ -31,6 +33,13 @@ pub struct Rate {
     pub gflops: f64,
     /// Steps in a row its claim was more than [`LIE_FACTOR`] times that.
     pub lying_steps: u32,
+}
+
+/// What a provider's `Hello` claims it computes, its donor's GPU cap
+/// counted: its measured GFLOP/s times the share of the time it may
+/// compute ([`Hello::duty_cycle`]).
+pub fn capped_claim(hello: &Hello) -> f64 {
+    hello.gflops * hello.duty_cycle.clamp(rookery_proto::MIN_DUTY_CYCLE, 1.0)
 }
 
 /// The rate the planner uses for a provider that claims `claim` and was
@@ -90,7 +99,7 @@ impl Actor {
         let Some(live) = self.providers.get(&provider) else {
             return;
         };
-        let (identity, claim) = (live.identity, live.hello.gflops);
+        let (identity, claim) = (live.identity, capped_claim(&live.hello));
         let Some(compute_ms) = computing_ms(busy_ms, bytes, live.bandwidth_mbps) else {
             return;
         };
@@ -183,5 +192,85 @@ mod tests {
                 "{claim} {measured:?}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod cap_tests {
+    use rookery_model::ClusterCount;
+    use rookery_plan::{PlanOptions, ProviderSpec};
+    use rookery_proto::{DonorCard, ProviderKind};
+
+    use super::*;
+    use crate::coordinator::LiveProvider;
+
+    /// A browser tab claiming `gflops`, its donor's cap at `duty_cycle`.
+    fn tab(id: u64, gflops: f64, duty_cycle: f64) -> LiveProvider {
+        LiveProvider {
+            id,
+            identity: id,
+            vouched_by: None,
+            hello: Hello {
+                protocol_version: rookery_proto::PROTOCOL_VERSION,
+                kind: ProviderKind::Browser,
+                device: "a GPU".into(),
+                memory_bytes: 1 << 30,
+                gflops,
+                display_name: "browser tab".into(),
+                max_buffer_bytes: Some(1 << 28),
+                credential: None,
+                requester_token: None,
+                donor: Some(DonorCard {
+                    name: "alice".into(),
+                    team: None,
+                }),
+                duty_cycle,
+            },
+            measured_gflops: None,
+            work: None,
+            bandwidth_mbps: Some(1000.0),
+        }
+    }
+
+    /// The provider a one-stage, one-cluster plan of a small MLP picks.
+    fn chosen(providers: &[LiveProvider]) -> String {
+        let graph = rookery_model::from_toml(
+            "input_shape = [64]\n[[layers]]\ntype = \"Dense\"\nunits = 256\nactivation = \"relu\"\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 10\n",
+        )
+        .unwrap();
+        let specs: Vec<ProviderSpec> = providers
+            .iter()
+            .filter_map(LiveProvider::candidate)
+            .collect();
+        let options = PlanOptions {
+            micro_batch: 8,
+            clusters: ClusterCount::Fixed(1),
+            stages_per_cluster: Some(1),
+            ..PlanOptions::default()
+        };
+        let plan = rookery_plan::clusterize(&graph, &specs, &options).unwrap();
+        plan.clusters[0].stages[0].provider.clone()
+    }
+
+    #[test]
+    fn a_capped_provider_is_planned_at_its_share_of_its_claim() {
+        assert_eq!(tab(1, 100.0, 1.0).candidate().unwrap().gflops, 100.0);
+        assert_eq!(tab(1, 100.0, 0.5).candidate().unwrap().gflops, 50.0);
+        assert_eq!(tab(1, 100.0, 0.25).candidate().unwrap().gflops, 25.0);
+        // A measured rate still bounds the capped claim.
+        let measured = LiveProvider {
+            measured_gflops: Some(5.0),
+            ..tab(1, 100.0, 0.5)
+        };
+        assert_eq!(measured.candidate().unwrap().gflops, 5.0 * PLAN_SLACK);
+    }
+
+    #[test]
+    fn the_planner_prefers_an_uncapped_provider_to_a_faster_one_capped_below_it() {
+        // Uncapped, the 100 GFLOP/s tab is the faster and takes the stage.
+        assert_eq!(chosen(&[tab(1, 100.0, 1.0), tab(2, 40.0, 1.0)]), "1");
+        // Capped at a quarter it computes 25 GFLOP/s: the 40 one is faster.
+        assert_eq!(chosen(&[tab(1, 100.0, 0.25), tab(2, 40.0, 1.0)]), "2");
     }
 }

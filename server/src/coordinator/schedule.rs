@@ -14,7 +14,7 @@ use rookery_proto::api::ProviderWork;
 use super::faults::is_banned;
 use super::work::RunRecipe;
 use super::{Actor, LiveProvider};
-use super::{Live, planning_gflops};
+use super::{Live, capped_claim, planning_gflops};
 use crate::run::{Effect, JobRun, STRAGGLER_STEPS};
 use crate::store::job_dir;
 use crate::store::jobs::{self, JobRecord, JobStatus};
@@ -316,7 +316,8 @@ impl Actor {
             return;
         };
         for straggler in stragglers {
-            let speed = |p: &Live| planning_gflops(p.hello.gflops, self.measured(p.identity));
+            let speed =
+                |p: &Live| planning_gflops(capped_claim(&p.hello), self.measured(p.identity));
             let slow_gflops: f64 = self.providers.get(&straggler.provider).map_or(0.0, speed);
             let Some(id) = self.standby(job_id, straggler.memory_bytes) else {
                 continue;

@@ -12,15 +12,14 @@ use std::time::Duration;
 use rookery_job::{JobSpec, Prepared, prepare};
 use rookery_model::{Analysis, Graph, Init, ParamKind};
 use rookery_plan::Plan;
-use rookery_proto::WireTensor;
 use rookery_proto::api::{JobEvent, JobEventBody, LogEntry};
 use tokio::sync::broadcast;
 
 use super::{Actor, Event};
 use crate::now_ms;
-use crate::run::{AggregateWork, Effect, JobRun};
+use crate::run::{AggregateWork, Effect, JobRun, TrainedWeights};
 use crate::store::Db;
-use crate::store::checkpoints::write_file;
+use crate::store::checkpoints::write_trained;
 use crate::store::jobs::{self, LogRecord};
 use crate::store::resume;
 
@@ -184,20 +183,20 @@ impl Actor {
     /// when all fail does the job report `Err`, and goes back to the queue
     /// to resume from its resume file (which holds the last step, or an
     /// earlier sync that replays exactly): no human is needed either way.
-    pub(super) fn write_weights(&self, job_id: u64, weights: Vec<WireTensor>) {
-        let path = crate::store::checkpoints::weights_path(&self.data_dir, job_id);
+    pub(super) fn write_weights(&self, job_id: u64, weights: TrainedWeights) {
+        let data_dir = self.data_dir.clone();
         let (tx, db, events) = (self.tx.clone(), self.db.clone(), self.events.clone());
         tokio::spawn(async move {
             let weights = Arc::new(weights);
             let mut delays = WEIGHTS_RETRY_DELAYS.iter();
             let written = loop {
-                let (path, weights) = (path.clone(), weights.clone());
-                let error =
-                    match tokio::task::spawn_blocking(move || write_file(&path, &weights)).await {
-                        Ok(Ok(())) => break Ok(()),
-                        Ok(Err(error)) => error.to_string(),
-                        Err(crashed) => format!("the writer crashed: {crashed}"),
-                    };
+                let (dir, weights) = (data_dir.clone(), weights.clone());
+                let write = move || write_trained(&dir, job_id, &weights);
+                let error = match tokio::task::spawn_blocking(write).await {
+                    Ok(Ok(())) => break Ok(()),
+                    Ok(Err(error)) => error.to_string(),
+                    Err(crashed) => format!("the writer crashed: {crashed}"),
+                };
                 let Some(delay) = delays.next() else {
                     break Err(error);
                 };
@@ -262,7 +261,7 @@ mod tests {
     use std::time::Instant;
 
     use rookery_job::weights::read_wire_safetensors;
-    use rookery_proto::WireDType;
+    use rookery_proto::{WireDType, WireTensor};
     use tokio::sync::mpsc;
 
     use super::*;
@@ -271,12 +270,24 @@ mod tests {
     use crate::store::requesters;
 
     fn weights() -> Vec<WireTensor> {
+        cluster_weights(1.5)
+    }
+
+    fn cluster_weights(value: f32) -> Vec<WireTensor> {
         vec![WireTensor::from_f32(
             "w",
             &[2],
-            &[1.5, -2.0],
+            &[value, -2.0],
             WireDType::F32,
         )]
+    }
+
+    /// Two clusters' own weights and their combination.
+    fn trained() -> TrainedWeights {
+        TrainedWeights {
+            combined: weights(),
+            clusters: vec![cluster_weights(1.0), cluster_weights(2.0)],
+        }
     }
 
     /// A coordinator with one running job whose weights go nowhere yet: a
@@ -313,7 +324,7 @@ mod tests {
             rates: super::super::rates::Rates::new(),
             verifying: Default::default(),
         };
-        actor.write_weights(job_id, weights());
+        actor.write_weights(job_id, trained());
         tokio::spawn(actor.run(rx));
         (tx, db, job_id, path)
     }
@@ -341,7 +352,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn weights_that_fail_to_write_are_written_again_and_the_job_completes_with_them() {
+    async fn weights_that_fail_to_write_are_written_again_and_the_job_completes_with_every_clusters_too()
+     {
         let (_tx, db, job_id, path) = coordinator_with_a_blocked_weights_file().await;
         let deadline = Instant::now() + Duration::from_secs(20);
         while retries_logged(&db, job_id).await == 0 {
@@ -351,6 +363,11 @@ mod tests {
         std::fs::remove_dir_all(&path).unwrap();
         wait_for_status(&db, job_id, JobStatus::Completed).await;
         assert_eq!(read_wire_safetensors(&path).unwrap(), weights());
+        let dir = path.parent().unwrap();
+        for (c, want) in trained().clusters.iter().enumerate() {
+            let file = dir.join(format!("weights-cluster-{c}.safetensors"));
+            assert_eq!(&read_wire_safetensors(&file).unwrap(), want, "cluster {c}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -21,7 +21,7 @@ use tokio::sync::broadcast::error::RecvError;
 use super::error::AppError;
 use crate::coordinator::Event;
 use crate::state::AppState;
-use crate::store::checkpoints::{checkpoint_path, weights_path};
+use crate::store::checkpoints::{checkpoint_path, cluster_weights_path, weights_path};
 use crate::store::jobs::{self, JobRecord, LogRecord};
 use crate::store::requesters::{self, Requester};
 use crate::store::tokens::digest_hex;
@@ -102,7 +102,7 @@ pub async fn metrics(
 /// [`dto::METRICS_CSV_HEADER`]).
 #[utoipa::path(get, path = "/api/jobs/{id}/metrics.csv", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
     security(("api_token" = [])),
-    responses((status = 200, description = "kind,step,epoch,loss,samples_per_s,elapsed_ms,bytes_relayed,test_loss,test_accuracy,test_samples", body = String, content_type = "text/csv"),
+    responses((status = 200, description = "kind,step,epoch,loss,samples_per_s,elapsed_ms,bytes_relayed,bytes_synced,test_loss,test_accuracy,test_samples", body = String, content_type = "text/csv"),
         (status = 404, description = "No such job", body = ApiError)))]
 pub async fn metrics_as_csv(
     State(state): State<AppState>,
@@ -289,8 +289,19 @@ pub(super) async fn log_line(
     Ok(())
 }
 
-/// The trained weights of a completed job; while it runs, the latest checkpoint.
-#[utoipa::path(get, path = "/api/jobs/{id}/weights", tag = "jobs", params(("id" = u64, Path, description = "The job's id")),
+#[derive(Debug, Deserialize)]
+pub struct WeightsQuery {
+    /// One cluster's own weights instead of the combined ones.
+    pub cluster: Option<usize>,
+}
+
+/// The trained weights of a completed job; while it runs, the latest
+/// checkpoint. With `?cluster=N`, cluster N's own weights as it finished,
+/// before the last sync combined them (Ravnest's `model_fusion(cluster_id)`),
+/// kept once a job that trained several clusters completes.
+#[utoipa::path(get, path = "/api/jobs/{id}/weights", tag = "jobs",
+    params(("id" = u64, Path, description = "The job's id"),
+        ("cluster" = Option<usize>, Query, description = "One cluster's own weights (0-based), once a job with several clusters completed")),
     security(("api_token" = [])),
     responses((status = 200, description = "A safetensors file named by the model's parameters", body = Vec<u8>, content_type = "application/octet-stream"),
         (status = 404, description = "No such job, or no weights yet", body = ApiError)))]
@@ -298,12 +309,16 @@ pub async fn weights(
     State(state): State<AppState>,
     Extension(requester): Extension<Requester>,
     UrlPath(id): UrlPath<u64>,
+    Query(query): Query<WeightsQuery>,
 ) -> Result<Response, AppError> {
     find(&state, &requester, id).await?;
-    let candidates = [
-        weights_path(&state.data_dir, id),
-        checkpoint_path(&state.data_dir, id),
-    ];
+    let candidates = match query.cluster {
+        Some(c) => vec![cluster_weights_path(&state.data_dir, id, c)],
+        None => vec![
+            weights_path(&state.data_dir, id),
+            checkpoint_path(&state.data_dir, id),
+        ],
+    };
     for path in candidates {
         // Streamed from disk: a GPT-2's weights are 650 MB, and a download
         // must not hold them in the server's memory.
@@ -332,9 +347,12 @@ pub async fn weights(
             Err(error) => return Err(AppError::Internal(format!("{}: {error}", path.display()))),
         }
     }
-    Err(AppError::NotFound(format!(
-        "weights of job {id}: none yet (they appear at the first sync)"
-    )))
+    Err(AppError::NotFound(match query.cluster {
+        Some(c) => format!(
+            "weights of cluster {c} of job {id}: none (each cluster's own weights are kept when a job that trained several clusters completes; clusters count from 0)"
+        ),
+        None => format!("weights of job {id}: none yet (they appear at the first sync)"),
+    }))
 }
 
 fn file_name(path: &Path) -> String {

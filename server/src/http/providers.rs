@@ -89,24 +89,29 @@ pub async fn list_providers(
             None => (Vec::new(), None),
         },
     };
-    let mut work: HashMap<u64, ProviderWork> = if records.is_empty() {
-        HashMap::new()
+    let live = if records.is_empty() {
+        Vec::new()
     } else {
-        state
-            .coordinator
-            .snapshot()
-            .await
-            .into_iter()
-            .filter_map(|live| Some((live.id, live.work?)))
-            .filter(|(_, w)| shown_jobs.as_ref().is_none_or(|j| j.contains(&w.job_id)))
-            .collect()
+        state.coordinator.snapshot().await
     };
+    // Each connected provider's GPU cap, as its donor set it last.
+    let duty_cycles: HashMap<u64, f64> = live
+        .iter()
+        .map(|live| (live.id, live.hello.duty_cycle))
+        .collect();
+    let mut work: HashMap<u64, ProviderWork> = live
+        .into_iter()
+        .filter_map(|live| Some((live.id, live.work?)))
+        .filter(|(_, w)| shown_jobs.as_ref().is_none_or(|j| j.contains(&w.job_id)))
+        .collect();
     let providers = records
         .into_iter()
         .map(|record| {
             let work = work.remove(&record.id);
+            let duty_cycle = duty_cycles.get(&record.id).copied();
             rookery_proto::api::ProviderInfo {
                 work,
+                duty_cycle,
                 ..dto::provider_info(record)
             }
         })

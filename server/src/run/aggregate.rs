@@ -15,9 +15,9 @@
 
 use std::collections::BTreeMap;
 
-use rookery_job::Aggregation;
+use rookery_job::{Aggregation, OuterOptimizer};
 use rookery_model::DType;
-use rookery_proto::{Bytes, WireDType, WireTensor};
+use rookery_proto::{Bytes, ParamOptimState, WireDType, WireTensor};
 
 use super::{f32_bytes, on_wire, param_bytes};
 
@@ -33,6 +33,72 @@ pub struct AggregateWork {
     pub(super) uploads: BTreeMap<String, Vec<(usize, WireTensor)>>,
     /// Each parameter's dtype in the graph.
     pub(super) dtypes: BTreeMap<String, DType>,
+    /// Each cluster's optimizer state by parameter, to combine too (jobs
+    /// with `average_optimizer`); empty otherwise.
+    pub(super) optimizer: Vec<BTreeMap<String, ParamOptimState>>,
+    /// DiLoCo's outer step, applied to the combined parameters.
+    pub(super) outer: Option<OuterWork>,
+}
+
+/// What DiLoCo's outer step needs: the optimizer, each parameter's value
+/// at the last sync (the pseudo-gradient is taken from it) and its
+/// momentum buffer (none before the first outer step).
+#[derive(Debug)]
+pub struct OuterWork {
+    pub(super) optimizer: OuterOptimizer,
+    pub(super) previous: BTreeMap<String, Bytes>,
+    pub(super) momentum: BTreeMap<String, Vec<f32>>,
+}
+
+impl OuterWork {
+    /// The synced value of parameter `name` given the clusters' combined
+    /// one, and its new momentum buffer: with the pseudo-gradient
+    /// `g = previous - combined`, `torch.optim.SGD` keeps `buf = g` at its
+    /// first step and `buf = momentum * buf + g` after, and steps by
+    /// `lr * (g + momentum * buf)` with Nesterov, `lr * buf` without (`lr *
+    /// g` without momentum). Each element in f64, rounded to f32 once.
+    pub fn step(&self, name: &str, combined: Vec<f32>) -> (Vec<f32>, Option<Vec<f32>>) {
+        let Some(previous) = self.previous.get(name) else {
+            return (combined, None);
+        };
+        let previous: Vec<f32> = previous
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if previous.len() != combined.len() {
+            return (combined, None);
+        }
+        let OuterOptimizer {
+            lr,
+            momentum,
+            nesterov,
+        } = self.optimizer;
+        let buffer = self
+            .momentum
+            .get(name)
+            .filter(|b| b.len() == combined.len());
+        let mut next = Vec::with_capacity(if momentum > 0.0 { combined.len() } else { 0 });
+        let stepped = previous
+            .iter()
+            .zip(&combined)
+            .enumerate()
+            .map(|(i, (&before, &now))| {
+                let g = f64::from(before) - f64::from(now);
+                let d = if momentum > 0.0 {
+                    let buf = match buffer {
+                        Some(b) => momentum * f64::from(b[i]) + g,
+                        None => g,
+                    };
+                    next.push(buf as f32);
+                    if nesterov { g + momentum * buf } else { buf }
+                } else {
+                    g
+                };
+                (f64::from(before) - lr * d) as f32
+            })
+            .collect();
+        (stepped, (momentum > 0.0).then_some(next))
+    }
 }
 
 /// What [`AggregateWork::run`] found.
@@ -47,6 +113,12 @@ pub struct Aggregated {
     /// a far-off cluster.
     pub(super) squared_distances: Vec<f64>,
     pub(super) squared_norm: f64,
+    /// The combined optimizer state of each parameter every cluster has
+    /// state for (`average_optimizer`); empty otherwise.
+    pub(super) optimizer: BTreeMap<String, ParamOptimState>,
+    /// Each parameter's outer momentum buffer after this sync's outer step
+    /// (DiLoCo with momentum); empty otherwise.
+    pub(super) outer_momentum: BTreeMap<String, Vec<f32>>,
 }
 
 impl AggregateWork {
@@ -57,20 +129,21 @@ impl AggregateWork {
         let mut squared_distances = vec![0.0f64; self.clusters];
         let mut squared_norm = 0.0f64;
         let mut params = BTreeMap::new();
+        let mut outer_momentum = BTreeMap::new();
+        // An outer step that is plain averaging is skipped: it would only
+        // round the average through a difference.
+        let outer = self
+            .outer
+            .as_ref()
+            .filter(|o| !o.optimizer.is_plain_average());
         for (name, copies) in self.uploads {
             let Some(&dtype) = self.dtypes.get(&name) else {
                 continue;
             };
             let wire = on_wire(dtype, WireDType::F32);
-            let data = match (dtype, copies.len()) {
-                // Counters (BatchNorm's num_batches_tracked) agree across
-                // clusters; and one copy is the aggregate of itself.
-                (DType::I64, _) | (_, 1) => match copies.into_iter().next() {
-                    Some((_, t)) if t.dtype == wire => t.data,
-                    Some((_, t)) => param_bytes(dtype, t.to_f32().unwrap_or_default()),
-                    None => continue,
-                },
-                (DType::F32, _) => {
+            let stepped = dtype == DType::F32 && outer.is_some();
+            let data = match dtype {
+                DType::F32 if copies.len() > 1 || stepped => {
                     // Each copy was checked (size, finiteness) as it arrived.
                     let values: Vec<(usize, Vec<f32>)> = copies
                         .iter()
@@ -84,8 +157,25 @@ impl AggregateWork {
                         }
                         squared_norm += value.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>();
                     }
+                    let value = match outer {
+                        Some(o) => {
+                            let (value, momentum) = o.step(&name, value);
+                            if let Some(m) = momentum {
+                                outer_momentum.insert(name.clone(), m);
+                            }
+                            value
+                        }
+                        None => value,
+                    };
                     f32_bytes(value)
                 }
+                // Counters (BatchNorm's num_batches_tracked) agree across
+                // clusters; and one copy is the aggregate of itself.
+                _ => match copies.into_iter().next() {
+                    Some((_, t)) if t.dtype == wire => t.data,
+                    Some((_, t)) => param_bytes(dtype, t.to_f32().unwrap_or_default()),
+                    None => continue,
+                },
             };
             params.insert(name, data);
         }
@@ -95,8 +185,75 @@ impl AggregateWork {
             params,
             squared_distances,
             squared_norm,
+            optimizer: combine_optimizer_states(self.rule, &self.optimizer),
+            outer_momentum,
         }
     }
+}
+
+/// The clusters' optimizer states combined slot by slot with the job's rule
+/// (so a lying cluster moves its moments no further than its parameters).
+/// A parameter is combined only where every cluster holds state for it with
+/// the same slots; its step count is the largest (they agree when every
+/// cluster stepped it alike).
+fn combine_optimizer_states(
+    rule: Aggregation,
+    clusters: &[BTreeMap<String, ParamOptimState>],
+) -> BTreeMap<String, ParamOptimState> {
+    let Some((first, rest)) = clusters.split_first() else {
+        return BTreeMap::new();
+    };
+    let mut combined = BTreeMap::new();
+    for (name, state) in first {
+        let copies: Vec<&ParamOptimState> = std::iter::once(state)
+            .chain(rest.iter().filter_map(|c| c.get(name)))
+            .collect();
+        let same_slots = |s: &&ParamOptimState| {
+            s.slots.len() == state.slots.len()
+                && s.slots.iter().zip(&state.slots).all(|(a, b)| {
+                    a.name == b.name && a.shape == b.shape && a.dtype == WireDType::F32
+                })
+        };
+        if copies.len() != clusters.len() || !copies.iter().all(same_slots) {
+            continue;
+        }
+        // Each slot was checked against its parameter's shape as it came.
+        let slots: Option<Vec<WireTensor>> = state
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, slot)| {
+                let values: Vec<Vec<f32>> = copies
+                    .iter()
+                    .map(|s| s.slots[i].to_f32().ok())
+                    .collect::<Option<_>>()?;
+                let len = values.first().map_or(0, Vec::len);
+                if values.iter().any(|v| v.len() != len) {
+                    return None;
+                }
+                let slices: Vec<&[f32]> = values.iter().map(Vec::as_slice).collect();
+                let value = aggregate(rule, &slices);
+                Some(WireTensor::from_f32(
+                    &slot.name,
+                    &slot.shape_usize(),
+                    &value,
+                    WireDType::F32,
+                ))
+            })
+            .collect();
+        let Some(slots) = slots else {
+            continue;
+        };
+        combined.insert(
+            name.clone(),
+            ParamOptimState {
+                name: name.clone(),
+                steps: copies.iter().map(|s| s.steps).max().unwrap_or(0),
+                slots,
+            },
+        );
+    }
+    combined
 }
 
 /// CenteredClip's iterations from the median; each moves the centre by at

@@ -28,13 +28,21 @@ pub struct StepRecord {
     pub samples_per_s: f64,
     pub elapsed_ms: f64,
     pub bytes_relayed: u64,
+    /// Parameter and optimizer-state bytes of syncs (uploads and what went
+    /// back) since the previous record: the traffic between clusters (a
+    /// job's last sync comes after its last record).
+    pub bytes_synced: u64,
     pub stages: Vec<StageTime>,
 }
 
-/// Evaluation on the test set after an epoch.
+/// Evaluation on the test set after an epoch, or every `val_every` steps.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EpochRecord {
+    /// The epoch evaluated (0-based): the one that just ended, or the one
+    /// under way for an evaluation within an epoch.
     pub epoch: u64,
+    /// Steps done when it was taken.
+    pub step: u64,
     pub test_loss: f64,
     pub test_accuracy: f64,
     pub samples: u64,
@@ -91,6 +99,7 @@ impl JobRun {
             samples_per_s: samples as f64 / (elapsed_ms / 1e3).max(1e-9),
             elapsed_ms,
             bytes_relayed: std::mem::take(&mut self.bytes_relayed),
+            bytes_synced: std::mem::take(&mut self.bytes_synced),
             stages,
         }
     }

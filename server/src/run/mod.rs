@@ -61,7 +61,7 @@ use rookery_job::{Dataset, JobSpec, Schedule};
 use rookery_model::{DType, LrSchedule, ParamKind};
 use rookery_proto::{Bytes, ParamOptimState, Phase, ToProvider, WireDType, WireTensor};
 
-pub use aggregate::{AggregateWork, Aggregated};
+pub use aggregate::{AggregateWork, Aggregated, OuterWork};
 
 pub use measure::{MIN_MEASURED_GFLOP, MIN_MEASURED_MS};
 pub use metrics::{EpochRecord, StageTime, StepRecord};
@@ -71,6 +71,15 @@ pub use stragglers::{STRAGGLER_FACTOR, STRAGGLER_MIN_MS, STRAGGLER_STEPS, Stragg
 pub use verify::{
     Outcome, TapSide, VERIFY_TOLERANCE, Verification, disagreement, sampled, tensors_disagreement,
 };
+
+/// A finished job's weights: the clusters' combined parameters, and each
+/// cluster's own as it finished (Ravnest's `model_fusion(cluster_id)`),
+/// which with one cluster are the combined ones (then `clusters` is empty).
+#[derive(Debug, Clone, Default)]
+pub struct TrainedWeights {
+    pub combined: Vec<WireTensor>,
+    pub clusters: Vec<Vec<WireTensor>>,
+}
 
 /// What the coordinator must do on the job's behalf, in order.
 #[derive(Debug)]
@@ -95,7 +104,7 @@ pub enum Effect {
         message: String,
     },
     /// Training is over; these are the trained weights.
-    Completed(Vec<WireTensor>),
+    Completed(TrainedWeights),
     Failed(String),
     /// The provider sent something wrong: counts against it.
     Fault {
@@ -164,6 +173,10 @@ pub struct ResumePoint {
     pub params: Vec<WireTensor>,
     /// Per cluster: the optimizer state of each parameter its stages update.
     pub optimizer: Vec<Vec<ParamOptimState>>,
+    /// DiLoCo's outer momentum buffer of each trainable parameter, f32,
+    /// named by the parameter (empty without an outer optimizer with
+    /// momentum, or before its first step).
+    pub outer_momentum: Vec<WireTensor>,
 }
 
 /// A parameter's current (averaged) value: the one copy the server keeps.
@@ -319,8 +332,10 @@ enum State {
     Syncing {
         step_done: u64,
     },
+    /// The test set goes forward after `step` steps, in `epoch`.
     Evaluating {
         epoch: u64,
+        step: u64,
         expected: u64,
     },
     Over,
@@ -350,6 +365,11 @@ pub struct JobRun {
     sync_round: u64,
     /// The round whose aggregation runs off the coordinator now.
     aggregating: Option<u64>,
+    /// Each cluster's weights as it finished (the last sync's uploads,
+    /// before they were combined); empty with one cluster.
+    cluster_weights: Vec<Vec<WireTensor>>,
+    /// DiLoCo's outer momentum buffer of each trainable parameter.
+    outer_momentum: BTreeMap<String, Vec<f32>>,
     state: State,
     /// Steps done at the last sync: the checkpoint every rebuild starts from.
     synced: u64,
@@ -363,6 +383,7 @@ pub struct JobRun {
     /// (evaluation does not count).
     step_started: Instant,
     bytes_relayed: u64,
+    bytes_synced: u64,
     /// Spot checks waiting for their halves or their checkpoint.
     checks: verify::Checks,
     next_check: u64,

@@ -74,8 +74,8 @@ impl JobRun {
         let total_steps = (schedule.steps_per_epoch as u64).saturating_mul(t.epochs);
         let lr_schedule = t.lr_schedule.resolve(t.optimizer.lr(), total_steps)?;
         let input = graph.inputs.first().ok_or(StartError::NoInput)?.clone();
-        let (synced, mut optimizer, mut resumed) = match resume {
-            None => (0, None, HashMap::new()),
+        let (synced, mut optimizer, mut resumed, outer_momentum) = match resume {
+            None => (0, None, HashMap::new(), BTreeMap::new()),
             Some(resume) => {
                 if resume.optimizer.len() != plan.clusters.len() {
                     return Err(StartError::Clusters {
@@ -114,7 +114,23 @@ impl JobRun {
                     };
                     resumed.insert(w.name, data);
                 }
-                (resume.step, Some(resume.optimizer), resumed)
+                let mut outer_momentum = BTreeMap::new();
+                for m in resume.outer_momentum {
+                    let shape = graph
+                        .params
+                        .iter()
+                        .find(|p| p.name == m.name)
+                        .map(|p| &p.shape);
+                    if shape != Some(&m.shape_usize()) || m.dtype != WireDType::F32 {
+                        return Err(StartError::UnknownParam(format!(
+                            "{} (an outer momentum buffer)",
+                            m.name
+                        )));
+                    }
+                    let values = m.to_f32().map_err(|e| StartError::Value(e.to_string()))?;
+                    outer_momentum.insert(m.name, values);
+                }
+                (resume.step, Some(resume.optimizer), resumed, outer_momentum)
             }
         };
         // Each parameter's value moves out of the graph (imported values are
@@ -230,12 +246,15 @@ impl JobRun {
             uploads: BTreeMap::new(),
             sync_round: 0,
             aggregating: None,
+            cluster_weights: Vec::new(),
+            outer_momentum,
             state: State::Assigning,
             synced,
             background_sync: None,
             recorded: synced,
             step_started: Instant::now(),
             bytes_relayed: 0,
+            bytes_synced: 0,
             stage_failures: HashMap::new(),
             checks: Default::default(),
             next_check: 0,
@@ -281,6 +300,7 @@ impl JobRun {
                 .collect(),
             lr_schedule: self.lr_schedule,
             clip_grad_norm: t.clip_grad_norm,
+            public_name: self.spec.public_name.clone(),
         }
     }
 

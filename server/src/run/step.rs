@@ -174,7 +174,8 @@ impl JobRun {
             ToServer::Hello(_)
             | ToServer::Heartbeat { .. }
             | ToServer::Error(_)
-            | ToServer::ProbeAck { .. } => Ok(Vec::new()),
+            | ToServer::ProbeAck { .. }
+            | ToServer::DutyCycle { .. } => Ok(Vec::new()),
         };
         match result {
             Ok(effects) => effects,
@@ -514,10 +515,15 @@ impl JobRun {
         run.correct += l.correct;
         run.samples += u64::from(l.samples);
         run.targets += targets;
-        if let State::Evaluating { epoch, expected } = self.state {
+        if let State::Evaluating {
+            epoch,
+            step,
+            expected,
+        } = self.state
+        {
             let got: u64 = self.clusters.iter().map(|r| r.samples).sum();
             if got == expected {
-                return Ok(self.finish_eval(epoch));
+                return Ok(self.finish_eval(epoch, step));
             }
         }
         Ok(Vec::new())

@@ -4,37 +4,43 @@
 //! the result is the checkpoint a rebuild or a restarted server starts from.
 
 use rookery_job::Aggregation;
-use rookery_proto::{OptimizerState, ParamSet, ToProvider, WireDType, train::OPTIMIZER_SLOTS};
+use rookery_model::ParamKind;
+use rookery_proto::{
+    OptimizerState, ParamOptimState, ParamSet, ToProvider, WireDType, WireTensor,
+    train::OPTIMIZER_SLOTS,
+};
 
 use super::{
-    AggregateWork, Aggregated, ClusterState, Effect, JobRun, Rejected, ResumePoint, State,
-    aggregate,
+    AggregateWork, Aggregated, ClusterState, Effect, JobRun, OuterWork, Rejected, ResumePoint,
+    State, TrainedWeights, aggregate,
 };
 
 impl JobRun {
     /// The first step once every stage is ready, or after a resume: a
-    /// checkpoint taken at an epoch's end may still owe that epoch's
+    /// checkpoint taken where the job evaluates may still owe that
     /// evaluation (running it again records the same figures).
     pub(super) fn begin(&mut self) -> Vec<Effect> {
-        let spe = self.schedule.steps_per_epoch as u64;
-        if self.synced > 0
-            && self.synced.is_multiple_of(spe)
-            && let Some(eval) = self.start_eval(self.synced / spe - 1)
-        {
+        if let Some(eval) = self.start_eval(self.synced) {
             return eval;
         }
         self.next_or_finish(self.synced)
     }
 
-    /// The steps done at the next sync: a multiple of `sync_every`, an
-    /// epoch's end or the last step, whichever comes first.
+    /// The steps done at the next sync: a multiple of `sync_every` or of
+    /// `val_every`, an epoch's end or the last step, whichever comes first.
     pub(super) fn barrier(&self) -> u64 {
         let spe = self.schedule.steps_per_epoch as u64;
         let every = self.spec.training.sync_every.max(1);
         let last = self.background_sync.unwrap_or(self.synced);
         let next = |m: u64| (last / m + 1) * m;
+        let val = self
+            .spec
+            .training
+            .val_every
+            .map_or(u64::MAX, |v| next(v.max(1)));
         next(every)
             .min(next(spe))
+            .min(val)
             .min(self.total_steps.max(last + 1))
     }
 
@@ -65,12 +71,22 @@ impl JobRun {
     /// handles its messages in order, so `UploadParams` sent before the next
     /// step's micro-batches uploads exactly the values after `step_done`
     /// steps, and the pipeline does not drain and wait for a round trip of
-    /// uploads every step. Not at an epoch's end (the evaluation must see
-    /// the checkpoint) nor at the last step (the job's weights are the
+    /// uploads every step. Not where the job evaluates (the evaluation must
+    /// see the checkpoint) nor at the last step (the job's weights are the
     /// checkpoint's).
     pub(super) fn syncs_in_background(&self, step_done: u64) -> bool {
-        let spe = self.schedule.steps_per_epoch as u64;
-        self.clusters.len() == 1 && !step_done.is_multiple_of(spe) && step_done < self.total_steps
+        self.clusters.len() == 1
+            && self.outer_step().is_none()
+            && !self.evaluates_at(step_done)
+            && step_done < self.total_steps
+    }
+
+    /// The job's DiLoCo outer optimizer, unless it is plain averaging.
+    fn outer_step(&self) -> Option<rookery_job::OuterOptimizer> {
+        self.spec
+            .training
+            .outer_optimizer
+            .filter(|o| !o.is_plain_average())
     }
 
     /// Asks every stage for its parameters (and optimizer state) after
@@ -155,6 +171,12 @@ impl JobRun {
                 t.check().map_err(|e| Rejected::Fault(e.to_string()))?;
             }
         }
+        self.bytes_synced += o
+            .params
+            .iter()
+            .flat_map(|p| &p.slots)
+            .map(|t| t.wire_len() as u64)
+            .sum::<u64>();
         let pending = &mut self.clusters[c].pending_optimizer;
         for p in o.params {
             pending.insert(p.name.clone(), p);
@@ -176,6 +198,17 @@ impl JobRun {
                 .clusters
                 .iter()
                 .map(|r| r.optimizer.values().cloned().collect())
+                .collect(),
+            outer_momentum: self
+                .outer_momentum
+                .iter()
+                .map(|(name, values)| {
+                    let shape = self
+                        .params
+                        .get(name)
+                        .map_or(vec![values.len()], |v| v.shape.clone());
+                    WireTensor::from_f32(name, &shape, values, WireDType::F32)
+                })
                 .collect(),
         }))
     }
@@ -211,6 +244,7 @@ impl JobRun {
             t.check().map_err(|e| fault(e.to_string()))?;
         }
         let clusters = self.clusters.len();
+        self.bytes_synced += p.params.iter().map(|t| t.wire_len() as u64).sum::<u64>();
         // Kept as they arrived: the aggregation reads them where they lie.
         for t in p.params {
             self.uploads
@@ -234,6 +268,18 @@ impl JobRun {
     /// arithmetic, no copy), so that happens here; several are combined off
     /// the coordinator ([`Effect::Aggregate`]), the sync waiting meanwhile.
     fn aggregate(&mut self, step_done: u64) -> Vec<Effect> {
+        let several = self.clusters.len() > 1;
+        if several && step_done >= self.total_steps {
+            self.cluster_weights = self.cluster_copies();
+        }
+        let optimizer = if several && self.spec.training.average_optimizer {
+            self.clusters
+                .iter()
+                .map(|r| r.pending_optimizer.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
         let work = AggregateWork {
             round: self.sync_round,
             step_done,
@@ -245,8 +291,21 @@ impl JobRun {
                 .iter()
                 .map(|(name, v)| (name.clone(), v.dtype))
                 .collect(),
+            optimizer,
+            outer: self.outer_step().map(|optimizer| OuterWork {
+                optimizer,
+                previous: self
+                    .params
+                    .iter()
+                    .filter(|(_, v)| v.kind == ParamKind::Trainable)
+                    .map(|(name, v)| (name.clone(), v.data.clone()))
+                    .collect(),
+                momentum: self.outer_momentum.clone(),
+            }),
         };
-        if self.clusters.len() == 1 {
+        // One cluster's copy is combined here (no arithmetic, no copy),
+        // unless an outer step computes with it.
+        if self.clusters.len() == 1 && work.outer.is_none() {
             return self.finish_sync(work.run());
         }
         self.aggregating = Some(self.sync_round);
@@ -264,14 +323,38 @@ impl JobRun {
         self.finish_sync(done)
     }
 
+    /// Each cluster's own copy of the weights uploaded at this sync (before
+    /// they are combined), sharing the received buffers.
+    fn cluster_copies(&self) -> Vec<Vec<WireTensor>> {
+        let mut copies = vec![Vec::new(); self.clusters.len()];
+        for (name, uploaded) in &self.uploads {
+            if self
+                .params
+                .get(name)
+                .is_none_or(|v| v.kind == ParamKind::Constant)
+            {
+                continue;
+            }
+            for (c, t) in uploaded {
+                copies[*c].push(t.clone());
+            }
+        }
+        copies
+    }
+
     fn finish_sync(&mut self, done: Aggregated) -> Vec<Effect> {
         let Aggregated {
             step_done,
             params,
             squared_distances,
             squared_norm,
+            optimizer,
+            outer_momentum,
             ..
         } = done;
+        if self.outer_step().is_some() {
+            self.outer_momentum = outer_momentum;
+        }
         let rule = self.spec.training.aggregation;
         for (name, data) in params {
             if let Some(target) = self.params.get_mut(&name) {
@@ -303,15 +386,46 @@ impl JobRun {
                 }
             }
         }
-        if self.clusters.len() > 1 {
+        if !optimizer.is_empty() {
+            for run in &mut self.clusters {
+                run.pending_optimizer.clone_from(&optimizer);
+                for stage in &run.stages {
+                    let params: Vec<ParamOptimState> = stage
+                        .params
+                        .iter()
+                        .filter_map(|n| optimizer.get(n).cloned())
+                        .collect();
+                    if params.is_empty() {
+                        continue;
+                    }
+                    // Before SetParams: the stage's next step uses both.
+                    self.bytes_synced += params
+                        .iter()
+                        .flat_map(|p| &p.slots)
+                        .map(|t| t.wire_len() as u64)
+                        .sum::<u64>();
+                    effects.push(Effect::Send(
+                        stage.provider,
+                        ToProvider::SetOptimizerState(OptimizerState {
+                            job_id: self.job_id,
+                            step: step_done,
+                            params,
+                        }),
+                    ));
+                }
+            }
+        }
+        // An outer step moves even a single cluster's parameters.
+        if self.clusters.len() > 1 || self.outer_step().is_some() {
             for run in &self.clusters {
                 for stage in &run.stages {
                     // Every frame shares the one buffer of each parameter.
-                    let params = stage
+                    let params: Vec<WireTensor> = stage
                         .params
                         .iter()
                         .filter_map(|n| self.params.get(n).map(|v| v.tensor(n)))
                         .collect();
+                    self.bytes_synced += params.iter().map(|t| t.wire_len() as u64).sum::<u64>();
                     effects.push(Effect::Send(
                         stage.provider,
                         ToProvider::SetParams(ParamSet {
@@ -332,10 +446,7 @@ impl JobRun {
             effects.extend(faults);
             return effects;
         }
-        let spe = self.schedule.steps_per_epoch as u64;
-        if step_done.is_multiple_of(spe)
-            && let Some(eval) = self.start_eval(step_done / spe - 1)
-        {
+        if let Some(eval) = self.start_eval(step_done) {
             effects.extend(eval);
             effects.extend(faults);
             return effects;
@@ -348,7 +459,10 @@ impl JobRun {
     pub(super) fn next_or_finish(&mut self, step_done: u64) -> Vec<Effect> {
         if step_done >= self.total_steps {
             let mut effects = self.release();
-            effects.push(Effect::Completed(self.weights()));
+            effects.push(Effect::Completed(TrainedWeights {
+                combined: self.weights(),
+                clusters: std::mem::take(&mut self.cluster_weights),
+            }));
             effects
         } else {
             self.start_step(step_done)

@@ -20,7 +20,7 @@ use rookery_job::weights::write_wire_safetensors;
 use rookery_proto::WireTensor;
 use tokio::sync::watch;
 
-use crate::run::ResumePoint;
+use crate::run::{ResumePoint, TrainedWeights};
 
 /// The least time between the starts of two writes of one job's file: a
 /// job that syncs every few milliseconds would otherwise keep a core busy
@@ -46,6 +46,26 @@ pub fn checkpoint_path(data_dir: &Path, job_id: u64) -> PathBuf {
 /// Where a completed job's trained weights live.
 pub fn weights_path(data_dir: &Path, job_id: u64) -> PathBuf {
     super::job_dir(data_dir, job_id).join("weights.safetensors")
+}
+
+/// Where cluster `cluster`'s own weights of a completed job that trained
+/// several clusters live (before the last sync combined them).
+pub fn cluster_weights_path(data_dir: &Path, job_id: u64, cluster: usize) -> PathBuf {
+    super::job_dir(data_dir, job_id).join(format!("weights-cluster-{cluster}.safetensors"))
+}
+
+/// Writes a completed job's weights: each cluster's own first, the
+/// combined last, so that the combined file's presence (what marks a job
+/// complete) means the whole set is on disk.
+pub fn write_trained(
+    data_dir: &Path,
+    job_id: u64,
+    weights: &TrainedWeights,
+) -> std::io::Result<()> {
+    for (c, cluster) in weights.clusters.iter().enumerate() {
+        write_file(&cluster_weights_path(data_dir, job_id, c), cluster)?;
+    }
+    write_file(&weights_path(data_dir, job_id), &weights.combined)
 }
 
 /// Writes the newest value it is handed to one file, in its own task, at

@@ -122,6 +122,25 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     );
     ALTER TABLE identities ADD COLUMN donor_name TEXT;
     ALTER TABLE identities ADD COLUMN team TEXT;",
+    // Evaluations keyed by the steps done when taken (`val_every` evaluates
+    // within an epoch too); an earlier one was taken at its epoch's end.
+    "CREATE TABLE job_evals (
+        job_id          INTEGER NOT NULL REFERENCES jobs(id),
+        step            INTEGER NOT NULL,
+        epoch           INTEGER NOT NULL,
+        test_loss       REAL    NOT NULL,
+        test_accuracy   REAL    NOT NULL,
+        samples         INTEGER NOT NULL,
+        PRIMARY KEY (job_id, step)
+    );
+    INSERT INTO job_evals (job_id, step, epoch, test_loss, test_accuracy, samples)
+        SELECT e.job_id,
+               (e.epoch + 1) * (j.total_steps
+                   / MAX(1, COALESCE(json_extract(j.spec_json, '$.training.epochs'), 1))),
+               e.epoch, e.test_loss, e.test_accuracy, e.samples
+        FROM job_epochs e JOIN jobs j ON j.id = e.job_id;
+    DROP TABLE job_epochs;
+    ALTER TABLE job_steps ADD COLUMN bytes_synced INTEGER NOT NULL DEFAULT 0;",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -247,6 +266,38 @@ mod tests {
             .pragma_query_value(None, "user_version", |row| row.get(0))
             .unwrap();
         assert_eq!(version, MIGRATIONS.len());
+    }
+
+    #[test]
+    fn epoch_end_evaluations_move_to_the_steps_they_were_taken_at_and_steps_gain_sync_bytes() {
+        let conn = Connection::open_in_memory().unwrap();
+        let before = MIGRATIONS.len() - 1;
+        for migration in &MIGRATIONS[..before] {
+            conn.execute_batch(migration).unwrap();
+        }
+        conn.execute_batch(
+            "INSERT INTO jobs (id, name, status, spec_json, dir, created_ms, total_steps)
+                 VALUES (7, 'j', 'completed', '{\"training\":{\"epochs\":3}}', '', 0, 30);
+             INSERT INTO job_epochs VALUES (7, 0, 0.5, 0.8, 100), (7, 2, 0.25, 0.9, 100);",
+        )
+        .unwrap();
+        conn.execute_batch(MIGRATIONS[before]).unwrap();
+        let rows: Vec<(i64, i64, f64)> = conn
+            .prepare("SELECT step, epoch, test_loss FROM job_evals ORDER BY step")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(rows, [(10, 0, 0.5), (30, 2, 0.25)]);
+        let columns: Vec<String> = conn
+            .prepare("SELECT name FROM pragma_table_info('job_steps')")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert!(columns.iter().any(|c| c == "bytes_synced"), "{columns:?}");
     }
 
     #[tokio::test]

@@ -232,8 +232,8 @@ pub async fn record_step(db: &Db, id: u64, record: StepRecord) -> Result<(), DbE
     db.call(move |conn| {
         let tx = conn.transaction()?;
         tx.execute(
-            "INSERT OR REPLACE INTO job_steps (job_id, step, epoch, loss, samples_per_s, elapsed_ms, bytes_relayed, stages_json)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            "INSERT OR REPLACE INTO job_steps (job_id, step, epoch, loss, samples_per_s, elapsed_ms, bytes_relayed, stages_json, bytes_synced)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             params![
                 id as i64,
                 record.step as i64,
@@ -242,7 +242,8 @@ pub async fn record_step(db: &Db, id: u64, record: StepRecord) -> Result<(), DbE
                 record.samples_per_s,
                 record.elapsed_ms,
                 record.bytes_relayed as i64,
-                stages
+                stages,
+                record.bytes_synced as i64
             ],
         )?;
         tx.execute(
@@ -263,9 +264,10 @@ pub async fn record_step(db: &Db, id: u64, record: StepRecord) -> Result<(), DbE
 pub async fn record_epoch(db: &Db, id: u64, record: EpochRecord) -> Result<(), DbError> {
     db.call(move |conn| {
         conn.execute(
-            "INSERT OR REPLACE INTO job_epochs (job_id, epoch, test_loss, test_accuracy, samples) VALUES (?1, ?2, ?3, ?4, ?5)",
+            "INSERT OR REPLACE INTO job_evals (job_id, step, epoch, test_loss, test_accuracy, samples) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             params![
                 id as i64,
+                record.step as i64,
                 record.epoch as i64,
                 record.test_loss,
                 record.test_accuracy,
@@ -280,7 +282,7 @@ pub async fn record_epoch(db: &Db, id: u64, record: EpochRecord) -> Result<(), D
 pub async fn steps(db: &Db, id: u64) -> Result<Vec<StepRecord>, DbError> {
     db.call(move |conn| {
         let mut statement = conn.prepare(
-            "SELECT step, epoch, loss, samples_per_s, elapsed_ms, bytes_relayed, stages_json
+            "SELECT step, epoch, loss, samples_per_s, elapsed_ms, bytes_relayed, stages_json, bytes_synced
              FROM job_steps WHERE job_id = ?1 ORDER BY step",
         )?;
         let rows = statement.query_map([id as i64], |row| {
@@ -292,6 +294,7 @@ pub async fn steps(db: &Db, id: u64) -> Result<Vec<StepRecord>, DbError> {
                 samples_per_s: row.get(3)?,
                 elapsed_ms: row.get(4)?,
                 bytes_relayed: row.get::<_, i64>(5)? as u64,
+                bytes_synced: row.get::<_, i64>(7)? as u64,
                 stages: serde_json::from_str(&stages).unwrap_or_default(),
             })
         })?;
@@ -303,7 +306,7 @@ pub async fn steps(db: &Db, id: u64) -> Result<Vec<StepRecord>, DbError> {
 pub async fn epochs(db: &Db, id: u64) -> Result<Vec<EpochRecord>, DbError> {
     db.call(move |conn| {
         let mut statement = conn.prepare(
-            "SELECT epoch, test_loss, test_accuracy, samples FROM job_epochs WHERE job_id = ?1 ORDER BY epoch",
+            "SELECT epoch, test_loss, test_accuracy, samples, step FROM job_evals WHERE job_id = ?1 ORDER BY step",
         )?;
         let rows = statement.query_map([id as i64], |row| {
             Ok(EpochRecord {
@@ -311,6 +314,7 @@ pub async fn epochs(db: &Db, id: u64) -> Result<Vec<EpochRecord>, DbError> {
                 test_loss: row.get(1)?,
                 test_accuracy: row.get(2)?,
                 samples: row.get::<_, i64>(3)? as u64,
+                step: row.get::<_, i64>(4)? as u64,
             })
         })?;
         rows.collect()
@@ -471,6 +475,7 @@ mod tests {
                 samples_per_s: 100.0,
                 elapsed_ms: 50.0,
                 bytes_relayed: 4096,
+                bytes_synced: 0,
                 stages: vec![StageTime {
                     cluster: 0,
                     stage: 0,
@@ -487,6 +492,7 @@ mod tests {
             id,
             EpochRecord {
                 epoch: 0,
+                step: 10,
                 test_loss: 0.5,
                 test_accuracy: 0.9,
                 samples: 2000,

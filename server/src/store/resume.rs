@@ -4,8 +4,8 @@
 //! temporary file, fsynced, renamed over the old one), so a server killed at
 //! any moment finds either the previous sync point or the new one, whole.
 //!
-//! Tensor names: `param/NAME`, `optim/CLUSTER/NAME/SLOT`, `steps/CLUSTER/NAME`
-//! and `meta/step`, `meta/clusters`. Counters are stored as two 24-bit halves
+//! Tensor names: `param/NAME`, `optim/CLUSTER/NAME/SLOT`, `steps/CLUSTER/NAME`,
+//! `outer/NAME` (DiLoCo's outer momentum) and `meta/step`, `meta/clusters`. Counters are stored as two 24-bit halves
 //! (safetensors I64 values pass through f32 here, exact to 2^24 only).
 
 use std::collections::BTreeMap;
@@ -63,6 +63,12 @@ pub fn to_tensors(point: &ResumePoint) -> Vec<WireTensor> {
             ..p.clone()
         });
     }
+    for m in &point.outer_momentum {
+        out.push(WireTensor {
+            name: format!("outer/{}", m.name),
+            ..m.clone()
+        });
+    }
     for (c, states) in point.optimizer.iter().enumerate() {
         for state in states {
             out.push(counter(format!("steps/{c}/{}", state.name), state.steps));
@@ -91,6 +97,7 @@ pub fn from_tensors(tensors: Vec<WireTensor>) -> Result<ResumePoint, String> {
     let clusters = meta("meta/clusters")?;
     let clusters = checked_clusters(clusters)?;
     let mut params = Vec::new();
+    let mut outer_momentum = Vec::new();
     let mut optimizer: Vec<BTreeMap<String, ParamOptimState>> = vec![BTreeMap::new(); clusters];
     let cluster_of = |text: &str| -> Result<usize, String> {
         text.parse::<usize>()
@@ -101,6 +108,14 @@ pub fn from_tensors(tensors: Vec<WireTensor>) -> Result<ResumePoint, String> {
     for (name, t) in by_name.iter() {
         if let Some(param) = name.strip_prefix("param/") {
             params.push(WireTensor {
+                name: param.to_string(),
+                ..t.clone()
+            });
+        } else if let Some(param) = name.strip_prefix("outer/") {
+            if t.dtype != WireDType::F32 {
+                return Err(format!("`{name}` is not f32"));
+            }
+            outer_momentum.push(WireTensor {
                 name: param.to_string(),
                 ..t.clone()
             });
@@ -148,6 +163,7 @@ pub fn from_tensors(tensors: Vec<WireTensor>) -> Result<ResumePoint, String> {
             .into_iter()
             .map(|m| m.into_values().collect())
             .collect(),
+        outer_momentum,
     })
 }
 
@@ -241,6 +257,12 @@ mod tests {
                     slots: vec![slot("momentum_buffer", 3.0)],
                 }],
             ],
+            outer_momentum: vec![WireTensor::from_f32(
+                "fc/0.weight",
+                &[2],
+                &[0.75, -0.5],
+                WireDType::F32,
+            )],
         }
     }
 

@@ -91,6 +91,10 @@ impl TokenDType {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobFile {
+    /// The name donors may see while their tab trains the job; without it
+    /// the job is private. In TOML, above the first table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_name: Option<String>,
     pub model: ModelFile,
     pub data: DataFile,
     pub training: TrainingFile,
@@ -164,6 +168,45 @@ pub struct TrainingFile {
     pub clip_grad_norm: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verify: Option<VerifyFile>,
+    /// Ravnest's `val_freq`.
+    #[serde(default, alias = "val_freq", skip_serializing_if = "Option::is_none")]
+    pub val_every: Option<u64>,
+    /// Ravnest's `average_optim`.
+    #[serde(
+        default,
+        alias = "average_optim",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub average_optimizer: Option<bool>,
+    /// `[training.sync]`: how often clusters sync, and DiLoCo's outer step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync: Option<SyncFile>,
+}
+
+/// `[training.sync]`: `every` (the same as `sync_every`), the outer
+/// optimizer a sync applies to the clusters' combined change, and how
+/// that change travels.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncFile {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outer_optimizer: Option<OuterOptimizerFile>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compress: Option<String>,
+}
+
+/// `outer_optimizer = { name = "nesterov", lr = 0.7, momentum = 0.9 }`:
+/// `sgd` (momentum default 0) or `nesterov` (SGD with Nesterov momentum,
+/// default 0.9), as `torch.optim.SGD` applies them to the pseudo-gradient.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OuterOptimizerFile {
+    pub name: String,
+    pub lr: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f64>,
 }
 
 /// `[training.verify]`: spot checks of providers' work.

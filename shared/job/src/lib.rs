@@ -29,12 +29,13 @@ pub use data::{
 };
 pub use error::JobError;
 pub use file::{
-    Clusters, DataFile, JobFile, LossFile, LrScheduleFile, ModelFile, OptimizerFile, TrainingFile,
+    Clusters, DataFile, JobFile, LossFile, LrScheduleFile, ModelFile, OptimizerFile,
+    OuterOptimizerFile, SyncFile, TrainingFile,
 };
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{
-    Aggregation, DataFormat, DataRef, DataSpec, JobSpec, ModelSection, ModelSource, TokenDType,
-    TrainingSpec, WireDType,
+    Aggregation, DataFormat, DataRef, DataSpec, JobSpec, MAX_PUBLIC_NAME_CHARS, ModelSection,
+    ModelSource, OuterOptimizer, TokenDType, TrainingSpec, WireDType,
 };
 pub use weights::{WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors};

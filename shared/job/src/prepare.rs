@@ -115,13 +115,17 @@ pub fn double_softmax(graph: &rookery_model::Graph, loss: rookery_model::Loss) -
     }
     let output = graph.outputs.first()?;
     let last = graph.nodes.iter().find(|n| &n.name == output)?;
-    matches!(last.op, rookery_model::Op::Softmax { .. }).then(|| {
-        format!(
-            "the model ends in Softmax (`{output}`) and the loss is cross-entropy, which takes \
-             logits and applies its own log-softmax: the softmax is applied twice. Remove the \
-             last Softmax (PyTorch's nn.CrossEntropyLoss expects logits too)"
-        )
-    })
+    let kind = match last.op {
+        rookery_model::Op::Softmax { .. } => "Softmax",
+        // softmax(-x): probabilities too, not logits.
+        rookery_model::Op::Softmin { .. } => "Softmin",
+        _ => return None,
+    };
+    Some(format!(
+        "the model ends in {kind} (`{output}`) and the loss is cross-entropy, which takes \
+         logits and applies its own log-softmax: a softmax is applied twice. Remove the \
+         last {kind} (PyTorch's nn.CrossEntropyLoss expects logits too)"
+    ))
 }
 
 /// A token job's `data.seq_len` against the sequence dimension an ONNX
@@ -208,6 +212,16 @@ mod tests {
             (&softmax, Loss::Mse, false),
             (
                 &ending("[[layers]]\ntype = \"Activation\"\nname = \"log_softmax\"\n"),
+                Loss::cross_entropy(),
+                false,
+            ),
+            (
+                &ending("[[layers]]\ntype = \"Activation\"\nname = \"softmin\"\n"),
+                Loss::cross_entropy(),
+                true,
+            ),
+            (
+                &ending("[[layers]]\ntype = \"Activation\"\nname = \"logsigmoid\"\n"),
                 Loss::cross_entropy(),
                 false,
             ),

@@ -3,6 +3,7 @@
 //! Written as TOML (or the same structure as JSON, which the HTTP API takes):
 //!
 //! ```toml
+//! public_name = "Handwritten digits for the Lab"   # optional: donors see it; without it the job is private
 //! [model]
 //! onnx = "cnn.onnx"            # or: spec = "model.toml"  (exactly one of the two)
 //! input_shape = [1, 28, 28]    # one sample, without the batch dimension
@@ -31,6 +32,12 @@
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16
 //! aggregation = "mean"         # mean (default) | median | centered_clip
 //! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
+//! val_every = 100              # optional: also evaluate every 100 steps (needs test data)
+//! average_optimizer = false    # default false: true averages optimizer state at syncs too
+//! [training.sync]              # optional: DiLoCo-style syncs
+//! every = 50                   # the same as sync_every (give one of the two)
+//! outer_optimizer = { name = "nesterov", lr = 0.7, momentum = 0.9 }   # default: plain averaging
+//! compress = "none"            # none (default)
 //! [training.verify]            # optional: spot checks (default: none)
 //! rate = 0.02                  # share of each stage's micro-batches re-run elsewhere
 //! [training.lr_schedule]       # optional (default: constant)
@@ -97,7 +104,7 @@ pub use rookery_proto::WireDType;
 
 use crate::error::JobError;
 pub use crate::file::{Aggregation, DataFormat, TokenDType};
-use crate::file::{Clusters, DataFile, JobFile, ModelFile, TrainingFile, VerifyFile};
+use crate::file::{Clusters, DataFile, JobFile, ModelFile, SyncFile, TrainingFile, VerifyFile};
 
 /// Most epochs a job may ask for: a million, so that epochs times steps
 /// per epoch (each at most the samples) never overflows a counter.
@@ -223,6 +230,82 @@ pub struct TrainingSpec {
     /// The share of stages' micro-batches the server re-runs on another
     /// provider to check them (0: none).
     pub verify_rate: f64,
+    /// Steps between evaluations on the test set, besides each epoch's end
+    /// (Ravnest's `val_freq`); each is taken at a sync, so all clusters
+    /// agree on the parameters evaluated.
+    pub val_every: Option<u64>,
+    /// Whether a sync also averages the clusters' optimizer state (Ravnest's
+    /// `average_optim`); otherwise each cluster keeps its own.
+    pub average_optimizer: bool,
+    /// DiLoCo's outer step at each sync; `None` takes the clusters'
+    /// combined parameters as they are (plain averaging).
+    pub outer_optimizer: Option<OuterOptimizer>,
+}
+
+/// The outer optimizer of a DiLoCo-style sync (Douillard et al., 2023): the
+/// pseudo-gradient is the parameters at the last sync less the clusters'
+/// combined parameters now, and `torch.optim.SGD(lr, momentum, nesterov)`
+/// steps the synced parameters with it. SGD at lr 1 without momentum is
+/// plain averaging, and is taken as such.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterOptimizer {
+    pub lr: f64,
+    pub momentum: f64,
+    pub nesterov: bool,
+}
+
+impl OuterOptimizer {
+    /// Whether the step leaves the clusters' combined parameters as they are.
+    pub fn is_plain_average(&self) -> bool {
+        self.lr == 1.0 && self.momentum == 0.0
+    }
+
+    fn from_file(f: crate::file::OuterOptimizerFile) -> Result<Self, JobError> {
+        let field = |name: &str| format!("training.sync.outer_optimizer.{name}");
+        let (nesterov, default_momentum) = match f.name.to_ascii_lowercase().as_str() {
+            "sgd" => (false, 0.0),
+            "nesterov" => (true, 0.9),
+            other => {
+                return Err(JobError::field(
+                    field("name"),
+                    format!("`{other}` is not an outer optimizer: sgd or nesterov"),
+                ));
+            }
+        };
+        if !(f.lr > 0.0 && f.lr.is_finite()) {
+            return Err(JobError::field(
+                field("lr"),
+                format!("must be greater than 0 (got {})", f.lr),
+            ));
+        }
+        let momentum = f.momentum.unwrap_or(default_momentum);
+        if !(0.0..1.0).contains(&momentum) || (nesterov && momentum == 0.0) {
+            return Err(JobError::field(
+                field("momentum"),
+                format!(
+                    "must be at least 0 and below 1{} (got {momentum})",
+                    if nesterov {
+                        ", and above 0 for nesterov"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        Ok(OuterOptimizer {
+            lr: f.lr,
+            momentum,
+            nesterov,
+        })
+    }
+
+    fn to_file(self) -> crate::file::OuterOptimizerFile {
+        crate::file::OuterOptimizerFile {
+            name: if self.nesterov { "nesterov" } else { "sgd" }.into(),
+            lr: self.lr,
+            momentum: Some(self.momentum),
+        }
+    }
 }
 
 /// A whole job. Serializes as the JSON form of the job file (paths absolute
@@ -233,6 +316,29 @@ pub struct JobSpec {
     pub model: ModelSection,
     pub data: DataSpec,
     pub training: TrainingSpec,
+    /// What donating tabs may show of the job: 1 to
+    /// [`MAX_PUBLIC_NAME_CHARS`] characters, no control characters. `None`:
+    /// private, and a tab says only that it trains a private job.
+    pub public_name: Option<String>,
+}
+
+/// The longest `public_name` a job may have, in characters.
+pub const MAX_PUBLIC_NAME_CHARS: usize = 80;
+
+/// What is wrong with a job's `public_name`, if anything.
+fn public_name_problem(name: &str) -> Option<String> {
+    let chars = name.chars().count();
+    if name.trim().is_empty() {
+        Some("is blank: give a name, or leave public_name out to keep the job private".into())
+    } else if chars > MAX_PUBLIC_NAME_CHARS {
+        Some(format!(
+            "has {chars} characters; at most {MAX_PUBLIC_NAME_CHARS} are shown"
+        ))
+    } else if name.chars().any(char::is_control) {
+        Some("must not contain control characters (line breaks, tabs, ...)".into())
+    } else {
+        None
+    }
 }
 
 impl JobSpec {
@@ -339,6 +445,9 @@ impl JobSpec {
     /// optimizer's own checks (`torch.optim`'s wording) and that every file exists.
     /// The parsers call it; call it again after editing a spec.
     pub fn validate(&self) -> Result<(), JobError> {
+        if let Some(problem) = self.public_name.as_deref().and_then(public_name_problem) {
+            return Err(JobError::field("public_name", problem));
+        }
         let m = &self.model;
         if m.input_shape.is_empty() || m.input_shape.contains(&0) {
             return Err(JobError::field(
@@ -509,6 +618,21 @@ impl JobSpec {
                 format!("must be greater than 0 (got {n})"),
             ));
         }
+        match t.val_every {
+            Some(0) => {
+                return Err(JobError::field(
+                    "training.val_every",
+                    "must be at least 1 (got 0)",
+                ));
+            }
+            Some(_) if self.data.test_inputs.is_none() => {
+                return Err(JobError::field(
+                    "training.val_every",
+                    "evaluates on the test set, and this job has none: give data.test_inputs or leave val_every out",
+                ));
+            }
+            _ => {}
+        }
         Ok(())
     }
 
@@ -599,6 +723,25 @@ impl JobSpec {
             token_dtype: d.token_dtype,
         };
         let t = f.training;
+        let sync = t.sync.clone().unwrap_or_default();
+        let sync_every = match (t.sync_every, sync.every) {
+            (Some(_), Some(_)) => {
+                return Err(JobError::field(
+                    "training.sync.every",
+                    "is training.sync_every too: give one of the two",
+                ));
+            }
+            (a, b) => a.or(b),
+        };
+        match sync.compress.as_deref() {
+            None | Some("none") => {}
+            Some(other) => {
+                return Err(JobError::field(
+                    "training.sync.compress",
+                    format!("`{other}` is not supported: parameters travel as f32 (\"none\")"),
+                ));
+            }
+        }
         let training = TrainingSpec {
             epochs: t.epochs.unwrap_or(1),
             batch_size: t.batch_size,
@@ -612,7 +755,7 @@ impl JobSpec {
                 None => OptimizerConfig::sgd(0.01),
             },
             clusters: t.clusters.map_or(ClusterCount::Auto, |c| c.0),
-            sync_every: t.sync_every.unwrap_or(1),
+            sync_every: sync_every.unwrap_or(1),
             stages: t.stages,
             shuffle: t.shuffle.unwrap_or(true),
             seed: t.seed.unwrap_or(0),
@@ -643,6 +786,12 @@ impl JobSpec {
                     ));
                 }
             },
+            val_every: t.val_every,
+            average_optimizer: t.average_optimizer.unwrap_or(false),
+            outer_optimizer: match sync.outer_optimizer {
+                Some(o) => Some(OuterOptimizer::from_file(o)?),
+                None => None,
+            },
         };
         let spec = JobSpec {
             model: ModelSection {
@@ -651,6 +800,7 @@ impl JobSpec {
             },
             data,
             training,
+            public_name: f.public_name,
         };
         spec.validate()?;
         Ok(spec)
@@ -793,6 +943,7 @@ impl From<JobSpec> for JobFile {
         let d = j.data;
         let t = j.training;
         JobFile {
+            public_name: j.public_name,
             model: ModelFile {
                 onnx,
                 spec,
@@ -827,6 +978,13 @@ impl From<JobSpec> for JobFile {
                 clip_grad_norm: t.clip_grad_norm,
                 verify: (t.verify_rate > 0.0).then_some(VerifyFile {
                     rate: t.verify_rate,
+                }),
+                val_every: t.val_every,
+                average_optimizer: Some(t.average_optimizer),
+                sync: t.outer_optimizer.map(|o| SyncFile {
+                    every: None,
+                    outer_optimizer: Some(o.to_file()),
+                    compress: None,
                 }),
             },
         }

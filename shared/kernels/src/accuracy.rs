@@ -38,8 +38,9 @@ pub const INVERSE_SQRT: f64 = INVERSE_SQRT_ULPS * ULP;
 pub const SQRT: f64 = INVERSE_SQRT + DIV;
 
 /// Error models here are first order (products of two errors are left
-/// out), and a GPU may fuse a multiply and an add into one rounding; this
-/// factor covers both.
+/// out, except in [`Tracked`]'s multiplication, where an operand may be
+/// smaller than its own error, as `tanh` near 0 is), and a GPU may fuse a
+/// multiply and an add into one rounding; this factor covers both.
 pub const SAFETY: f64 = 2.0;
 
 /// Worst-case error of adding `n` terms one after another in f32 whose
@@ -188,8 +189,11 @@ impl std::ops::Sub for Tracked {
 
 impl std::ops::Mul for Tracked {
     type Output = Self;
+    /// The product of the two errors is kept: it is what is left where both
+    /// operands are smaller than their errors (`t * t` for a `t = tanh(x)`
+    /// computed near 0, whose error dwarfs it).
     fn mul(self, o: Self) -> Self {
-        let error = self.value.abs() * o.error + o.value.abs() * self.error;
+        let error = self.value.abs() * o.error + o.value.abs() * self.error + self.error * o.error;
         Self::rounded(self.value * o.value, error, U)
     }
 }

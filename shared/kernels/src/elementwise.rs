@@ -1,12 +1,19 @@
 //! Elementwise kernels: the activations (Relu, exact-erf Gelu, Sigmoid, Tanh,
-//! Identity) and the unary arithmetic ONNX graphs use (Neg, Abs, Sqrt,
-//! Reciprocal, Exp, Log) forward and backward, the numpy-broadcast binary ops (Add, Sub,
+//! Identity, and in [`activations`] leaky ReLU, ELU, SELU, softplus,
+//! softsign, tanhshrink, log-sigmoid, hardshrink, hardtanh, softshrink and
+//! threshold with their parameters) and the unary arithmetic ONNX graphs use
+//! (Neg, Abs, Sqrt, Reciprocal, Exp, Log) forward and backward, the
+//! numpy-broadcast binary ops (Add, Sub,
 //! Mul, Div) forward and backward (the backward sums over the broadcast
 //! dimensions), and Dropout with a counter-based RNG that the CPU reference
 //! and the WGSL compute bit for bit.
 
 use super::accuracy::Tracked;
 use super::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, numel, one_d, strides};
+
+mod activations;
+
+pub use activations::{ACTIVATIONS, Activation, F32Bits, SELU_ALPHA, SELU_SCALE};
 
 /// An activation, applied elementwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -26,9 +33,28 @@ pub enum Unary {
     Reciprocal,
     Exp,
     Log,
+    /// The other activations of `torch.nn`, with their parameters.
+    Activation(Activation),
 }
 
-pub const UNARIES: [Unary; 12] = [
+/// Every unary op the checks and the comparisons with libtorch run: the
+/// basic ones, then [`ACTIVATIONS`].
+pub const UNARIES: [Unary; BASIC_UNARIES.len() + ACTIVATIONS.len()] = {
+    let mut all = [Unary::Identity; BASIC_UNARIES.len() + ACTIVATIONS.len()];
+    let mut i = 0;
+    while i < BASIC_UNARIES.len() {
+        all[i] = BASIC_UNARIES[i];
+        i += 1;
+    }
+    let mut j = 0;
+    while j < ACTIVATIONS.len() {
+        all[i + j] = Unary::Activation(ACTIVATIONS[j]);
+        j += 1;
+    }
+    all
+};
+
+const BASIC_UNARIES: [Unary; 12] = [
     Unary::Relu,
     Unary::Gelu,
     Unary::GeluTanh,
@@ -92,7 +118,40 @@ impl Unary {
             Unary::Reciprocal => "reciprocal",
             Unary::Exp => "exp",
             Unary::Log => "log",
+            Unary::Activation(a) => a.name(),
         }
+    }
+
+    /// [`Self::name`] with the parameters where there are any
+    /// (`leaky_relu(0.2)`): distinct for each kernel, for labels and check
+    /// names.
+    pub fn label(self) -> String {
+        match self {
+            Unary::Activation(a) => a.label(),
+            _ => self.name().to_string(),
+        }
+    }
+
+    /// The inputs where the op changes branch, each with its two f32
+    /// neighbours: where a kernel must make torch's comparison (`>` or
+    /// `>=`) to agree with it. 0 comes as `+-0.0` with `+-1e-30` beside
+    /// it, not the subnormals next to it: WGSL lets a GPU flush those to
+    /// zero, which would move them onto the kink.
+    pub fn kinks(self) -> Vec<f32> {
+        let points = match self {
+            Unary::Relu | Unary::Abs => vec![0.0],
+            Unary::Activation(a) => a.kinks(),
+            _ => Vec::new(),
+        };
+        let mut out = Vec::new();
+        for p in points {
+            if p == 0.0 {
+                out.extend([-1e-30, -0.0, 0.0, 1e-30]);
+            } else {
+                out.extend([p.next_down(), p, p.next_up()]);
+            }
+        }
+        out
     }
 
     /// Maps a sample in `[-4, 4)` into the op's domain, away from where its
@@ -139,6 +198,7 @@ impl Unary {
             }
             Unary::Exp => (v.exp(), g * v.exp()),
             Unary::Log => (v.ln(), g / v),
+            Unary::Activation(a) => a.tracked(v, g),
             Unary::Sigmoid => (sigmoid_tracked(v), g * sigmoid_slope_tracked(v)),
             Unary::Tanh => (tanh_tracked(v), g * sech2_tracked(v)),
             Unary::Gelu => {
@@ -157,8 +217,8 @@ impl Unary {
         }
     }
 
-    fn fwd_expr(self) -> &'static str {
-        match self {
+    fn fwd_expr(self) -> std::borrow::Cow<'static, str> {
+        std::borrow::Cow::Borrowed(match self {
             Unary::Relu => "max(v, 0.0)",
             Unary::Gelu => "0.5 * v * (1.0 + erf_approx(v * 0.70710678118654752))",
             Unary::GeluTanh => {
@@ -173,12 +233,13 @@ impl Unary {
             Unary::Reciprocal => "1.0 / v",
             Unary::Exp => "exp(v)",
             Unary::Log => "log(v)",
-        }
+            Unary::Activation(a) => return a.fwd_expr().into(),
+        })
     }
 
     /// `dy * f'(v)`.
-    fn bwd_expr(self) -> &'static str {
-        match self {
+    fn bwd_expr(self) -> std::borrow::Cow<'static, str> {
+        std::borrow::Cow::Borrowed(match self {
             // torch's threshold_backward: the gradient at 0 is 0.
             Unary::Relu => "select(0.0, g, v > 0.0)",
             Unary::Gelu => {
@@ -201,18 +262,27 @@ impl Unary {
             Unary::Reciprocal => "-g * (1.0 / v) * (1.0 / v)",
             Unary::Exp => "g * exp(v)",
             Unary::Log => "g / v",
+            Unary::Activation(a) => return a.bwd_expr().into(),
+        })
+    }
+
+    /// The WGSL helpers the kernels call.
+    fn helpers(self) -> String {
+        match self {
+            Unary::Activation(_) => format!("{ACTIVATION_HELPERS}{}", activations::HELPERS),
+            _ => ACTIVATION_HELPERS.to_string(),
         }
     }
 
     /// Forward: bindings `x` (read), `y` (write), `len` elements.
     pub fn forward(self, len: usize) -> KernelSpec {
         one_d(
-            format!("{}_fwd", self.name()),
+            format!("{}_fwd", self.label()),
             &[
                 ("x", Binding::Read, "f32"),
                 ("y", Binding::ReadWrite, "f32"),
             ],
-            ACTIVATION_HELPERS,
+            &self.helpers(),
             len,
             DEFAULT_WORKGROUP,
             &format!("    let v = x[i];\n    y[i] = {};", self.fwd_expr()),
@@ -222,13 +292,13 @@ impl Unary {
     /// Backward: bindings `x` (the forward input), `dy` (read), `dx` (write).
     pub fn backward(self, len: usize) -> KernelSpec {
         one_d(
-            format!("{}_bwd", self.name()),
+            format!("{}_bwd", self.label()),
             &[
                 ("x", Binding::Read, "f32"),
                 ("dy", Binding::Read, "f32"),
                 ("dx", Binding::ReadWrite, "f32"),
             ],
-            ACTIVATION_HELPERS,
+            &self.helpers(),
             len,
             DEFAULT_WORKGROUP,
             &format!(
@@ -241,8 +311,8 @@ impl Unary {
     /// CPU reference of the forward, in f64 rounded once.
     pub fn reference(self, x: &[f32]) -> Vec<f32> {
         x.iter()
-            .map(|&v| {
-                let v = f64::from(v);
+            .map(|&x| {
+                let v = f64::from(x);
                 (match self {
                     Unary::Relu => v.max(0.0),
                     Unary::Gelu => 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2)),
@@ -256,6 +326,7 @@ impl Unary {
                     Unary::Reciprocal => 1.0 / v,
                     Unary::Exp => v.exp(),
                     Unary::Log => v.ln(),
+                    Unary::Activation(a) => a.reference(x),
                 }) as f32
             })
             .collect()
@@ -265,8 +336,8 @@ impl Unary {
     pub fn reference_backward(self, x: &[f32], dy: &[f32]) -> Vec<f32> {
         x.iter()
             .zip(dy)
-            .map(|(&v, &g)| {
-                let (v, g) = (f64::from(v), f64::from(g));
+            .map(|(&x, &dy)| {
+                let (v, g) = (f64::from(x), f64::from(dy));
                 (match self {
                     Unary::Relu => {
                         if v > 0.0 {
@@ -304,6 +375,7 @@ impl Unary {
                     Unary::Reciprocal => -g / (v * v),
                     Unary::Exp => g * v.exp(),
                     Unary::Log => g / v,
+                    Unary::Activation(a) => a.reference_backward(x, dy),
                 }) as f32
             })
             .collect()

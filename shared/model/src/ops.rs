@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use rookery_kernels::elementwise::Unary;
+use rookery_kernels::elementwise::{Activation, F32Bits, Unary};
 use rookery_kernels::pool::Pool2d;
 
 use crate::tensor::{DType, TensorInfo};
@@ -42,6 +42,60 @@ pub enum Op {
     Exp,
     /// Elementwise natural logarithm.
     Log,
+    /// torch `nn.LeakyReLU`, ONNX `LeakyRelu`: `x` where `x > 0`, else
+    /// `negative_slope * x`.
+    LeakyRelu {
+        #[serde(default = "default_negative_slope")]
+        negative_slope: f32,
+    },
+    /// torch `nn.ELU`, ONNX `Elu`: `alpha (exp(x) - 1)` at and below 0.
+    Elu {
+        #[serde(default = "one")]
+        alpha: f32,
+    },
+    /// torch `nn.SELU`, ONNX `Selu` with its default constants.
+    Selu,
+    /// torch `nn.Softplus`: `log(1 + exp(beta x)) / beta`, and `x` where
+    /// `beta x > threshold`.
+    Softplus {
+        #[serde(default = "one")]
+        beta: f32,
+        #[serde(default = "twenty")]
+        threshold: f32,
+    },
+    /// `x / (1 + |x|)`.
+    Softsign,
+    /// `x - tanh(x)`.
+    Tanhshrink,
+    /// `log(sigmoid(x))`, computed without overflow.
+    LogSigmoid,
+    /// 0 where `-lambd <= x <= lambd`, else `x`.
+    Hardshrink {
+        #[serde(default = "half")]
+        lambd: f32,
+    },
+    /// `x` clamped to `[min_val, max_val]`, gradient 0 at and beyond the ends
+    /// (also ReLU6, and ONNX `Clip` with constant bounds).
+    Hardtanh {
+        #[serde(default = "minus_one")]
+        min_val: f32,
+        #[serde(default = "one")]
+        max_val: f32,
+    },
+    /// 0 where `-lambd <= x <= lambd`, else `x` moved `lambd` toward 0.
+    Softshrink {
+        #[serde(default = "half")]
+        lambd: f32,
+    },
+    /// torch `nn.Threshold`: `value` where `x <= threshold`, else `x`.
+    Threshold {
+        threshold: f32,
+        value: f32,
+    },
+    /// `softmax(-x)` along `axis` (torch `nn.Softmin`).
+    Softmin {
+        axis: i64,
+    },
     Softmax {
         axis: i64,
     },
@@ -121,6 +175,26 @@ pub enum Op {
         axis: i64,
     },
     Identity,
+}
+
+fn default_negative_slope() -> f32 {
+    0.01
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+fn minus_one() -> f32 {
+    -1.0
+}
+
+fn half() -> f32 {
+    0.5
+}
+
+fn twenty() -> f32 {
+    20.0
 }
 
 fn adjacent() -> [usize; 2] {
@@ -321,8 +395,59 @@ impl Op {
             Op::Exp => Unary::Exp,
             Op::Log => Unary::Log,
             Op::Identity => Unary::Identity,
+            _ => Unary::Activation(self.activation()?),
+        })
+    }
+
+    /// The kernels' [`Activation`] of the parametrised activations.
+    fn activation(&self) -> Option<Activation> {
+        let p = F32Bits::new;
+        Some(match *self {
+            Op::LeakyRelu { negative_slope } => Activation::LeakyRelu {
+                negative_slope: p(negative_slope),
+            },
+            Op::Elu { alpha } => Activation::Elu { alpha: p(alpha) },
+            Op::Selu => Activation::Selu,
+            Op::Softplus { beta, threshold } => Activation::Softplus {
+                beta: p(beta),
+                threshold: p(threshold),
+            },
+            Op::Softsign => Activation::Softsign,
+            Op::Tanhshrink => Activation::Tanhshrink,
+            Op::LogSigmoid => Activation::LogSigmoid,
+            Op::Hardshrink { lambd } => Activation::Hardshrink { lambd: p(lambd) },
+            Op::Hardtanh { min_val, max_val } => Activation::Hardtanh {
+                min_val: p(min_val),
+                max_val: p(max_val),
+            },
+            Op::Softshrink { lambd } => Activation::Softshrink { lambd: p(lambd) },
+            Op::Threshold { threshold, value } => Activation::Threshold {
+                threshold: p(threshold),
+                value: p(value),
+            },
             _ => return None,
         })
+    }
+
+    /// Refuses an activation's parameters torch refuses, or that no
+    /// executor could honour (non-finite values, which JSON cannot carry).
+    fn check_activation(&self) -> OpResult<()> {
+        let Some(a) = self.activation() else {
+            return Ok(());
+        };
+        if let Some(v) = a.params().iter().find(|v| !v.is_finite()) {
+            return invalid(format!("parameter {v} must be finite"));
+        }
+        match *self {
+            Op::Softplus { beta: 0.0, .. } => invalid("beta must not be 0"),
+            Op::Softshrink { lambd } if lambd < 0.0 => {
+                invalid(format!("lambd = {lambd} must be >= 0"))
+            }
+            Op::Hardtanh { min_val, max_val } if min_val > max_val => invalid(format!(
+                "min_val = {min_val} must not exceed max_val = {max_val}"
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The op's name as used in error messages and plans.
@@ -345,6 +470,18 @@ impl Op {
             Op::Reciprocal => "Reciprocal",
             Op::Exp => "Exp",
             Op::Log => "Log",
+            Op::LeakyRelu { .. } => "LeakyRelu",
+            Op::Elu { .. } => "Elu",
+            Op::Selu => "Selu",
+            Op::Softplus { .. } => "Softplus",
+            Op::Softsign => "Softsign",
+            Op::Tanhshrink => "Tanhshrink",
+            Op::LogSigmoid => "LogSigmoid",
+            Op::Hardshrink { .. } => "Hardshrink",
+            Op::Hardtanh { .. } => "Hardtanh",
+            Op::Softshrink { .. } => "Softshrink",
+            Op::Threshold { .. } => "Threshold",
+            Op::Softmin { .. } => "Softmin",
             Op::Softmax { .. } => "Softmax",
             Op::LogSoftmax { .. } => "LogSoftmax",
             Op::Conv2d { .. } => "Conv2d",
@@ -476,8 +613,20 @@ impl Op {
             | Op::Reciprocal
             | Op::Exp
             | Op::Log
+            | Op::LeakyRelu { .. }
+            | Op::Elu { .. }
+            | Op::Selu
+            | Op::Softplus { .. }
+            | Op::Softsign
+            | Op::Tanhshrink
+            | Op::LogSigmoid
+            | Op::Hardshrink { .. }
+            | Op::Hardtanh { .. }
+            | Op::Softshrink { .. }
+            | Op::Threshold { .. }
             | Op::Dropout { .. } => {
                 f32_input(x, "input")?;
+                self.check_activation()?;
                 if let Op::Dropout { p } = self
                     && !(0.0..1.0).contains(p)
                 {
@@ -485,7 +634,7 @@ impl Op {
                 }
                 Ok(x.clone())
             }
-            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Softmin { axis } => {
                 f32_input(x, "input")?;
                 axis_of(*axis, x.shape.len(), false)?;
                 Ok(x.clone())
@@ -756,12 +905,22 @@ impl Op {
             | Op::Neg
             | Op::Abs
             | Op::Reciprocal
+            | Op::LeakyRelu { .. }
+            | Op::Hardshrink { .. }
+            | Op::Hardtanh { .. }
+            | Op::Softshrink { .. }
+            | Op::Threshold { .. }
             | Op::Dropout { .. } => n_out,
+            Op::Softsign => n_out.saturating_mul(3),
             Op::Sqrt | Op::Exp | Op::Log => n_out.saturating_mul(4),
             // Transcendentals cost more than one FLOP; these are the usual rough counts.
-            Op::Sigmoid | Op::Tanh => n_out.saturating_mul(4),
-            Op::Gelu | Op::GeluTanh => n_out.saturating_mul(8),
+            Op::Sigmoid | Op::Tanh | Op::Elu { .. } | Op::Selu => n_out.saturating_mul(4),
+            Op::Tanhshrink => n_out.saturating_mul(5),
+            Op::Gelu | Op::GeluTanh | Op::Softplus { .. } | Op::LogSigmoid => {
+                n_out.saturating_mul(8)
+            }
             Op::Softmax { .. } | Op::LogSoftmax { .. } => n_out.saturating_mul(5),
+            Op::Softmin { .. } => n_out.saturating_mul(6),
             Op::BatchNorm { .. } | Op::LayerNorm { .. } => n_out.saturating_mul(5),
             Op::Flatten { .. }
             | Op::Reshape { .. }

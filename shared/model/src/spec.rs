@@ -155,11 +155,41 @@ pub enum LayerSpec {
         #[serde(alias = "p")]
         rate: f32,
     },
+    /// An activation by torch's name (or Keras's spelling), with torch's
+    /// arguments and defaults; an argument the activation does not take is
+    /// refused naming it.
     Activation {
         name: String,
-        /// For softmax / log_softmax.
-        #[serde(default = "last_axis")]
-        axis: i64,
+        /// For softmax, log_softmax and softmin (torch's `dim`; default -1).
+        #[serde(default, alias = "dim", skip_serializing_if = "Option::is_none")]
+        axis: Option<i64>,
+        /// leaky_relu's slope (default 0.01).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        negative_slope: Option<f32>,
+        /// elu's alpha (default 1), or leaky_relu's slope under Keras's name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        alpha: Option<f32>,
+        /// softplus's (default 1).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        beta: Option<f32>,
+        /// softplus's (default 20) and threshold's (required).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        threshold: Option<f32>,
+        /// hardshrink's and softshrink's (default 0.5).
+        #[serde(default, alias = "lambda", skip_serializing_if = "Option::is_none")]
+        lambd: Option<f32>,
+        /// hardtanh's ends (defaults -1 and 1).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        min_val: Option<f32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_val: Option<f32>,
+        /// threshold's replacement value (required; Keras's `default_value`).
+        #[serde(
+            default,
+            alias = "default_value",
+            skip_serializing_if = "Option::is_none"
+        )]
+        value: Option<f32>,
     },
     /// Every dimension after the batch into one: PyTorch's defaults
     /// `start_dim = 1`, `end_dim = -1`, the only values accepted.
@@ -363,7 +393,7 @@ impl Builder {
                 }
                 self.node(index, ty, Op::Linear, ins)?;
                 if let Some(a) = activation {
-                    self.activation(index, ty, "activation", a, -1)?;
+                    self.activation(index, ty, "activation", a, &ActivationArgs::default())?;
                 }
             }
             LayerSpec::Conv2D {
@@ -441,7 +471,7 @@ impl Builder {
                 };
                 self.node(index, ty, op, ins)?;
                 if let Some(a) = activation {
-                    self.activation(index, ty, "activation", a, -1)?;
+                    self.activation(index, ty, "activation", a, &ActivationArgs::default())?;
                 }
             }
             LayerSpec::MaxPooling2D {
@@ -529,8 +559,35 @@ impl Builder {
                 }
                 self.node(index, ty, Op::Dropout { p: *rate }, vec![])?;
             }
-            LayerSpec::Activation { name, axis } => {
-                self.activation(index, ty, "name", name, *axis)?;
+            LayerSpec::Activation {
+                name,
+                axis,
+                negative_slope,
+                alpha,
+                beta,
+                threshold,
+                lambd,
+                min_val,
+                max_val,
+                value,
+            } => {
+                let args = ActivationArgs {
+                    given: [
+                        ("axis", axis.map(|a| a as f64)),
+                        ("negative_slope", negative_slope.map(f64::from)),
+                        ("alpha", alpha.map(f64::from)),
+                        ("beta", beta.map(f64::from)),
+                        ("threshold", threshold.map(f64::from)),
+                        ("lambd", lambd.map(f64::from)),
+                        ("min_val", min_val.map(f64::from)),
+                        ("max_val", max_val.map(f64::from)),
+                        ("value", value.map(f64::from)),
+                    ]
+                    .into_iter()
+                    .filter_map(|(k, v)| Some((k, v?)))
+                    .collect(),
+                };
+                self.activation(index, ty, "name", name, &args)?;
             }
             LayerSpec::Flatten { start_dim, end_dim } => {
                 let last = self.info.shape.len() as i64 - 1;
@@ -585,27 +642,39 @@ impl Builder {
         ty: &str,
         field: &str,
         name: &str,
-        axis: i64,
+        args: &ActivationArgs,
     ) -> Result<(), SpecError> {
-        let op = match name.to_ascii_lowercase().as_str() {
-            "relu" => Op::Relu,
-            "gelu" => Op::Gelu,
-            "sigmoid" => Op::Sigmoid,
-            "tanh" => Op::Tanh,
-            "softmax" => Op::Softmax { axis },
-            "log_softmax" | "logsoftmax" => Op::LogSoftmax { axis },
-            "linear" | "identity" | "none" => Op::Identity,
-            other => {
-                return Err(SpecError::Field {
-                    index,
-                    layer: ty.into(),
-                    field: field.into(),
-                    reason: format!(
-                        "unknown activation `{other}` (relu, gelu, sigmoid, tanh, softmax, log_softmax)"
-                    ),
-                });
-            }
+        let err = |field: &str, reason: String| SpecError::Field {
+            index,
+            layer: ty.into(),
+            field: field.into(),
+            reason,
         };
+        let lower = name.to_ascii_lowercase();
+        let Some((op, takes)) = activation_op(&lower, args) else {
+            return Err(err(
+                field,
+                format!(
+                    "unknown activation `{lower}` ({})",
+                    ACTIVATION_NAMES.join(", ")
+                ),
+            ));
+        };
+        // Every argument given must be one this activation takes.
+        for (arg, _) in &args.given {
+            if !takes.contains(arg) {
+                let takes = if takes.is_empty() {
+                    "none".to_string()
+                } else {
+                    takes.join(", ")
+                };
+                return Err(err(
+                    arg,
+                    format!("`{arg}` is not an argument of {lower} (it takes: {takes})"),
+                ));
+            }
+        }
+        let op = op.map_err(|(arg, reason)| err(arg, reason))?;
         self.node(index, ty, op, vec![])
     }
 
@@ -708,6 +777,147 @@ impl Builder {
             None => self.info.clone(),
         }
     }
+}
+
+/// An `Activation` layer's arguments as given, by torch's names.
+#[derive(Default)]
+struct ActivationArgs {
+    given: Vec<(&'static str, f64)>,
+}
+
+impl ActivationArgs {
+    fn get(&self, arg: &str) -> Option<f64> {
+        self.given.iter().find(|(k, _)| *k == arg).map(|(_, v)| *v)
+    }
+
+    fn f32_or(&self, arg: &str, default: f32) -> f32 {
+        self.get(arg).map_or(default, |v| v as f32)
+    }
+}
+
+/// The names [`activation_op`] knows, for the error listing them.
+const ACTIVATION_NAMES: [&str; 20] = [
+    "relu",
+    "relu6",
+    "gelu",
+    "sigmoid",
+    "tanh",
+    "softmax",
+    "log_softmax",
+    "softmin",
+    "leaky_relu",
+    "elu",
+    "selu",
+    "softplus",
+    "softsign",
+    "tanhshrink",
+    "logsigmoid",
+    "hardshrink",
+    "hardtanh",
+    "softshrink",
+    "threshold",
+    "linear",
+];
+
+/// An activation by its lowercased name (torch's, and the underscored or
+/// run-together spellings of Keras and RavDL), with the arguments it takes;
+/// `None` for an unknown name, `Err((argument, reason))` where a required
+/// argument is missing or two name one thing.
+#[allow(clippy::type_complexity)]
+fn activation_op(
+    name: &str,
+    args: &ActivationArgs,
+) -> Option<(Result<Op, (&'static str, String)>, &'static [&'static str])> {
+    let axis = args.get("axis").map_or(-1, |a| a as i64);
+    let op = match name {
+        "relu" => (Ok(Op::Relu), &[][..]),
+        "relu6" => (
+            Ok(Op::Hardtanh {
+                min_val: 0.0,
+                max_val: 6.0,
+            }),
+            &[][..],
+        ),
+        "gelu" => (Ok(Op::Gelu), &[][..]),
+        "sigmoid" => (Ok(Op::Sigmoid), &[][..]),
+        "tanh" => (Ok(Op::Tanh), &[][..]),
+        "softmax" => (Ok(Op::Softmax { axis }), &["axis"][..]),
+        "log_softmax" | "logsoftmax" => (Ok(Op::LogSoftmax { axis }), &["axis"][..]),
+        "softmin" => (Ok(Op::Softmin { axis }), &["axis"][..]),
+        "linear" | "identity" | "none" => (Ok(Op::Identity), &[][..]),
+        "leaky_relu" | "leakyrelu" => {
+            let slope = match (args.get("negative_slope"), args.get("alpha")) {
+                (Some(_), Some(_)) => Err((
+                    "alpha",
+                    "give negative_slope or alpha (Keras's name for it), not both".to_string(),
+                )),
+                (s, a) => Ok(s.or(a).map_or(0.01, |v| v as f32)),
+            };
+            (
+                slope.map(|negative_slope| Op::LeakyRelu { negative_slope }),
+                &["negative_slope", "alpha"][..],
+            )
+        }
+        "elu" => (
+            Ok(Op::Elu {
+                alpha: args.f32_or("alpha", 1.0),
+            }),
+            &["alpha"][..],
+        ),
+        "selu" => (Ok(Op::Selu), &[][..]),
+        "softplus" => (
+            Ok(Op::Softplus {
+                beta: args.f32_or("beta", 1.0),
+                threshold: args.f32_or("threshold", 20.0),
+            }),
+            &["beta", "threshold"][..],
+        ),
+        "softsign" => (Ok(Op::Softsign), &[][..]),
+        "tanhshrink" | "tanh_shrink" => (Ok(Op::Tanhshrink), &[][..]),
+        "logsigmoid" | "log_sigmoid" => (Ok(Op::LogSigmoid), &[][..]),
+        "hardshrink" | "hard_shrink" => (
+            Ok(Op::Hardshrink {
+                lambd: args.f32_or("lambd", 0.5),
+            }),
+            &["lambd"][..],
+        ),
+        "hardtanh" | "hard_tanh" => (
+            Ok(Op::Hardtanh {
+                min_val: args.f32_or("min_val", -1.0),
+                max_val: args.f32_or("max_val", 1.0),
+            }),
+            &["min_val", "max_val"][..],
+        ),
+        "softshrink" | "soft_shrink" => (
+            Ok(Op::Softshrink {
+                lambd: args.f32_or("lambd", 0.5),
+            }),
+            &["lambd"][..],
+        ),
+        "threshold" => {
+            let op = match (args.get("threshold"), args.get("value")) {
+                (Some(t), Some(v)) => Ok(Op::Threshold {
+                    threshold: t as f32,
+                    value: v as f32,
+                }),
+                (None, _) => Err((
+                    "threshold",
+                    "threshold needs `threshold` and `value` (torch's nn.Threshold has no \
+                     defaults): write it as an Activation layer with both"
+                        .to_string(),
+                )),
+                (_, None) => Err((
+                    "value",
+                    "threshold needs `threshold` and `value` (torch's nn.Threshold has no \
+                     defaults): write it as an Activation layer with both"
+                        .to_string(),
+                )),
+            };
+            (op, &["threshold", "value"][..])
+        }
+        _ => return None,
+    };
+    Some(op)
 }
 
 /// Turns `"valid"`, `"same"` or numbers into symmetric padding.

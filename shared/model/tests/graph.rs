@@ -428,3 +428,77 @@ fn seeded_initialisation_is_deterministic_and_bounded() {
     let var = n.iter().map(|v| v * v).sum::<f32>() / n.len() as f32;
     assert!((var - 1.0).abs() < 0.05, "{var}");
 }
+
+#[test]
+fn activation_ops_round_trip_through_json_and_default_to_torchs_parameters() {
+    let ops = [
+        Op::LeakyRelu {
+            negative_slope: 0.2,
+        },
+        Op::Elu { alpha: 0.5 },
+        Op::Selu,
+        Op::Softplus {
+            beta: 2.0,
+            threshold: 5.0,
+        },
+        Op::Softsign,
+        Op::Tanhshrink,
+        Op::LogSigmoid,
+        Op::Hardshrink { lambd: 0.3 },
+        Op::Hardtanh {
+            min_val: -2.0,
+            max_val: 3.0,
+        },
+        Op::Softmin { axis: 1 },
+        Op::Softshrink { lambd: 1.25 },
+        Op::Threshold {
+            threshold: 0.1,
+            value: 20.0,
+        },
+    ];
+    let mut g = G::new("x", &[2, 4], DType::F32);
+    let mut prev = "x".to_string();
+    for (i, op) in ops.iter().enumerate() {
+        let name = format!("a{i}");
+        g.node(&name, op.clone(), &[prev.as_str()]);
+        prev = name;
+    }
+    let g = g.finish(&prev);
+    let analysis = g.analyze().unwrap();
+    assert!(analysis.nodes.iter().all(|n| n.output.shape == [2, 4]));
+    let back = Graph::from_json(&g.to_json().unwrap()).unwrap();
+    assert_eq!(back, g);
+    // Left out, a parameter is torch's default.
+    let defaults: Vec<Op> = [
+        (r#"{"op":"LeakyRelu"}"#),
+        (r#"{"op":"Elu"}"#),
+        (r#"{"op":"Softplus"}"#),
+        (r#"{"op":"Hardshrink"}"#),
+        (r#"{"op":"Hardtanh"}"#),
+        (r#"{"op":"Softshrink"}"#),
+    ]
+    .iter()
+    .map(|j| serde_json::from_str(j).unwrap())
+    .collect();
+    assert_eq!(
+        defaults,
+        [
+            Op::LeakyRelu {
+                negative_slope: 0.01
+            },
+            Op::Elu { alpha: 1.0 },
+            Op::Softplus {
+                beta: 1.0,
+                threshold: 20.0
+            },
+            Op::Hardshrink { lambd: 0.5 },
+            Op::Hardtanh {
+                min_val: -1.0,
+                max_val: 1.0
+            },
+            Op::Softshrink { lambd: 0.5 }
+        ]
+    );
+    // threshold has no default in torch, nor here.
+    assert!(serde_json::from_str::<Op>(r#"{"op":"Threshold","threshold":0.5}"#).is_err());
+}

@@ -214,3 +214,216 @@ fn a_keras_style_batchnorm_momentum_is_warned_about_with_its_pytorch_equivalent(
     );
     assert!(spec(0.1).warnings().is_empty());
 }
+
+/// The graph of one `Activation` layer (`lines`) over a `[4]` input: its op.
+fn activation_op(lines: &str) -> Result<rookery_model::Op, SpecError> {
+    let g = from_toml(&format!(
+        "input_shape = [4]\n[[layers]]\ntype = \"Activation\"\n{lines}\n"
+    ))?;
+    assert_eq!(g.nodes.len(), 1);
+    Ok(g.nodes[0].op.clone())
+}
+
+#[test]
+fn every_activation_name_builds_its_op_with_torchs_defaults_or_the_arguments_given() {
+    use rookery_model::Op;
+    let cases = [
+        (
+            "name = \"relu6\"",
+            Op::Hardtanh {
+                min_val: 0.0,
+                max_val: 6.0,
+            },
+        ),
+        (
+            "name = \"leaky_relu\"",
+            Op::LeakyRelu {
+                negative_slope: 0.01,
+            },
+        ),
+        (
+            "name = \"LeakyReLU\"\nnegative_slope = 0.2",
+            Op::LeakyRelu {
+                negative_slope: 0.2,
+            },
+        ),
+        // Keras's name for the slope.
+        (
+            "name = \"leakyrelu\"\nalpha = 0.3",
+            Op::LeakyRelu {
+                negative_slope: 0.3,
+            },
+        ),
+        ("name = \"elu\"", Op::Elu { alpha: 1.0 }),
+        ("name = \"ELU\"\nalpha = 0.5", Op::Elu { alpha: 0.5 }),
+        ("name = \"selu\"", Op::Selu),
+        (
+            "name = \"softplus\"",
+            Op::Softplus {
+                beta: 1.0,
+                threshold: 20.0,
+            },
+        ),
+        (
+            "name = \"softplus\"\nbeta = 2\nthreshold = 5",
+            Op::Softplus {
+                beta: 2.0,
+                threshold: 5.0,
+            },
+        ),
+        ("name = \"softsign\"", Op::Softsign),
+        ("name = \"tanhshrink\"", Op::Tanhshrink),
+        ("name = \"tanh_shrink\"", Op::Tanhshrink),
+        ("name = \"logsigmoid\"", Op::LogSigmoid),
+        ("name = \"log_sigmoid\"", Op::LogSigmoid),
+        ("name = \"hardshrink\"", Op::Hardshrink { lambd: 0.5 }),
+        (
+            "name = \"hard_shrink\"\nlambd = 0.3",
+            Op::Hardshrink { lambd: 0.3 },
+        ),
+        (
+            "name = \"hardtanh\"",
+            Op::Hardtanh {
+                min_val: -1.0,
+                max_val: 1.0,
+            },
+        ),
+        (
+            "name = \"hard_tanh\"\nmin_val = -2\nmax_val = 3",
+            Op::Hardtanh {
+                min_val: -2.0,
+                max_val: 3.0,
+            },
+        ),
+        ("name = \"softmin\"", Op::Softmin { axis: -1 }),
+        ("name = \"softmin\"\ndim = 1", Op::Softmin { axis: 1 }),
+        ("name = \"softshrink\"", Op::Softshrink { lambd: 0.5 }),
+        (
+            "name = \"soft_shrink\"\nlambda = 1.25",
+            Op::Softshrink { lambd: 1.25 },
+        ),
+        (
+            "name = \"threshold\"\nthreshold = 0.1\nvalue = 20",
+            Op::Threshold {
+                threshold: 0.1,
+                value: 20.0,
+            },
+        ),
+        // Keras's name for the value.
+        (
+            "name = \"threshold\"\nthreshold = 0.1\ndefault_value = -1",
+            Op::Threshold {
+                threshold: 0.1,
+                value: -1.0,
+            },
+        ),
+        ("name = \"softmax\"\naxis = 1", Op::Softmax { axis: 1 }),
+    ];
+    for (lines, want) in cases {
+        assert_eq!(
+            activation_op(lines).unwrap_or_else(|e| panic!("{lines}: {e}")),
+            want,
+            "{lines}"
+        );
+    }
+    // Inside a Dense layer, by name with torch's defaults.
+    let g = from_toml(
+        "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 3\nactivation = \"elu\"\n",
+    )
+    .unwrap();
+    assert_eq!(g.nodes[1].op, Op::Elu { alpha: 1.0 });
+}
+
+#[test]
+fn an_activation_argument_it_does_not_take_is_refused_naming_it() {
+    // (lines, field, words the message must hold)
+    let cases = [
+        (
+            "name = \"relu\"\nbeta = 2",
+            "beta",
+            "not an argument of relu (it takes: none)",
+        ),
+        (
+            "name = \"elu\"\nnegative_slope = 0.2",
+            "negative_slope",
+            "not an argument of elu (it takes: alpha)",
+        ),
+        (
+            "name = \"gelu\"\naxis = 1",
+            "axis",
+            "not an argument of gelu",
+        ),
+        (
+            "name = \"softplus\"\nlambd = 1",
+            "lambd",
+            "it takes: beta, threshold",
+        ),
+        (
+            "name = \"hardshrink\"\nvalue = 1",
+            "value",
+            "it takes: lambd",
+        ),
+        (
+            "name = \"leaky_relu\"\nnegative_slope = 0.2\nalpha = 0.2",
+            "alpha",
+            "not both",
+        ),
+        (
+            "name = \"threshold\"\nthreshold = 0.5",
+            "value",
+            "threshold needs `threshold` and `value`",
+        ),
+        (
+            "name = \"threshold\"\nvalue = 0.5",
+            "threshold",
+            "has no defaults",
+        ),
+    ];
+    for (lines, field, words) in cases {
+        let e = activation_op(lines).unwrap_err();
+        assert!(
+            matches!(&e, SpecError::Field { index: 0, field: f, .. } if f == field),
+            "{lines}: {e}"
+        );
+        assert!(e.to_string().contains(words), "{lines}: {e}");
+    }
+    // A name no activation takes, by serde, naming it.
+    let e = activation_op("name = \"leaky_relu\"\nslope = 0.2").unwrap_err();
+    assert!(e.to_string().contains("unknown field `slope`"), "{e}");
+    // threshold has no defaults, so not as a Dense layer's activation either.
+    let e = err(
+        "input_shape = [4]\n[[layers]]\ntype = \"Dense\"\nunits = 3\nactivation = \"threshold\"\n",
+    );
+    assert!(e.to_string().contains("has no defaults"), "{e}");
+    let e = activation_op("name = \"swishy\"").unwrap_err();
+    assert!(e.to_string().contains("softshrink, threshold"), "{e}");
+}
+
+#[test]
+fn activation_parameters_torch_refuses_are_refused() {
+    // (lines, words)
+    let cases = [
+        (
+            "name = \"softshrink\"\nlambd = -0.5",
+            "lambd = -0.5 must be >= 0",
+        ),
+        (
+            "name = \"hardtanh\"\nmin_val = 2\nmax_val = 1",
+            "must not exceed max_val",
+        ),
+        ("name = \"softplus\"\nbeta = 0", "beta must not be 0"),
+        ("name = \"elu\"\nalpha = inf", "must be finite"),
+        (
+            "name = \"threshold\"\nthreshold = nan\nvalue = 0",
+            "must be finite",
+        ),
+    ];
+    for (lines, words) in cases {
+        let e = activation_op(lines).unwrap_err();
+        assert!(
+            matches!(e, SpecError::Graph { index: 0, .. }),
+            "{lines}: {e}"
+        );
+        assert!(e.to_string().contains(words), "{lines}: {e}");
+    }
+}

@@ -690,3 +690,47 @@ fn no_cut_sends_a_tensor_without_a_batch_dimension() {
         }
     }
 }
+
+/// The demo's plan: the MNIST CNN cut into 3 stages on each of 2 clusters
+/// of identical providers. Every cluster gets the same bottleneck, and no
+/// stage only relays (no parameters, next to no compute) while the others
+/// do all the work.
+#[test]
+fn identical_clusters_get_equally_good_chains_without_a_stage_that_only_relays() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mnist-cnn.toml");
+    let g =
+        rookery_model::load::load_model_file(std::path::Path::new(path), Some(&[1, 28, 28]), 16)
+            .unwrap()
+            .graph;
+    let provs: Vec<ProviderSpec> = (0..6)
+        .map(|i| {
+            provider(
+                &format!("p{i}"),
+                ProviderKind::Native,
+                1 << 13,
+                30.0,
+                1000.0,
+            )
+        })
+        .collect();
+    let options = PlanOptions {
+        stages_per_cluster: Some(3),
+        ..opts(16, ClusterCount::Fixed(2))
+    };
+    let plan = clusterize(&g, &provs, &options).unwrap();
+    check_plan(&g, &provs, &plan);
+    let bottleneck =
+        |c: &rookery_plan::Cluster| c.stages.iter().map(|s| s.compute_s).fold(0.0, f64::max);
+    let (a, b) = (bottleneck(&plan.clusters[0]), bottleneck(&plan.clusters[1]));
+    assert!((a - b).abs() <= 1e-9 * a.max(b), "{}", render(&plan));
+    for cluster in &plan.clusters {
+        let most = bottleneck(cluster);
+        for s in &cluster.stages {
+            assert!(
+                !s.params.is_empty() || s.compute_s > 0.1 * most,
+                "a stage that only relays: {}",
+                render(&plan)
+            );
+        }
+    }
+}

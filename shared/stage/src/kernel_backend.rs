@@ -17,6 +17,25 @@ use rookery_proto::{ParamOptimState, WireDType};
 use crate::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, WorkerError};
 use crate::{HostTensor, StageError};
 
+/// Optimizer state as it crossed the wire, decoded for the executor.
+fn optimizer_states(states: &[ParamOptimState]) -> Result<Vec<ParamOptimizerState>, String> {
+    states
+        .iter()
+        .map(|s| {
+            let slots = s
+                .slots
+                .iter()
+                .map(|t| Ok((t.name.clone(), from_wire(t).map_err(|e| e.to_string())?)))
+                .collect::<Result<_, String>>()?;
+            Ok(ParamOptimizerState {
+                name: s.name.clone(),
+                steps: s.steps,
+                slots,
+            })
+        })
+        .collect()
+}
+
 /// Builds [`StageExecutor`]s on one device, shared by every stage this
 /// provider is assigned over time.
 pub struct OwnFactory<D: Device> {
@@ -101,23 +120,7 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
         )
         .map_err(|e| e.to_string())?;
         if !spec.optimizer_state.is_empty() {
-            let states = spec
-                .optimizer_state
-                .iter()
-                .map(|s| {
-                    let slots = s
-                        .slots
-                        .iter()
-                        .map(|t| Ok((t.name.clone(), from_wire(t).map_err(|e| e.to_string())?)))
-                        .collect::<Result<_, String>>()?;
-                    Ok(ParamOptimizerState {
-                        name: s.name.clone(),
-                        steps: s.steps,
-                        slots,
-                    })
-                })
-                .collect::<Result<Vec<_>, String>>()?;
-            exec.restore_optimizer_state(&states)
+            exec.restore_optimizer_state(&optimizer_states(spec.optimizer_state)?)
                 .map_err(|e| e.to_string())?;
         }
         Ok(exec)
@@ -212,6 +215,14 @@ impl<D: Device> Backend for StageExecutor<D> {
             .map(|t| Ok((t.name.clone(), self.decode(t)?)))
             .collect::<Result<Vec<_>, StageError>>()?;
         StageExecutor::set_parameters(self, &values)
+    }
+
+    fn set_optimizer_state(&mut self, states: &[ParamOptimState]) -> Result<(), StageError> {
+        let states = optimizer_states(states).map_err(|reason| StageError::Input {
+            name: "optimizer state".into(),
+            reason,
+        })?;
+        self.restore_optimizer_state(&states)
     }
 
     async fn optimizer_state(&mut self) -> Result<Vec<ParamOptimState>, StageError> {

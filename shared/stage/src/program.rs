@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use rookery_kernels::conv::Conv2d;
 use rookery_kernels::dropout::{self, DropoutMask};
-use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand};
+use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_kernels::gemm::{Linear, MatMul};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
@@ -368,6 +368,21 @@ impl Lowering<'_> {
                 let s = self.softmax(k, op, ins, *axis)?;
                 (Kernel::Softmax(s), vec![Buf::Value(ins[0]), out])
             }
+            // torch's softmin: the softmax of `-x`. The negation goes to a
+            // buffer of the micro-batch (a forward has no scratch space);
+            // the backward needs only the output.
+            Op::Softmin { axis } => {
+                let s = self.softmax(k, op, ins, *axis)?;
+                let negated = self.saved(y_len);
+                self.calls.push((
+                    Kernel::Unary {
+                        op: Unary::Neg,
+                        len: y_len,
+                    },
+                    vec![Buf::Value(ins[0]), negated],
+                ));
+                (Kernel::Softmax(s), vec![negated, out])
+            }
             Op::Transpose { perm } => {
                 let t = Transpose::new(self.shape(ins[0]), perm).ok_or_else(|| {
                     self.unsupported(k, op, "not a permutation of the dimensions")
@@ -632,6 +647,26 @@ impl Lowering<'_> {
                 let y = Buf::Value(Source::Local(k));
                 self.contribute(ins[0], |_, dest| {
                     vec![(Kernel::SoftmaxBackward(s), vec![y, dy, dest])]
+                });
+            }
+            // Softmax's backward from the output, then the negation's.
+            Op::Softmin { axis } => {
+                let s = self.softmax(k, op, ins, *axis)?;
+                let y = Buf::Value(Source::Local(k));
+                let len = numel(&self.local_shapes[k]);
+                self.contribute(ins[0], |l, dest| {
+                    let t = l.temp(len);
+                    l.free_temps.push((t, len));
+                    vec![
+                        (Kernel::SoftmaxBackward(s), vec![y, dy, Buf::Temp(t)]),
+                        (
+                            Kernel::UnaryBackward {
+                                op: Unary::Neg,
+                                len,
+                            },
+                            vec![Buf::Value(ins[0]), Buf::Temp(t), dest],
+                        ),
+                    ]
                 });
             }
             Op::Transpose { perm } => {

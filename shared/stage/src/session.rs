@@ -77,6 +77,8 @@ impl SessionPolicy {
             credential: None,
             requester_token: None,
             donor: None,
+            // Uncapped; a donating tab sets its donor's cap.
+            duty_cycle: 1.0,
         }
     }
 
@@ -399,6 +401,7 @@ impl ProviderSession {
                 | ToProvider::Backward(_)
                 | ToProvider::UploadParams { .. }
                 | ToProvider::SetParams(_)
+                | ToProvider::SetOptimizerState(_)
                 | ToProvider::Release { .. }
                 | ToProvider::GradScale(_)),
             ) => Some(Action::Train(message)),
@@ -444,6 +447,7 @@ fn kind(message: &ToProvider) -> &'static str {
         ToProvider::Backward(_) => "Backward",
         ToProvider::UploadParams { .. } => "UploadParams",
         ToProvider::SetParams(_) => "SetParams",
+        ToProvider::SetOptimizerState(_) => "SetOptimizerState",
         ToProvider::Release { .. } => "Release",
         ToProvider::Probe { .. } => "Probe",
         ToProvider::GradScale(_) => "GradScale",

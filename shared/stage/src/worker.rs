@@ -121,6 +121,10 @@ pub trait Backend {
     fn optimizer_state(
         &mut self,
     ) -> impl Future<Output = Result<Vec<ParamOptimState>, Self::Error>>;
+    /// Replaces the optimizer state of the parameters named (what
+    /// [`Backend::optimizer_state`] gave, averaged over clusters at a sync);
+    /// the others keep theirs.
+    fn set_optimizer_state(&mut self, states: &[ParamOptimState]) -> Result<(), Self::Error>;
     /// The Leaf's loss of output `y` against `labels` in a step whose mean
     /// divides by `step_targets` (`Forward::step_targets`).
     fn leaf_loss(
@@ -277,6 +281,7 @@ pub fn job_of(message: &ToProvider) -> Option<u64> {
         ToProvider::Backward(b) => Some(b.job_id),
         ToProvider::UploadParams { job_id, .. } | ToProvider::Release { job_id } => Some(*job_id),
         ToProvider::SetParams(p) => Some(p.job_id),
+        ToProvider::SetOptimizerState(o) => Some(o.job_id),
         ToProvider::GradScale(g) => Some(g.job_id),
         ToProvider::Welcome { .. }
         | ToProvider::Heartbeat { .. }
@@ -307,6 +312,7 @@ fn describe(message: &ToProvider) -> String {
         }
         ToProvider::UploadParams { step, .. } => format!("UploadParams at step {step}"),
         ToProvider::SetParams(p) => format!("SetParams at step {}", p.step),
+        ToProvider::SetOptimizerState(o) => format!("SetOptimizerState at step {}", o.step),
         ToProvider::GradScale(g) => format!("GradScale of step {}", g.step),
         ToProvider::Assign(_) => "Assign".into(),
         ToProvider::Release { .. } => "Release".into(),
@@ -491,6 +497,9 @@ impl<B: Backend> Stage<B> {
                 Ok(())
             }
             ToProvider::SetParams(p) => self.set_params(&p),
+            ToProvider::SetOptimizerState(o) => {
+                self.exec.set_optimizer_state(&o.params).map_err(backend)
+            }
             ToProvider::GradScale(g) => self.grad_scale(g, out).await,
             other => Err(protocol(format!(
                 "{} is not a stage message",

@@ -15,6 +15,7 @@
 //! autograd graph never reaches outside the stage: this is what lets the
 //! stages live in different processes.
 
+mod activations;
 pub mod loss;
 mod ops;
 pub mod optim;
@@ -28,6 +29,7 @@ use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
 pub use rookery_stage::StageError;
 use tch::{Device, Kind, Tensor};
 
+pub use activations::activation;
 pub use loss::{LossOutput, loss_targets, micro_batch_loss};
 pub use optim::{OptimizerConfig, TorchOptimizer};
 

@@ -5,6 +5,7 @@
 //! micro-batches draws the same mask as one pass over the whole batch.
 
 use rookery_kernels::dropout;
+use rookery_kernels::elementwise::Unary;
 use rookery_model::Op;
 use tch::{Kind, Tensor};
 
@@ -80,6 +81,7 @@ pub(crate) fn supported(op: &Op) -> bool {
                 | Op::Div
                 | Op::Softmax { .. }
                 | Op::LogSoftmax { .. }
+                | Op::Softmin { .. }
                 | Op::Conv2d { .. }
                 | Op::MaxPool2d { .. }
                 | Op::AvgPool2d { .. }
@@ -128,6 +130,9 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
         Op::Log => x.f_log()?,
         Op::Softmax { axis } => x.f_softmax(*axis, None::<Kind>)?,
         Op::LogSoftmax { axis } => x.f_log_softmax(*axis, None::<Kind>)?,
+        // torch.nn.functional.softmin: `(-x).softmax(dim)`.
+        Op::Softmin { axis } => x.f_neg()?.f_softmax(*axis, None::<Kind>)?,
+        _ if let Some(Unary::Activation(a)) = op.as_unary() => super::activation(x, a)?,
         Op::Conv2d {
             stride,
             padding,

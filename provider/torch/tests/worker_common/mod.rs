@@ -114,6 +114,7 @@ pub fn assignment(
         optimizer_state: Vec::new(),
         lr_schedule: job.lr_schedule,
         clip_grad_norm: job.clip_grad_norm,
+        public_name: None,
     }
 }
 

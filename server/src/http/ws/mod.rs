@@ -379,6 +379,8 @@ fn validate_hello(hello: Hello) -> Result<Hello, Ending> {
         Some("device description must have at most 256 characters")
     } else if !hello.gflops.is_finite() || hello.gflops <= 0.0 {
         Some("measured GFLOP/s must be a positive finite number")
+    } else if !rookery_proto::valid_duty_cycle(hello.duty_cycle) {
+        Some("the duty cycle must be from 0.1 to 1")
     } else if hello.memory_bytes == 0 {
         Some("memory must be more than 0 bytes")
     } else if hello.max_buffer_bytes.is_some_and(|b| b < MIN_BUFFER_LIMIT) {
@@ -599,6 +601,19 @@ where
                 let message = bounded_text(&message);
                 break Ending::Left(format!("provider gave up ({code:?}): {message}"));
             }
+            Ok(ToServer::DutyCycle { duty_cycle }) => {
+                if !rookery_proto::valid_duty_cycle(duty_cycle) {
+                    break Ending::rejected(
+                        ErrorCode::BadFrame,
+                        close_code::POLICY,
+                        format!("a duty cycle must be from 0.1 to 1, not {duty_cycle}"),
+                    );
+                }
+                state
+                    .coordinator
+                    .send(Event::DutyCycle { id, duty_cycle })
+                    .await;
+            }
             Ok(message) => {
                 let message = with_bounded_text(message);
                 if let Err(problem) = owed.announce(&message) {
@@ -733,6 +748,7 @@ fn message_kind(message: &ToProvider) -> &'static str {
         ToProvider::Forward(_) => "Forward",
         ToProvider::Backward(_) => "Backward",
         ToProvider::SetParams(_) => "SetParams",
+        ToProvider::SetOptimizerState(_) => "SetOptimizerState",
         _ => "other",
     }
 }

@@ -37,6 +37,7 @@ fn hello() -> Hello {
         credential: None,
         requester_token: None,
         donor: None,
+        duty_cycle: 1.0,
     }
 }
 
@@ -406,6 +407,20 @@ async fn invalid_hellos_are_refused_with_the_reason() {
         ),
         (
             Hello {
+                duty_cycle: 0.05,
+                ..hello()
+            },
+            "duty cycle",
+        ),
+        (
+            Hello {
+                duty_cycle: f64::NAN,
+                ..hello()
+            },
+            "duty cycle",
+        ),
+        (
+            Hello {
                 donor: Some(DonorCard {
                     name: " ".into(),
                     team: None,
@@ -560,6 +575,52 @@ async fn frames_over_the_limit_close_with_too_big() {
     assert!(
         matches!(&replies[1], Message::Close(Some(frame)) if frame.code == close_code::TOO_BIG)
     );
+}
+
+#[tokio::test]
+async fn a_new_duty_cycle_reaches_the_planner_and_one_out_of_range_drops_the_provider() {
+    let state = state();
+    let (out_tx, mut out_rx) = mpsc::unbounded();
+    let (in_tx, in_rx) = mpsc::unbounded();
+    for message in [
+        ToServer::Hello(hello()),
+        ToServer::DutyCycle { duty_cycle: 0.5 },
+        ToServer::Heartbeat { seq: 1 },
+    ] {
+        in_tx.unbounded_send(binary(&message)).unwrap();
+    }
+    let served = tokio::spawn({
+        let state = state.clone();
+        async move { serve_provider(out_tx, in_rx, state, None).await }
+    });
+    // The heartbeat is answered after the cap went to the coordinator,
+    // whose queue answers the snapshot after it.
+    while decode_reply(out_rx.next().await.unwrap()) != (ToProvider::Heartbeat { seq: 1 }) {}
+    let live = state.coordinator.snapshot().await;
+    assert_eq!(live.len(), 1);
+    assert_eq!(live[0].hello.duty_cycle, 0.5);
+    in_tx
+        .unbounded_send(binary(&ToServer::DutyCycle { duty_cycle: 0.01 }))
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("the connection ends")
+        .unwrap();
+    let replies: Vec<ToProvider> = out_rx
+        .collect::<Vec<Message>>()
+        .await
+        .into_iter()
+        .filter(|m| matches!(m, Message::Binary(_)))
+        .map(decode_reply)
+        .collect();
+    let Some(ToProvider::Error(error)) = replies.last() else {
+        panic!("expected an error, got {replies:?}");
+    };
+    assert_eq!(error.code, ErrorCode::BadFrame);
+    assert!(error.message.contains("duty cycle"), "{}", error.message);
+    let record = providers::get(&state.db, 1).await.unwrap().unwrap();
+    assert!(record.gone.unwrap().reason.contains("duty cycle"));
+    drop(in_tx);
 }
 
 #[tokio::test]

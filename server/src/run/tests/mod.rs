@@ -5,6 +5,7 @@
 
 mod clip;
 mod labels;
+mod outer;
 mod recovery;
 mod relay;
 mod residual;
@@ -97,7 +98,11 @@ fn spec() -> JobSpec {
             lr_schedule: rookery_model::LrSchedule::default(),
             clip_grad_norm: None,
             verify_rate: 0.0,
+            val_every: None,
+            average_optimizer: false,
+            outer_optimizer: None,
         },
+        public_name: None,
     }
 }
 

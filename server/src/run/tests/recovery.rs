@@ -262,3 +262,52 @@ fn a_run_resumed_from_a_resume_point_finishes_as_the_undisturbed_one() {
     assert_eq!(sim.steps(), reference.steps()[4..]);
     assert_eq!(sim.completed(), reference.completed());
 }
+
+/// Ravnest's `val_freq`: with `val_every`, the test set is evaluated at
+/// every multiple of it as well as at each epoch's end, each after a sync
+/// (in the foreground even with one cluster, whose syncs otherwise run
+/// beside training), and training goes on from the step evaluated.
+#[test]
+fn val_every_evaluates_at_its_multiples_and_each_epochs_end_after_a_sync() {
+    // (clusters, val_every, (epoch, step) of each evaluation)
+    type Case = (usize, Option<u64>, &'static [(u64, u64)]);
+    let cases: [Case; 4] = [
+        (2, None, &[(0, 4), (1, 8)]),
+        (2, Some(3), &[(0, 3), (0, 4), (1, 6), (1, 8)]),
+        (1, None, &[(0, 8), (1, 16)]),
+        (1, Some(5), &[(0, 5), (0, 8), (1, 10), (1, 15), (1, 16)]),
+    ];
+    for (clusters, val_every, want) in cases {
+        let (mut run, effects) = recovery_run_with(clusters, None);
+        run.spec.training.val_every = val_every;
+        let mut sim = Sim::new(10..10 + 2 * clusters as u64);
+        sim.push(effects);
+        sim.run_until(&mut run, JobRun::is_over);
+        let evaluated: Vec<(u64, u64)> = sim
+            .out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Epoch(r) => Some((r.epoch, r.step)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            evaluated, want,
+            "{clusters} clusters, val_every {val_every:?}"
+        );
+        let resumes: BTreeSet<u64> = sim
+            .out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::ResumePoint(r) => Some(r.step),
+                _ => None,
+            })
+            .collect();
+        for (_, step) in want {
+            assert!(resumes.contains(step), "no sync at {step}: {resumes:?}");
+        }
+        let steps: Vec<u64> = sim.steps().iter().map(|s| s.0).collect();
+        assert_eq!(steps, (0..8 * (3 - clusters as u64)).collect::<Vec<_>>());
+        assert!(sim.completed().is_some());
+    }
+}

@@ -20,6 +20,8 @@ pub(super) struct Sim {
     pub(super) assigns: Vec<(u64, Assignment)>,
     /// Each stage's compute per step, times its `slow`.
     pub(super) step_ms: f64,
+    /// Every SetParams a live stage got, as (provider, step).
+    pub(super) set_params: Vec<(u64, u64)>,
 }
 
 pub(super) struct FakeStage {
@@ -87,6 +89,10 @@ impl Sim {
     }
 
     pub(super) fn completed(&self) -> Option<&Vec<WireTensor>> {
+        self.trained().map(|w| &w.combined)
+    }
+
+    pub(super) fn trained(&self) -> Option<&TrainedWeights> {
         self.out.iter().find_map(|e| match e {
             Effect::Completed(w) => Some(w),
             _ => None,
@@ -95,6 +101,11 @@ impl Sim {
 
     pub(super) fn answer(&mut self, p: u64, m: ToProvider) -> Vec<ToServer> {
         let job_id = 1;
+        if let ToProvider::SetParams(set) = &m
+            && self.stages.contains_key(&p)
+        {
+            self.set_params.push((p, set.step));
+        }
         if let ToProvider::Assign(a) = m {
             self.assigns.push((p, (*a).clone()));
             let params = a

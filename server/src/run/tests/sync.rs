@@ -175,3 +175,150 @@ fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_paramet
         assert_eq!(run.params[&name].data.as_ptr(), at, "`{name}` was copied");
     }
 }
+
+/// Every stage of `run` sends optimizer state for the sync of step 1, each
+/// slot of cluster `c` all `value(c)`, its step count `steps(c)`.
+fn optimizer_all(run: &mut JobRun, value: impl Fn(usize) -> f32, steps: impl Fn(usize) -> u64) {
+    for c in 0..run.clusters.len() {
+        for stage in 0..run.clusters[c].stages.len() {
+            let params = run.clusters[c].stages[stage]
+                .params
+                .iter()
+                .map(|n| {
+                    let shape = run.params[n].shape.clone();
+                    let len = shape.iter().product();
+                    let slot = |name: &str| {
+                        WireTensor::from_f32(name, &shape, &vec![value(c); len], WireDType::F32)
+                    };
+                    ParamOptimState {
+                        name: n.clone(),
+                        steps: steps(c),
+                        slots: vec![slot("exp_avg"), slot("exp_avg_sq")],
+                    }
+                })
+                .collect();
+            let provider = run.clusters[c].stages[stage].provider;
+            let effects = run.on_message(
+                provider,
+                ToServer::OptimizerState(OptimizerState {
+                    job_id: 1,
+                    step: 1,
+                    params,
+                }),
+            );
+            assert!(faults(&effects).is_empty(), "{effects:?}");
+        }
+    }
+}
+
+#[test]
+fn average_optimizer_combines_the_clusters_moments_and_sends_them_before_the_parameters() {
+    for average in [false, true] {
+        let (mut run, _) = started_with(2, Aggregation::Mean);
+        run.spec.training.average_optimizer = average;
+        syncing(&mut run);
+        optimizer_all(&mut run, |c| [2.0, 6.0][c], |c| [1, 3][c]);
+        let effects = upload_all(&mut run, |c| [1.0, 3.0][c]);
+        let sent = sends(&effects);
+        let states: Vec<(u64, &OptimizerState)> = sent
+            .iter()
+            .filter_map(|(p, m)| match m {
+                ToProvider::SetOptimizerState(o) => Some((*p, o)),
+                _ => None,
+            })
+            .collect();
+        let resume = effects
+            .iter()
+            .find_map(|e| match e {
+                Effect::ResumePoint(r) => Some(r),
+                _ => None,
+            })
+            .unwrap();
+        if !average {
+            assert!(states.is_empty(), "{states:?}");
+            // Each cluster keeps its own moments in the checkpoint.
+            let first = |c: usize| resume.optimizer[c][0].slots[0].to_f32().unwrap()[0];
+            assert_eq!((first(0), first(1)), (2.0, 6.0));
+            continue;
+        }
+        // Every stage of both clusters gets the mean of its parameters' state.
+        assert_eq!(states.len(), 4, "{states:?}");
+        for (provider, o) in &states {
+            let (c, s) = run.locate(*provider).unwrap();
+            let names: Vec<&String> = o.params.iter().map(|p| &p.name).collect();
+            assert_eq!(
+                names,
+                run.clusters[c].stages[s].params.iter().collect::<Vec<_>>()
+            );
+            for p in &o.params {
+                assert_eq!(p.steps, 3);
+                for slot in &p.slots {
+                    assert!(slot.to_f32().unwrap().iter().all(|&v| v == 4.0), "{slot:?}");
+                }
+            }
+            // Sent before the same stage's SetParams.
+            let at = |f: &dyn Fn(&ToProvider) -> bool| {
+                sent.iter()
+                    .position(|(p, m)| p == provider && f(m))
+                    .unwrap()
+            };
+            assert!(
+                at(&|m| matches!(m, ToProvider::SetOptimizerState(_)))
+                    < at(&|m| matches!(m, ToProvider::SetParams(_)))
+            );
+        }
+        // The checkpoint holds the combined state for each cluster.
+        for cluster in &resume.optimizer {
+            assert!(
+                cluster
+                    .iter()
+                    .all(|p| p.slots[1].to_f32().unwrap()[0] == 4.0)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_job_with_several_clusters_ends_with_each_clusters_own_weights_beside_the_combined() {
+    let (mut run, _) = started_with(2, Aggregation::Mean);
+    run.total_steps = 1;
+    syncing(&mut run);
+    let effects = upload_all(&mut run, |c| [1.0, 3.0][c]);
+    let trained = effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Completed(w) => Some(w),
+            _ => None,
+        })
+        .expect("the last sync completes the job");
+    assert_eq!(trained.clusters.len(), 2);
+    let names = |w: &[WireTensor]| w.iter().map(|t| t.name.clone()).collect::<BTreeSet<_>>();
+    for (c, want) in [(0, 1.0), (1, 3.0)] {
+        let own = &trained.clusters[c];
+        assert_eq!(names(own), names(&trained.combined), "cluster {c}");
+        assert!(
+            own.iter()
+                .all(|t| t.to_f32().unwrap().iter().all(|&v| v == want))
+        );
+    }
+    assert!(
+        trained
+            .combined
+            .iter()
+            .all(|t| t.to_f32().unwrap().iter().all(|&v| v == 2.0))
+    );
+
+    // One cluster's weights are the combined ones: nothing kept twice.
+    let (mut single, _) = started_with(1, Aggregation::Mean);
+    single.total_steps = 1;
+    syncing(&mut single);
+    let effects = upload_all(&mut single, |_| 1.0);
+    let trained = effects
+        .iter()
+        .find_map(|e| match e {
+            Effect::Completed(w) => Some(w),
+            _ => None,
+        })
+        .unwrap();
+    assert!(trained.clusters.is_empty());
+}

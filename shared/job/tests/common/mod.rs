@@ -3,6 +3,8 @@
 //! formats rather than against themselves.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod example;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

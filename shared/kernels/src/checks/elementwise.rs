@@ -13,6 +13,19 @@ pub fn unary(op: Unary, len: usize, seed: u64) -> Check {
         .iter()
         .map(|v| op.domain(v * 4.0))
         .collect();
+    unary_at(op, x, seed, &format!("[{len}]"))
+}
+
+/// Forward and backward of an activation at its kinks ([`Unary::kinks`]),
+/// where the kernel must take the branch torch takes; `None` for an op
+/// without any.
+pub fn unary_kinks(op: Unary, seed: u64) -> Option<Check> {
+    let x = op.kinks();
+    (!x.is_empty()).then(|| unary_at(op, x, seed, "[kinks]"))
+}
+
+fn unary_at(op: Unary, x: Vec<f32>, seed: u64, what: &str) -> Check {
+    let len = x.len();
     let dy = sample_matrix(len, seed ^ 0x55);
     let (want_y, want_dx) = (op.reference(&x), op.reference_backward(&x, &dy));
     let (y_bound, dx_bound) = op.error_bounds(&x, &dy);
@@ -23,7 +36,7 @@ pub fn unary(op: Unary, len: usize, seed: u64) -> Check {
     c.step(op.backward(len), [x, dy, dx]);
     c.expect_within("y", y, want_y, y_bound);
     c.expect_within("dx", dx, want_dx, dx_bound);
-    c.build(format!("{}[{len}]", op.name()))
+    c.build(format!("{}{what}", op.label()))
 }
 
 /// Forward and both backwards of a broadcast binary op.

@@ -20,7 +20,7 @@ mod shape;
 mod standard;
 
 pub use conv::{conv_cases, conv2d};
-pub use elementwise::{binary, dropout, unary};
+pub use elementwise::{binary, dropout, unary, unary_kinks};
 pub use gemm::{linear, matmul};
 pub use loss::{cross_entropy, mse, softmax};
 pub use norm::{BatchNormInputs, batch_norm, batch_norm_inputs, layer_norm, layer_norm_around};

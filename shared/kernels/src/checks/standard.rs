@@ -3,7 +3,7 @@
 use super::{
     Check, batch_norm, binary, concat, conv_cases, conv2d, cross_entropy, dropout, gather,
     global_avg_pool, layer_norm, layer_norm_around, linear, matmul, mse, optimizer, pool2d,
-    softmax, transpose, unary,
+    softmax, transpose, unary, unary_kinks,
 };
 use crate::elementwise::{BINARY_OPS, UNARIES};
 use crate::gemm::{AUTO_CANDIDATES, Tiling};
@@ -28,6 +28,7 @@ pub fn standard_checks() -> Vec<Check> {
         for len in [1, 63, 1000, 4097] {
             checks.push(unary(op, len, i as u64 * 10 + len as u64));
         }
+        checks.extend(unary_kinks(op, i as u64));
     }
     for (i, op) in BINARY_OPS.into_iter().enumerate() {
         for (j, (a, b)) in BROADCAST_CASES.iter().enumerate() {

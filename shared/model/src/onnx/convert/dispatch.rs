@@ -13,6 +13,9 @@ impl Importer<'_> {
     /// Maps a node that computes on run-time tensors onto Rookery ops.
     pub(super) fn convert(&mut self, here: &mut Here) -> Result<(), OnnxError> {
         let op = here.op;
+        if self.symbolic_node(here)? {
+            return Ok(());
+        }
         match op {
             "Gemm" => self.gemm(here),
             "Add" | "Sub" | "Mul" | "Div" => {
@@ -63,6 +66,8 @@ impl Importer<'_> {
                 let x = self.tensor_input(here, 0)?;
                 self.emit(here, &here.out, rop, vec![x])
             }
+            "LeakyRelu" | "Elu" | "Selu" | "Softplus" | "Softsign" | "Shrink" | "Clip"
+            | "ThresholdedRelu" => self.activation(here),
             "Softmax" | "LogSoftmax" => {
                 let rank = self.input_info(here, 0)?.shape.len();
                 // Before opset 13 these flattened the input at `axis` (default 1),

@@ -9,9 +9,12 @@
 //!
 //! Here: the importer's state, the per-node loop and the value lookups every
 //! translation uses; `read` reads initializers, graph inputs and outputs,
-//! `dispatch` maps each ONNX op onto Rookery ops and `layers` holds the ops
-//! with weights or windows (Gemm, Conv, pooling, BatchNorm, Dropout).
+//! `dispatch` maps each ONNX op onto Rookery ops, `layers` holds the ops
+//! with weights or windows (Gemm, Conv, pooling, BatchNorm, Dropout) and
+//! `activations` the activations beyond ReLU, GELU, sigmoid and tanh,
+//! including the spellings PyTorch's exporters write for them.
 
+mod activations;
 mod dispatch;
 mod layers;
 mod read;
@@ -33,12 +36,14 @@ use crate::tensor::{DType, TensorInfo};
 
 /// ONNX ops the importer maps onto Rookery ops (besides the ones it folds).
 const SUPPORTED: &str = "Gemm, MatMul, Add, Sub, Mul, Div, Relu, Gelu, Sigmoid, Tanh, Neg, Abs, \
-    Sqrt, Reciprocal, Exp, Log, Softmax, \
+    Sqrt, Reciprocal, Exp, Log, LeakyRelu, Elu, Selu (its default constants), Softplus, Softsign, \
+    Shrink (bias 0 or lambd), Clip (constant bounds), ThresholdedRelu, Softmax, \
     LogSoftmax, Conv, MaxPool, AveragePool, GlobalAveragePool, ReduceMean (global pooling), \
     BatchNormalization, LayerNormalization, Flatten, Reshape, Squeeze, Unsqueeze, Transpose, \
     Concat, Dropout, Gather, Identity, Cast, Split, SplitToSequence with SequenceAt, Slice (step 1); \
     and, when their inputs are known at import time, Constant, Shape, Size, Range, ConstantOfShape, Expand, Where, Mod, Sqrt and other \
-    shape arithmetic";
+    shape arithmetic; comparisons, Sign and Where of run-time tensors only as PyTorch's exporters \
+    spell softplus, threshold, hardshrink and softshrink";
 
 /// ONNX ops [`Importer::convert`] maps onto Rookery ops (where their inputs
 /// are computed at run time).
@@ -59,6 +64,14 @@ pub(crate) const LOWERED: &[&str] = &[
     "Reciprocal",
     "Exp",
     "Log",
+    "LeakyRelu",
+    "Elu",
+    "Selu",
+    "Softplus",
+    "Softsign",
+    "Shrink",
+    "Clip",
+    "ThresholdedRelu",
     "Softmax",
     "LogSoftmax",
     "Conv",
@@ -104,6 +117,14 @@ enum Val {
     },
     /// A `SplitToSequence` of a run-time tensor, its parts emitted as read.
     Sequence(Parts),
+    /// Computed from run-time tensors by ops Rookery has no kernels for
+    /// (comparisons, `Where`), kept as an expression until it completes an
+    /// activation's spelling (`activations`); `node` and `op` first made it.
+    Pending {
+        sym: activations::Sym,
+        node: String,
+        op: String,
+    },
 }
 
 /// The parts a `SplitToSequence` cut, for `SequenceAt` to name one.
@@ -173,6 +194,8 @@ pub(crate) struct Importer<'a> {
     /// Folded constants that real ops read, in first-use order.
     constants: Vec<Param>,
     nodes: Vec<Node>,
+    /// Index in `nodes` of the node computing each tensor.
+    produced: HashMap<String, usize>,
     warnings: Vec<String>,
     /// Evidence that the file was exported for inference, for one warning.
     inference_signs: Vec<String>,
@@ -198,6 +221,7 @@ impl<'a> Importer<'a> {
             synthesized: Vec::new(),
             constants: Vec::new(),
             nodes: Vec::new(),
+            produced: HashMap::new(),
             warnings: Vec::new(),
             inference_signs: Vec::new(),
             bound: Vec::new(),
@@ -301,6 +325,18 @@ impl<'a> Importer<'a> {
             &outputs,
         );
         let nodes = prune(nodes, &outputs);
+        // Constants only pruned nodes read (an activation's spelled-out
+        // arithmetic, fused into one op) go with them.
+        let read: std::collections::HashSet<&str> = nodes
+            .iter()
+            .flat_map(|n| n.inputs.iter().map(String::as_str))
+            .chain(outputs.iter().map(String::as_str))
+            .collect();
+        let constants = std::mem::take(&mut self.constants);
+        self.constants = constants
+            .into_iter()
+            .filter(|p| read.contains(p.name.as_str()))
+            .collect();
         let graph = Graph {
             inputs: self.graph_inputs(graph),
             params: self.params(),
@@ -455,7 +491,7 @@ impl<'a> Importer<'a> {
             Val::Const(t, _) => Some(&t.shape),
             Val::Var(i) => Some(&self.inits[*i].tensor.shape),
             Val::Graph(info) => Some(&info.shape),
-            Val::Missing { .. } | Val::Sequence(_) => None,
+            Val::Missing { .. } | Val::Sequence(_) | Val::Pending { .. } => None,
         }
     }
 
@@ -470,7 +506,7 @@ impl<'a> Importer<'a> {
                 dtype: dtype_of(self.inits[*i].tensor.elem),
             }),
             Val::Graph(info) => Some(info.clone()),
-            Val::Missing { .. } | Val::Sequence(_) => None,
+            Val::Missing { .. } | Val::Sequence(_) | Val::Pending { .. } => None,
         }
     }
 
@@ -516,7 +552,7 @@ impl<'a> Importer<'a> {
                 }
                 name.clone()
             }
-            Val::Missing { .. } | Val::Sequence(_) => {
+            Val::Missing { .. } | Val::Sequence(_) | Val::Pending { .. } => {
                 return Err(self.node_err(here, format!("input `{name}` is unavailable")));
             }
         })
@@ -567,6 +603,7 @@ impl<'a> Importer<'a> {
             OpError::Shape(reason) => self.node_err(here, format!("shape mismatch: {reason}")),
             OpError::Invalid(reason) => self.node_err(here, reason),
         })?;
+        self.produced.insert(name.to_string(), self.nodes.len());
         self.nodes.push(Node {
             name: name.to_string(),
             op,

@@ -421,6 +421,19 @@ impl Importer<'_> {
                     self.file,
                     o.name()
                 )),
+                Some(Val::Pending { node, op, .. }) => {
+                    return Err(OnnxError::Unsupported {
+                        file: self.file.to_string(),
+                        node: node.clone(),
+                        op: op.clone(),
+                        reason: format!(
+                            "graph output `{}` is computed by {op} of run-time tensors, which \
+                             Rookery runs only within the activations PyTorch's exporters spell \
+                             with it (softplus, threshold, hardshrink, softshrink)",
+                            o.name()
+                        ),
+                    });
+                }
                 Some(Val::Sequence(_)) => {
                     return Err(self.model_err(format!(
                         "graph output `{}` is a sequence of tensors; Rookery's outputs are tensors",
