@@ -952,21 +952,33 @@ mod tests {
             .collect();
         let dy = crate::sample_matrix(2000, 4);
         for op in [Unary::Sigmoid, Unary::Tanh, Unary::Gelu, Unary::GeluTanh] {
-            let (want_y, want_dx) = (op.reference(&x), op.reference_backward(&x, &dy));
-            let (by, bdx) = op.error_bounds(&x, &dy);
-            for i in 0..x.len() {
-                let (y, dx) = emulate(op, x[i], dy[i]);
-                for (what, got, want, bound) in
-                    [("y", y, want_y[i], by[i]), ("dx", dx, want_dx[i], bdx[i])]
-                {
-                    let err = (f64::from(got) - f64::from(want)).abs();
-                    assert!(
-                        err <= f64::from(bound),
-                        "{}({}) {what}: {got} vs {want}, error {err:e} over its bound {bound:e}",
-                        op.name(),
-                        x[i]
-                    );
-                }
+            assert_emulation_within_bounds(op, &x, &dy, |v, g| emulate(op, v, g));
+        }
+    }
+
+    /// `emulate` (the kernel's formulas in f32 with WGSL's slack) gives,
+    /// at each of `x` with upstream gradient `dy`, a forward and backward
+    /// within `op`'s error bounds of its references.
+    pub(super) fn assert_emulation_within_bounds(
+        op: Unary,
+        x: &[f32],
+        dy: &[f32],
+        emulate: impl Fn(f32, f32) -> (f32, f32),
+    ) {
+        let (want_y, want_dx) = (op.reference(x), op.reference_backward(x, dy));
+        let (by, bdx) = op.error_bounds(x, dy);
+        for i in 0..x.len() {
+            let (y, dx) = emulate(x[i], dy[i]);
+            for (what, got, want, bound) in
+                [("y", y, want_y[i], by[i]), ("dx", dx, want_dx[i], bdx[i])]
+            {
+                let err = (f64::from(got) - f64::from(want)).abs();
+                assert!(
+                    err <= f64::from(bound),
+                    "{} at {}: {what} {got} vs {want}, error {err:e} over its bound {bound:e}",
+                    op.label(),
+                    x[i]
+                );
             }
         }
     }

@@ -12,6 +12,10 @@ use std::path::PathBuf;
 
 use prost::Message;
 use rookery_model::onnx::{self, pb};
+
+mod common;
+
+use common::onnx_proto::{attr_int, attr_tensor, node};
 use rookery_model::{DType, Graph, Init, OnnxError, Op, ParamKind};
 use serde_json::Value;
 
@@ -558,29 +562,11 @@ fn wrong_input_rank_is_an_input_error() {
 
 // ---- Hand-built graphs for the folder -------------------------------------
 
-fn attr_int(name: &str, v: i64) -> pb::AttributeProto {
-    pb::AttributeProto {
-        name: Some(name.into()),
-        r#type: Some(pb::attribute_proto::AttributeType::Int as i32),
-        i: Some(v),
-        ..Default::default()
-    }
-}
-
 fn attr_ints(name: &str, v: &[i64]) -> pb::AttributeProto {
     pb::AttributeProto {
         name: Some(name.into()),
         r#type: Some(pb::attribute_proto::AttributeType::Ints as i32),
         ints: v.to_vec(),
-        ..Default::default()
-    }
-}
-
-fn attr_tensor(name: &str, t: pb::TensorProto) -> pb::AttributeProto {
-    pb::AttributeProto {
-        name: Some(name.into()),
-        r#type: Some(pb::attribute_proto::AttributeType::Tensor as i32),
-        t: Some(t),
         ..Default::default()
     }
 }
@@ -600,17 +586,6 @@ fn float_tensor(name: &str, dims: &[i64], v: &[f32]) -> pb::TensorProto {
         dims: dims.to_vec(),
         data_type: Some(pb::tensor_proto::DataType::Float as i32),
         raw_data: Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        ..Default::default()
-    }
-}
-
-fn node(op: &str, ins: &[&str], out: &str, attribute: Vec<pb::AttributeProto>) -> pb::NodeProto {
-    pb::NodeProto {
-        op_type: Some(op.into()),
-        name: Some(format!("n_{out}")),
-        input: ins.iter().map(|s| s.to_string()).collect(),
-        output: vec![out.into()],
-        attribute,
         ..Default::default()
     }
 }

@@ -13,6 +13,10 @@ use std::path::PathBuf;
 
 use prost::Message;
 use rookery_model::onnx::{self, pb};
+
+mod common;
+
+use common::onnx_proto::{attr_int, attr_tensor, node};
 use rookery_model::{OnnxError, Op};
 use serde_json::Value;
 
@@ -85,31 +89,11 @@ fn attr_float(name: &str, v: f32) -> pb::AttributeProto {
     }
 }
 
-fn attr_tensor(name: &str, t: pb::TensorProto) -> pb::AttributeProto {
-    pb::AttributeProto {
-        name: Some(name.into()),
-        r#type: Some(pb::attribute_proto::AttributeType::Tensor as i32),
-        t: Some(t),
-        ..Default::default()
-    }
-}
-
 fn scalar(v: f32) -> pb::TensorProto {
     pb::TensorProto {
         dims: vec![],
         data_type: Some(pb::tensor_proto::DataType::Float as i32),
         raw_data: Some(v.to_le_bytes().to_vec()),
-        ..Default::default()
-    }
-}
-
-fn node(op: &str, ins: &[&str], out: &str, attribute: Vec<pb::AttributeProto>) -> pb::NodeProto {
-    pb::NodeProto {
-        op_type: Some(op.into()),
-        name: Some(format!("n_{out}")),
-        input: ins.iter().map(|s| s.to_string()).collect(),
-        output: vec![out.into()],
-        attribute,
         ..Default::default()
     }
 }
@@ -364,15 +348,6 @@ fn what_rookery_cannot_honour_is_refused_naming_the_node_and_why() {
         let e = refusal(18, nodes);
         assert!(e.contains(words), "{e}");
         assert!(e.contains("act.onnx"), "{e}");
-    }
-}
-
-fn attr_int(name: &str, v: i64) -> pb::AttributeProto {
-    pb::AttributeProto {
-        name: Some(name.into()),
-        r#type: Some(pb::attribute_proto::AttributeType::Int as i32),
-        i: Some(v),
-        ..Default::default()
     }
 }
 

@@ -222,6 +222,22 @@ fn settle(run: &mut JobRun, effects: Vec<Effect>) -> Vec<Effect> {
     out
 }
 
+/// The resume point among `effects`.
+fn resume_point(effects: &[Effect]) -> Option<&ResumePoint> {
+    effects.iter().find_map(|e| match e {
+        Effect::ResumePoint(r) => Some(&**r),
+        _ => None,
+    })
+}
+
+/// The trained weights a completed run's `effects` hand over.
+fn trained(effects: &[Effect]) -> Option<&TrainedWeights> {
+    effects.iter().find_map(|e| match e {
+        Effect::Completed(w) => Some(w),
+        _ => None,
+    })
+}
+
 fn sends(effects: &[Effect]) -> Vec<(u64, &ToProvider)> {
     effects
         .iter()

@@ -107,13 +107,7 @@ fn a_sync_with_an_outer_optimizer_steps_from_the_last_sync_and_keeps_its_momentu
         .filter(|(_, m)| matches!(m, ToProvider::SetParams(_)))
         .count();
     assert_eq!(set, 4);
-    let resume = effects
-        .iter()
-        .find_map(|e| match e {
-            Effect::ResumePoint(r) => Some(r),
-            _ => None,
-        })
-        .unwrap();
+    let resume = resume_point(&effects).unwrap();
     let names: BTreeSet<&str> = resume
         .outer_momentum
         .iter()

@@ -93,10 +93,7 @@ impl Sim {
     }
 
     pub(super) fn trained(&self) -> Option<&TrainedWeights> {
-        self.out.iter().find_map(|e| match e {
-            Effect::Completed(w) => Some(w),
-            _ => None,
-        })
+        super::trained(&self.out)
     }
 
     pub(super) fn answer(&mut self, p: u64, m: ToProvider) -> Vec<ToServer> {

@@ -227,13 +227,7 @@ fn average_optimizer_combines_the_clusters_moments_and_sends_them_before_the_par
                 _ => None,
             })
             .collect();
-        let resume = effects
-            .iter()
-            .find_map(|e| match e {
-                Effect::ResumePoint(r) => Some(r),
-                _ => None,
-            })
-            .unwrap();
+        let resume = resume_point(&effects).unwrap();
         if !average {
             assert!(states.is_empty(), "{states:?}");
             // Each cluster keeps its own moments in the checkpoint.
@@ -284,25 +278,19 @@ fn a_job_with_several_clusters_ends_with_each_clusters_own_weights_beside_the_co
     run.total_steps = 1;
     syncing(&mut run);
     let effects = upload_all(&mut run, |c| [1.0, 3.0][c]);
-    let trained = effects
-        .iter()
-        .find_map(|e| match e {
-            Effect::Completed(w) => Some(w),
-            _ => None,
-        })
-        .expect("the last sync completes the job");
-    assert_eq!(trained.clusters.len(), 2);
+    let weights = trained(&effects).expect("the last sync completes the job");
+    assert_eq!(weights.clusters.len(), 2);
     let names = |w: &[WireTensor]| w.iter().map(|t| t.name.clone()).collect::<BTreeSet<_>>();
     for (c, want) in [(0, 1.0), (1, 3.0)] {
-        let own = &trained.clusters[c];
-        assert_eq!(names(own), names(&trained.combined), "cluster {c}");
+        let own = &weights.clusters[c];
+        assert_eq!(names(own), names(&weights.combined), "cluster {c}");
         assert!(
             own.iter()
                 .all(|t| t.to_f32().unwrap().iter().all(|&v| v == want))
         );
     }
     assert!(
-        trained
+        weights
             .combined
             .iter()
             .all(|t| t.to_f32().unwrap().iter().all(|&v| v == 2.0))
@@ -313,12 +301,5 @@ fn a_job_with_several_clusters_ends_with_each_clusters_own_weights_beside_the_co
     single.total_steps = 1;
     syncing(&mut single);
     let effects = upload_all(&mut single, |_| 1.0);
-    let trained = effects
-        .iter()
-        .find_map(|e| match e {
-            Effect::Completed(w) => Some(w),
-            _ => None,
-        })
-        .unwrap();
-    assert!(trained.clusters.is_empty());
+    assert!(trained(&effects).unwrap().clusters.is_empty());
 }

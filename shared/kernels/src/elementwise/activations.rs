@@ -718,22 +718,9 @@ mod tests {
                 .copied()
                 .chain(kinks.iter().map(|_| 0.75))
                 .collect();
-            let (want_y, want_dx) = (op.reference(&x), op.reference_backward(&x, &dy));
-            let (by, bdx) = op.error_bounds(&x, &dy);
-            for i in 0..x.len() {
-                let (y, dx) = emulate(a, x[i], dy[i]);
-                for (what, got, want, bound) in
-                    [("y", y, want_y[i], by[i]), ("dx", dx, want_dx[i], bdx[i])]
-                {
-                    let err = (f64::from(got) - f64::from(want)).abs();
-                    assert!(
-                        err <= f64::from(bound),
-                        "{}({}) {what}: {got} vs {want}, error {err:e} over its bound {bound:e}",
-                        a.label(),
-                        x[i]
-                    );
-                }
-            }
+            super::super::tests::assert_emulation_within_bounds(op, &x, &dy, |v, g| {
+                emulate(a, v, g)
+            });
             checked += 1;
         }
         assert_eq!(checked, 8);

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod onnx_proto;
+
 use rookery_model::{DType, Graph, Init, Input, Node, Op, Param, ParamKind};
 
 pub struct G(pub Graph);
