@@ -155,14 +155,39 @@ pub const ACTIVATIONS: [Activation; 18] = {
 /// from `exp(-|v|)` (torch's own way), which never divides by an
 /// overflowed `exp`.
 pub(super) const HELPERS: &str = r"
+fn log1p_safe(u: f32) -> f32 {
+    if (u < 0.0078125) {
+        return u * (1.0 - u * (0.5 - u * (0.33333334 - u * 0.25)));
+    }
+    return log(1.0 + u);
+}
 fn softplus_stable(z: f32) -> f32 {
-    return max(z, 0.0) + log(1.0 + exp(-abs(z)));
+    return max(z, 0.0) + log1p_safe(exp(-abs(z)));
 }
 fn logsigmoid_slope(v: f32) -> f32 {
     let e = exp(-abs(v));
     return select(e, 1.0, v < 0.0) / (1.0 + e);
 }
 ";
+
+/// Below this `log1p_safe` sums four terms of `log(1 + u)`'s series:
+/// WGSL's `log` is only absolutely accurate (`2^-21`) near 1, which is
+/// most of a tiny result (softplus and log-sigmoid far out on their flat
+/// side, as ONNX's Mish cases reach).
+const LOG1P_SERIES_BELOW: f64 = 0.007_812_5;
+
+/// `log1p_safe` of the WGSL helpers, operation by operation; the series'
+/// truncation is under `u^5 / 5`.
+fn log1p_tracked(u: Tracked) -> Tracked {
+    let one = Tracked::exact(1.0);
+    if u.value < LOG1P_SERIES_BELOW {
+        let lit = Tracked::literal;
+        let series = u * (one - u * (lit(0.5) - u * (lit(1.0 / 3.0) - u * lit(0.25))));
+        series.approximating(u.value.abs().powi(5) / 5.0)
+    } else {
+        (one + u).ln()
+    }
+}
 
 impl Activation {
     pub fn name(self) -> &'static str {
@@ -258,7 +283,7 @@ impl Activation {
             }
             Activation::Softsign => "v / (1.0 + abs(v))".into(),
             Activation::Tanhshrink => "v - tanh_safe(v)".into(),
-            Activation::LogSigmoid => "min(v, 0.0) - log(1.0 + exp(-abs(v)))".into(),
+            Activation::LogSigmoid => "min(v, 0.0) - log1p_safe(exp(-abs(v)))".into(),
             Activation::Hardshrink { lambd } => {
                 let l = lambd.wgsl();
                 format!("select(v, 0.0, v >= -{l} && v <= {l})")
@@ -355,7 +380,7 @@ impl Activation {
                     return (v, g);
                 }
                 let z = v * param(beta);
-                let soft = neg_max(-z) + (one + (-z.abs()).exp()).ln();
+                let soft = neg_max(-z) + log1p_tracked((-z.abs()).exp());
                 (soft / param(beta), g * sigmoid_tracked(z))
             }
             Activation::Softsign => {
@@ -369,7 +394,7 @@ impl Activation {
             Activation::LogSigmoid => {
                 let e = (-v.abs()).exp();
                 let top = if x < 0.0 { one } else { e };
-                let y = -neg_max(v) - (one + e).ln();
+                let y = -neg_max(v) - log1p_tracked(e);
                 (y, g * (top / (one + e)))
             }
             Activation::Hardshrink { lambd } => {
@@ -639,6 +664,13 @@ mod tests {
                 slack(y, 3.0)
             }
         };
+        let log1p = |u: f32| {
+            if f64::from(u) < LOG1P_SERIES_BELOW {
+                u * (1.0 - u * (0.5 - u * (0.333_333_34 - u * 0.25)))
+            } else {
+                log(1.0 + u)
+            }
+        };
         let tanh = |x: f32| {
             let e = exp(-2.0 * x.abs());
             x.signum() * div(1.0 - e, 1.0 + e)
@@ -667,7 +699,7 @@ mod tests {
                 if z > threshold.get() {
                     (v, g)
                 } else {
-                    let soft = z.max(0.0) + log(1.0 + exp(-z.abs()));
+                    let soft = z.max(0.0) + log1p(exp(-z.abs()));
                     (div(soft, b), g * sigmoid(z))
                 }
             }
@@ -682,7 +714,7 @@ mod tests {
             Activation::LogSigmoid => {
                 let e = exp(-v.abs());
                 let top = if v < 0.0 { 1.0 } else { e };
-                (v.min(0.0) - log(1.0 + e), g * div(top, 1.0 + e))
+                (v.min(0.0) - log1p(e), g * div(top, 1.0 + e))
             }
             _ => unreachable!("only the transcendental activations"),
         }
