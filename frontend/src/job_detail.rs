@@ -25,7 +25,8 @@ use crate::chart::LineChart;
 use crate::format;
 use crate::jobs::{apply_to_job, is_finished, progress};
 
-/// Busy and idle time of one stage over the steps seen.
+/// Busy and idle time of one stage over the steps seen, and the plan's
+/// estimate of the busy time.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StageTimes {
     pub cluster: u32,
@@ -33,6 +34,7 @@ pub struct StageTimes {
     pub provider: u64,
     pub busy_ms: f64,
     pub idle_ms: f64,
+    pub planned_ms: f64,
 }
 
 impl StageTimes {
@@ -60,9 +62,11 @@ pub fn stage_times(steps: &[StepMetric]) -> Vec<StageTimes> {
                     provider: s.provider,
                     busy_ms: 0.0,
                     idle_ms: 0.0,
+                    planned_ms: 0.0,
                 });
             entry.busy_ms += s.compute_ms;
             entry.idle_ms += s.idle_ms;
+            entry.planned_ms += s.planned_ms;
         }
     }
     by_stage.into_values().collect()
@@ -315,6 +319,7 @@ pub fn JobDetailPage() -> impl IntoView {
                                         <th scope="col">"Stage"</th>
                                         <th scope="col">"Provider"</th>
                                         <th scope="col" class="num">"Busy"</th>
+                                        <th scope="col" class="num" title="The plan's estimate of the busy time">"Planned"</th>
                                         <th scope="col" class="num">"Idle"</th>
                                         <th scope="col">"Busy share"</th>
                                     </tr>
@@ -330,6 +335,7 @@ pub fn JobDetailPage() -> impl IntoView {
                                                     <td>{t.stage}</td>
                                                     <td>{format!("#{}", t.provider)}</td>
                                                     <td class="num">{format::duration(t.busy_ms as u64)}</td>
+                                                    <td class="num planned">{format::duration(t.planned_ms as u64)}</td>
                                                     <td class="num">{format::duration(t.idle_ms as u64)}</td>
                                                     <td>
                                                         <div class="progress">
@@ -509,6 +515,7 @@ mod tests {
                     provider: u64::from(cluster * 10 + stage),
                     compute_ms,
                     idle_ms,
+                    planned_ms: compute_ms / 2.0,
                 })
                 .collect(),
         }
@@ -521,16 +528,25 @@ mod tests {
             step(1, &[(0, 0, 2.0, 4.0), (0, 1, 3.0, 1.0), (1, 0, 5.0, 5.0)]),
         ];
         let times = stage_times(&steps);
-        let summary: Vec<(u32, u32, u64, f64, f64)> = times
+        let summary: Vec<(u32, u32, u64, f64, f64, f64)> = times
             .iter()
-            .map(|t| (t.cluster, t.stage, t.provider, t.busy_ms, t.idle_ms))
+            .map(|t| {
+                (
+                    t.cluster,
+                    t.stage,
+                    t.provider,
+                    t.busy_ms,
+                    t.idle_ms,
+                    t.planned_ms,
+                )
+            })
             .collect();
         assert_eq!(
             summary,
             [
-                (0, 0, 0, 4.0, 4.0),
-                (0, 1, 1, 4.0, 4.0),
-                (1, 0, 10, 10.0, 10.0)
+                (0, 0, 0, 4.0, 4.0, 2.0),
+                (0, 1, 1, 4.0, 4.0, 2.0),
+                (1, 0, 10, 10.0, 10.0, 5.0)
             ]
         );
         assert_eq!(times[0].busy_fraction(), 0.5);

@@ -370,6 +370,11 @@ pub struct StageMetric {
     pub provider: u64,
     pub compute_ms: f64,
     pub idle_ms: f64,
+    /// The plan's estimate of `compute_ms`: its compute time for the
+    /// stage's micro-batches at the provider's claimed speed (0 where the
+    /// plan had none).
+    #[serde(default)]
+    pub planned_ms: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

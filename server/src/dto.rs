@@ -59,6 +59,7 @@ pub fn step_metric(s: StepRecord) -> StepMetric {
                 stage: t.stage,
                 provider: t.provider,
                 compute_ms: t.compute_ms,
+                planned_ms: t.planned_ms,
                 idle_ms: t.idle_ms,
             })
             .collect(),
@@ -229,6 +230,7 @@ mod tests {
                 stage: 0,
                 provider: 1,
                 compute_ms: 1.0,
+                planned_ms: 0.5,
                 idle_ms: 2.0,
             }],
         };

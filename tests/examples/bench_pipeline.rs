@@ -60,8 +60,9 @@ fn main() -> anyhow::Result<()> {
             )
         };
         println!(
-            "  stage {k}: {:>6.1} ms ({:.1} ms idle)",
+            "  stage {k}: {:>6.1} ms, planned {:.1} ms ({:.1} ms idle)",
             of(|t| t.compute_ms),
+            of(|t| t.planned_ms),
             of(|t| t.idle_ms)
         );
     }

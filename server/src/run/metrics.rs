@@ -16,6 +16,9 @@ pub struct StageTime {
     pub provider: u64,
     pub compute_ms: f64,
     pub idle_ms: f64,
+    /// The plan's estimate of `compute_ms` (0 where the plan had none).
+    #[serde(default)]
+    pub planned_ms: f64,
 }
 
 /// What one training step measured.
@@ -80,16 +83,16 @@ impl JobRun {
             .iter()
             .enumerate()
             .flat_map(|(c, part)| {
-                part.stages
-                    .iter()
-                    .enumerate()
-                    .map(move |(s, &(provider, compute_ms))| StageTime {
+                part.stages.iter().enumerate().map(
+                    move |(s, &(provider, compute_ms, planned_ms))| StageTime {
                         cluster: c as u32,
                         stage: s as u32,
                         provider,
                         compute_ms,
                         idle_ms: (elapsed_ms - compute_ms).max(0.0),
-                    })
+                        planned_ms,
+                    },
+                )
             })
             .collect();
         StepRecord {

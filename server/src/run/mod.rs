@@ -262,8 +262,8 @@ struct ClusterStep {
     samples: u64,
     /// What the step's mean loss divides by (`Forward::step_targets`).
     targets: u64,
-    /// (provider, compute ms) per stage.
-    stages: Vec<(u64, f64)>,
+    /// (provider, compute ms, the plan's estimate of it) per stage.
+    stages: Vec<(u64, f64, f64)>,
 }
 
 #[derive(Debug)]

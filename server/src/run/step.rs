@@ -614,7 +614,7 @@ impl JobRun {
                 stages: run
                     .stages
                     .iter()
-                    .map(|s| (s.provider, s.compute_ms))
+                    .map(|s| (s.provider, s.compute_ms, s.planned_ms))
                     .collect(),
             };
             run.finished.insert(step, totals);

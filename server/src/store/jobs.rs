@@ -482,6 +482,7 @@ mod tests {
                     provider: 3,
                     compute_ms: 30.0,
                     idle_ms: 20.0,
+                    planned_ms: 0.0,
                 }],
             },
         )

@@ -311,3 +311,31 @@ fn val_every_evaluates_at_its_multiples_and_each_epochs_end_after_a_sync() {
         assert!(sim.completed().is_some());
     }
 }
+
+/// Each step's record puts the plan's estimate of every stage's compute
+/// beside what the stage measured, so a plan's error shows per stage.
+#[test]
+fn step_records_carry_the_plans_estimate_beside_each_stages_measured_compute() {
+    let (mut run, effects) = recovery_run(None);
+    let planned: Vec<Vec<f64>> = run
+        .clusters
+        .iter()
+        .map(|c| c.stages.iter().map(|s| s.planned_ms).collect())
+        .collect();
+    assert!(planned.iter().flatten().all(|&p| p > 0.0), "{planned:?}");
+    let mut sim = Sim::new(10..14);
+    sim.push(effects);
+    sim.run_until(&mut run, JobRun::is_over);
+    let mut records = 0;
+    for e in &sim.out {
+        if let Effect::Step(s) = e {
+            records += 1;
+            assert_eq!(s.stages.len(), 4);
+            for t in &s.stages {
+                assert_eq!(t.planned_ms, planned[t.cluster as usize][t.stage as usize]);
+                assert!(t.compute_ms > 0.0);
+            }
+        }
+    }
+    assert_eq!(records, 8);
+}
