@@ -261,6 +261,10 @@ impl TrainerThread {
                             if reply_tx.send(out).is_err() {
                                 return;
                             }
+                            let rest = trainer.rest_after();
+                            if !rest.is_zero() {
+                                std::thread::sleep(rest);
+                            }
                         }
                         Err(panic) => {
                             // The trainer's state is unknown after a panic: report
@@ -486,6 +490,49 @@ mod tests {
             donor: None,
             duty_cycle: 1.0,
         }
+    }
+
+    /// Works `work` on each message and answers with one `Ready` of its job.
+    struct Slow {
+        work: std::time::Duration,
+    }
+
+    impl Trainer for Slow {
+        fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+            std::thread::sleep(self.work);
+            job_of(&message)
+                .map(|job_id| vec![ToServer::Ready { job_id }])
+                .unwrap_or_default()
+        }
+    }
+
+    /// `rookery-provider --gpu-cap`: a capped trainer's replies go out as
+    /// soon as its work is done, and the next message waits out the rest,
+    /// so the device works at most the cap's share of the time.
+    #[tokio::test]
+    async fn a_capped_trainer_answers_at_once_then_rests_before_the_next_message() {
+        let work = std::time::Duration::from_millis(20);
+        let paced = crate::trainer::Paced::new(Box::new(Slow { work }), 0.25);
+        let mut thread = TrainerThread::spawn(Box::new(paced)).unwrap();
+        let started = Instant::now();
+        for job_id in [1, 2, 3] {
+            thread.inbox.send(ToProvider::Release { job_id }).unwrap();
+        }
+        let mut answered = Vec::new();
+        for _ in 0..3 {
+            assert!(thread.replies.recv().await.is_some());
+            answered.push(started.elapsed());
+        }
+        // Each message works 20 ms and then rests 3 times as long (a 25%
+        // cap): the first answer needs only the work, each later one the
+        // rest before it too.
+        assert!(answered[0] >= work, "{answered:?}");
+        for pair in answered.windows(2) {
+            assert!(pair[1] - pair[0] >= 4 * work, "{answered:?}");
+        }
+        // Uncapped, nothing rests.
+        let paced = crate::trainer::Paced::new(Box::new(Slow { work }), 1.0);
+        assert_eq!(paced.rest_after(), std::time::Duration::ZERO);
     }
 
     fn frame(message: &ToProvider) -> Result<Message, std::convert::Infallible> {

@@ -72,6 +72,12 @@ struct Cli {
     /// descheduled by a neighbour stalls both (`rookery train` splits them).
     #[arg(long, env = "ROOKERY_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     threads: Option<u16>,
+    /// Keep the device working at most this share of the time, in percent
+    /// (10 to 100): after each piece of work the provider rests in
+    /// proportion, and the server plans it at that share of its speed.
+    #[arg(long, env = "ROOKERY_GPU_CAP", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(i64::from(rookery_stage::duty::MIN_CAP_PERCENT)..=100))]
+    gpu_cap: u32,
     /// Test only: misbehave in this one way (see `rookery_provider::fault`).
     #[cfg(feature = "fault-injection")]
     #[arg(long, value_enum, hide = true)]
@@ -169,6 +175,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(mib) = cli.max_memory_mib {
         hello.memory_bytes = hello.memory_bytes.min(mib.saturating_mul(1 << 20));
     }
+    hello.duty_cycle = rookery_stage::duty::duty_cycle_of_percent(cli.gpu_cap);
+    let make_trainer: MakeTrainer = if hello.duty_cycle < 1.0 {
+        let duty_cycle = hello.duty_cycle;
+        println!(
+            "keeping the device busy at most {}% of the time",
+            cli.gpu_cap
+        );
+        Box::new(move || -> Box<dyn Trainer> {
+            Box::new(rookery_provider::trainer::Paced::new(
+                make_trainer(),
+                duty_cycle,
+            ))
+        })
+    } else {
+        make_trainer
+    };
     println!(
         "{}: {} with {:.1} GiB, {:.1} GFLOP/s measured",
         hello.display_name,

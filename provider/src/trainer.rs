@@ -15,6 +15,47 @@ pub trait Trainer: Send {
     /// Handles one message and returns the replies to send, in order. Failures
     /// are replies too (`ToServer::JobFailed`), never panics.
     fn handle(&mut self, message: ToProvider) -> Vec<ToServer>;
+
+    /// How long to rest once the last message's replies are sent (the
+    /// donor's cap, [`Paced`]); the next message waits that long.
+    fn rest_after(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+}
+
+/// A trainer that keeps the donor's cap on the device: after each message it
+/// rests long enough that the time it works is `duty_cycle` of the whole
+/// (`rookery-provider --gpu-cap`, as a donating tab does). The replies go out
+/// before the rest, so the next stage is never kept waiting for it.
+pub struct Paced {
+    inner: Box<dyn Trainer>,
+    duty_cycle: f64,
+    rest: std::time::Duration,
+}
+
+impl Paced {
+    pub fn new(inner: Box<dyn Trainer>, duty_cycle: f64) -> Self {
+        Self {
+            inner,
+            duty_cycle,
+            rest: std::time::Duration::ZERO,
+        }
+    }
+}
+
+impl Trainer for Paced {
+    fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+        let started = std::time::Instant::now();
+        let out = self.inner.handle(message);
+        let busy_ms = started.elapsed().as_secs_f64() * 1e3;
+        let idle = rookery_stage::duty::idle_ms(busy_ms, self.duty_cycle);
+        self.rest = std::time::Duration::from_secs_f64(idle / 1e3);
+        out
+    }
+
+    fn rest_after(&self) -> std::time::Duration {
+        self.rest
+    }
 }
 
 /// The generic stage worker over the stages `F` builds, its futures driven to

@@ -15,6 +15,7 @@
 //! knows nothing of sockets or of libtorch, and compiles to wasm32.
 
 pub mod device;
+pub mod duty;
 pub mod executor;
 mod kernel;
 mod kernel_backend;
