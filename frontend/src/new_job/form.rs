@@ -43,6 +43,7 @@ pub const FIELDS: &[(&str, &str)] = &[
     ("clusters", "training.clusters"),
     ("stages", "training.stages"),
     ("sync-every", "training.sync_every"),
+    ("val-every", "training.val_every"),
     ("wire-dtype", "training.wire_dtype"),
     ("seed", "training.seed"),
 ];
@@ -153,6 +154,7 @@ pub fn defaults() -> BTreeMap<&'static str, String> {
         ("clusters", "1"),
         ("stages", "auto"),
         ("sync-every", "1"),
+        ("val-every", ""),
         ("wire-dtype", "f32"),
         ("seed", "42"),
     ]
@@ -469,6 +471,13 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
         |t| t.parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0),
     );
 
+    let val_every = optional(
+        values,
+        "val-every",
+        "a number of steps above 0, or empty to evaluate after each epoch only",
+        &mut errors,
+        |t| t.parse::<u64>().ok().filter(|v| *v > 0),
+    );
     let mut count = |id: &str| positive(values, id, &mut errors);
     let (epochs, batch_size, micro_batches, sync_every) = (
         count("epochs"),
@@ -531,7 +540,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             lr_schedule,
             clip_grad_norm,
             verify: None,
-            val_every: None,
+            val_every,
             average_optimizer: None,
             sync: None,
         },
@@ -640,6 +649,7 @@ mod tests {
             // Another kind's field, which a cosine schedule must not send.
             ("step-size", "5"),
             ("clip-grad-norm", "1.0"),
+            ("val-every", "50"),
         ] {
             values.text.insert(id, value.into());
         }
@@ -689,6 +699,10 @@ mod tests {
         // schedule, no clipping.
         assert_eq!(job["training"]["loss"], "cross_entropy");
         assert!(job["training"].get("lr_schedule").is_none());
+        assert!(
+            job["training"].get("val_every").is_none(),
+            "evaluated per epoch"
+        );
         assert!(job["training"].get("clip_grad_norm").is_none());
         assert!(job.get("public_name").is_none(), "private unless named");
         let mut named = filled();
@@ -743,6 +757,7 @@ mod tests {
             "only the cosine schedule's fields"
         );
         assert_eq!(job["training"]["clip_grad_norm"], 1.0);
+        assert_eq!(job["training"]["val_every"], 50);
     }
 
     #[test]
@@ -861,6 +876,7 @@ mod tests {
             ("min-lr", "-0.1"),
             ("warmup-steps", "ten"),
             ("clip-grad-norm", "0"),
+            ("val-every", "0"),
         ] {
             values.text.insert(id, bad.into());
         }
@@ -873,6 +889,7 @@ mod tests {
                 "min-lr",
                 "seq-len",
                 "token-dtype",
+                "val-every",
                 "warmup-steps"
             ]
         );

@@ -528,6 +528,7 @@ pub fn NewJobPage() -> impl IntoView {
                     {text_input("clusters", "Clusters", "`auto` or a number; each trains on its own share of the data")}
                     {text_input("stages", "Stages per cluster", "`auto` lets the planner choose")}
                     {text_input("sync-every", "Sync period (steps)", "steps between parameter averages")}
+                    {text_input("val-every", "Evaluate every (steps)", "empty: on the test set after each epoch only (Ravnest's val_freq)")}
                     {select("wire-dtype", "Wire dtype", &[("f32", "f32"), ("f16", "f16"), ("bf16", "bf16")])}
                     {text_input("seed", "Seed", "")}
                 </fieldset>
