@@ -124,3 +124,26 @@ async fn run() -> anyhow::Result<()> {
         Command::Token { action } => tokens::run(action).await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A relay delay simulates a slow link for benchmarks; every other build
+    /// refuses the flag outright rather than ignoring it.
+    #[test]
+    fn only_a_benchmark_build_takes_a_relay_delay() {
+        for args in [
+            &["rookery", "serve", "--relay-delay-ms", "20"][..],
+            &["rookery", "train", "job.toml", "--relay-delay-ms", "20"],
+        ] {
+            let parsed = Cli::try_parse_from(args);
+            assert_eq!(
+                parsed.is_ok(),
+                cfg!(feature = "bench-latency"),
+                "{args:?}: {:?}",
+                parsed.err().map(|e| e.to_string())
+            );
+        }
+    }
+}

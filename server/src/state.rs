@@ -44,6 +44,10 @@ pub struct Limits {
     /// The longest one frame may take to go out to a provider before it
     /// is dropped as too slow a reader (its stage is reassigned).
     pub send_timeout: Duration,
+    /// How long every frame to a provider is held after it is queued, as a
+    /// link between homes would: benchmarks only (feature `bench-latency`,
+    /// `--relay-delay-ms`); zero in every other build.
+    pub relay_delay: Duration,
 }
 
 impl Default for Limits {
@@ -61,6 +65,7 @@ impl Default for Limits {
             identities: IssueLimit::default(),
             max_outbox_bytes: DEFAULT_MAX_OUTBOX_BYTES,
             send_timeout: Duration::from_secs(30),
+            relay_delay: Duration::ZERO,
         }
     }
 }

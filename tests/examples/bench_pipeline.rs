@@ -7,9 +7,9 @@
 //! Needs release binaries (`ROOKERY_BIN_DIR`, set by xtask).
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use rookery_e2e::rookery_train;
+use rookery_e2e::{rookery_train, rookery_train_with};
 use rookery_test_support::job::{job_text, write_mnist_digits};
 use rookery_test_support::{JobBatches, workspace_root};
 use rookery_torch::exec::reference::whole_batch_step;
@@ -64,6 +64,40 @@ fn main() -> anyhow::Result<()> {
             of(|t| t.compute_ms),
             of(|t| t.planned_ms),
             of(|t| t.idle_ms)
+        );
+    }
+
+    // A link between homes: every frame to a provider held this long
+    // (one hop: stage to server to stage is two of them, the server's own
+    // being loopback). Only the synchronous schedule exists so far.
+    println!("latency per hop, schedule gpipe (samples/s, ratio, each stage's busy share):");
+    for delay_ms in [0u64, 20, 100] {
+        let out = dir.path().join(format!("out-delay-{delay_ms}"));
+        let delay = delay_ms.to_string();
+        let metrics = rookery_train_with(
+            &job,
+            3,
+            &out,
+            &["--relay-delay-ms", &delay],
+            Duration::from_secs(3600),
+        )?;
+        let timed = &metrics.steps[WARMUP..];
+        let elapsed: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
+        let rate = (timed.len() * BATCH) as f64 / (elapsed / 1e3);
+        let busy: Vec<String> = (0..stages)
+            .map(|k| {
+                let computed: f64 = timed
+                    .iter()
+                    .filter_map(|s| s.stages.get(k))
+                    .map(|t| t.compute_ms)
+                    .sum();
+                format!("{:.0}%", 100.0 * computed / elapsed)
+            })
+            .collect();
+        println!(
+            "  {delay_ms:>3} ms: {rate:>8.1} samples/s, ratio {:.3}, busy {}",
+            rate / reference,
+            busy.join(" / ")
         );
     }
 

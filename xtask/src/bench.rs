@@ -175,7 +175,7 @@ fn build_release_binaries(env: &Env) -> Result<()> {
         "-p",
         "rookery-provider",
         "--features",
-        "rookery-provider/torch",
+        "rookery-provider/torch,rookery-server/bench-latency",
     ]);
     run(&mut cargo)
 }

@@ -74,6 +74,27 @@ pub struct ServeArgs {
     /// before it is deleted; checked at start and then hourly.
     #[arg(long, default_value_t = 30)]
     pub provider_retention_days: u64,
+    #[cfg(feature = "bench-latency")]
+    #[command(flatten)]
+    pub bench: BenchArgs,
+}
+
+/// Benchmark-only settings. A build without feature `bench-latency` (every
+/// build but the benchmarks') has no such flags and refuses them.
+#[cfg(feature = "bench-latency")]
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+pub struct BenchArgs {
+    /// Benchmarks only: hold every frame to a provider this many ms after
+    /// it is queued, as one hop of a link between homes would.
+    #[arg(long, default_value_t = 0)]
+    pub relay_delay_ms: u64,
+}
+
+#[cfg(feature = "bench-latency")]
+impl BenchArgs {
+    pub fn apply(&self, limits: &mut Limits) {
+        limits.relay_delay = Duration::from_millis(self.relay_delay_ms);
+    }
 }
 
 /// The provider connections' frame limit, for `rookery serve` and `rookery
@@ -102,7 +123,8 @@ fn frame_limit(text: &str) -> Result<usize, String> {
 /// until Ctrl-C or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let heartbeat_timeout = Duration::from_millis(args.heartbeat_timeout_ms.max(100));
-    let limits = Limits {
+    #[allow(unused_mut)] // Benchmarks' builds set more.
+    let mut limits = Limits {
         max_frame_bytes: args.frames.max_frame_bytes,
         heartbeat_interval: heartbeat_timeout / 4,
         heartbeat_timeout,
@@ -118,7 +140,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         // A stage's frames are at most 512 KiB; the bound must hold a few.
         max_outbox_bytes: args.max_outbox_bytes.max(16 << 20),
         send_timeout: Duration::from_millis(args.send_timeout_ms.max(100)),
+        relay_delay: Duration::ZERO,
     };
+    #[cfg(feature = "bench-latency")]
+    args.bench.apply(&mut limits);
     let web_dir = is_dashboard(&args.web_dir).then_some(args.web_dir.clone());
     if web_dir.is_none() {
         tracing::warn!(

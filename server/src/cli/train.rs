@@ -26,6 +26,9 @@ pub struct TrainArgs {
     pub provider_bin: Option<PathBuf>,
     #[command(flatten)]
     pub frames: super::serve::FrameLimitArg,
+    #[cfg(feature = "bench-latency")]
+    #[command(flatten)]
+    pub bench: super::serve::BenchArgs,
 }
 
 /// `rookery train`: everything on this machine, on loopback.
@@ -48,7 +51,8 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let data_dir = tempfile::tempdir().context("creating a data directory")?;
-    let limits = Limits {
+    #[allow(unused_mut)] // Benchmarks' builds set more.
+    let mut limits = Limits {
         max_frame_bytes: args.frames.max_frame_bytes,
         // The embedded server takes only this machine's own job files: a
         // model of any size (GPT-2 small exports to 650 MB) is uploaded whole.
@@ -56,6 +60,8 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
         max_queued_upload_bytes: u64::MAX,
         ..Limits::default()
     };
+    #[cfg(feature = "bench-latency")]
+    args.bench.apply(&mut limits);
     let state = AppState::open(data_dir.path(), limits, None).await?;
     let token = state.api_token.secret().to_string();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -13,10 +13,12 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use rookery_proto::ToProvider;
 use rookery_proto::stream;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::Outgoing;
 
@@ -26,15 +28,18 @@ pub const DEFAULT_MAX_OUTBOX_BYTES: usize = 1 << 30;
 /// The coordinator's end.
 #[derive(Debug, Clone)]
 pub struct Outbox {
-    tx: mpsc::UnboundedSender<(Outgoing, usize)>,
+    tx: mpsc::UnboundedSender<(Outgoing, usize, Instant)>,
     shared: Arc<Shared>,
 }
 
 /// The connection writer's end.
 #[derive(Debug)]
 pub struct OutboxReceiver {
-    rx: mpsc::UnboundedReceiver<(Outgoing, usize)>,
+    rx: mpsc::UnboundedReceiver<(Outgoing, usize, Instant)>,
     shared: Arc<Shared>,
+    /// Each frame is held until this long after it was queued (benchmarks
+    /// of links between homes only; zero otherwise).
+    delay: Duration,
 }
 
 #[derive(Debug)]
@@ -64,7 +69,11 @@ pub fn outbox(max_bytes: usize) -> (Outbox, OutboxReceiver) {
             tx,
             shared: shared.clone(),
         },
-        OutboxReceiver { rx, shared },
+        OutboxReceiver {
+            rx,
+            shared,
+            delay: Duration::ZERO,
+        },
     )
 }
 
@@ -101,11 +110,12 @@ impl Outbox {
                     reason: String::new(),
                 },
                 0,
+                Instant::now(),
             ));
             return Err(overflow);
         }
         // A closed receiver: the connection ended, and its end is reported.
-        let _ = self.tx.send((outgoing, bytes));
+        let _ = self.tx.send((outgoing, bytes, Instant::now()));
         Ok(())
     }
 }
@@ -114,14 +124,28 @@ impl OutboxReceiver {
     /// The next frame to send; `Err` once the outbox overflowed (before
     /// anything still queued); `None` once every sender is gone.
     pub async fn recv(&mut self) -> Option<Result<Outgoing, Overflow>> {
-        let (outgoing, bytes) = self.rx.recv().await?;
+        let (outgoing, bytes, queued_at) = self.rx.recv().await?;
         self.shared.queued.fetch_sub(bytes, Ordering::AcqRel);
         if self.shared.overflowed.load(Ordering::Acquire) {
             return Some(Err(Overflow {
                 max_bytes: self.shared.max_bytes,
             }));
         }
+        if !self.delay.is_zero() {
+            // From when it was queued, not from now: frames queued together
+            // leave together, and the link's latency never becomes a
+            // throughput limit.
+            tokio::time::sleep_until(queued_at + self.delay).await;
+        }
         Some(Ok(outgoing))
+    }
+
+    /// Holds every frame until `delay` after it was queued: one hop of a
+    /// link with that latency, for benchmarks (`rookery train
+    /// --relay-delay-ms`, feature `bench-latency`).
+    pub fn delayed(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
     }
 }
 
@@ -152,6 +176,37 @@ mod tests {
             rx.recv().await,
             Some(Err(Overflow { max_bytes: 1000 }))
         ));
+    }
+
+    /// A benchmark's link latency: each frame leaves `delay` after it was
+    /// queued, so frames queued together leave together (latency, not a
+    /// throughput limit), in order, and a frame queued later waits its own.
+    #[tokio::test(start_paused = true)]
+    async fn a_delayed_outbox_holds_each_frame_its_delay_from_when_it_was_queued() {
+        let delay = Duration::from_millis(100);
+        let (tx, rx) = outbox(1 << 20);
+        let mut rx = rx.delayed(delay);
+        let start = Instant::now();
+        for bytes in [1, 2, 3] {
+            tx.send(payload(bytes)).unwrap();
+        }
+        for bytes in [1, 2, 3] {
+            let Some(Ok(Outgoing::Payload(frame))) = rx.recv().await else {
+                panic!("a payload")
+            };
+            assert_eq!(frame.len(), bytes);
+            assert_eq!(start.elapsed(), delay, "frame {bytes}");
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        tx.send(payload(4)).unwrap();
+        assert!(rx.recv().await.is_some());
+        assert_eq!(start.elapsed(), delay + Duration::from_millis(30) + delay);
+        // Undelayed, nothing waits.
+        let (tx, mut rx) = outbox(1 << 20);
+        let start = Instant::now();
+        tx.send(payload(1)).unwrap();
+        assert!(rx.recv().await.is_some());
+        assert_eq!(start.elapsed(), Duration::ZERO);
     }
 
     #[tokio::test]

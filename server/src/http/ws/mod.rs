@@ -453,7 +453,8 @@ where
     if let Err(ending) = send(sink, &welcome, patience).await {
         return ending;
     }
-    let (tx, mut outbox) = outbox(state.limits.max_outbox_bytes);
+    let (tx, outbox) = outbox(state.limits.max_outbox_bytes);
+    let mut outbox = outbox.delayed(state.limits.relay_delay);
     state
         .coordinator
         .send(Event::Connected {
