@@ -40,6 +40,8 @@ pub struct OutboxReceiver {
     /// Each frame is held until this long after it was queued (benchmarks
     /// of links between homes only; zero otherwise).
     delay: Duration,
+    /// The frame taken from the queue and not yet handed out.
+    held: Option<(Outgoing, Instant)>,
 }
 
 #[derive(Debug)]
@@ -73,6 +75,7 @@ pub fn outbox(max_bytes: usize) -> (Outbox, OutboxReceiver) {
             rx,
             shared,
             delay: Duration::ZERO,
+            held: None,
         },
     )
 }
@@ -123,21 +126,28 @@ impl Outbox {
 impl OutboxReceiver {
     /// The next frame to send; `Err` once the outbox overflowed (before
     /// anything still queued); `None` once every sender is gone.
+    /// Cancel-safe, as `select!` needs: a frame taken from the queue but
+    /// still held for its delay stays held for the next call.
     pub async fn recv(&mut self) -> Option<Result<Outgoing, Overflow>> {
-        let (outgoing, bytes, queued_at) = self.rx.recv().await?;
-        self.shared.queued.fetch_sub(bytes, Ordering::AcqRel);
-        if self.shared.overflowed.load(Ordering::Acquire) {
-            return Some(Err(Overflow {
-                max_bytes: self.shared.max_bytes,
-            }));
+        if self.held.is_none() {
+            let (outgoing, bytes, queued_at) = self.rx.recv().await?;
+            self.shared.queued.fetch_sub(bytes, Ordering::AcqRel);
+            if self.shared.overflowed.load(Ordering::Acquire) {
+                return Some(Err(Overflow {
+                    max_bytes: self.shared.max_bytes,
+                }));
+            }
+            self.held = Some((outgoing, queued_at));
         }
-        if !self.delay.is_zero() {
+        if let Some((_, queued_at)) = &self.held
+            && !self.delay.is_zero()
+        {
             // From when it was queued, not from now: frames queued together
             // leave together, and the link's latency never becomes a
             // throughput limit.
-            tokio::time::sleep_until(queued_at + self.delay).await;
+            tokio::time::sleep_until(*queued_at + self.delay).await;
         }
-        Some(Ok(outgoing))
+        self.held.take().map(|(outgoing, _)| Ok(outgoing))
     }
 
     /// Holds every frame until `delay` after it was queued: one hop of a
@@ -201,6 +211,16 @@ mod tests {
         tx.send(payload(4)).unwrap();
         assert!(rx.recv().await.is_some());
         assert_eq!(start.elapsed(), delay + Duration::from_millis(30) + delay);
+        // A recv cut short while it holds a frame (the writer's select!
+        // took another branch) loses nothing: the next one hands it out.
+        tx.send(payload(5)).unwrap();
+        let cut = tokio::time::timeout(Duration::from_millis(10), rx.recv()).await;
+        assert!(cut.is_err(), "held for its delay");
+        let next = tokio::time::timeout(Duration::from_secs(1), rx.recv()).await;
+        let Ok(Some(Ok(Outgoing::Payload(frame)))) = next else {
+            panic!("the held frame was lost: {next:?}")
+        };
+        assert_eq!(frame.len(), 5);
         // Undelayed, nothing waits.
         let (tx, mut rx) = outbox(1 << 20);
         let start = Instant::now();
