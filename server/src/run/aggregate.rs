@@ -40,14 +40,15 @@ pub struct AggregateWork {
     pub(super) outer: Option<OuterWork>,
 }
 
-/// What DiLoCo's outer step needs: the optimizer, each parameter's value
-/// at the last sync (the pseudo-gradient is taken from it) and its
-/// momentum buffer (none before the first outer step).
+/// What DiLoCo's outer step needs: the optimizer, each trainable
+/// parameter's value at the last sync (the pseudo-gradient is taken from
+/// it) and its momentum buffer (none before the first outer step), both
+/// sharing the run's buffers.
 #[derive(Debug)]
 pub struct OuterWork {
     pub(super) optimizer: OuterOptimizer,
-    pub(super) previous: BTreeMap<String, Bytes>,
-    pub(super) momentum: BTreeMap<String, Vec<f32>>,
+    pub(super) previous: BTreeMap<String, WireTensor>,
+    pub(super) momentum: BTreeMap<String, WireTensor>,
 }
 
 impl OuterWork {
@@ -57,17 +58,15 @@ impl OuterWork {
     /// first step and `buf = momentum * buf + g` after, and steps by
     /// `lr * (g + momentum * buf)` with Nesterov, `lr * buf` without (`lr *
     /// g` without momentum). Each element in f64, rounded to f32 once.
-    pub fn step(&self, name: &str, combined: Vec<f32>) -> (Vec<f32>, Option<Vec<f32>>) {
-        let Some(previous) = self.previous.get(name) else {
+    pub fn step(&self, name: &str, combined: Vec<f32>) -> (Vec<f32>, Option<WireTensor>) {
+        let Some((shape, previous)) = self
+            .previous
+            .get(name)
+            .and_then(|t| Some((t.shape_usize(), t.to_f32().ok()?)))
+            .filter(|(_, p)| p.len() == combined.len())
+        else {
             return (combined, None);
         };
-        let previous: Vec<f32> = previous
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        if previous.len() != combined.len() {
-            return (combined, None);
-        }
         let OuterOptimizer {
             lr,
             momentum,
@@ -76,6 +75,7 @@ impl OuterWork {
         let buffer = self
             .momentum
             .get(name)
+            .and_then(|b| b.to_f32().ok())
             .filter(|b| b.len() == combined.len());
         let mut next = Vec::with_capacity(if momentum > 0.0 { combined.len() } else { 0 });
         let stepped = previous
@@ -85,7 +85,7 @@ impl OuterWork {
             .map(|(i, (&before, &now))| {
                 let g = f64::from(before) - f64::from(now);
                 let d = if momentum > 0.0 {
-                    let buf = match buffer {
+                    let buf = match &buffer {
                         Some(b) => momentum * f64::from(b[i]) + g,
                         None => g,
                     };
@@ -97,7 +97,9 @@ impl OuterWork {
                 (f64::from(before) - lr * d) as f32
             })
             .collect();
-        (stepped, (momentum > 0.0).then_some(next))
+        let next =
+            (momentum > 0.0).then(|| WireTensor::from_f32(name, &shape, &next, WireDType::F32));
+        (stepped, next)
     }
 }
 
@@ -118,7 +120,7 @@ pub struct Aggregated {
     pub(super) optimizer: BTreeMap<String, ParamOptimState>,
     /// Each parameter's outer momentum buffer after this sync's outer step
     /// (DiLoCo with momentum); empty otherwise.
-    pub(super) outer_momentum: BTreeMap<String, Vec<f32>>,
+    pub(super) outer_momentum: BTreeMap<String, WireTensor>,
 }
 
 impl AggregateWork {

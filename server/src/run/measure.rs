@@ -19,8 +19,8 @@ use super::{Effect, JobRun};
 use rookery_proto::{ToProvider, WireTensor};
 
 /// The bytes `tensors` put on the wire.
-pub(super) fn wire_bytes(tensors: &[WireTensor]) -> u64 {
-    tensors.iter().map(|t| t.wire_len() as u64).sum()
+pub(super) fn wire_bytes<'a>(tensors: impl IntoIterator<Item = &'a WireTensor>) -> u64 {
+    tensors.into_iter().map(|t| t.wire_len() as u64).sum()
 }
 
 /// A stage's busy time within a step, from the server's clock.

@@ -368,8 +368,9 @@ pub struct JobRun {
     /// Each cluster's weights as it finished (the last sync's uploads,
     /// before they were combined); empty with one cluster.
     cluster_weights: Vec<Vec<WireTensor>>,
-    /// DiLoCo's outer momentum buffer of each trainable parameter.
-    outer_momentum: BTreeMap<String, Vec<f32>>,
+    /// DiLoCo's outer momentum buffer of each trainable parameter (f32),
+    /// shared with the resume points that carry it.
+    outer_momentum: BTreeMap<String, WireTensor>,
     state: State,
     /// Steps done at the last sync: the checkpoint every rebuild starts from.
     synced: u64,

@@ -127,8 +127,8 @@ impl JobRun {
                             m.name
                         )));
                     }
-                    let values = m.to_f32().map_err(|e| StartError::Value(e.to_string()))?;
-                    outer_momentum.insert(m.name, values);
+                    m.check().map_err(|e| StartError::Value(e.to_string()))?;
+                    outer_momentum.insert(m.name.clone(), m);
                 }
                 (resume.step, Some(resume.optimizer), resumed, outer_momentum)
             }

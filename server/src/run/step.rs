@@ -396,7 +396,7 @@ impl JobRun {
             )));
         }
         run.stages[s].compute_ms += a.compute_ms.max(0.0);
-        self.bytes_relayed += a.outputs.iter().map(|t| t.wire_len() as u64).sum::<u64>();
+        self.bytes_relayed += wire_bytes(&a.outputs);
         let labels = if s + 1 == last {
             run.labels.remove(&(a.phase, a.micro))
         } else {
@@ -469,7 +469,7 @@ impl JobRun {
             )));
         }
         run.stages[s].compute_ms += g.compute_ms.max(0.0);
-        self.bytes_relayed += g.grads.iter().map(|t| t.wire_len() as u64).sum::<u64>();
+        self.bytes_relayed += wire_bytes(&g.grads);
         let prev = run.stages[s - 1].provider;
         Ok(vec![Effect::Send(
             prev,

@@ -10,6 +10,7 @@ use rookery_proto::{
     train::OPTIMIZER_SLOTS,
 };
 
+use super::measure::wire_bytes;
 use super::{
     AggregateWork, Aggregated, ClusterState, Effect, JobRun, OuterWork, Rejected, ResumePoint,
     State, TrainedWeights, aggregate,
@@ -171,12 +172,7 @@ impl JobRun {
                 t.check().map_err(|e| Rejected::Fault(e.to_string()))?;
             }
         }
-        self.bytes_synced += o
-            .params
-            .iter()
-            .flat_map(|p| &p.slots)
-            .map(|t| t.wire_len() as u64)
-            .sum::<u64>();
+        self.bytes_synced += wire_bytes(o.params.iter().flat_map(|p| &p.slots));
         let pending = &mut self.clusters[c].pending_optimizer;
         for p in o.params {
             pending.insert(p.name.clone(), p);
@@ -199,17 +195,7 @@ impl JobRun {
                 .iter()
                 .map(|r| r.optimizer.values().cloned().collect())
                 .collect(),
-            outer_momentum: self
-                .outer_momentum
-                .iter()
-                .map(|(name, values)| {
-                    let shape = self
-                        .params
-                        .get(name)
-                        .map_or(vec![values.len()], |v| v.shape.clone());
-                    WireTensor::from_f32(name, &shape, values, WireDType::F32)
-                })
-                .collect(),
+            outer_momentum: self.outer_momentum.values().cloned().collect(),
         }))
     }
 
@@ -244,7 +230,7 @@ impl JobRun {
             t.check().map_err(|e| fault(e.to_string()))?;
         }
         let clusters = self.clusters.len();
-        self.bytes_synced += p.params.iter().map(|t| t.wire_len() as u64).sum::<u64>();
+        self.bytes_synced += wire_bytes(&p.params);
         // Kept as they arrived: the aggregation reads them where they lie.
         for t in p.params {
             self.uploads
@@ -298,7 +284,7 @@ impl JobRun {
                     .params
                     .iter()
                     .filter(|(_, v)| v.kind == ParamKind::Trainable)
-                    .map(|(name, v)| (name.clone(), v.data.clone()))
+                    .map(|(name, v)| (name.clone(), v.tensor(name)))
                     .collect(),
                 momentum: self.outer_momentum.clone(),
             }),
@@ -399,11 +385,7 @@ impl JobRun {
                         continue;
                     }
                     // Before SetParams: the stage's next step uses both.
-                    self.bytes_synced += params
-                        .iter()
-                        .flat_map(|p| &p.slots)
-                        .map(|t| t.wire_len() as u64)
-                        .sum::<u64>();
+                    self.bytes_synced += wire_bytes(params.iter().flat_map(|p| &p.slots));
                     effects.push(Effect::Send(
                         stage.provider,
                         ToProvider::SetOptimizerState(OptimizerState {
@@ -425,7 +407,7 @@ impl JobRun {
                         .iter()
                         .filter_map(|n| self.params.get(n).map(|v| v.tensor(n)))
                         .collect();
-                    self.bytes_synced += params.iter().map(|t| t.wire_len() as u64).sum::<u64>();
+                    self.bytes_synced += wire_bytes(&params);
                     effects.push(Effect::Send(
                         stage.provider,
                         ToProvider::SetParams(ParamSet {
