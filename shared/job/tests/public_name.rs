@@ -6,6 +6,10 @@
 
 use rookery_job::{JobError, JobSpec, MAX_PUBLIC_NAME_CHARS};
 
+mod common;
+
+use common::example::base;
+
 const JOB: &str = r#"
 [model]
 spec = "model.toml"
@@ -17,14 +21,6 @@ train_labels = "y.npy"
 [training]
 batch_size = 8
 "#;
-
-fn base() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for f in ["model.toml", "x.npy", "y.npy"] {
-        std::fs::write(dir.path().join(f), b"").unwrap();
-    }
-    dir
-}
 
 /// The job with `public_name` set to `name` (a TOML string), above the
 /// first table as TOML wants a top-level key.

@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
-use std::io;
 use std::path::PathBuf;
 
 use prost::Message;
@@ -15,7 +14,7 @@ use rookery_model::onnx::{self, pb};
 
 mod common;
 
-use common::onnx_proto::{attr_int, attr_tensor, node};
+use common::onnx_proto::{attr_int, attr_tensor, dim_param, model_bytes, no_external, node};
 use rookery_model::{DType, Graph, Init, OnnxError, Op, ParamKind};
 use serde_json::Value;
 
@@ -348,10 +347,6 @@ fn inference_export_with_folded_batchnorm_warns() {
     );
 }
 
-fn no_external(_: &str) -> Result<Vec<u8>, io::Error> {
-    Err(io::Error::new(io::ErrorKind::NotFound, "no such file"))
-}
-
 #[test]
 fn corrupt_and_truncated_files_give_one_clear_error() {
     let bytes = std::fs::read(fixture("cnn.legacy.onnx")).unwrap();
@@ -604,43 +599,8 @@ fn model_at(
     inits: Vec<pb::TensorProto>,
     output: &str,
 ) -> Vec<u8> {
-    use pb::tensor_shape_proto::{Dimension, dimension};
-    let dim = |p: &str| Dimension {
-        value: Some(dimension::Value::DimParam(p.into())),
-        ..Default::default()
-    };
-    let x = pb::ValueInfoProto {
-        name: Some("x".into()),
-        r#type: Some(pb::TypeProto {
-            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
-                elem_type: Some(pb::tensor_proto::DataType::Float as i32),
-                shape: Some(pb::TensorShapeProto {
-                    dim: vec![dim("batch"), dim("seq"), dim("d")],
-                }),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    pb::ModelProto {
-        ir_version: Some(9),
-        opset_import: vec![pb::OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(opset),
-        }],
-        graph: Some(pb::GraphProto {
-            node: nodes,
-            initializer: inits,
-            input: vec![x],
-            output: vec![pb::ValueInfoProto {
-                name: Some(output.into()),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-    .encode_to_vec()
+    let dims = vec![dim_param("batch"), dim_param("seq"), dim_param("d")];
+    model_bytes(opset, dims, nodes, inits, output)
 }
 
 #[test]

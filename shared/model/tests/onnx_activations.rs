@@ -8,15 +8,15 @@
 // Helpers outside #[test] fns panic on purpose too: a panic is a test failure.
 #![allow(clippy::unwrap_used)]
 
-use std::io;
 use std::path::PathBuf;
 
-use prost::Message;
 use rookery_model::onnx::{self, pb};
 
 mod common;
 
-use common::onnx_proto::{attr_int, attr_tensor, node};
+use common::onnx_proto::{
+    attr_int, attr_tensor, dim_param, dim_value, model_bytes, no_external, node,
+};
 use rookery_model::{OnnxError, Op};
 use serde_json::Value;
 
@@ -102,55 +102,21 @@ fn constant(out: &str, v: f32) -> pb::NodeProto {
     node("Constant", &[], out, vec![attr_tensor("value", scalar(v))])
 }
 
-/// A model of `nodes` reading `x` [batch, 4] and writing `y`, at `opset`.
-fn model(opset: i64, nodes: Vec<pb::NodeProto>) -> Vec<u8> {
-    use pb::tensor_shape_proto::{Dimension, dimension};
-    let dim = |v: dimension::Value| Dimension {
-        value: Some(v),
-        ..Default::default()
-    };
-    let x = pb::ValueInfoProto {
-        name: Some("x".into()),
-        r#type: Some(pb::TypeProto {
-            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
-                elem_type: Some(pb::tensor_proto::DataType::Float as i32),
-                shape: Some(pb::TensorShapeProto {
-                    dim: vec![
-                        dim(dimension::Value::DimParam("batch".into())),
-                        dim(dimension::Value::DimValue(4)),
-                    ],
-                }),
-            })),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    pb::ModelProto {
-        ir_version: Some(9),
-        opset_import: vec![pb::OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(opset),
-        }],
-        graph: Some(pb::GraphProto {
-            node: nodes,
-            input: vec![x],
-            output: vec![pb::ValueInfoProto {
-                name: Some("y".into()),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-    .encode_to_vec()
-}
-
-fn no_external(_: &str) -> Result<Vec<u8>, io::Error> {
-    Err(io::Error::other("no external data here"))
-}
-
+/// A model of `nodes` reading `x` [batch, 4] and writing `y`, at `opset`,
+/// imported at [3, 4].
 fn import(opset: i64, nodes: Vec<pb::NodeProto>) -> Result<onnx::Imported, OnnxError> {
-    onnx::import_named("act.onnx", &model(opset, nodes), &no_external, &[3, 4])
+    onnx::import_named(
+        "act.onnx",
+        &model_bytes(
+            opset,
+            vec![dim_param("batch"), dim_value(4)],
+            nodes,
+            vec![],
+            "y",
+        ),
+        &no_external,
+        &[3, 4],
+    )
 }
 
 /// The ops of the import, with the tensor each reads first.

@@ -180,30 +180,38 @@ fn upload_all(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
 
 /// As [`upload_all`], the aggregation left to the caller.
 fn upload_all_raw(run: &mut JobRun, value: impl Fn(usize) -> f32) -> Vec<Effect> {
-    let mut last = Vec::new();
+    let mut answers = each_stage_sends(run, |c, params| {
+        ToServer::Params(ParamSet {
+            job_id: 1,
+            step: 1,
+            params: params
+                .iter()
+                .flat_map(|(name, shape)| filled(name, shape, value(c)))
+                .collect(),
+        })
+    });
+    answers.pop().unwrap_or_default()
+}
+
+/// Every stage of every cluster of `run` sends what `message` makes of its
+/// cluster and its parameters' names and shapes; the effects of each.
+fn each_stage_sends(
+    run: &mut JobRun,
+    message: impl Fn(usize, &[(String, Vec<usize>)]) -> ToServer,
+) -> Vec<Vec<Effect>> {
+    let mut answers = Vec::new();
     for c in 0..run.clusters.len() {
         for stage in 0..run.clusters[c].stages.len() {
-            let params = run.clusters[c].stages[stage]
+            let params: Vec<(String, Vec<usize>)> = run.clusters[c].stages[stage]
                 .params
                 .iter()
-                .map(|n| {
-                    let shape = run.params[n].shape.clone();
-                    let len = shape.iter().product();
-                    WireTensor::from_f32(n.clone(), &shape, &vec![value(c); len], WireDType::F32)
-                })
+                .map(|n| (n.clone(), run.params[n].shape.clone()))
                 .collect();
             let provider = run.clusters[c].stages[stage].provider;
-            last = run.on_message(
-                provider,
-                ToServer::Params(ParamSet {
-                    job_id: 1,
-                    step: 1,
-                    params,
-                }),
-            );
+            answers.push(run.on_message(provider, message(c, &params)));
         }
     }
-    last
+    answers
 }
 
 /// `effects` with each aggregation run, as the coordinator runs it off its

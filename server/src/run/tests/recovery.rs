@@ -8,15 +8,7 @@ fn an_undisturbed_run_records_every_step_once_and_syncs_at_each_barrier() {
     let sim = undisturbed();
     let steps: Vec<u64> = sim.steps().iter().map(|s| s.0).collect();
     assert_eq!(steps, (0..8).collect::<Vec<_>>());
-    let resumes: Vec<u64> = sim
-        .out
-        .iter()
-        .filter_map(|e| match e {
-            Effect::ResumePoint(r) => Some(r.step),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(resumes, [2, 4, 6, 8]);
+    assert_eq!(sim.resume_steps(), [2, 4, 6, 8]);
     let epochs = sim
         .out
         .iter()
@@ -295,14 +287,7 @@ fn val_every_evaluates_at_its_multiples_and_each_epochs_end_after_a_sync() {
             evaluated, want,
             "{clusters} clusters, val_every {val_every:?}"
         );
-        let resumes: BTreeSet<u64> = sim
-            .out
-            .iter()
-            .filter_map(|e| match e {
-                Effect::ResumePoint(r) => Some(r.step),
-                _ => None,
-            })
-            .collect();
+        let resumes = sim.resume_steps();
         for (_, step) in want {
             assert!(resumes.contains(step), "no sync at {step}: {resumes:?}");
         }

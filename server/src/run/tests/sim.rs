@@ -88,6 +88,17 @@ impl Sim {
             .collect()
     }
 
+    /// The steps of every resume point (one a sync), in order.
+    pub(super) fn resume_steps(&self) -> Vec<u64> {
+        self.out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::ResumePoint(r) => Some(r.step),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub(super) fn completed(&self) -> Option<&Vec<WireTensor>> {
         self.trained().map(|w| &w.combined)
     }

@@ -179,35 +179,25 @@ fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_paramet
 /// Every stage of `run` sends optimizer state for the sync of step 1, each
 /// slot of cluster `c` all `value(c)`, its step count `steps(c)`.
 fn optimizer_all(run: &mut JobRun, value: impl Fn(usize) -> f32, steps: impl Fn(usize) -> u64) {
-    for c in 0..run.clusters.len() {
-        for stage in 0..run.clusters[c].stages.len() {
-            let params = run.clusters[c].stages[stage]
-                .params
+    let answers = each_stage_sends(run, |c, params| {
+        ToServer::OptimizerState(OptimizerState {
+            job_id: 1,
+            step: 1,
+            params: params
                 .iter()
-                .map(|n| {
-                    let shape = run.params[n].shape.clone();
-                    let len = shape.iter().product();
-                    let slot = |name: &str| {
-                        WireTensor::from_f32(name, &shape, &vec![value(c); len], WireDType::F32)
-                    };
-                    ParamOptimState {
-                        name: n.clone(),
-                        steps: steps(c),
-                        slots: vec![slot("exp_avg"), slot("exp_avg_sq")],
-                    }
+                .map(|(name, shape)| ParamOptimState {
+                    name: name.clone(),
+                    steps: steps(c),
+                    slots: ["exp_avg", "exp_avg_sq"]
+                        .iter()
+                        .flat_map(|slot| filled(slot, shape, value(c)))
+                        .collect(),
                 })
-                .collect();
-            let provider = run.clusters[c].stages[stage].provider;
-            let effects = run.on_message(
-                provider,
-                ToServer::OptimizerState(OptimizerState {
-                    job_id: 1,
-                    step: 1,
-                    params,
-                }),
-            );
-            assert!(faults(&effects).is_empty(), "{effects:?}");
-        }
+                .collect(),
+        })
+    });
+    for effects in answers {
+        assert!(faults(&effects).is_empty(), "{effects:?}");
     }
 }
 
