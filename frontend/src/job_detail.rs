@@ -35,6 +35,8 @@ pub struct StageTimes {
     pub busy_ms: f64,
     pub idle_ms: f64,
     pub planned_ms: f64,
+    /// The most micro-batches whose activations it held at once in any step.
+    pub peak_held: u32,
 }
 
 impl StageTimes {
@@ -63,7 +65,9 @@ pub fn stage_times(steps: &[StepMetric]) -> Vec<StageTimes> {
                     busy_ms: 0.0,
                     idle_ms: 0.0,
                     planned_ms: 0.0,
+                    peak_held: 0,
                 });
+            entry.peak_held = entry.peak_held.max(s.peak_held);
             entry.busy_ms += s.compute_ms;
             entry.idle_ms += s.idle_ms;
             entry.planned_ms += s.planned_ms;
@@ -321,6 +325,7 @@ pub fn JobDetailPage() -> impl IntoView {
                                         <th scope="col" class="num">"Busy"</th>
                                         <th scope="col" class="num" title="The plan's estimate of the busy time">"Planned"</th>
                                         <th scope="col" class="num">"Idle"</th>
+                                        <th scope="col" class="num" title="The most micro-batches whose activations the stage held at once">"Held"</th>
                                         <th scope="col">"Busy share"</th>
                                     </tr>
                                 </thead>
@@ -337,6 +342,7 @@ pub fn JobDetailPage() -> impl IntoView {
                                                     <td class="num">{format::duration(t.busy_ms as u64)}</td>
                                                     <td class="num planned">{format::duration(t.planned_ms as u64)}</td>
                                                     <td class="num">{format::duration(t.idle_ms as u64)}</td>
+                                                    <td class="num held">{t.peak_held}</td>
                                                     <td>
                                                         <div class="progress">
                                                             <div class="progress-bar" style=format!("width: {share:.1}%")></div>
@@ -516,6 +522,7 @@ mod tests {
                     compute_ms,
                     idle_ms,
                     planned_ms: compute_ms / 2.0,
+                    peak_held: 2,
                 })
                 .collect(),
         }

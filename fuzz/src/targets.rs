@@ -123,7 +123,10 @@ fn protocol_to_server() -> Target {
             job_id: 1,
             phase: Phase::Train { step: 3 },
             micro: 1,
-            outputs: vec![tensor("x", &[2, 3], WireDType::F32)],
+            outputs: vec![
+                tensor("x", &[2, 3], WireDType::F32),
+                tensor("x8", &[2, 70], WireDType::I8Block),
+            ],
             compute_ms: 1.5,
         }),
         ToServer::Gradients(Gradients {
@@ -145,6 +148,7 @@ fn protocol_to_server() -> Target {
             job_id: 1,
             step: 9,
             compute_ms: 12.0,
+            peak_held: 1,
         }),
         ToServer::Params(ParamSet {
             job_id: 1,
@@ -239,6 +243,7 @@ fn protocol_to_provider() -> io::Result<Target> {
             lr_schedule: rookery_model::LrSchedule::default(),
             clip_grad_norm: None,
             public_name: Some("fuzz".into()),
+            schedule: rookery_proto::PipelineSchedule::OneForwardOneBackward,
         })),
         ToProvider::Forward(Forward {
             job_id: 1,
@@ -253,7 +258,10 @@ fn protocol_to_provider() -> io::Result<Target> {
             job_id: 1,
             step: 0,
             micro: 1,
-            grads: vec![tensor("relu_1", &[2, 2], WireDType::F16)],
+            grads: vec![
+                tensor("relu_1", &[2, 2], WireDType::F16),
+                tensor("relu_8", &[2, 40], WireDType::I8Block),
+            ],
         }),
         ToProvider::UploadParams { job_id: 1, step: 5 },
         ToProvider::SetParams(ParamSet {
@@ -724,7 +732,11 @@ fn protocol_stream() -> Target {
             job_id: 1,
             step: 2,
             micro: 1,
-            grads: vec![big("g", 17 * 1024), big("h", 16 * 1024)],
+            grads: vec![
+                big("g", 17 * 1024),
+                big("h", 16 * 1024),
+                tensor("q", &[70 * 1024 + 3], WireDType::I8Block),
+            ],
         }),
         ToProvider::SetParams(ParamSet {
             job_id: 1,

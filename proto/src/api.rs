@@ -375,6 +375,10 @@ pub struct StageMetric {
     /// plan had none).
     #[serde(default)]
     pub planned_ms: f64,
+    /// The most micro-batches whose activations the stage held at once
+    /// (what the job's schedule bounds; 0 in records from before it was kept).
+    #[serde(default)]
+    pub peak_held: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -18,10 +18,10 @@ pub mod train;
 pub use bytes::Bytes;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
-pub use tensor::{TensorError, WireDType, WireTensor};
+pub use tensor::{INT8_BLOCK, TensorError, WireDType, WireTensor};
 pub use train::{
     Activations, Assignment, Backward, Forward, GradNorm, GradScale, Gradients, LeafLoss,
-    OptimizerState, ParamOptimState, ParamSet, Phase, StepDone,
+    OptimizerState, ParamOptimState, ParamSet, Phase, PipelineSchedule, StepDone,
 };
 
 /// Bumped on every incompatible change to [`ToServer`] or [`ToProvider`].
@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Default largest frame either side of a provider connection sends or
 /// accepts. The server announces its own limit in [`ToProvider::Welcome`];
@@ -458,6 +458,7 @@ mod tests {
                 job_id: 1,
                 step: 4,
                 compute_ms: 12.0,
+                peak_held: 1,
             }),
             ToServer::Params(ParamSet {
                 job_id: 1,
@@ -543,6 +544,7 @@ mod tests {
                 },
                 clip_grad_norm: Some(1.0),
                 public_name: Some("Handwritten digits for the Lab".into()),
+                schedule: crate::PipelineSchedule::Gpipe,
             })),
             ToProvider::Forward(Forward {
                 job_id: 1,

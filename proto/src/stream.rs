@@ -5,8 +5,8 @@
 //! tensor with no bytes) followed by payload frames holding those bytes in
 //! order, each at most [`CHUNK_BYTES`] and never over the frame limit. A
 //! payload frame is [`PAYLOAD_TAG`], the [`Lane`] byte, then raw tensor bytes
-//! (whole elements); its first byte can never start a protocol message,
-//! whose first byte is a small enum tag. Which messages stream, on which
+//! (whole elements; an int8 tensor's scales whole); its first byte can never
+//! start a protocol message, whose first byte is a small enum tag. Which messages stream, on which
 //! lane, and the order their tensors follow in, is [`Streamed`]:
 //!
 //! | lane | to the server | to a provider |
@@ -32,6 +32,7 @@
 use bytes::{Bytes, BytesMut};
 use serde::de::DeserializeOwned;
 
+use crate::tensor::{Invalid, int8_scale_bytes};
 use crate::{
     Activations, Assignment, Backward, DecodeError, EncodeError, Forward, Gradients,
     OptimizerState, ParamSet, ToProvider, ToServer, WireDType, WireTensor, decode_frame, encode,
@@ -378,6 +379,9 @@ pub enum StreamError {
     },
     #[error("tensor `{name}`: element {index} is not finite")]
     NotFinite { name: String, index: usize },
+    /// An int8 tensor's invalid scale or value.
+    #[error(transparent)]
+    Invalid(crate::TensorError),
     #[error(
         "a message announcing {announced} bytes of tensors to follow, over the {limit} bytes this receiver accepts"
     )]
@@ -386,7 +390,9 @@ pub enum StreamError {
 
 /// Checks one payload that continues tensor `name` of type `dtype`, of
 /// which `done` bytes have arrived and `left` are still owed: non-empty,
-/// no longer than what is left, whole elements, every float finite.
+/// no longer than what is left, whole elements, every float finite. An
+/// int8 tensor's payloads may end anywhere in its values but only between
+/// its scales, each scale finite and non-negative, no value -128.
 pub fn check_payload(
     name: &str,
     dtype: WireDType,
@@ -404,18 +410,29 @@ pub fn check_payload(
             left,
         });
     }
-    if !data.len().is_multiple_of(dtype.size()) {
-        return Err(StreamError::Partial {
-            name: name.into(),
-            got: data.len(),
-            dtype: dtype.as_str(),
-        });
+    let partial = || StreamError::Partial {
+        name: name.into(),
+        got: data.len(),
+        dtype: dtype.as_str(),
+    };
+    let total = done.saturating_add(left);
+    if dtype == WireDType::I8Block {
+        // Scales are whole f32s, so a payload starts and ends on one's
+        // boundary while it is among them.
+        let split = int8_scale_bytes(total).ok_or_else(partial)?;
+        let end = done + data.len();
+        if (done < split && !done.is_multiple_of(4)) || (end < split && !end.is_multiple_of(4)) {
+            return Err(partial());
+        }
+    } else if !data.len().is_multiple_of(dtype.size()) {
+        return Err(partial());
     }
-    match dtype.first_non_finite(data) {
-        Some(index) => Err(StreamError::NotFinite {
+    match dtype.first_invalid(data, done, total) {
+        Some(Invalid::NotFinite(index)) => Err(StreamError::NotFinite {
             name: name.into(),
-            index: done / dtype.size() + index,
+            index,
         }),
+        Some(bad) => Err(StreamError::Invalid(bad.error(name))),
         None => Ok(()),
     }
 }
@@ -675,6 +692,7 @@ mod tests {
                 lr_schedule: rookery_model::LrSchedule::default(),
                 clip_grad_norm: None,
                 public_name: None,
+                schedule: crate::PipelineSchedule::Gpipe,
             })),
             ToProvider::SetOptimizerState(OptimizerState {
                 job_id: 1,
@@ -884,6 +902,51 @@ mod tests {
                 .unwrap_err()
                 .contains("element 250 is not finite")
         );
+    }
+
+    #[test]
+    fn int8_tensors_stream_and_each_payload_is_checked_where_it_falls() {
+        // 300 000 values: 18 752 bytes of scales, then the values, in chunks.
+        let n = 300_000;
+        let values: Vec<f32> = (0..n).map(|v| (v as f32 * 0.37).sin()).collect();
+        let t = WireTensor::from_f32("a", &[n], &values, WireDType::I8Block);
+        let (total, split) = (t.data.len(), 4 * n.div_ceil(64));
+        assert_eq!(total, split + n);
+        let message = ToServer::Activations(Activations {
+            job_id: 3,
+            phase: Phase::Train { step: 5 },
+            micro: 1,
+            outputs: vec![t.clone()],
+            compute_ms: 2.0,
+        });
+        let frames = encode_streamed(&message, 1 << 20).unwrap();
+        assert_eq!(frames.len(), 1 + total.div_ceil(CHUNK_BYTES));
+        assert_eq!(assemble(&frames), Ok(vec![message]));
+        let check = |from: usize, to: usize, data: &[u8]| {
+            check_payload("a", WireDType::I8Block, from, total - from, &data[from..to])
+                .map_err(|e| e.to_string())
+        };
+        // Among the scales a payload starts and ends on a scale's boundary;
+        // among the values, anywhere.
+        assert!(check(0, 6, &t.data).unwrap_err().contains("not whole int8"));
+        assert!(check(2, 8, &t.data).unwrap_err().contains("not whole int8"));
+        assert_eq!(check(0, split + 3, &t.data), Ok(()));
+        assert_eq!(check(split + 3, total, &t.data), Ok(()));
+        // A bad scale or a -128 is found by its index in the whole tensor.
+        let mut bad = t.data.to_vec();
+        bad[8..12].copy_from_slice(&(-1.0f32).to_le_bytes());
+        bad[split + 1000] = 0x80;
+        let error = check(4, 16, &bad).unwrap_err();
+        assert!(error.contains("int8 block 2"), "{error}");
+        let error = check(split + 997, split + 1003, &bad).unwrap_err();
+        assert!(error.contains("int8 element 1000 is -128"), "{error}");
+        let mut frames = frames;
+        let mut first = frames[1].to_vec();
+        first[PAYLOAD_HEADER_BYTES + 4..PAYLOAD_HEADER_BYTES + 8]
+            .copy_from_slice(&f32::NAN.to_le_bytes());
+        frames[1] = first.into();
+        let error = assemble(&frames).unwrap_err();
+        assert!(error.contains("int8 block 1"), "{error}");
     }
 
     #[test]

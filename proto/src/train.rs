@@ -33,6 +33,31 @@ pub enum Phase {
     Eval { epoch: u32 },
 }
 
+/// How a cluster's pipeline orders a step's micro-batches
+/// (a job file's `training.schedule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum PipelineSchedule {
+    /// Every micro-batch of a step is released at once: a stage may hold
+    /// the activations of all of them before their backwards come.
+    #[default]
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// One forward, one backward: stage `s` of `S` is given a micro-batch's
+    /// forward only while it holds fewer than `S - s`, so it never holds
+    /// more. The same arithmetic as `Gpipe`, in the same order.
+    #[serde(rename = "1f1b")]
+    OneForwardOneBackward,
+}
+
+impl PipelineSchedule {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PipelineSchedule::Gpipe => "gpipe",
+            PipelineSchedule::OneForwardOneBackward => "1f1b",
+        }
+    }
+}
+
 /// What a provider runs for a job: one stage of one cluster.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Assignment {
@@ -77,6 +102,8 @@ pub struct Assignment {
     /// `public_name`); `None` keeps the job private, and a donating tab
     /// says only that it trains a private job.
     pub public_name: Option<String>,
+    /// How the stage orders a step's forwards and backwards.
+    pub schedule: PipelineSchedule,
 }
 
 /// The names of optimizer state slots, as `torch.optim` names them in a
@@ -184,6 +211,9 @@ pub struct StepDone {
     pub step: u64,
     /// Milliseconds spent computing (forward, backward, optimizer) this step.
     pub compute_ms: f64,
+    /// The most micro-batches whose activations the stage held at once this
+    /// step (run forward, not yet backward): what its schedule bounds.
+    pub peak_held: u32,
 }
 
 /// Parameter values of a stage, either way.

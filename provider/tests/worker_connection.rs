@@ -72,6 +72,7 @@ fn assignment(graph_json: String) -> Assignment {
         lr_schedule: rookery_model::LrSchedule::default(),
         clip_grad_norm: None,
         public_name: None,
+        schedule: rookery_proto::PipelineSchedule::Gpipe,
     }
 }
 
@@ -113,6 +114,7 @@ impl Trainer for SlowTrainer {
                     job_id: f.job_id,
                     step: 0,
                     compute_ms: 1.0,
+                    peak_held: 1,
                 }),
             ],
             _ => vec![],

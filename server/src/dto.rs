@@ -60,6 +60,7 @@ pub fn step_metric(s: StepRecord) -> StepMetric {
                 provider: t.provider,
                 compute_ms: t.compute_ms,
                 planned_ms: t.planned_ms,
+                peak_held: t.peak_held,
                 idle_ms: t.idle_ms,
             })
             .collect(),
@@ -232,6 +233,7 @@ mod tests {
                 compute_ms: 1.0,
                 planned_ms: 0.5,
                 idle_ms: 2.0,
+                peak_held: 2,
             }],
         };
         let epochs = [EpochRecord {

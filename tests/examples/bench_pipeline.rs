@@ -2,7 +2,7 @@
 //! cluster of 3 local providers against the single-process reference
 //! trainer on the same model (the MNIST CNN of the demo) and the same
 //! batches, measured in one run and printed as a ratio (target >= 0.8); and
-//! the bytes on the wire per step for f32, f16 and bf16 activations.
+//! the bytes on the wire per step for f32, f16, bf16 and int8 activations.
 //!
 //! Needs release binaries (`ROOKERY_BIN_DIR`, set by xtask).
 
@@ -102,7 +102,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     println!("bytes on the wire per step (activations and gradients relayed):");
-    for dtype in ["f32", "f16", "bf16"] {
+    for dtype in ["f32", "f16", "bf16", "int8"] {
         let metrics = if dtype == "f32" {
             metrics.clone()
         } else {

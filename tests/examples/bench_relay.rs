@@ -202,6 +202,7 @@ async fn stage(
                             job_id,
                             step,
                             compute_ms: 0.0,
+                            peak_held: 1,
                         }),
                     )
                     .await?;
@@ -225,6 +226,7 @@ async fn stage(
                         job_id: b.job_id,
                         step: b.step,
                         compute_ms: 0.0,
+                        peak_held: 1,
                     }),
                 )
                 .await?;

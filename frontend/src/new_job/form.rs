@@ -45,6 +45,7 @@ pub const FIELDS: &[(&str, &str)] = &[
     ("sync-every", "training.sync_every"),
     ("val-every", "training.val_every"),
     ("wire-dtype", "training.wire_dtype"),
+    ("schedule", "training.schedule"),
     ("seed", "training.seed"),
 ];
 
@@ -156,6 +157,7 @@ pub fn defaults() -> BTreeMap<&'static str, String> {
         ("sync-every", "1"),
         ("val-every", ""),
         ("wire-dtype", "f32"),
+        ("schedule", "gpipe"),
         ("seed", "42"),
     ]
     .into_iter()
@@ -500,6 +502,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
     };
     let loss = loss(values, &mut errors);
     let wire_dtype = choice(values, "wire-dtype", &mut errors);
+    let schedule = choice(values, "schedule", &mut errors);
 
     if !errors.is_empty() {
         return Err(errors);
@@ -537,6 +540,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             seed,
             wire_dtype,
             aggregation: None,
+            schedule,
             lr_schedule,
             clip_grad_norm,
             verify: None,

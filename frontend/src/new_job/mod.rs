@@ -529,7 +529,8 @@ pub fn NewJobPage() -> impl IntoView {
                     {text_input("stages", "Stages per cluster", "`auto` lets the planner choose")}
                     {text_input("sync-every", "Sync period (steps)", "steps between parameter averages")}
                     {text_input("val-every", "Evaluate every (steps)", "empty: on the test set after each epoch only (Ravnest's val_freq)")}
-                    {select("wire-dtype", "Wire dtype", &[("f32", "f32"), ("f16", "f16"), ("bf16", "bf16")])}
+                    {select("wire-dtype", "Wire dtype", &[("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("int8", "int8")])}
+                    {select("schedule", "Pipeline schedule", &[("gpipe", "GPipe: all micro-batches at once"), ("1f1b", "1F1B: the same result, less memory per stage")])}
                     {text_input("seed", "Seed", "")}
                 </fieldset>
                 {move || {

@@ -32,9 +32,10 @@ pub(crate) fn protocol(message: impl Into<String>) -> TorchWorkerError {
     TorchWorkerError::Protocol(message.into())
 }
 
-/// A CPU tensor from wire bytes: f32, f16 and bf16 become f32 (`Kind::Float`),
-/// i64 stays i64; shaped as declared. Byte counts that do not match the shape
-/// and non-finite floats are refused.
+/// A CPU tensor from wire bytes: f32, f16, bf16 and int8 (dequantized in
+/// Rust) become f32 (`Kind::Float`), i64 stays i64; shaped as declared. Byte
+/// counts that do not match the shape, non-finite floats and invalid int8
+/// scales or values are refused.
 pub fn tensor_from_wire(t: &WireTensor) -> Result<Tensor, TorchWorkerError> {
     let shape: Vec<i64> = t.shape.iter().map(|&d| i64::from(d)).collect();
     if t.dtype == WireDType::F32 && cfg!(target_endian = "little") {
@@ -46,7 +47,7 @@ pub fn tensor_from_wire(t: &WireTensor) -> Result<Tensor, TorchWorkerError> {
     }
     let flat = match t.dtype {
         WireDType::I64 => Tensor::f_from_slice(&t.to_i64()?)?,
-        WireDType::F32 | WireDType::F16 | WireDType::Bf16 => {
+        WireDType::F32 | WireDType::F16 | WireDType::Bf16 | WireDType::I8Block => {
             t.check()?;
             Tensor::f_from_slice(&t.to_f32()?)?
         }
@@ -55,7 +56,8 @@ pub fn tensor_from_wire(t: &WireTensor) -> Result<Tensor, TorchWorkerError> {
 }
 
 /// Wire bytes of a tensor on any device: floating-point tensors as `dtype`
-/// (f32, f16 or bf16), integer tensors as i64 whatever `dtype` says.
+/// (f32, f16, bf16, or int8, quantized in Rust from the f32 values after the
+/// copy to the CPU), integer tensors as i64 whatever `dtype` says.
 pub fn tensor_to_wire(
     name: &str,
     t: &Tensor,

@@ -67,6 +67,17 @@ fn forward(job_id: u64, step: u64, micro: u32, rows: i64) -> ToProvider {
 }
 
 /// The single `JobFailed` of `replies`, for job `job_id`.
+/// `t` as int8, which carries only activations and gradients.
+fn quantized(t: &WireTensor) -> WireTensor {
+    let values = t.to_f32().unwrap();
+    WireTensor::from_f32(
+        t.name.clone(),
+        &t.shape_usize(),
+        &values,
+        WireDType::I8Block,
+    )
+}
+
 fn failure(replies: Vec<ToServer>, job_id: u64) -> String {
     match &replies[..] {
         [
@@ -252,6 +263,13 @@ fn impossible_assignments_fail_with_the_reason() {
             },
             "clip_grad_norm",
         ),
+        (
+            Assignment {
+                params: assign(0).params.iter().map(quantized).collect(),
+                ..assign(0)
+            },
+            "only activations and gradients",
+        ),
     ] {
         let message = failure(w.handle(ToProvider::Assign(Box::new(a))), 7);
         assert_mentions(&message, &[says]);
@@ -299,6 +317,30 @@ fn forward_inputs_of_the_wrong_shape_or_with_nan_fail() {
         labels: None,
     });
     assert_mentions(&failure(w.handle(bad), 7), &["not finite"]);
+
+    // An int8 input whose block scale is negative, and one with a -128.
+    let good = WireTensor::from_f32("input", &[4, 6], &[0.5; 24], WireDType::I8Block);
+    for (at, bytes, says) in [
+        (0, (-1.0f32).to_le_bytes().to_vec(), "int8 block 0"),
+        (4 + 7, vec![0x80], "int8 element 7 is -128"),
+    ] {
+        let mut w = ready(0);
+        let mut data = good.data.to_vec();
+        data[at..at + bytes.len()].copy_from_slice(&bytes);
+        let bad = ToProvider::Forward(Forward {
+            job_id: 7,
+            phase: Phase::Train { step: 0 },
+            micro: 0,
+            step_samples: 8,
+            step_targets: 8,
+            inputs: vec![WireTensor {
+                data: data.into(),
+                ..good.clone()
+            }],
+            labels: None,
+        });
+        assert_mentions(&failure(w.handle(bad), 7), &[says]);
+    }
 
     // 8 samples in 2 micro-batches are chunks of 4: 3 rows is another split.
     let mut w = ready(0);
@@ -450,6 +492,23 @@ fn set_params_with_an_unknown_name_or_a_wrong_shape_fails_and_a_valid_one_replac
         7,
     );
     assert_mentions(&message, &["0.bias", "[4]", "[8]"]);
+
+    // Parameters never travel as int8.
+    let mut w = ready(0);
+    let message = failure(
+        w.handle(ToProvider::SetParams(ParamSet {
+            job_id: 7,
+            step: 0,
+            params: vec![quantized(&WireTensor::from_f32(
+                "0.bias",
+                &[8],
+                &[0.5; 8],
+                WireDType::F32,
+            ))],
+        })),
+        7,
+    );
+    assert_mentions(&message, &["0.bias", "int8"]);
 
     // A valid set replaces exactly the values given.
     let mut w = ready(0);

@@ -19,6 +19,10 @@ pub struct StageTime {
     /// The plan's estimate of `compute_ms` (0 where the plan had none).
     #[serde(default)]
     pub planned_ms: f64,
+    /// The most micro-batches whose activations it held at once (its own
+    /// report; 0 from records stored before it was kept).
+    #[serde(default)]
+    pub peak_held: u32,
 }
 
 /// What one training step measured.
@@ -81,18 +85,10 @@ impl JobRun {
         let spe = self.schedule.steps_per_epoch as u64;
         let stages = parts
             .iter()
-            .enumerate()
-            .flat_map(|(c, part)| {
-                part.stages.iter().enumerate().map(
-                    move |(s, &(provider, compute_ms, planned_ms))| StageTime {
-                        cluster: c as u32,
-                        stage: s as u32,
-                        provider,
-                        compute_ms,
-                        idle_ms: (elapsed_ms - compute_ms).max(0.0),
-                        planned_ms,
-                    },
-                )
+            .flat_map(|part| &part.stages)
+            .map(|t| StageTime {
+                idle_ms: (elapsed_ms - t.compute_ms).max(0.0),
+                ..t.clone()
             })
             .collect();
         StepRecord {

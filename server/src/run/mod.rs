@@ -233,6 +233,8 @@ struct StageSlot {
     grad_sum_of_squares: Option<f64>,
     step_done: bool,
     compute_ms: f64,
+    /// The most micro-batches it held at once this step, as it reports.
+    peak_held: u32,
     uploaded: bool,
     /// The stage's work per step, GFLOP (the plan's time at its provider's
     /// speed); 0 where the plan did not keep the speed.
@@ -262,8 +264,8 @@ struct ClusterStep {
     samples: u64,
     /// What the step's mean loss divides by (`Forward::step_targets`).
     targets: u64,
-    /// (provider, compute ms, the plan's estimate of it) per stage.
-    stages: Vec<(u64, f64, f64)>,
+    /// Each stage's times (its idle time is the record's to fill in).
+    stages: Vec<StageTime>,
 }
 
 #[derive(Debug)]

@@ -197,6 +197,7 @@ impl JobRun {
                     params: names,
                     memory_bytes: stage.memory_bytes,
                     planned_ms: stage.compute_s * 1e3 * micro_batches,
+                    peak_held: 0,
                     slowness: None,
                     slow_steps: 0,
                     ready: false,
@@ -301,6 +302,7 @@ impl JobRun {
             lr_schedule: self.lr_schedule,
             clip_grad_norm: t.clip_grad_norm,
             public_name: self.spec.public_name.clone(),
+            schedule: self.spec.training.schedule,
         }
     }
 

@@ -15,8 +15,8 @@ use rookery_proto::{
 
 use super::measure::wire_bytes;
 use super::{
-    ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected, State,
-    TapSide, on_wire,
+    ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected,
+    StageTime, State, TapSide, on_wire,
 };
 
 /// A stage's answer to a spot-checked micro-batch: where, and what.
@@ -543,6 +543,7 @@ impl JobRun {
         stage.step_done = true;
         // The provider's total is authoritative; what the relays counted was partial.
         stage.compute_ms = d.compute_ms.max(0.0);
+        stage.peak_held = d.peak_held.min(self.spec.training.micro_batches as u32);
         if !self.clusters[c].stages.iter().all(|s| s.step_done) {
             return Ok(Vec::new());
         }
@@ -614,7 +615,16 @@ impl JobRun {
                 stages: run
                     .stages
                     .iter()
-                    .map(|s| (s.provider, s.compute_ms, s.planned_ms))
+                    .enumerate()
+                    .map(|(s, stage)| StageTime {
+                        cluster: c as u32,
+                        stage: s as u32,
+                        provider: stage.provider,
+                        compute_ms: stage.compute_ms,
+                        idle_ms: 0.0,
+                        planned_ms: stage.planned_ms,
+                        peak_held: stage.peak_held,
+                    })
                     .collect(),
             };
             run.finished.insert(step, totals);

@@ -227,6 +227,12 @@ impl JobRun {
                     t.name, t.shape, current.shape
                 )));
             }
+            if t.dtype.is_quantized() {
+                return Err(fault(format!(
+                    "parameter `{}` is int8, which is for activations and gradients",
+                    t.name
+                )));
+            }
             t.check().map_err(|e| fault(e.to_string()))?;
         }
         let clusters = self.clusters.len();

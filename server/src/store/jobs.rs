@@ -483,6 +483,7 @@ mod tests {
                     compute_ms: 30.0,
                     idle_ms: 20.0,
                     planned_ms: 0.0,
+                    peak_held: 3,
                 }],
             },
         )

@@ -11,7 +11,7 @@ use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::JobError;
-use rookery_proto::WireDType;
+use rookery_proto::{PipelineSchedule, WireDType};
 use std::path::Path;
 
 /// How a sync combines the clusters' copies of each parameter.
@@ -162,6 +162,8 @@ pub struct TrainingFile {
     pub wire_dtype: Option<WireDType>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aggregation: Option<Aggregation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<PipelineSchedule>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr_schedule: Option<LrScheduleFile>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

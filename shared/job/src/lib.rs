@@ -36,6 +36,6 @@ pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{
     Aggregation, DataFormat, DataRef, DataSpec, JobSpec, MAX_PUBLIC_NAME_CHARS, ModelSection,
-    ModelSource, OuterOptimizer, TokenDType, TrainingSpec, WireDType,
+    ModelSource, OuterOptimizer, PipelineSchedule, TokenDType, TrainingSpec, WireDType,
 };
 pub use weights::{WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors};

@@ -29,8 +29,9 @@
 //! stages = 3                   # optional: exactly this many pipeline stages per cluster
 //! shuffle = true               # default true
 //! seed = 42                    # default 0
-//! wire_dtype = "f32"           # f32 (default) | f16 | bf16
+//! wire_dtype = "f32"           # f32 (default) | f16 | bf16 | int8 (blockwise)
 //! aggregation = "mean"         # mean (default) | median | centered_clip
+//! schedule = "gpipe"           # gpipe (default) | 1f1b: how micro-batches flow
 //! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
 //! val_every = 100              # optional: also evaluate every 100 steps (needs test data)
 //! average_optimizer = false    # default false: true averages optimizer state at syncs too
@@ -105,6 +106,7 @@ pub use rookery_proto::WireDType;
 use crate::error::JobError;
 pub use crate::file::{Aggregation, DataFormat, TokenDType};
 use crate::file::{Clusters, DataFile, JobFile, ModelFile, SyncFile, TrainingFile, VerifyFile};
+pub use rookery_proto::PipelineSchedule;
 
 /// Most epochs a job may ask for: a million, so that epochs times steps
 /// per epoch (each at most the samples) never overflows a counter.
@@ -237,6 +239,8 @@ pub struct TrainingSpec {
     /// Whether a sync also averages the clusters' optimizer state (Ravnest's
     /// `average_optim`); otherwise each cluster keeps its own.
     pub average_optimizer: bool,
+    /// How each cluster's pipeline orders a step's micro-batches.
+    pub schedule: PipelineSchedule,
     /// DiLoCo's outer step at each sync; `None` takes the clusters'
     /// combined parameters as they are (plain averaging).
     pub outer_optimizer: Option<OuterOptimizer>,
@@ -765,7 +769,7 @@ impl JobSpec {
                     return Err(JobError::field(
                         "training.wire_dtype",
                         format!(
-                            "activations and gradients travel as f32, f16 or bf16, not {}",
+                            "activations and gradients travel as f32, f16, bf16 or int8, not {}",
                             d.as_str()
                         ),
                     ));
@@ -788,6 +792,7 @@ impl JobSpec {
             },
             val_every: t.val_every,
             average_optimizer: t.average_optimizer.unwrap_or(false),
+            schedule: t.schedule.unwrap_or_default(),
             outer_optimizer: match sync.outer_optimizer {
                 Some(o) => Some(OuterOptimizer::from_file(o)?),
                 None => None,
@@ -981,6 +986,7 @@ impl From<JobSpec> for JobFile {
                 }),
                 val_every: t.val_every,
                 average_optimizer: Some(t.average_optimizer),
+                schedule: Some(t.schedule),
                 sync: t.outer_optimizer.map(|o| SyncFile {
                     every: None,
                     outer_optimizer: Some(o.to_file()),

@@ -281,6 +281,13 @@ pub fn write_wire_safetensors(path: &Path, tensors: &[WireTensor]) -> io::Result
             WireDType::F16 => "F16",
             WireDType::Bf16 => "BF16",
             WireDType::I64 => "I64",
+            // Quantized activations and gradients are never weights.
+            WireDType::I8Block => {
+                return Err(invalid(format!(
+                    "tensor `{}` is int8, which weights files do not hold",
+                    t.name
+                )));
+            }
         };
         entries.push((
             t.name.as_str(),

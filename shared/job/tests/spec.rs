@@ -246,6 +246,18 @@ fn clusters_wire_dtype_and_loss_take_every_documented_value() {
 }
 
 #[test]
+fn an_int8_wire_dtype_parses_and_round_trips_through_the_job_file_form() {
+    let dir = base();
+    let text = example_with("wire_dtype = \"f32\"", "wire_dtype = \"int8\"");
+    let job = JobSpec::from_toml(&text, dir.path()).unwrap();
+    assert_eq!(job.training.wire_dtype, WireDType::I8Block);
+    let json = job.to_json().unwrap();
+    assert!(json.contains(r#""wire_dtype": "int8""#), "{json}");
+    let back = JobSpec::from_json(&json, Path::new("/nonexistent-base")).unwrap();
+    assert_eq!(back, job);
+}
+
+#[test]
 fn loss_tables_set_the_class_axis_and_ignore_index_with_torch_defaults() {
     let dir = base();
     let loss = |with: &str| {

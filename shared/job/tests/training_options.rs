@@ -129,3 +129,31 @@ fn val_every_without_test_data_or_of_zero_is_refused_naming_the_field() {
         "{err}"
     );
 }
+
+#[test]
+fn the_pipeline_schedule_defaults_to_gpipe_takes_1f1b_and_refuses_the_unknown_by_name() {
+    use rookery_job::PipelineSchedule;
+    let dir = base();
+    let default = JobSpec::from_toml(&example_with("", ""), dir.path()).unwrap();
+    assert_eq!(default.training.schedule, PipelineSchedule::Gpipe);
+    for (line, want) in [
+        ("schedule = \"gpipe\"", PipelineSchedule::Gpipe),
+        (
+            "schedule = \"1f1b\"",
+            PipelineSchedule::OneForwardOneBackward,
+        ),
+    ] {
+        let toml = example_with("seed = 42", &format!("seed = 42\n{line}"));
+        let job = JobSpec::from_toml(&toml, dir.path()).unwrap();
+        assert_eq!(job.training.schedule, want, "{line}");
+        let back = JobSpec::from_json(&job.to_json().unwrap(), dir.path()).unwrap();
+        assert_eq!(back.training, job.training, "{line} through JSON");
+    }
+    let toml = example_with("seed = 42", "seed = 42\nschedule = \"pipedream\"");
+    let err = JobSpec::from_toml(&toml, dir.path())
+        .unwrap_err()
+        .to_string();
+    for word in ["schedule", "pipedream", "gpipe", "1f1b"] {
+        assert!(err.contains(word), "{err}");
+    }
+}

@@ -158,4 +158,8 @@ fn wire_tensors_are_written_byte_for_byte_as_weight_tensors_and_read_back_as_vie
     let mut short = wire[0].clone();
     short.data = short.data.slice(1..);
     assert!(write_wire_safetensors(&path, &[short]).is_err());
+    // Quantized activations are never weights.
+    let int8 = WireTensor::from_f32("q", &[3], &[1.0, -2.0, 0.5], WireDType::I8Block);
+    let error = write_wire_safetensors(&path, &[int8]).unwrap_err();
+    assert!(error.to_string().contains("int8"), "{error}");
 }

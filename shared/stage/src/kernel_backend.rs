@@ -153,6 +153,8 @@ impl<D: Device> Backend for StageExecutor<D> {
         t: &HostTensor,
         dtype: WireDType,
     ) -> Result<WireTensor, StageError> {
+        // int8 is quantized here, on the host tensor's CPU copy; quantizing
+        // on the GPU before the read-back is not done yet.
         Ok(WireTensor::from_f32(name, &t.shape, &t.data, dtype))
     }
 
@@ -385,8 +387,9 @@ pub fn count_correct(loss: Loss, y: &HostTensor, labels: &[i64]) -> u64 {
 /// Integers a host tensor's f32 carries exactly.
 const EXACT_INTEGERS: i64 = 1 << 24;
 
-/// A host tensor from wire bytes: floats become f32 (checked finite);
-/// integers (indices, counters) too, when f32 holds them exactly.
+/// A host tensor from wire bytes: floats become f32 (checked finite; int8
+/// dequantized on the CPU, its scales and values checked); integers
+/// (indices, counters) too, when f32 holds them exactly.
 pub fn from_wire(t: &WireTensor) -> Result<HostTensor, WorkerError> {
     let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
     if !t.dtype.is_float() {
@@ -463,5 +466,27 @@ mod tests {
         let wrong = WireTensor::from_i64("labels", &[2, 1], &[0, 1]);
         let e = host_loss(Loss::cross_entropy(), &y, &wrong, Some(4)).unwrap_err();
         assert!(e.to_string().contains("expected [2]"), "{e}");
+    }
+
+    #[test]
+    fn int8_activations_decode_within_the_block_bound_and_bad_scales_are_refused() {
+        let values: Vec<f32> = (0..100).map(|i| (i as f32 * 0.3).cos() * 4.0).collect();
+        let t = WireTensor::from_f32("a", &[4, 25], &values, WireDType::I8Block);
+        let host = from_wire(&t).unwrap();
+        assert_eq!(host.shape, [4, 25]);
+        for (v, block) in values.chunks(64).zip(host.data.chunks(64)) {
+            let absmax = v.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            for (a, b) in v.iter().zip(block) {
+                assert!((a - b).abs() <= absmax * (1.0 / 254.0 + 1e-6), "{a} vs {b}");
+            }
+        }
+        let mut bad = t.data.to_vec();
+        bad[4..8].copy_from_slice(&(-1.0f32).to_le_bytes());
+        let bad = WireTensor {
+            data: bad.into(),
+            ..t
+        };
+        let e = from_wire(&bad).unwrap_err();
+        assert!(e.to_string().contains("int8 block 1"), "{e}");
     }
 }

@@ -17,6 +17,11 @@
 //!   assignment's `lr_schedule` at `s`, on the optimizer's `lr`;
 //! - `UploadParams` is answered with the optimizer state, then the
 //!   parameters;
+//! - under the `1f1b` schedule, stage `s` of `S` (not the Leaf) holds at
+//!   most `S - s` micro-batches run forward and not yet backward: a
+//!   training `Forward` beyond that waits, in order, until a `Backward`
+//!   frees one. Forwards and backwards each still run in the order they
+//!   came, so the arithmetic is `gpipe`'s exactly;
 //! - after `JobFailed` the stage is gone: later messages for that job get
 //!   `JobFailed` again, until a new `Assign`.
 //!
@@ -24,15 +29,15 @@
 //! error, a message that does not fit the stage's state) becomes
 //! `ToServer::JobFailed`; nothing a server sends can panic it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Display;
 use std::future::Future;
 
 use rookery_model::{Graph, Loss, LrSchedule, OptimizerConfig};
 use rookery_proto::{
     Activations, Assignment, Backward, Forward, GradNorm, GradScale, Gradients, LeafLoss,
-    OptimizerState, ParamOptimState, ParamSet, Phase, StepDone, ToProvider, ToServer, WireDType,
-    WireTensor,
+    OptimizerState, ParamOptimState, ParamSet, Phase, PipelineSchedule, StepDone, ToProvider,
+    ToServer, WireDType, WireTensor,
 };
 
 /// The dropout seed of step `step` of a job seeded `job_seed`: every stage of
@@ -342,6 +347,21 @@ fn backend<E: Display>(error: E) -> WorkerError {
     WorkerError(error.to_string())
 }
 
+/// Refuses parameters or optimizer state sent quantized: int8 is lossy, for
+/// activations and gradients only.
+fn refuse_quantized<'a>(
+    tensors: impl IntoIterator<Item = &'a WireTensor>,
+) -> Result<(), WorkerError> {
+    match tensors.into_iter().find(|t| t.dtype.is_quantized()) {
+        Some(t) => Err(protocol(format!(
+            "`{}` is {}, which carries only activations and gradients",
+            t.name,
+            t.dtype.as_str()
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// The stage of one assignment and where it stands in the current step.
 struct Stage<B: Backend> {
     job_id: u64,
@@ -365,6 +385,8 @@ struct Stage<B: Backend> {
     base_lr: f64,
     lr_schedule: LrSchedule,
     clip_grad_norm: Option<f64>,
+    /// The most micro-batches the schedule lets it hold (`None`: all).
+    hold_limit: Option<usize>,
 }
 
 struct StepState<M> {
@@ -376,6 +398,10 @@ struct StepState<M> {
     /// Micro-batches run forward and awaiting Backward (never on the Leaf,
     /// which backpropagates at once).
     in_flight: BTreeMap<u32, M>,
+    /// Forwards waiting for the schedule to let the stage hold another.
+    deferred: VecDeque<Forward>,
+    /// The most micro-batches held at once.
+    peak_held: u32,
     finished: u32,
     compute_ms: f64,
     /// Every micro-batch is done and the `GradNorm` went out: the step waits
@@ -396,10 +422,15 @@ impl<B: Backend> Stage<B> {
         }
         if !a.wire_dtype.is_float() {
             return Err(protocol(format!(
-                "wire dtype {} cannot carry activations and gradients (use f32, f16 or bf16)",
+                "wire dtype {} cannot carry activations and gradients (use f32, f16, bf16 or int8)",
                 a.wire_dtype.as_str()
             )));
         }
+        refuse_quantized(
+            a.params
+                .iter()
+                .chain(a.optimizer_state.iter().flat_map(|p| &p.slots)),
+        )?;
         let graph = Graph::from_json(&a.graph_json)
             .map_err(|e| protocol(format!("the model graph JSON does not parse: {e}")))?;
         let leaf = a.stage + 1 == a.stages;
@@ -453,6 +484,12 @@ impl<B: Backend> Stage<B> {
             base_lr: a.optimizer.lr(),
             lr_schedule: a.lr_schedule,
             clip_grad_norm: a.clip_grad_norm,
+            hold_limit: match a.schedule {
+                PipelineSchedule::OneForwardOneBackward if !leaf => {
+                    Some((a.stages - a.stage) as usize)
+                }
+                _ => None,
+            },
         })
     }
 
@@ -474,7 +511,10 @@ impl<B: Backend> Stage<B> {
     ) -> Result<(), WorkerError> {
         match message {
             ToProvider::Forward(f) => match f.phase {
-                Phase::Train { step } => self.train_forward(step, f, out).await,
+                Phase::Train { step } => match self.defer(step, f)? {
+                    Some(f) => self.train_forward(step, f, out).await,
+                    None => Ok(()),
+                },
                 Phase::Eval { .. } => self.eval_forward(f, out).await,
             },
             ToProvider::Backward(b) => self.backward(b, out).await,
@@ -498,6 +538,7 @@ impl<B: Backend> Stage<B> {
             }
             ToProvider::SetParams(p) => self.set_params(&p),
             ToProvider::SetOptimizerState(o) => {
+                refuse_quantized(o.params.iter().flat_map(|p| &p.slots))?;
                 self.exec.set_optimizer_state(&o.params).map_err(backend)
             }
             ToProvider::GradScale(g) => self.grad_scale(g, out).await,
@@ -549,6 +590,8 @@ impl<B: Backend> Stage<B> {
                     count: samples.div_ceil(chunk),
                     forwarded: BTreeSet::new(),
                     in_flight: BTreeMap::new(),
+                    deferred: VecDeque::new(),
+                    peak_held: 0,
                     finished: 0,
                     compute_ms: 0.0,
                     awaiting_scale: false,
@@ -558,6 +601,35 @@ impl<B: Backend> Stage<B> {
         self.step
             .as_mut()
             .ok_or_else(|| protocol("the step state vanished"))
+    }
+
+    /// The forward to run now, or `None` when the schedule makes it wait.
+    fn defer(&mut self, step: u64, f: Forward) -> Result<Option<Forward>, WorkerError> {
+        let (Some(limit), Some(state)) = (self.hold_limit, self.step.as_mut()) else {
+            return Ok(Some(f));
+        };
+        if state.step != step || state.in_flight.len() < limit {
+            return Ok(Some(f));
+        }
+        if state.deferred.len() >= state.count as usize {
+            return Err(protocol(format!(
+                "more forwards of step {step} wait than it has micro-batches ({})",
+                state.count
+            )));
+        }
+        state.deferred.push_back(f);
+        Ok(None)
+    }
+
+    /// The oldest waiting forward, once the schedule lets it run.
+    fn undefer(&mut self) -> Option<Forward> {
+        let limit = self.hold_limit?;
+        let state = self.step.as_mut()?;
+        if state.in_flight.len() < limit {
+            state.deferred.pop_front()
+        } else {
+            None
+        }
     }
 
     async fn train_forward(
@@ -602,6 +674,7 @@ impl<B: Backend> Stage<B> {
             let compute_ms = started.elapsed_ms();
             if let Some(state) = self.step.as_mut() {
                 state.in_flight.insert(micro, micro_batch);
+                state.peak_held = state.peak_held.max(state.in_flight.len() as u32);
                 state.compute_ms += compute_ms;
             }
             out.push(ToServer::Activations(Activations {
@@ -618,6 +691,9 @@ impl<B: Backend> Stage<B> {
             .as_ref()
             .ok_or_else(|| protocol("the Leaf got a Forward without labels"))?;
         let y = single_output(&outputs, &output)?;
+        if let Some(state) = self.step.as_mut() {
+            state.peak_held = 1;
+        }
         let loss = self
             .exec
             .leaf_loss(self.loss, y, labels, f.step_targets)
@@ -671,7 +747,11 @@ impl<B: Backend> Stage<B> {
             .await
             .map_err(backend)?;
         self.finish_micro(b.step, b.micro, grads, started, out)
-            .await
+            .await?;
+        while let Some(f) = self.undefer() {
+            self.train_forward(b.step, f, out).await?;
+        }
+        Ok(())
     }
 
     /// After a micro-batch's backward: its input gradients go back (unless
@@ -760,12 +840,13 @@ impl<B: Backend> Stage<B> {
     ) -> Result<(), WorkerError> {
         let lr = self.lr_schedule.lr(self.base_lr, step);
         self.exec.step(lr, grad_scale).await.map_err(backend)?;
-        self.step = None;
+        let peak_held = self.step.take().map_or(0, |s| s.peak_held);
         self.next_step = step + 1;
         out.push(ToServer::StepDone(StepDone {
             job_id: self.job_id,
             step,
             compute_ms: so_far + started.elapsed_ms(),
+            peak_held,
         }));
         Ok(())
     }
@@ -843,6 +924,7 @@ impl<B: Backend> Stage<B> {
                 "{unknown:?} are not parameters of this stage (it has {known:?})"
             )));
         }
+        refuse_quantized(&p.params)?;
         self.exec.set_parameters(&p.params).map_err(backend)
     }
 }

@@ -115,6 +115,7 @@ pub fn assignment(
         lr_schedule: job.lr_schedule,
         clip_grad_norm: job.clip_grad_norm,
         public_name: None,
+        schedule: rookery_proto::PipelineSchedule::Gpipe,
     }
 }
 

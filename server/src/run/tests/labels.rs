@@ -121,5 +121,6 @@ fn step_done() -> ToServer {
         job_id: 1,
         step: 0,
         compute_ms: 1.0,
+        peak_held: 1,
     })
 }

@@ -108,6 +108,7 @@ fn the_server_feeds_roots_relays_both_ways_and_averages_at_sync() {
             job_id: 1,
             step,
             compute_ms: 3.0,
+            peak_held: 1,
         })
     };
     // A cluster that finished its step has its stages' work credited;

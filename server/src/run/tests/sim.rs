@@ -160,6 +160,7 @@ impl Sim {
                     job_id,
                     step,
                     compute_ms: step_ms * st.slow,
+                    peak_held: 1,
                 }));
             }
         };

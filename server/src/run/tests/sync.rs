@@ -293,3 +293,34 @@ fn a_job_with_several_clusters_ends_with_each_clusters_own_weights_beside_the_co
     let effects = upload_all(&mut single, |_| 1.0);
     assert!(trained(&effects).unwrap().clusters.is_empty());
 }
+
+#[test]
+fn parameters_uploaded_as_int8_are_refused() {
+    let (mut run, _) = started_with(2, Aggregation::Mean);
+    syncing(&mut run);
+    let stage = &run.clusters[0].stages[0];
+    let provider = stage.provider;
+    let params = stage
+        .params
+        .iter()
+        .map(|name| {
+            let shape = run.params[name].shape.clone();
+            let n: usize = shape.iter().product();
+            WireTensor::from_f32(name, &shape, &vec![0.5; n], WireDType::I8Block)
+        })
+        .collect();
+    let effects = run.on_message(
+        provider,
+        ToServer::Params(ParamSet {
+            job_id: 1,
+            step: 1,
+            params,
+        }),
+    );
+    let found = faults(&effects);
+    assert!(
+        found.len() == 1 && found[0].0 == provider && found[0].1.contains("is int8"),
+        "{found:?}"
+    );
+    assert!(!run.clusters[0].stages[0].uploaded);
+}
