@@ -244,6 +244,7 @@ fn protocol_to_provider() -> io::Result<Target> {
             clip_grad_norm: None,
             public_name: Some("fuzz".into()),
             schedule: rookery_proto::PipelineSchedule::OneForwardOneBackward,
+            sync_int8: true,
         })),
         ToProvider::Forward(Forward {
             job_id: 1,

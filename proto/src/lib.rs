@@ -545,6 +545,7 @@ mod tests {
                 clip_grad_norm: Some(1.0),
                 public_name: Some("Handwritten digits for the Lab".into()),
                 schedule: crate::PipelineSchedule::Gpipe,
+                sync_int8: false,
             })),
             ToProvider::Forward(Forward {
                 job_id: 1,

@@ -693,6 +693,7 @@ mod tests {
                 clip_grad_norm: None,
                 public_name: None,
                 schedule: crate::PipelineSchedule::Gpipe,
+                sync_int8: false,
             })),
             ToProvider::SetOptimizerState(OptimizerState {
                 job_id: 1,

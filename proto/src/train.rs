@@ -104,6 +104,11 @@ pub struct Assignment {
     pub public_name: Option<String>,
     /// How the stage orders a step's forwards and backwards.
     pub schedule: PipelineSchedule,
+    /// At a sync, send each f32 parameter as its change since the values
+    /// this stage was last given (this `Assign`'s, or the last `SetParams`'),
+    /// in blockwise int8 ([`WireDType::I8Block`]); the server adds it back
+    /// to the same values. Other tensors, and optimizer state, go as they are.
+    pub sync_int8: bool,
 }
 
 /// The names of optimizer state slots, as `torch.optim` names them in a

@@ -73,6 +73,7 @@ fn assignment(graph_json: String) -> Assignment {
         clip_grad_norm: None,
         public_name: None,
         schedule: rookery_proto::PipelineSchedule::Gpipe,
+        sync_int8: false,
     }
 }
 

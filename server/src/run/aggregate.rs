@@ -13,7 +13,7 @@
 //! of the run, so that the server runs it on a blocking thread and the
 //! coordinator goes on answering other jobs and providers meanwhile.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use rookery_job::{Aggregation, OuterOptimizer};
 use rookery_model::DType;
@@ -38,6 +38,13 @@ pub struct AggregateWork {
     pub(super) optimizer: Vec<BTreeMap<String, ParamOptimState>>,
     /// DiLoCo's outer step, applied to the combined parameters.
     pub(super) outer: Option<OuterWork>,
+    /// Each float parameter's value at the last sync, which int8 uploads
+    /// (`[training.sync] compress = "int8"`) are changes from; empty
+    /// otherwise. Shares the run's buffers.
+    pub(super) bases: BTreeMap<String, WireTensor>,
+    /// The parameters to keep each cluster's own copy of (the job's last
+    /// sync with several clusters); `None` keeps none.
+    pub(super) keep_copies: Option<BTreeSet<String>>,
 }
 
 /// What DiLoCo's outer step needs: the optimizer, each trainable
@@ -121,13 +128,28 @@ pub struct Aggregated {
     /// Each parameter's outer momentum buffer after this sync's outer step
     /// (DiLoCo with momentum); empty otherwise.
     pub(super) outer_momentum: BTreeMap<String, WireTensor>,
+    /// Each cluster's own copy of the kept parameters (see
+    /// [`AggregateWork::keep_copies`]), as f32 values.
+    pub(super) cluster_copies: Vec<Vec<WireTensor>>,
 }
 
 impl AggregateWork {
     /// Combines the copies (blocking work: it reads every uploaded value).
     /// One cluster's copy is taken as it is, without a copy where it came as
     /// it travels: every rule gives a single copy back unchanged.
-    pub fn run(self) -> Aggregated {
+    pub fn run(mut self) -> Aggregated {
+        self.uploads = resolve_changes(std::mem::take(&mut self.uploads), &self.bases);
+        let cluster_copies = match &self.keep_copies {
+            Some(names) => {
+                let mut copies = vec![Vec::new(); self.clusters];
+                let kept = self.uploads.iter().filter(|(n, _)| names.contains(*n));
+                for (c, t) in kept.flat_map(|(_, uploaded)| uploaded) {
+                    copies[*c].push(t.clone());
+                }
+                copies
+            }
+            None => Vec::new(),
+        };
         let mut squared_distances = vec![0.0f64; self.clusters];
         let mut squared_norm = 0.0f64;
         let mut params = BTreeMap::new();
@@ -189,8 +211,42 @@ impl AggregateWork {
             squared_norm,
             optimizer: combine_optimizer_states(self.rule, &self.optimizer),
             outer_momentum,
+            cluster_copies,
         }
     }
+}
+
+/// The uploads with every int8 change replaced by the value it stands for:
+/// its parameter's value at the last sync plus the change, in f32 (the sum
+/// the stage's next base is made of too). Each upload was checked as it
+/// came (shape, dtype, scales), and the base is the run's own.
+fn resolve_changes(
+    uploads: BTreeMap<String, Vec<(usize, WireTensor)>>,
+    bases: &BTreeMap<String, WireTensor>,
+) -> BTreeMap<String, Vec<(usize, WireTensor)>> {
+    uploads
+        .into_iter()
+        .map(|(name, copies)| {
+            let base = bases.get(&name).and_then(|b| b.to_f32().ok());
+            let copies = copies
+                .into_iter()
+                .map(|(c, t)| match &base {
+                    Some(base) if t.dtype.is_quantized() => {
+                        let change = t.to_f32().unwrap_or_default();
+                        let value: Vec<f32> =
+                            base.iter().zip(&change).map(|(b, d)| b + d).collect();
+                        let shape = t.shape_usize();
+                        (
+                            c,
+                            WireTensor::from_f32(&t.name, &shape, &value, WireDType::F32),
+                        )
+                    }
+                    _ => (c, t),
+                })
+                .collect();
+            (name, copies)
+        })
+        .collect()
 }
 
 /// The clusters' optimizer states combined slot by slot with the job's rule

@@ -303,6 +303,7 @@ impl JobRun {
             clip_grad_norm: t.clip_grad_norm,
             public_name: self.spec.public_name.clone(),
             schedule: self.spec.training.schedule,
+            sync_int8: self.syncs_int8(),
         }
     }
 

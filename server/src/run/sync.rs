@@ -3,8 +3,10 @@
 //! the clusters' copies are aggregated, everyone gets the result back, and
 //! the result is the checkpoint a rebuild or a restarted server starts from.
 
+use std::collections::BTreeMap;
+
 use rookery_job::Aggregation;
-use rookery_model::ParamKind;
+use rookery_model::{DType, ParamKind};
 use rookery_proto::{
     OptimizerState, ParamOptimState, ParamSet, ToProvider, WireDType, WireTensor,
     train::OPTIMIZER_SLOTS,
@@ -80,6 +82,13 @@ impl JobRun {
             && self.outer_step().is_none()
             && !self.evaluates_at(step_done)
             && step_done < self.total_steps
+    }
+
+    /// Whether stages upload their float parameters as int8 changes since
+    /// the last sync: the job asks for it and has clusters to sync between
+    /// (one cluster's sync is its checkpoint, which keeps full values).
+    pub(super) fn syncs_int8(&self) -> bool {
+        self.spec.training.sync_int8 && self.clusters.len() > 1
     }
 
     /// The job's DiLoCo outer optimizer, unless it is plain averaging.
@@ -227,10 +236,15 @@ impl JobRun {
                     t.name, t.shape, current.shape
                 )));
             }
-            if t.dtype.is_quantized() {
+            if t.dtype.is_quantized() && !(self.syncs_int8() && current.dtype == DType::F32) {
                 return Err(fault(format!(
-                    "parameter `{}` is int8, which is for activations and gradients",
-                    t.name
+                    "parameter `{}` is int8, which is for activations and gradients{}",
+                    t.name,
+                    if self.syncs_int8() {
+                        " and float parameters' changes"
+                    } else {
+                        " (this job's syncs are not compressed)"
+                    }
                 )));
             }
             t.check().map_err(|e| fault(e.to_string()))?;
@@ -261,9 +275,14 @@ impl JobRun {
     /// the coordinator ([`Effect::Aggregate`]), the sync waiting meanwhile.
     fn aggregate(&mut self, step_done: u64) -> Vec<Effect> {
         let several = self.clusters.len() > 1;
-        if several && step_done >= self.total_steps {
-            self.cluster_weights = self.cluster_copies();
-        }
+        // The job's last sync keeps each cluster's own weights.
+        let keep_copies = (several && step_done >= self.total_steps).then(|| {
+            self.params
+                .iter()
+                .filter(|(_, v)| v.kind != ParamKind::Constant)
+                .map(|(name, _)| name.clone())
+                .collect()
+        });
         let optimizer = if several && self.spec.training.average_optimizer {
             self.clusters
                 .iter()
@@ -294,6 +313,16 @@ impl JobRun {
                     .collect(),
                 momentum: self.outer_momentum.clone(),
             }),
+            bases: if self.syncs_int8() {
+                self.params
+                    .iter()
+                    .filter(|(_, v)| v.dtype == DType::F32)
+                    .map(|(name, v)| (name.clone(), v.tensor(name)))
+                    .collect()
+            } else {
+                BTreeMap::new()
+            },
+            keep_copies,
         };
         // One cluster's copy is combined here (no arithmetic, no copy),
         // unless an outer step computes with it.
@@ -315,25 +344,6 @@ impl JobRun {
         self.finish_sync(done)
     }
 
-    /// Each cluster's own copy of the weights uploaded at this sync (before
-    /// they are combined), sharing the received buffers.
-    fn cluster_copies(&self) -> Vec<Vec<WireTensor>> {
-        let mut copies = vec![Vec::new(); self.clusters.len()];
-        for (name, uploaded) in &self.uploads {
-            if self
-                .params
-                .get(name)
-                .is_none_or(|v| v.kind == ParamKind::Constant)
-            {
-                continue;
-            }
-            for (c, t) in uploaded {
-                copies[*c].push(t.clone());
-            }
-        }
-        copies
-    }
-
     fn finish_sync(&mut self, done: Aggregated) -> Vec<Effect> {
         let Aggregated {
             step_done,
@@ -342,8 +352,12 @@ impl JobRun {
             squared_norm,
             optimizer,
             outer_momentum,
+            cluster_copies,
             ..
         } = done;
+        if !cluster_copies.is_empty() {
+            self.cluster_weights = cluster_copies;
+        }
         if self.outer_step().is_some() {
             self.outer_momentum = outer_momentum;
         }

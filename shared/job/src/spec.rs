@@ -38,7 +38,7 @@
 //! [training.sync]              # optional: DiLoCo-style syncs
 //! every = 50                   # the same as sync_every (give one of the two)
 //! outer_optimizer = { name = "nesterov", lr = 0.7, momentum = 0.9 }   # default: plain averaging
-//! compress = "none"            # none (default)
+//! compress = "none"            # none (default) | int8: uploads are each stage's change since the last sync, blockwise int8
 //! [training.verify]            # optional: spot checks (default: none)
 //! rate = 0.02                  # share of each stage's micro-batches re-run elsewhere
 //! [training.lr_schedule]       # optional (default: constant)
@@ -244,6 +244,10 @@ pub struct TrainingSpec {
     /// DiLoCo's outer step at each sync; `None` takes the clusters'
     /// combined parameters as they are (plain averaging).
     pub outer_optimizer: Option<OuterOptimizer>,
+    /// `[training.sync] compress = "int8"`: with several clusters, each
+    /// stage uploads its float parameters at a sync as their change since
+    /// the parameters it was last given, in blockwise int8.
+    pub sync_int8: bool,
 }
 
 /// The outer optimizer of a DiLoCo-style sync (Douillard et al., 2023): the
@@ -737,15 +741,18 @@ impl JobSpec {
             }
             (a, b) => a.or(b),
         };
-        match sync.compress.as_deref() {
-            None | Some("none") => {}
+        let sync_int8 = match sync.compress.as_deref() {
+            None | Some("none") => false,
+            Some("int8") => true,
             Some(other) => {
                 return Err(JobError::field(
                     "training.sync.compress",
-                    format!("`{other}` is not supported: parameters travel as f32 (\"none\")"),
+                    format!(
+                        "`{other}` is not supported: \"none\" (parameters travel as f32) or \"int8\" (their change since the last sync, blockwise int8)"
+                    ),
                 ));
             }
-        }
+        };
         let training = TrainingSpec {
             epochs: t.epochs.unwrap_or(1),
             batch_size: t.batch_size,
@@ -793,6 +800,7 @@ impl JobSpec {
             val_every: t.val_every,
             average_optimizer: t.average_optimizer.unwrap_or(false),
             schedule: t.schedule.unwrap_or_default(),
+            sync_int8,
             outer_optimizer: match sync.outer_optimizer {
                 Some(o) => Some(OuterOptimizer::from_file(o)?),
                 None => None,
@@ -987,10 +995,10 @@ impl From<JobSpec> for JobFile {
                 val_every: t.val_every,
                 average_optimizer: Some(t.average_optimizer),
                 schedule: Some(t.schedule),
-                sync: t.outer_optimizer.map(|o| SyncFile {
+                sync: (t.outer_optimizer.is_some() || t.sync_int8).then(|| SyncFile {
                     every: None,
-                    outer_optimizer: Some(o.to_file()),
-                    compress: None,
+                    outer_optimizer: t.outer_optimizer.map(|o| o.to_file()),
+                    compress: t.sync_int8.then(|| "int8".to_string()),
                 }),
             },
         }

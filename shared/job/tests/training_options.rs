@@ -35,7 +35,7 @@ fn a_sync_table_sets_the_period_and_diloco_outer_optimizer_with_torch_defaults()
     use rookery_job::OuterOptimizer;
     let dir = base();
     let cases = [
-        ("", None, 1),
+        ("", None, 1, false),
         (
             "[training.sync]\nevery = 50\nouter_optimizer = { name = \"nesterov\", lr = 0.7 }",
             Some(OuterOptimizer {
@@ -44,6 +44,7 @@ fn a_sync_table_sets_the_period_and_diloco_outer_optimizer_with_torch_defaults()
                 nesterov: true,
             }),
             50,
+            false,
         ),
         (
             "[training.sync]\nouter_optimizer = { name = \"sgd\", lr = 1.0 }\ncompress = \"none\"",
@@ -53,9 +54,16 @@ fn a_sync_table_sets_the_period_and_diloco_outer_optimizer_with_torch_defaults()
                 nesterov: false,
             }),
             1,
+            false,
+        ),
+        (
+            "[training.sync]\nevery = 5\ncompress = \"int8\"",
+            None,
+            5,
+            true,
         ),
     ];
-    for (table, want, every) in cases {
+    for (table, want, every, int8) in cases {
         let toml = example_with("sync_every = 1\n", "").replace(
             "wire_dtype = \"f32\"           # f32 | f16 | bf16\n",
             &format!("wire_dtype = \"f32\"\n{table}\n"),
@@ -63,6 +71,7 @@ fn a_sync_table_sets_the_period_and_diloco_outer_optimizer_with_torch_defaults()
         let job = JobSpec::from_toml(&toml, dir.path()).unwrap();
         assert_eq!(job.training.outer_optimizer, want, "{table}");
         assert_eq!(job.training.sync_every, every, "{table}");
+        assert_eq!(job.training.sync_int8, int8, "{table}");
         let back = JobSpec::from_json(&job.to_json().unwrap(), dir.path()).unwrap();
         assert_eq!(back.training, job.training, "{table} through JSON");
     }

@@ -387,6 +387,9 @@ struct Stage<B: Backend> {
     clip_grad_norm: Option<f64>,
     /// The most micro-batches the schedule lets it hold (`None`: all).
     hold_limit: Option<usize>,
+    /// With int8 syncs (`Assignment::sync_int8`): the f32 parameters as
+    /// the server last gave them, which uploads are changes from.
+    sync_base: Option<BTreeMap<String, WireTensor>>,
 }
 
 struct StepState<M> {
@@ -484,6 +487,7 @@ impl<B: Backend> Stage<B> {
             base_lr: a.optimizer.lr(),
             lr_schedule: a.lr_schedule,
             clip_grad_norm: a.clip_grad_norm,
+            sync_base: a.sync_int8.then(|| float_params(&a.params)),
             hold_limit: match a.schedule {
                 PipelineSchedule::OneForwardOneBackward if !leaf => {
                     Some((a.stages - a.stage) as usize)
@@ -532,7 +536,7 @@ impl<B: Backend> Stage<B> {
                 out.push(ToServer::Params(ParamSet {
                     job_id,
                     step,
-                    params,
+                    params: self.sync_changes(params)?,
                 }));
                 Ok(())
             }
@@ -925,8 +929,47 @@ impl<B: Backend> Stage<B> {
             )));
         }
         refuse_quantized(&p.params)?;
-        self.exec.set_parameters(&p.params).map_err(backend)
+        self.exec.set_parameters(&p.params).map_err(backend)?;
+        if let Some(base) = &mut self.sync_base {
+            base.extend(float_params(&p.params));
+        }
+        Ok(())
     }
+
+    /// The parameters to upload at a sync: with int8 syncs, each f32 one as
+    /// its change since the values the server last gave, blockwise int8
+    /// (the server adds it back to those same values).
+    fn sync_changes(&self, params: Vec<WireTensor>) -> Result<Vec<WireTensor>, WorkerError> {
+        let Some(base) = &self.sync_base else {
+            return Ok(params);
+        };
+        params
+            .into_iter()
+            .map(|t| match base.get(&t.name) {
+                Some(was) if t.dtype == WireDType::F32 && was.shape == t.shape => {
+                    let now = t.to_f32().map_err(backend)?;
+                    let was = was.to_f32().map_err(backend)?;
+                    let change: Vec<f32> = now.iter().zip(&was).map(|(n, w)| n - w).collect();
+                    Ok(WireTensor::from_f32(
+                        &t.name,
+                        &t.shape_usize(),
+                        &change,
+                        WireDType::I8Block,
+                    ))
+                }
+                _ => Ok(t),
+            })
+            .collect()
+    }
+}
+
+/// The f32 tensors of `params` by name (sharing their bytes).
+fn float_params(params: &[WireTensor]) -> BTreeMap<String, WireTensor> {
+    params
+        .iter()
+        .filter(|t| t.dtype == WireDType::F32)
+        .map(|t| (t.name.clone(), t.clone()))
+        .collect()
 }
 
 fn single_output<'a, T>(outputs: &'a [(String, T)], name: &str) -> Result<&'a T, WorkerError> {

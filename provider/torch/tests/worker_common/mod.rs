@@ -116,6 +116,7 @@ pub fn assignment(
         clip_grad_norm: job.clip_grad_norm,
         public_name: None,
         schedule: rookery_proto::PipelineSchedule::Gpipe,
+        sync_int8: false,
     }
 }
 

@@ -101,6 +101,7 @@ fn spec() -> JobSpec {
             val_every: None,
             average_optimizer: false,
             outer_optimizer: None,
+            sync_int8: false,
             schedule: rookery_proto::PipelineSchedule::Gpipe,
         },
         public_name: None,
