@@ -1,12 +1,23 @@
-//! `cargo xtask bench gpt [--size example|124m] [--steps N]`: a GPT trained
-//! by `rookery train` across 4 local providers (one cluster of 4 stages, 4
-//! micro-batches), measured in one run:
+//! `cargo xtask bench gpt [--size example|124m] [--steps N] [--wire-dtype
+//! f32|f16|bf16|int8] [--schedule gpipe|1f1b] [--compare]`: a GPT trained by
+//! `rookery train` across 4 local providers (one cluster of 4 stages, 4
+//! micro-batches; f32 on the wire and the `gpipe` schedule unless told),
+//! measured in one run:
 //! - tokens/s of `rookery train` against the single-process libtorch
 //!   reference on the same batches (`--size example` only: the example GPT of
 //!   examples/gpt, about 14M parameters, on its Shakespeare tokens);
 //! - peak resident memory of the server (`rookery train`'s embedded one) and
 //!   of every provider process;
 //! - bytes relayed per step and seconds per step.
+//!
+//! `--compare` then trains the same steps twice more, once with int8 on the
+//! wire and once with the `1f1b` schedule (each other setting the first
+//! run's), and prints their final and mean losses against the first run's
+//! (the goal for int8: within 2%; 1f1b computes the same numbers), their
+//! bytes relayed per step, and each stage's provider's peak resident memory
+//! and most micro-batches held at once under each schedule. It triples the
+//! training time (about N minutes at `--size example` here), so it is not
+//! on by default.
 //!
 //! `--size 124m` builds a GPT-2-small-shaped model (12 layers, d = 768, 12
 //! heads, vocabulary 50,257, context 128) and trains it for 3 steps with Adam
@@ -74,13 +85,18 @@ fn main() -> anyhow::Result<()> {
     if let Some(steps) = flag(&args, "--steps")? {
         size.steps = steps.parse().context("--steps")?;
     }
+    let base = Variant {
+        wire: flag(&args, "--wire-dtype")?.unwrap_or_else(|| "f32".into()),
+        schedule: flag(&args, "--schedule")?.unwrap_or_else(|| "gpipe".into()),
+    };
+    let compare = args.iter().any(|a| a == "--compare");
     let dir = tempfile::tempdir()?;
     let onnx = export(dir.path(), &size)?;
     let tokens = tokens_file(dir.path(), &size)?;
-    let job = write_job(dir.path(), &onnx, &tokens, &size)?;
+    let job = write_job(dir.path(), &onnx, &tokens, &size, &base)?;
     println!(
         "model: GPT {} ({} layers, d {}, {} heads, vocab {}, context {}), batch {} x {} tokens, \
-         {} steps, Adam, 1 cluster x {PROVIDERS} stages, 4 micro-batches",
+         {} steps, Adam, 1 cluster x {PROVIDERS} stages, 4 micro-batches, {} on the wire, schedule {}",
         size.name,
         size.layers,
         size.d_model,
@@ -89,10 +105,13 @@ fn main() -> anyhow::Result<()> {
         size.context,
         size.batch,
         size.context,
-        size.steps
+        size.steps,
+        base.wire,
+        base.schedule
     );
 
-    let (metrics, peaks, wall) = train_watching_memory(&job, &dir.path().join("out"))?;
+    let run = train_watching_memory(&job, &dir.path().join("out"))?;
+    let (metrics, wall) = (&run.metrics, run.wall);
     let steps = &metrics.steps;
     anyhow::ensure!(
         steps.len() == size.steps as usize,
@@ -126,15 +145,131 @@ fn main() -> anyhow::Result<()> {
         relayed as f64 / 1048576.0
     );
     println!("peak resident memory per process:");
-    for (what, kib) in &peaks {
-        println!("  {what:<24} {:>8.1} MiB", *kib as f64 / 1024.0);
+    for process in &run.peaks {
+        println!(
+            "  {:<32} {:>8.1} MiB",
+            run.label(process),
+            process.kib as f64 / 1024.0
+        );
     }
     if size.name == EXAMPLE.name {
         let reference = reference::tokens_per_s(&job, WARMUP)?;
         println!("single-process reference: {reference:>9.1} tokens/s");
         println!("ratio rookery train / reference: {:.3}", per_s / reference);
     }
+    if compare {
+        compare_variants(dir.path(), &onnx, &tokens, &size, &base, &run)?;
+    }
     Ok(())
+}
+
+/// What a run puts on the wire and how its stages schedule micro-batches.
+#[derive(Clone)]
+struct Variant {
+    wire: String,
+    schedule: String,
+}
+
+/// The same steps with int8 on the wire and with the 1f1b schedule, against
+/// the first run: losses at equal steps, bytes relayed, and each stage's
+/// peak resident memory under each schedule.
+fn compare_variants(
+    dir: &Path,
+    onnx: &Path,
+    tokens: &Path,
+    size: &Size,
+    base: &Variant,
+    first: &Run,
+) -> anyhow::Result<()> {
+    let variants = [
+        Variant {
+            wire: "int8".into(),
+            schedule: base.schedule.clone(),
+        },
+        Variant {
+            wire: base.wire.clone(),
+            schedule: "1f1b".into(),
+        },
+    ];
+    let mut runs = Vec::new();
+    for (i, variant) in variants.iter().enumerate() {
+        let job_dir = dir.join(format!("variant-{i}"));
+        std::fs::create_dir_all(&job_dir)?;
+        let job = write_job(&job_dir, onnx, tokens, size, variant)?;
+        let run = train_watching_memory(&job, &job_dir.join("out"))?;
+        anyhow::ensure!(
+            run.metrics.steps.len() == first.metrics.steps.len(),
+            "{} steps recorded",
+            run.metrics.steps.len()
+        );
+        runs.push(run);
+    }
+    let losses = |run: &Run| {
+        let steps = &run.metrics.steps;
+        let last = steps.last().map_or(f64::NAN, |s| s.loss);
+        let mean = steps.iter().map(|s| s.loss).sum::<f64>() / steps.len() as f64;
+        (last, mean)
+    };
+    let (base_last, base_mean) = losses(first);
+    let base_bytes = relayed_per_step(&first.metrics);
+    println!(
+        "at equal steps ({}), against the first run ({} on the wire, {}): final loss {base_last:.4}, \
+         mean loss {base_mean:.4}, {base_bytes} bytes relayed/step",
+        first.metrics.steps.len(),
+        base.wire,
+        base.schedule
+    );
+    for (variant, run) in variants.iter().zip(&runs) {
+        let (last, mean) = losses(run);
+        let bytes = relayed_per_step(&run.metrics);
+        println!(
+            "  {} wire, {:<5}: final loss {last:.4} ({:+.2}%), mean loss {mean:.4} ({:+.2}%), \
+             {bytes} bytes relayed/step ({:.3} of the first run's), {:.2} s/step (median)",
+            variant.wire,
+            variant.schedule,
+            100.0 * (last - base_last) / base_last,
+            100.0 * (mean - base_mean) / base_mean,
+            bytes as f64 / base_bytes as f64,
+            median(
+                run.metrics
+                    .steps
+                    .iter()
+                    .map(|s| s.elapsed_ms / 1e3)
+                    .collect()
+            ),
+        );
+    }
+    let schedule_run = &runs[1];
+    println!(
+        "peak resident memory of each stage's provider, {} against 1f1b (most micro-batches held at once):",
+        base.schedule
+    );
+    let stages = first.metrics.steps.first().map_or(0, |s| s.stages.len());
+    let mut totals = (0u64, 0u64);
+    for k in 0..stages {
+        let a = first.stage_peak(k);
+        let b = schedule_run.stage_peak(k);
+        totals.0 += a.0;
+        totals.1 += b.0;
+        println!(
+            "  stage {k}: {:>8.1} MiB (held {}) against {:>8.1} MiB (held {}): {:+.1} MiB",
+            a.0 as f64 / 1024.0,
+            a.1,
+            b.0 as f64 / 1024.0,
+            b.1,
+            (b.0 as f64 - a.0 as f64) / 1024.0
+        );
+    }
+    println!(
+        "  all stages: {:>8.1} MiB against {:>8.1} MiB",
+        totals.0 as f64 / 1024.0,
+        totals.1 as f64 / 1024.0
+    );
+    Ok(())
+}
+
+fn relayed_per_step(metrics: &JobMetrics) -> u64 {
+    metrics.steps.iter().map(|s| s.bytes_relayed).sum::<u64>() / metrics.steps.len().max(1) as u64
 }
 
 fn flag(args: &[String], name: &str) -> anyhow::Result<Option<String>> {
@@ -214,7 +349,13 @@ fn tokens_file(dir: &Path, size: &Size) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-fn write_job(dir: &Path, onnx: &Path, tokens: &Path, size: &Size) -> anyhow::Result<PathBuf> {
+fn write_job(
+    dir: &Path,
+    onnx: &Path,
+    tokens: &Path,
+    size: &Size,
+    variant: &Variant,
+) -> anyhow::Result<PathBuf> {
     let path = dir.join("job.toml");
     let text = format!(
         "[model]\nonnx = \"{}\"\ninput_shape = [{ctx}]\n\
@@ -222,44 +363,110 @@ fn write_job(dir: &Path, onnx: &Path, tokens: &Path, size: &Size) -> anyhow::Res
          [training]\nepochs = 1\nbatch_size = {}\nmicro_batches = 4\n\
          optimizer = {{ name = \"adam\", lr = 0.0003 }}\n\
          loss = {{ name = \"cross_entropy\", class_axis = -1 }}\n\
-         clusters = 1\nstages = {PROVIDERS}\nshuffle = false\nseed = 0\n",
+         clusters = 1\nstages = {PROVIDERS}\nshuffle = false\nseed = 0\n\
+         wire_dtype = \"{}\"\nschedule = \"{}\"\n",
         onnx.display(),
         tokens.display(),
         size.batch,
+        variant.wire,
+        variant.schedule,
         ctx = size.context,
     );
     std::fs::write(&path, text)?;
     Ok(path)
 }
 
+/// One `rookery train` run: its metrics, the peak resident memory of it and
+/// of each provider process, its wall time, and which provider id the
+/// server gave each local provider (its log's "provider joined" lines).
+struct Run {
+    metrics: JobMetrics,
+    peaks: Vec<Process>,
+    wall: Duration,
+    ids: BTreeMap<String, u64>,
+}
+
+struct Process {
+    pid: u32,
+    /// A provider's `--name` (`local-N`); none for the server.
+    name: Option<String>,
+    kib: u64,
+}
+
+impl Run {
+    /// The stage (of cluster 0) the provider named `name` ran.
+    fn stage_of(&self, name: &str) -> Option<u32> {
+        let id = self.ids.get(name)?;
+        let step = self.metrics.steps.first()?;
+        step.stages
+            .iter()
+            .find(|t| t.provider == *id)
+            .map(|t| t.stage)
+    }
+
+    fn label(&self, process: &Process) -> String {
+        match &process.name {
+            None => "server (rookery train)".to_string(),
+            Some(name) => match self.stage_of(name) {
+                Some(stage) => format!("provider {name} (stage {stage})"),
+                None => format!("provider {name} (pid {})", process.pid),
+            },
+        }
+    }
+
+    /// Stage `k`'s provider's peak resident memory (KiB) and the most
+    /// micro-batches the stage held at once in any step.
+    fn stage_peak(&self, k: usize) -> (u64, u32) {
+        let kib = self
+            .peaks
+            .iter()
+            .find(|p| {
+                p.name
+                    .as_deref()
+                    .and_then(|n| self.stage_of(n))
+                    .is_some_and(|s| s as usize == k)
+            })
+            .map_or(0, |p| p.kib);
+        let held = self
+            .metrics
+            .steps
+            .iter()
+            .flat_map(|s| s.stages.iter().filter(|t| t.stage as usize == k))
+            .map(|t| t.peak_held)
+            .max()
+            .unwrap_or(0);
+        (kib, held)
+    }
+}
+
 /// Runs `rookery train` to the end while sampling the peak resident memory
 /// (VmHWM) of it and of every process it starts.
-fn train_watching_memory(
-    job: &Path,
-    out: &Path,
-) -> anyhow::Result<(JobMetrics, BTreeMap<String, u64>, Duration)> {
+fn train_watching_memory(job: &Path, out: &Path) -> anyhow::Result<Run> {
+    std::fs::create_dir_all(out)?;
+    let log_path = out.join("train.log");
     let started = Instant::now();
     let mut child = Command::new(binary("rookery")?)
         .args(["train", &job.display().to_string()])
         .args(["--local-providers", &PROVIDERS.to_string()])
         .args(["--out", &out.display().to_string()])
         .env("ROOKERY_PROVIDER_BIN", binary("rookery-provider")?)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
+        // The server's "provider joined" lines name each provider's id.
+        .env("RUST_LOG", "warn,rookery_server::http::ws=info")
+        .env("NO_COLOR", "1")
+        .stdout(std::fs::File::create(&log_path)?)
         .spawn()
         .context("starting rookery train")?;
     let root = child.id();
-    let mut peaks: BTreeMap<u32, (String, u64)> = BTreeMap::new();
+    let mut peaks: BTreeMap<u32, Process> = BTreeMap::new();
     let status = loop {
         for pid in std::iter::once(root).chain(children_of(root)) {
             if let Some(kib) = peak_kib(pid) {
-                let name = if pid == root {
-                    "server (rookery train)".to_string()
-                } else {
-                    format!("provider pid {pid}")
-                };
-                let entry = peaks.entry(pid).or_insert((name, 0));
-                entry.1 = entry.1.max(kib);
+                let entry = peaks.entry(pid).or_insert_with(|| Process {
+                    pid,
+                    name: (pid != root).then(|| provider_name(pid)).flatten(),
+                    kib: 0,
+                });
+                entry.kib = entry.kib.max(kib);
             }
         }
         if let Some(status) = child.try_wait()? {
@@ -267,12 +474,43 @@ fn train_watching_memory(
         }
         std::thread::sleep(Duration::from_millis(100));
     };
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     if !status.success() {
-        bail!("rookery train failed: {status}");
+        bail!("rookery train failed: {status}\n{log}");
     }
     let text = std::fs::read_to_string(out.join("metrics.json")).context("metrics.json")?;
-    let peaks = peaks.into_values().collect();
-    Ok((serde_json::from_str(&text)?, peaks, started.elapsed()))
+    Ok(Run {
+        metrics: serde_json::from_str(&text)?,
+        peaks: peaks.into_values().collect(),
+        wall: started.elapsed(),
+        ids: provider_ids(&log),
+    })
+}
+
+/// A provider process's `--name`.
+fn provider_name(pid: u32) -> Option<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let mut args = cmdline
+        .split(|&b| b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned());
+    args.find(|a| a == "--name")?;
+    args.next()
+}
+
+/// Each provider's name and id, from the server's "provider joined" log
+/// lines (`... id=3 ... name=local-0`).
+fn provider_ids(log: &str) -> BTreeMap<String, u64> {
+    log.lines()
+        .filter(|l| l.contains("provider joined"))
+        .filter_map(|l| {
+            let field = |key: &str| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix(key))
+                    .map(|v| v.trim_matches('"').to_string())
+            };
+            Some((field("name=")?, field("id=")?.parse().ok()?))
+        })
+        .collect()
 }
 
 fn children_of(parent: u32) -> Vec<u32> {

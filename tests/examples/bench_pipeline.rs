@@ -1,8 +1,13 @@
 //! `cargo xtask bench pipeline`: samples/s of `rookery train` with one
 //! cluster of 3 local providers against the single-process reference
 //! trainer on the same model (the MNIST CNN of the demo) and the same
-//! batches, measured in one run and printed as a ratio (target >= 0.8); and
-//! the bytes on the wire per step for f32, f16, bf16 and int8 activations.
+//! batches, measured in one run and printed as a ratio (target >= 0.8); the
+//! same for each schedule (`gpipe`, `1f1b`) with every frame to a provider
+//! held 0, 20 and 100 ms (`--relay-delay-ms`), with each stage's busy share
+//! and the most micro-batches it held at once; the bytes on the wire per
+//! step for f32, f16, bf16 and int8 activations; and the test accuracy of
+//! int8 against f32 on the demo's MNIST digits (train and test sets,
+//! `ACCURACY_EPOCHS` epochs, same seed).
 //!
 //! Needs release binaries (`ROOKERY_BIN_DIR`, set by xtask).
 
@@ -10,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rookery_e2e::{rookery_train, rookery_train_with};
+use rookery_proto::api::{JobMetrics, StageMetric, StepMetric};
 use rookery_test_support::job::{job_text, write_mnist_digits};
 use rookery_test_support::{JobBatches, workspace_root};
 use rookery_torch::exec::reference::whole_batch_step;
@@ -21,10 +27,13 @@ const BATCH: usize = 64;
 const STEPS: usize = 40;
 /// Steps left out of both timings: process start, first allocations.
 const WARMUP: usize = 5;
+const SCHEDULES: [&str; 2] = ["gpipe", "1f1b"];
+/// Epochs of the accuracy runs over the 8,000 digits of datasets/mnist-10k.
+const ACCURACY_EPOCHS: u64 = 3;
 
 fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let job = write_job(dir.path(), "f32")?;
+    let job = write_job(dir.path(), "f32", "gpipe")?;
     println!(
         "model: examples/mnist-cnn.toml on MNIST, batch {BATCH}, 4 micro-batches, {STEPS} steps ({WARMUP} warm-up)"
     );
@@ -50,14 +59,8 @@ fn main() -> anyhow::Result<()> {
     );
     let stages = timed.first().map_or(0, |s| s.stages.len());
     for k in 0..stages {
-        let of = |f: fn(&rookery_proto::api::StageMetric) -> f64| {
-            median(
-                timed
-                    .iter()
-                    .filter_map(|s| s.stages.get(k))
-                    .map(f)
-                    .collect(),
-            )
+        let of = |f: fn(&StageMetric) -> f64| {
+            median(timed.iter().filter_map(|s| stage(s, k)).map(f).collect())
         };
         println!(
             "  stage {k}: {:>6.1} ms, planned {:.1} ms ({:.1} ms idle)",
@@ -69,51 +72,123 @@ fn main() -> anyhow::Result<()> {
 
     // A link between homes: every frame to a provider held this long
     // (one hop: stage to server to stage is two of them, the server's own
-    // being loopback). Only the synchronous schedule exists so far.
-    println!("latency per hop, schedule gpipe (samples/s, ratio, each stage's busy share):");
-    for delay_ms in [0u64, 20, 100] {
-        let out = dir.path().join(format!("out-delay-{delay_ms}"));
-        let delay = delay_ms.to_string();
-        let metrics = rookery_train_with(
-            &job,
-            3,
-            &out,
-            &["--relay-delay-ms", &delay],
-            Duration::from_secs(3600),
-        )?;
-        let timed = &metrics.steps[WARMUP..];
-        let elapsed: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
-        let rate = (timed.len() * BATCH) as f64 / (elapsed / 1e3);
-        let busy: Vec<String> = (0..stages)
-            .map(|k| {
-                let computed: f64 = timed
-                    .iter()
-                    .filter_map(|s| s.stages.get(k))
-                    .map(|t| t.compute_ms)
-                    .sum();
-                format!("{:.0}%", 100.0 * computed / elapsed)
-            })
-            .collect();
-        println!(
-            "  {delay_ms:>3} ms: {rate:>8.1} samples/s, ratio {:.3}, busy {}",
-            rate / reference,
-            busy.join(" / ")
-        );
+    // being loopback), under each schedule.
+    println!(
+        "latency per hop (samples/s, ratio to the single-process reference, each stage's busy share, \
+         each stage's most micro-batches held at once):"
+    );
+    for schedule in SCHEDULES {
+        let job = write_job(dir.path(), "f32", schedule)?;
+        for delay_ms in [0u64, 20, 100] {
+            let out = dir.path().join(format!("out-{schedule}-delay-{delay_ms}"));
+            let delay = delay_ms.to_string();
+            let metrics = rookery_train_with(
+                &job,
+                3,
+                &out,
+                &["--relay-delay-ms", &delay],
+                Duration::from_secs(3600),
+            )?;
+            let timed = &metrics.steps[WARMUP..];
+            let elapsed: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
+            let rate = (timed.len() * BATCH) as f64 / (elapsed / 1e3);
+            let busy: Vec<String> = (0..stages)
+                .map(|k| {
+                    let computed: f64 = timed
+                        .iter()
+                        .filter_map(|s| stage(s, k))
+                        .map(|t| t.compute_ms)
+                        .sum();
+                    format!("{:.0}%", 100.0 * computed / elapsed)
+                })
+                .collect();
+            let held: Vec<String> = (0..stages)
+                .map(|k| {
+                    let most = metrics
+                        .steps
+                        .iter()
+                        .filter_map(|s| stage(s, k))
+                        .map(|t| t.peak_held)
+                        .max()
+                        .unwrap_or(0);
+                    most.to_string()
+                })
+                .collect();
+            println!(
+                "  {schedule:>5} {delay_ms:>3} ms: {rate:>8.1} samples/s, ratio {:.3}, busy {}, held {}",
+                rate / reference,
+                busy.join(" / "),
+                held.join(" / ")
+            );
+        }
     }
 
     println!("bytes on the wire per step (activations and gradients relayed):");
+    let f32_per_step = relayed_per_step(&metrics);
     for dtype in ["f32", "f16", "bf16", "int8"] {
-        let metrics = if dtype == "f32" {
-            metrics.clone()
+        let per_step = if dtype == "f32" {
+            f32_per_step
         } else {
-            let job = write_job(dir.path(), dtype)?;
-            rookery_train(&job, 3, &dir.path().join(format!("out-{dtype}")))?
+            let job = write_job(dir.path(), dtype, "gpipe")?;
+            relayed_per_step(&rookery_train(
+                &job,
+                3,
+                &dir.path().join(format!("out-{dtype}")),
+            )?)
         };
-        let per_step =
-            metrics.steps.iter().map(|s| s.bytes_relayed).sum::<u64>() / metrics.steps.len() as u64;
-        println!("  {dtype:>4}: {per_step:>10} bytes/step");
+        println!(
+            "  {dtype:>4}: {per_step:>10} bytes/step ({:.3} of f32)",
+            per_step as f64 / f32_per_step as f64
+        );
     }
+
+    accuracy(dir.path())
+}
+
+/// int8 against f32 on what the model learns: the demo's digits with its
+/// test set, the same seed and steps, one cluster of 3 stages.
+fn accuracy(dir: &Path) -> anyhow::Result<()> {
+    println!(
+        "test accuracy, int8 against f32: datasets/mnist-10k (8,000 digits, 2,000 test), \
+         {ACCURACY_EPOCHS} epochs, batch {BATCH}, 4 micro-batches, seed 1:"
+    );
+    let mut runs = Vec::new();
+    for dtype in ["f32", "int8"] {
+        let job = write_accuracy_job(dir, dtype)?;
+        let started = Instant::now();
+        let metrics = rookery_train(&job, 3, &dir.join(format!("out-accuracy-{dtype}")))?;
+        let accuracy = metrics
+            .epochs
+            .last()
+            .map_or(f64::NAN, |e| e.test_accuracy * 100.0);
+        let per_step = relayed_per_step(&metrics);
+        println!(
+            "  {dtype:>4}: test accuracy {accuracy:.2}% after {} steps, final loss {:.4}, \
+             {per_step} bytes/step, {:.1} s",
+            metrics.steps.len(),
+            metrics.steps.last().map_or(f64::NAN, |s| s.loss),
+            started.elapsed().as_secs_f64()
+        );
+        runs.push((accuracy, per_step));
+    }
+    let [(f32_accuracy, f32_bytes), (int8_accuracy, int8_bytes)] = runs[..] else {
+        unreachable!("two runs")
+    };
+    println!(
+        "  int8 - f32: {:+.2} points (goal: within 0.5); bytes/step int8 / f32: {:.3} (goal: at most 0.27)",
+        int8_accuracy - f32_accuracy,
+        int8_bytes as f64 / f32_bytes as f64
+    );
     Ok(())
+}
+
+/// Stage `k`'s record in a step (the job has one cluster).
+fn stage(step: &StepMetric, k: usize) -> Option<&StageMetric> {
+    step.stages.iter().find(|t| t.stage as usize == k)
+}
+
+fn relayed_per_step(metrics: &JobMetrics) -> u64 {
+    metrics.steps.iter().map(|s| s.bytes_relayed).sum::<u64>() / metrics.steps.len().max(1) as u64
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -122,19 +197,41 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 /// The demo's model on the first `STEPS * BATCH` MNIST digits, as npy files
-/// beside a job file with the given wire dtype.
-fn write_job(dir: &Path, wire: &str) -> anyhow::Result<PathBuf> {
+/// beside a job file with the given wire dtype and schedule.
+fn write_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<PathBuf> {
     if !dir.join("x.npy").exists() {
         write_mnist_digits(dir, STEPS * BATCH)?;
     }
-    let path = dir.join(format!("job-{wire}.toml"));
+    let path = dir.join(format!("job-{wire}-{schedule}.toml"));
     let spec = workspace_root().join("examples/mnist-cnn.toml");
     let training = format!(
         "epochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
          optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
-         seed = 1\nwire_dtype = \"{wire}\""
+         seed = 1\nwire_dtype = \"{wire}\"\nschedule = \"{schedule}\""
     );
     std::fs::write(&path, job_text(&spec, &[1, 28, 28], "", None, &training))?;
+    Ok(path)
+}
+
+/// The demo's model and data (datasets/mnist-10k, with its test set and
+/// normalisation) at the benchmark's batch, with the given wire dtype.
+fn write_accuracy_job(dir: &Path, wire: &str) -> anyhow::Result<PathBuf> {
+    let root = workspace_root();
+    let data = root.join("datasets/mnist-10k");
+    let path = dir.join(format!("job-accuracy-{wire}.toml"));
+    let text = format!(
+        "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
+         [data]\nformat = \"idx\"\n\
+         train_inputs = \"{d}/train-images-idx3-ubyte.gz\"\ntrain_labels = \"{d}/train-labels-idx1-ubyte.gz\"\n\
+         test_inputs = \"{d}/t10k-images-idx3-ubyte.gz\"\ntest_labels = \"{d}/t10k-labels-idx1-ubyte.gz\"\n\
+         scale = 0.00392156862745098\nmean = 0.1307\nstd = 0.3081\n\
+         [training]\nepochs = {ACCURACY_EPOCHS}\nbatch_size = {BATCH}\nmicro_batches = 4\n\
+         optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
+         shuffle = true\nseed = 1\nwire_dtype = \"{wire}\"\n",
+        root.join("examples/mnist-cnn.toml").display(),
+        d = data.display(),
+    );
+    std::fs::write(&path, text)?;
     Ok(path)
 }
 

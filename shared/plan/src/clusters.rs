@@ -90,16 +90,31 @@ fn search_bound(limit: f64) -> f64 {
     }
 }
 
-/// Deals providers (sorted by speed, fastest first) into `k` groups in snake order,
-/// so groups get similar total speed.
-fn deal(provs: &[ProviderSpec], k: usize, by_memory: bool) -> Vec<Vec<usize>> {
+/// What providers are ranked by before they are dealt into clusters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum DealBy {
+    /// Compute and link together ([`Costs::unit_s`]): each cluster gets its
+    /// share of quick links as well as of quick devices.
+    Speed,
+    /// FLOP/s alone.
+    Compute,
+    Memory,
+}
+
+/// The deals tried, in order: the balanced ones first (the better of the
+/// two is kept), memory last, for when nothing else fits.
+const DEALS: [DealBy; 3] = [DealBy::Speed, DealBy::Compute, DealBy::Memory];
+
+/// Deals providers (ranked fastest or largest first) into `k` groups in
+/// snake order, so groups get similar totals.
+fn deal(c: &Costs, provs: &[ProviderSpec], k: usize, by: DealBy) -> Vec<Vec<usize>> {
     let mut idx: Vec<usize> = (0..provs.len()).collect();
     idx.sort_by(|&a, &b| {
         let (pa, pb) = (&provs[a], &provs[b]);
-        let primary = if by_memory {
-            pb.memory_bytes.cmp(&pa.memory_bytes)
-        } else {
-            pb.gflops.total_cmp(&pa.gflops)
+        let primary = match by {
+            DealBy::Speed => c.unit_s(pa).total_cmp(&c.unit_s(pb)),
+            DealBy::Compute => pb.gflops.total_cmp(&pa.gflops),
+            DealBy::Memory => pb.memory_bytes.cmp(&pa.memory_bytes),
         };
         primary.then(pa.id.cmp(&pb.id))
     });
@@ -119,19 +134,25 @@ fn deal(provs: &[ProviderSpec], k: usize, by_memory: bool) -> Vec<Vec<usize>> {
 
 pub(crate) type GroupPlans = Vec<(f64, Stages)>;
 
+/// The bottleneck of the slowest cluster.
+fn slowest(plans: &GroupPlans) -> f64 {
+    plans.iter().map(|p| p.0).fold(0.0, f64::max)
+}
+
 /// Whether [`plan_clusters`] would succeed (the same deals, in the same order),
 /// without planning the groups in full.
 fn clusters_fit(c: &Costs, provs: &[ProviderSpec], k: usize, limit: f64) -> bool {
-    [false, true].into_iter().any(|by_memory| {
-        deal(provs, k, by_memory)
+    DEALS.into_iter().any(|by| {
+        deal(c, provs, k, by)
             .iter()
             .all(|g| group_fits(c, provs, g, limit))
     })
 }
 
-/// Plans `k` clusters, trying a speed-balanced deal first and a memory-balanced one second.
-/// On failure returns the index and members of the first group (of the
-/// speed-balanced deal) that nothing fits.
+/// Plans `k` clusters over each speed-balanced deal, keeping the one whose
+/// slowest cluster is quickest, and over a memory-balanced deal when neither
+/// fits. On failure returns the index and members of the first group (of the
+/// first deal) that nothing fits.
 pub(crate) fn plan_clusters(
     c: &Costs,
     provs: &[ProviderSpec],
@@ -139,8 +160,12 @@ pub(crate) fn plan_clusters(
     limit: f64,
 ) -> Result<GroupPlans, (usize, Vec<usize>)> {
     let mut failed = None;
-    for by_memory in [false, true] {
-        let groups = deal(provs, k, by_memory);
+    let mut best: Option<GroupPlans> = None;
+    for by in DEALS {
+        if by == DealBy::Memory && best.is_some() {
+            break;
+        }
+        let groups = deal(c, provs, k, by);
         let mut plans = Vec::with_capacity(k);
         for (gi, g) in groups.iter().enumerate() {
             match plan_group(c, provs, g, limit) {
@@ -151,11 +176,11 @@ pub(crate) fn plan_clusters(
                 }
             }
         }
-        if plans.len() == k {
-            return Ok(plans);
+        if plans.len() == k && best.as_ref().is_none_or(|b| slowest(&plans) < slowest(b)) {
+            best = Some(plans);
         }
     }
-    Err(failed.unwrap_or_default())
+    best.ok_or_else(|| failed.unwrap_or_default())
 }
 
 /// Largest cluster count whose bottleneck stays within `factor` of the best single
@@ -227,21 +252,38 @@ pub(crate) fn fixed_stage_clusters(
     }
     // The k * stages fastest providers, dealt so clusters are balanced.
     let mut idx: Vec<usize> = (0..provs.len()).collect();
-    idx.sort_by(|&x, &y| provs[y].gflops.total_cmp(&provs[x].gflops).then(x.cmp(&y)));
+    idx.sort_by(|&x, &y| {
+        c.unit_s(&provs[x])
+            .total_cmp(&c.unit_s(&provs[y]))
+            .then(x.cmp(&y))
+    });
     idx.truncate(k * stages);
     let chosen: Vec<ProviderSpec> = idx.iter().map(|&i| provs[i].clone()).collect();
-    let groups = deal(&chosen, k, false);
-    let mut plans = Vec::with_capacity(k);
-    for (gi, group) in groups.iter().enumerate() {
-        let group: Vec<usize> = group.iter().map(|&g| idx[g]).collect();
-        let best = orderings(provs, &group)
-            .into_iter()
-            .filter_map(|ord| exact_chain(c, provs, &ord))
-            .min_by(|x, y| x.0.total_cmp(&y.0));
-        match best {
-            Some(plan) => plans.push(plan),
-            None => return Err(diagnose(c, a, provs, &group, gi)),
+    let mut best: Option<GroupPlans> = None;
+    let mut failed = None;
+    for by in [DealBy::Speed, DealBy::Compute] {
+        let mut plans = Vec::with_capacity(k);
+        for (gi, group) in deal(c, &chosen, k, by).iter().enumerate() {
+            let group: Vec<usize> = group.iter().map(|&g| idx[g]).collect();
+            let chain = orderings(provs, &group)
+                .into_iter()
+                .filter_map(|ord| exact_chain(c, provs, &ord))
+                .min_by(|x, y| x.0.total_cmp(&y.0));
+            match chain {
+                Some(plan) => plans.push(plan),
+                None => {
+                    failed.get_or_insert_with(|| diagnose(c, a, provs, &group, gi));
+                    break;
+                }
+            }
+        }
+        if plans.len() == k && best.as_ref().is_none_or(|b| slowest(&plans) < slowest(b)) {
+            best = Some(plans);
         }
     }
-    Ok(plans)
+    match (best, failed) {
+        (Some(plans), _) => Ok(plans),
+        (None, Some(error)) => Err(error),
+        (None, None) => Err(PlanError::Options("no deal of providers was tried".into())),
+    }
 }

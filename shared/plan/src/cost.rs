@@ -186,6 +186,16 @@ impl Costs {
         self.send_s(self.cut_send[i] + self.cut_send[j], p)
     }
 
+    /// How long `p` takes for a micro-batch of the whole model's compute plus
+    /// a typical cut's traffic: what ranks providers when they are dealt into
+    /// clusters, so each cluster gets its share of quick links as well as of
+    /// quick devices.
+    pub(crate) fn unit_s(&self, p: &ProviderSpec) -> f64 {
+        let interior = &self.cut_send[1..self.n.max(1)];
+        let typical = interior.iter().sum::<u64>() / (interior.len().max(1) as u64);
+        self.flops[self.n] * self.mb / (p.gflops * 1e9) + self.send_s(typical, p)
+    }
+
     pub(crate) fn send_s(&self, bytes_per_sample: u64, p: &ProviderSpec) -> f64 {
         bytes_per_sample as f64 * self.mb / (p.bandwidth_mbps * 1e6 / 8.0)
     }

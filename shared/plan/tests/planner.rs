@@ -734,3 +734,59 @@ fn identical_clusters_get_equally_good_chains_without_a_stage_that_only_relays()
         }
     }
 }
+
+/// Providers of one speed whose links measured differently (as probes on a
+/// loaded machine do): clusters are dealt so each gets its share of the
+/// quick and the slow links, and come out equally good, with no stage that
+/// only relays. Dealt by compute speed alone, one cluster took every slow
+/// link and cut its chain where the fewest bytes cross, leaving a middle
+/// stage with nothing to do.
+#[test]
+fn clusters_of_equally_fast_providers_with_uneven_links_are_balanced() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mnist-cnn.toml");
+    let g =
+        rookery_model::load::load_model_file(std::path::Path::new(path), Some(&[1, 28, 28]), 16)
+            .unwrap()
+            .graph;
+    for links in [
+        // Dealt by id (their speeds tie), one cluster got every slow link.
+        [5000.0, 100.0, 100.0, 5000.0, 5000.0, 5000.0],
+        [60.0, 5000.0, 80.0, 4000.0, 4500.0, 3000.0],
+    ] {
+        let provs: Vec<ProviderSpec> = links
+            .iter()
+            .enumerate()
+            .map(|(i, &mbps)| provider(&format!("p{i}"), ProviderKind::Native, 1 << 13, 30.0, mbps))
+            .collect();
+        for stages in [None, Some(3)] {
+            let options = PlanOptions {
+                stages_per_cluster: stages,
+                ..opts(16, ClusterCount::Fixed(2))
+            };
+            let plan = clusterize(&g, &provs, &options).unwrap();
+            check_plan(&g, &provs, &plan);
+            let bottleneck = |c: &rookery_plan::Cluster| {
+                c.stages
+                    .iter()
+                    .map(|s| s.compute_s.max(s.transfer_s))
+                    .fold(0.0, f64::max)
+            };
+            let (a, b) = (bottleneck(&plan.clusters[0]), bottleneck(&plan.clusters[1]));
+            assert!(
+                a.max(b) <= 1.25 * a.min(b),
+                "{links:?}, {stages:?} stages: bottlenecks {a} and {b}\n{}",
+                render(&plan)
+            );
+            for cluster in &plan.clusters {
+                let most = bottleneck(cluster);
+                for s in &cluster.stages {
+                    assert!(
+                        !s.params.is_empty() || s.compute_s > 0.1 * most,
+                        "a stage that only relays: {}",
+                        render(&plan)
+                    );
+                }
+            }
+        }
+    }
+}
