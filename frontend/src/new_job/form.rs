@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use rookery_job::{
     Clusters, DataFile, DataFormat, JobFile, LossFile, LrScheduleFile, ModelFile, OptimizerFile,
-    TokenDType, TrainingFile,
+    OuterOptimizerFile, SyncFile, TokenDType, TrainingFile,
 };
 use rookery_model::ClusterCount;
 use serde_json::Value;
@@ -46,6 +46,11 @@ pub const FIELDS: &[(&str, &str)] = &[
     ("val-every", "training.val_every"),
     ("wire-dtype", "training.wire_dtype"),
     ("schedule", "training.schedule"),
+    ("average-optimizer", "training.average_optimizer"),
+    ("outer-optimizer", "training.sync.outer_optimizer"),
+    ("outer-lr", "training.sync.outer_optimizer.lr"),
+    ("outer-momentum", "training.sync.outer_optimizer.momentum"),
+    ("sync-compress", "training.sync.compress"),
     ("seed", "training.seed"),
 ];
 
@@ -158,6 +163,11 @@ pub fn defaults() -> BTreeMap<&'static str, String> {
         ("val-every", ""),
         ("wire-dtype", "f32"),
         ("schedule", "gpipe"),
+        ("average-optimizer", "no"),
+        ("outer-optimizer", "none"),
+        ("outer-lr", "0.7"),
+        ("outer-momentum", ""),
+        ("sync-compress", "none"),
         ("seed", "42"),
     ]
     .into_iter()
@@ -200,6 +210,41 @@ fn optional<T>(
 fn optional_float(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<f64> {
     optional(values, id, "a number, or empty", errors, |t| {
         t.parse::<f64>().ok().filter(|v| v.is_finite())
+    })
+}
+
+/// `[training.sync]`: DiLoCo's outer optimizer and compressed uploads, or
+/// `None` for plain averaging of f32 parameters (the period stays
+/// `sync_every`).
+fn sync(values: &FormValues, errors: &mut FieldErrors) -> Option<SyncFile> {
+    let outer_optimizer = match values.get("outer-optimizer") {
+        "none" => None,
+        name => {
+            let lr = optional(
+                values,
+                "outer-lr",
+                "an outer learning rate above 0",
+                errors,
+                |t| t.parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0),
+            );
+            if lr.is_none() && !errors.contains_key("outer-lr") {
+                errors.insert("outer-lr".into(), "an outer learning rate above 0".into());
+            }
+            Some(OuterOptimizerFile {
+                name: name.to_string(),
+                lr: lr.unwrap_or(0.0),
+                momentum: optional_float(values, "outer-momentum", errors),
+            })
+        }
+    };
+    let compress = match values.get("sync-compress") {
+        "none" => None,
+        other => Some(other.to_string()),
+    };
+    (outer_optimizer.is_some() || compress.is_some()).then_some(SyncFile {
+        every: None,
+        outer_optimizer,
+        compress,
     })
 }
 
@@ -503,6 +548,8 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
     let loss = loss(values, &mut errors);
     let wire_dtype = choice(values, "wire-dtype", &mut errors);
     let schedule = choice(values, "schedule", &mut errors);
+    let average_optimizer = (values.get("average-optimizer") == "yes").then_some(true);
+    let sync = sync(values, &mut errors);
 
     if !errors.is_empty() {
         return Err(errors);
@@ -545,8 +592,8 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             clip_grad_norm,
             verify: None,
             val_every,
-            average_optimizer: None,
-            sync: None,
+            average_optimizer,
+            sync,
         },
     })
 }
@@ -762,6 +809,45 @@ mod tests {
         );
         assert_eq!(job["training"]["clip_grad_norm"], 1.0);
         assert_eq!(job["training"]["val_every"], 50);
+    }
+
+    #[test]
+    fn the_sync_options_become_ravnests_and_dilocos_fields_and_stay_out_by_default() {
+        let job = serde_json::to_value(build_job(&filled()).unwrap()).unwrap();
+        assert!(job["training"].get("sync").is_none(), "plain averaging");
+        assert!(job["training"].get("average_optimizer").is_none());
+        let mut values = filled();
+        for (id, value) in [
+            ("average-optimizer", "yes"),
+            ("outer-optimizer", "nesterov"),
+            ("outer-lr", "0.7"),
+            ("outer-momentum", "0.9"),
+            ("sync-compress", "int8"),
+            ("sync-every", "50"),
+            ("schedule", "1f1b"),
+        ] {
+            values.text.insert(id, value.into());
+        }
+        let job = serde_json::to_value(build_job(&values).unwrap()).unwrap();
+        assert_eq!(job["training"]["average_optimizer"], true);
+        assert_eq!(job["training"]["schedule"], "1f1b");
+        assert_eq!(job["training"]["sync_every"], 50);
+        assert_eq!(
+            job["training"]["sync"],
+            json!({
+                "outer_optimizer": { "name": "nesterov", "lr": 0.7, "momentum": 0.9 },
+                "compress": "int8",
+            })
+        );
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let spec = parse_on_server(&build_job(&values).unwrap()).unwrap();
+            assert!(spec.training.sync_int8 && spec.training.average_optimizer);
+            assert_eq!(spec.training.sync_every, 50);
+        }
+        values.text.insert("outer-lr", String::new());
+        let errors = build_job(&values).unwrap_err();
+        assert_eq!(error_ids(&errors), ["outer-lr"]);
     }
 
     #[test]
