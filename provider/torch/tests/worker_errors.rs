@@ -55,13 +55,22 @@ fn ready(k: usize) -> TorchWorker {
 
 fn forward(job_id: u64, step: u64, micro: u32, rows: i64) -> ToProvider {
     let x = t(&pseudo(rows as usize * 6, 1), &[rows, 6]);
+    let mut f = first_forward(tensor_to_wire("input", &x, WireDType::F32).unwrap());
+    if let ToProvider::Forward(f) = &mut f {
+        (f.job_id, f.phase, f.micro) = (job_id, Phase::Train { step }, micro);
+    }
+    f
+}
+
+/// Micro-batch 0 of step 0 of job 7 (8 samples a step), with `input`.
+fn first_forward(input: WireTensor) -> ToProvider {
     ToProvider::Forward(Forward {
-        job_id,
-        phase: Phase::Train { step },
-        micro,
+        job_id: 7,
+        phase: Phase::Train { step: 0 },
+        micro: 0,
         step_samples: 8,
         step_targets: 8,
-        inputs: vec![tensor_to_wire("input", &x, WireDType::F32).unwrap()],
+        inputs: vec![input],
         labels: None,
     })
 }
@@ -279,20 +288,12 @@ fn impossible_assignments_fail_with_the_reason() {
 #[test]
 fn forward_inputs_of_the_wrong_shape_or_with_nan_fail() {
     let mut w = ready(0);
-    let bad = ToProvider::Forward(Forward {
-        job_id: 7,
-        phase: Phase::Train { step: 0 },
-        micro: 0,
-        step_samples: 8,
-        step_targets: 8,
-        inputs: vec![WireTensor::from_f32(
-            "input",
-            &[4, 5],
-            &[0.5; 20],
-            WireDType::F32,
-        )],
-        labels: None,
-    });
+    let bad = first_forward(WireTensor::from_f32(
+        "input",
+        &[4, 5],
+        &[0.5; 20],
+        WireDType::F32,
+    ));
     let message = failure(w.handle(bad), 7);
     assert_mentions(
         &message,
@@ -302,20 +303,12 @@ fn forward_inputs_of_the_wrong_shape_or_with_nan_fail() {
     let mut w = ready(0);
     let mut values = vec![0.5; 24];
     values[3] = f32::NAN;
-    let bad = ToProvider::Forward(Forward {
-        job_id: 7,
-        phase: Phase::Train { step: 0 },
-        micro: 0,
-        step_samples: 8,
-        step_targets: 8,
-        inputs: vec![WireTensor::from_f32(
-            "input",
-            &[4, 6],
-            &values,
-            WireDType::F32,
-        )],
-        labels: None,
-    });
+    let bad = first_forward(WireTensor::from_f32(
+        "input",
+        &[4, 6],
+        &values,
+        WireDType::F32,
+    ));
     assert_mentions(&failure(w.handle(bad), 7), &["not finite"]);
 
     // An int8 input whose block scale is negative, and one with a -128.
@@ -327,17 +320,9 @@ fn forward_inputs_of_the_wrong_shape_or_with_nan_fail() {
         let mut w = ready(0);
         let mut data = good.data.to_vec();
         data[at..at + bytes.len()].copy_from_slice(&bytes);
-        let bad = ToProvider::Forward(Forward {
-            job_id: 7,
-            phase: Phase::Train { step: 0 },
-            micro: 0,
-            step_samples: 8,
-            step_targets: 8,
-            inputs: vec![WireTensor {
-                data: data.into(),
-                ..good.clone()
-            }],
-            labels: None,
+        let bad = first_forward(WireTensor {
+            data: data.into(),
+            ..good.clone()
         });
         assert_mentions(&failure(w.handle(bad), 7), &[says]);
     }
@@ -364,18 +349,7 @@ fn the_leaf_needs_labels_and_takes_no_backward() {
         WireDType::F32,
     )
     .unwrap();
-    let message = failure(
-        w.handle(ToProvider::Forward(Forward {
-            job_id: 7,
-            phase: Phase::Train { step: 0 },
-            micro: 0,
-            step_samples: 8,
-            step_targets: 8,
-            inputs: vec![h.clone()],
-            labels: None,
-        })),
-        7,
-    );
+    let message = failure(w.handle(first_forward(h.clone())), 7);
     assert_mentions(&message, &["without labels"]);
 
     let mut w = ready(1);

@@ -691,17 +691,21 @@ fn no_cut_sends_a_tensor_without_a_batch_dimension() {
     }
 }
 
+/// The demo's MNIST CNN.
+fn mnist_cnn() -> Graph {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mnist-cnn.toml");
+    rookery_model::load::load_model_file(std::path::Path::new(path), Some(&[1, 28, 28]), 16)
+        .unwrap()
+        .graph
+}
+
 /// The demo's plan: the MNIST CNN cut into 3 stages on each of 2 clusters
 /// of identical providers. Every cluster gets the same bottleneck, and no
 /// stage only relays (no parameters, next to no compute) while the others
 /// do all the work.
 #[test]
 fn identical_clusters_get_equally_good_chains_without_a_stage_that_only_relays() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mnist-cnn.toml");
-    let g =
-        rookery_model::load::load_model_file(std::path::Path::new(path), Some(&[1, 28, 28]), 16)
-            .unwrap()
-            .graph;
+    let g = mnist_cnn();
     let provs: Vec<ProviderSpec> = (0..6)
         .map(|i| {
             provider(
@@ -743,11 +747,7 @@ fn identical_clusters_get_equally_good_chains_without_a_stage_that_only_relays()
 /// stage with nothing to do.
 #[test]
 fn clusters_of_equally_fast_providers_with_uneven_links_are_balanced() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mnist-cnn.toml");
-    let g =
-        rookery_model::load::load_model_file(std::path::Path::new(path), Some(&[1, 28, 28]), 16)
-            .unwrap()
-            .graph;
+    let g = mnist_cnn();
     for links in [
         // Dealt by id (their speeds tie), one cluster got every slow link.
         [5000.0, 100.0, 100.0, 5000.0, 5000.0, 5000.0],

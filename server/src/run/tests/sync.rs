@@ -150,15 +150,7 @@ fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_paramet
     syncing(&mut run);
     let mut uploaded = Vec::new();
     for s in 0..2 {
-        let params: Vec<WireTensor> = run.clusters[0].stages[s]
-            .params
-            .iter()
-            .map(|n| {
-                let shape = run.params[n].shape.clone();
-                let len = shape.iter().product();
-                WireTensor::from_f32(n.clone(), &shape, &vec![0.5; len], WireDType::F32)
-            })
-            .collect();
+        let params = stage_params(&run, s, WireDType::F32);
         uploaded.extend(params.iter().map(|t| (t.name.clone(), t.data.as_ptr())));
         let provider = run.clusters[0].stages[s].provider;
         let effects = run.on_message(
@@ -178,6 +170,19 @@ fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_paramet
 
 /// Every stage of `run` sends optimizer state for the sync of step 1, each
 /// slot of cluster `c` all `value(c)`, its step count `steps(c)`.
+/// Every parameter of cluster 0's stage `s`, all 0.5, as `dtype`.
+fn stage_params(run: &JobRun, s: usize, dtype: WireDType) -> Vec<WireTensor> {
+    run.clusters[0].stages[s]
+        .params
+        .iter()
+        .map(|name| {
+            let shape = run.params[name].shape.clone();
+            let n: usize = shape.iter().product();
+            WireTensor::from_f32(name, &shape, &vec![0.5; n], dtype)
+        })
+        .collect()
+}
+
 fn optimizer_all(run: &mut JobRun, value: impl Fn(usize) -> f32, steps: impl Fn(usize) -> u64) {
     let answers = each_stage_sends(run, |c, params| {
         ToServer::OptimizerState(OptimizerState {
@@ -298,17 +303,8 @@ fn a_job_with_several_clusters_ends_with_each_clusters_own_weights_beside_the_co
 fn parameters_uploaded_as_int8_are_refused() {
     let (mut run, _) = started_with(2, Aggregation::Mean);
     syncing(&mut run);
-    let stage = &run.clusters[0].stages[0];
-    let provider = stage.provider;
-    let params = stage
-        .params
-        .iter()
-        .map(|name| {
-            let shape = run.params[name].shape.clone();
-            let n: usize = shape.iter().product();
-            WireTensor::from_f32(name, &shape, &vec![0.5; n], WireDType::I8Block)
-        })
-        .collect();
+    let provider = run.clusters[0].stages[0].provider;
+    let params = stage_params(&run, 0, WireDType::I8Block);
     let effects = run.on_message(
         provider,
         ToServer::Params(ParamSet {
