@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use rookery_e2e::{rookery_train, rookery_train_with};
 use rookery_proto::api::{JobMetrics, StageMetric, StepMetric};
-use rookery_test_support::job::{job_text, write_mnist_digits};
+use rookery_test_support::job::{job_text, mnist_10k_job_text, write_mnist_digits};
 use rookery_test_support::{JobBatches, workspace_root};
 use rookery_torch::exec::reference::whole_batch_step;
 use rookery_torch::step_seed;
@@ -216,21 +216,12 @@ fn write_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<PathBuf> 
 /// The demo's model and data (datasets/mnist-10k, with its test set and
 /// normalisation) at the benchmark's batch, with the given wire dtype.
 fn write_accuracy_job(dir: &Path, wire: &str) -> anyhow::Result<PathBuf> {
-    let root = workspace_root();
-    let data = root.join("datasets/mnist-10k");
     let path = dir.join(format!("job-accuracy-{wire}.toml"));
-    let text = format!(
-        "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
-         [data]\nformat = \"idx\"\n\
-         train_inputs = \"{d}/train-images-idx3-ubyte.gz\"\ntrain_labels = \"{d}/train-labels-idx1-ubyte.gz\"\n\
-         test_inputs = \"{d}/t10k-images-idx3-ubyte.gz\"\ntest_labels = \"{d}/t10k-labels-idx1-ubyte.gz\"\n\
-         scale = 0.00392156862745098\nmean = 0.1307\nstd = 0.3081\n\
-         [training]\nepochs = {ACCURACY_EPOCHS}\nbatch_size = {BATCH}\nmicro_batches = 4\n\
+    let text = mnist_10k_job_text(&format!(
+        "epochs = {ACCURACY_EPOCHS}\nbatch_size = {BATCH}\nmicro_batches = 4\n\
          optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
-         shuffle = true\nseed = 1\nwire_dtype = \"{wire}\"\n",
-        root.join("examples/mnist-cnn.toml").display(),
-        d = data.display(),
-    );
+         shuffle = true\nseed = 1\nwire_dtype = \"{wire}\""
+    ));
     std::fs::write(&path, text)?;
     Ok(path)
 }

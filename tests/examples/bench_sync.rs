@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use rookery_e2e::rookery_train;
 use rookery_proto::api::JobMetrics;
-use rookery_test_support::workspace_root;
+use rookery_test_support::job::mnist_10k_job_text;
 
 const EPOCHS: u64 = 2;
 
@@ -78,20 +78,11 @@ fn synced_per_step(metrics: &JobMetrics) -> f64 {
 
 /// The demo's job with 2 clusters of one stage and the given sync table.
 fn write_job(dir: &Path, i: usize, sync: &str) -> anyhow::Result<PathBuf> {
-    let root = workspace_root();
-    let data = root.join("datasets/mnist-10k");
     let path = dir.join(format!("job-{i}.toml"));
-    let text = format!(
-        "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
-         [data]\nformat = \"idx\"\n\
-         train_inputs = \"{d}/train-images-idx3-ubyte.gz\"\ntrain_labels = \"{d}/train-labels-idx1-ubyte.gz\"\n\
-         test_inputs = \"{d}/t10k-images-idx3-ubyte.gz\"\ntest_labels = \"{d}/t10k-labels-idx1-ubyte.gz\"\n\
-         scale = 0.00392156862745098\nmean = 0.1307\nstd = 0.3081\n\
-         [training]\nepochs = {EPOCHS}\nbatch_size = 16\nmicro_batches = 1\n\
-         optimizer = {{ name = \"adam\", lr = 0.002 }}\nclusters = 2\nstages = 1\nseed = 42\n{sync}\n",
-        root.join("examples/mnist-cnn.toml").display(),
-        d = data.display(),
-    );
+    let text = mnist_10k_job_text(&format!(
+        "epochs = {EPOCHS}\nbatch_size = 16\nmicro_batches = 1\n\
+         optimizer = {{ name = \"adam\", lr = 0.002 }}\nclusters = 2\nstages = 1\nseed = 42\n{sync}"
+    ));
     std::fs::write(&path, text)?;
     Ok(path)
 }

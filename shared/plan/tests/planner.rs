@@ -691,6 +691,25 @@ fn no_cut_sends_a_tensor_without_a_batch_dimension() {
     }
 }
 
+/// No stage of `plan` only relays: each has parameters or a tenth of its
+/// cluster's slowest compute.
+fn assert_no_stage_only_relays(plan: &rookery_plan::Plan) {
+    for cluster in &plan.clusters {
+        let most = cluster
+            .stages
+            .iter()
+            .map(|s| s.compute_s)
+            .fold(0.0, f64::max);
+        for s in &cluster.stages {
+            assert!(
+                !s.params.is_empty() || s.compute_s > 0.1 * most,
+                "a stage that only relays: {}",
+                render(plan)
+            );
+        }
+    }
+}
+
 /// The demo's MNIST CNN.
 fn mnist_cnn() -> Graph {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/mnist-cnn.toml");
@@ -727,16 +746,7 @@ fn identical_clusters_get_equally_good_chains_without_a_stage_that_only_relays()
         |c: &rookery_plan::Cluster| c.stages.iter().map(|s| s.compute_s).fold(0.0, f64::max);
     let (a, b) = (bottleneck(&plan.clusters[0]), bottleneck(&plan.clusters[1]));
     assert!((a - b).abs() <= 1e-9 * a.max(b), "{}", render(&plan));
-    for cluster in &plan.clusters {
-        let most = bottleneck(cluster);
-        for s in &cluster.stages {
-            assert!(
-                !s.params.is_empty() || s.compute_s > 0.1 * most,
-                "a stage that only relays: {}",
-                render(&plan)
-            );
-        }
-    }
+    assert_no_stage_only_relays(&plan);
 }
 
 /// Providers of one speed whose links measured differently (as probes on a
@@ -777,16 +787,7 @@ fn clusters_of_equally_fast_providers_with_uneven_links_are_balanced() {
                 "{links:?}, {stages:?} stages: bottlenecks {a} and {b}\n{}",
                 render(&plan)
             );
-            for cluster in &plan.clusters {
-                let most = bottleneck(cluster);
-                for s in &cluster.stages {
-                    assert!(
-                        !s.params.is_empty() || s.compute_s > 0.1 * most,
-                        "a stage that only relays: {}",
-                        render(&plan)
-                    );
-                }
-            }
+            assert_no_stage_only_relays(&plan);
         }
     }
 }

@@ -57,6 +57,24 @@ pub fn job_text(
     )
 }
 
+/// The demo's job text: its CNN (examples/mnist-cnn.toml) on
+/// datasets/mnist-10k with the test set and the demo's normalisation, and
+/// `training` as the `[training]` table's body.
+pub fn mnist_10k_job_text(training: &str) -> String {
+    let root = workspace_root();
+    let d = root.join("datasets/mnist-10k");
+    let d = d.display();
+    format!(
+        "[model]\nspec = \"{}\"\ninput_shape = [1, 28, 28]\n\
+         [data]\nformat = \"idx\"\n\
+         train_inputs = \"{d}/train-images-idx3-ubyte.gz\"\ntrain_labels = \"{d}/train-labels-idx1-ubyte.gz\"\n\
+         test_inputs = \"{d}/t10k-images-idx3-ubyte.gz\"\ntest_labels = \"{d}/t10k-labels-idx1-ubyte.gz\"\n\
+         scale = 0.00392156862745098\nmean = 0.1307\nstd = 0.3081\n\
+         [training]\n{training}\n",
+        root.join("examples/mnist-cnn.toml").display(),
+    )
+}
+
 /// The usual job folder: `model` (a spec's text) as `model.toml`, `data` as
 /// `x.npy` and `y.npy`, and `job.toml` with `training` as its `[training]`
 /// table; returns the job file.

@@ -152,15 +152,7 @@ fn every_frame_checkpoint_and_resume_point_shares_the_one_buffer_of_each_paramet
     for s in 0..2 {
         let params = stage_params(&run, s, WireDType::F32);
         uploaded.extend(params.iter().map(|t| (t.name.clone(), t.data.as_ptr())));
-        let provider = run.clusters[0].stages[s].provider;
-        let effects = run.on_message(
-            provider,
-            ToServer::Params(ParamSet {
-                job_id: 1,
-                step: 1,
-                params,
-            }),
-        );
+        let effects = upload(&mut run, s, params);
         assert!(!effects.iter().any(|e| matches!(e, Effect::Aggregate(_))));
     }
     for (name, at) in uploaded {
@@ -181,6 +173,19 @@ fn stage_params(run: &JobRun, s: usize, dtype: WireDType) -> Vec<WireTensor> {
             WireTensor::from_f32(name, &shape, &vec![0.5; n], dtype)
         })
         .collect()
+}
+
+/// Cluster 0's stage `s` uploads `params` at the sync after step 1.
+fn upload(run: &mut JobRun, s: usize, params: Vec<WireTensor>) -> Vec<Effect> {
+    let provider = run.clusters[0].stages[s].provider;
+    run.on_message(
+        provider,
+        ToServer::Params(ParamSet {
+            job_id: 1,
+            step: 1,
+            params,
+        }),
+    )
 }
 
 fn optimizer_all(run: &mut JobRun, value: impl Fn(usize) -> f32, steps: impl Fn(usize) -> u64) {
@@ -305,14 +310,7 @@ fn parameters_uploaded_as_int8_are_refused() {
     syncing(&mut run);
     let provider = run.clusters[0].stages[0].provider;
     let params = stage_params(&run, 0, WireDType::I8Block);
-    let effects = run.on_message(
-        provider,
-        ToServer::Params(ParamSet {
-            job_id: 1,
-            step: 1,
-            params,
-        }),
-    );
+    let effects = upload(&mut run, 0, params);
     let found = faults(&effects);
     assert!(
         found.len() == 1 && found[0].0 == provider && found[0].1.contains("is int8"),
