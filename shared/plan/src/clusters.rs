@@ -109,10 +109,14 @@ const DEALS: [DealBy; 3] = [DealBy::Speed, DealBy::Compute, DealBy::Memory];
 /// snake order, so groups get similar totals.
 fn deal(c: &Costs, provs: &[ProviderSpec], k: usize, by: DealBy) -> Vec<Vec<usize>> {
     let mut idx: Vec<usize> = (0..provs.len()).collect();
+    let unit_s: Vec<f64> = match by {
+        DealBy::Speed => provs.iter().map(|p| c.unit_s(p)).collect(),
+        DealBy::Compute | DealBy::Memory => Vec::new(),
+    };
     idx.sort_by(|&a, &b| {
         let (pa, pb) = (&provs[a], &provs[b]);
         let primary = match by {
-            DealBy::Speed => c.unit_s(pa).total_cmp(&c.unit_s(pb)),
+            DealBy::Speed => unit_s[a].total_cmp(&unit_s[b]),
             DealBy::Compute => pb.gflops.total_cmp(&pa.gflops),
             DealBy::Memory => pb.memory_bytes.cmp(&pa.memory_bytes),
         };
@@ -139,6 +143,33 @@ fn slowest(plans: &GroupPlans) -> f64 {
     plans.iter().map(|p| p.0).fold(0.0, f64::max)
 }
 
+/// Plans each of `deals` in turn with `plan` and keeps the plans whose
+/// slowest cluster is quickest; a memory deal is tried only while no other
+/// has fitted. `Err` holds the first deal's failure (`None` only when no
+/// deal was tried).
+fn best_deal<E>(
+    deals: &[DealBy],
+    mut plan: impl FnMut(DealBy) -> Result<GroupPlans, E>,
+) -> Result<GroupPlans, Option<E>> {
+    let mut best: Option<GroupPlans> = None;
+    let mut failed = None;
+    for &by in deals {
+        if by == DealBy::Memory && best.is_some() {
+            break;
+        }
+        match plan(by) {
+            Ok(plans) if best.as_ref().is_none_or(|b| slowest(&plans) < slowest(b)) => {
+                best = Some(plans);
+            }
+            Ok(_) => {}
+            Err(error) => {
+                failed.get_or_insert(error);
+            }
+        }
+    }
+    best.ok_or(failed)
+}
+
 /// Whether [`plan_clusters`] would succeed (the same deals, in the same order),
 /// without planning the groups in full.
 fn clusters_fit(c: &Costs, provs: &[ProviderSpec], k: usize, limit: f64) -> bool {
@@ -159,28 +190,14 @@ pub(crate) fn plan_clusters(
     k: usize,
     limit: f64,
 ) -> Result<GroupPlans, (usize, Vec<usize>)> {
-    let mut failed = None;
-    let mut best: Option<GroupPlans> = None;
-    for by in DEALS {
-        if by == DealBy::Memory && best.is_some() {
-            break;
-        }
-        let groups = deal(c, provs, k, by);
-        let mut plans = Vec::with_capacity(k);
-        for (gi, g) in groups.iter().enumerate() {
-            match plan_group(c, provs, g, limit) {
-                Some(p) => plans.push(p),
-                None => {
-                    failed.get_or_insert_with(|| (gi, g.clone()));
-                    break;
-                }
-            }
-        }
-        if plans.len() == k && best.as_ref().is_none_or(|b| slowest(&plans) < slowest(b)) {
-            best = Some(plans);
-        }
-    }
-    best.ok_or_else(|| failed.unwrap_or_default())
+    best_deal(&DEALS, |by| {
+        deal(c, provs, k, by)
+            .into_iter()
+            .enumerate()
+            .map(|(gi, g)| plan_group(c, provs, &g, limit).ok_or((gi, g)))
+            .collect()
+    })
+    .map_err(Option::unwrap_or_default)
 }
 
 /// Largest cluster count whose bottleneck stays within `factor` of the best single
@@ -259,31 +276,21 @@ pub(crate) fn fixed_stage_clusters(
     });
     idx.truncate(k * stages);
     let chosen: Vec<ProviderSpec> = idx.iter().map(|&i| provs[i].clone()).collect();
-    let mut best: Option<GroupPlans> = None;
-    let mut failed = None;
-    for by in [DealBy::Speed, DealBy::Compute] {
-        let mut plans = Vec::with_capacity(k);
-        for (gi, group) in deal(c, &chosen, k, by).iter().enumerate() {
-            let group: Vec<usize> = group.iter().map(|&g| idx[g]).collect();
-            let chain = orderings(provs, &group)
-                .into_iter()
-                .filter_map(|ord| exact_chain(c, provs, &ord))
-                .min_by(|x, y| x.0.total_cmp(&y.0));
-            match chain {
-                Some(plan) => plans.push(plan),
-                None => {
-                    failed.get_or_insert_with(|| diagnose(c, a, provs, &group, gi));
-                    break;
-                }
-            }
-        }
-        if plans.len() == k && best.as_ref().is_none_or(|b| slowest(&plans) < slowest(b)) {
-            best = Some(plans);
-        }
-    }
-    match (best, failed) {
-        (Some(plans), _) => Ok(plans),
-        (None, Some(error)) => Err(error),
-        (None, None) => Err(PlanError::Options("no deal of providers was tried".into())),
-    }
+    best_deal(&[DealBy::Speed, DealBy::Compute], |by| {
+        deal(c, &chosen, k, by)
+            .iter()
+            .enumerate()
+            .map(|(gi, group)| {
+                let group: Vec<usize> = group.iter().map(|&g| idx[g]).collect();
+                orderings(provs, &group)
+                    .into_iter()
+                    .filter_map(|ord| exact_chain(c, provs, &ord))
+                    .min_by(|x, y| x.0.total_cmp(&y.0))
+                    .ok_or_else(|| diagnose(c, a, provs, &group, gi))
+            })
+            .collect()
+    })
+    .map_err(|failed| {
+        failed.unwrap_or_else(|| PlanError::Options("no deal of providers was tried".into()))
+    })
 }

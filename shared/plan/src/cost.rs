@@ -49,6 +49,8 @@ pub(crate) struct Costs {
     min_node_flops: f64,
     /// Least bytes any stage sends over its two cuts.
     min_stage_send: u64,
+    /// Mean bytes sent across the cuts inside the model ([`Costs::unit_s`]).
+    typical_cut_send: u64,
     /// `last_flops[j]`: FLOPs of node `j - 1`, the least a stage ending at `j` computes.
     last_flops: Vec<f64>,
     /// `least_send[j]`: the least bytes a stage ending at `j` sends, as f64.
@@ -120,6 +122,8 @@ impl Costs {
             last_flops[j] = flops[j] - flops[j - 1];
             least_send[j] = (min_send_before[j] + cut_send[j]) as f64;
         }
+        let interior = &cut_send[1..n.max(1)];
+        let typical_cut_send = interior.iter().sum::<u64>() / (interior.len().max(1) as u64);
         let min_node_flops = last_flops[1..]
             .iter()
             .copied()
@@ -136,6 +140,7 @@ impl Costs {
             min_send_before,
             min_node_flops,
             min_stage_send,
+            typical_cut_send,
             last_flops,
             least_send,
             mb: o.micro_batch as f64,
@@ -191,9 +196,7 @@ impl Costs {
     /// clusters, so each cluster gets its share of quick links as well as of
     /// quick devices.
     pub(crate) fn unit_s(&self, p: &ProviderSpec) -> f64 {
-        let interior = &self.cut_send[1..self.n.max(1)];
-        let typical = interior.iter().sum::<u64>() / (interior.len().max(1) as u64);
-        self.flops[self.n] * self.mb / (p.gflops * 1e9) + self.send_s(typical, p)
+        self.flops[self.n] * self.mb / (p.gflops * 1e9) + self.send_s(self.typical_cut_send, p)
     }
 
     pub(crate) fn send_s(&self, bytes_per_sample: u64, p: &ProviderSpec) -> f64 {
