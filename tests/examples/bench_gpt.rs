@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use rookery_e2e::binary;
+use rookery_proto::WireDType;
 use rookery_proto::api::JobMetrics;
 use rookery_test_support::workspace_root;
 
@@ -223,7 +224,7 @@ fn compare_variants(
             // bytes relayed tell: a run on the first run's split relays its
             // bytes at the wire dtype's size. Run again otherwise.
             let bytes = relayed_per_step(&run.metrics);
-            let expected = base_bytes as f64 * wire_size(&variant.wire) / wire_size(&base.wire);
+            let expected = base_bytes as f64 * wire_size(&variant.wire)? / wire_size(&base.wire)?;
             let same_split = (bytes as f64 / expected - 1.0).abs() < 0.01;
             if same_split || tries == SPLIT_TRIES {
                 if !same_split {
@@ -306,14 +307,13 @@ fn compare_variants(
     Ok(())
 }
 
-/// Bytes a value takes on the wire in `dtype`, against f32's 4: int8 is
-/// blockwise, 64 one-byte values and an f32 scale a block.
-fn wire_size(dtype: &str) -> f64 {
-    match dtype {
-        "f16" | "bf16" => 2.0,
-        "int8" => 68.0 / 64.0,
-        _ => 4.0,
-    }
+/// Bytes a value takes on the wire in `dtype` (its job-file spelling), on
+/// average over an int8 block: int8 carries a scale a block.
+fn wire_size(dtype: &str) -> anyhow::Result<f64> {
+    let dtype: WireDType = serde_json::from_value(serde_json::Value::String(dtype.into()))
+        .with_context(|| format!("wire dtype `{dtype}`"))?;
+    let n = rookery_proto::INT8_BLOCK;
+    Ok(dtype.bytes_for(n).context("a block's bytes")? as f64 / n as f64)
 }
 
 fn relayed_per_step(metrics: &JobMetrics) -> u64 {
