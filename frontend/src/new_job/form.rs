@@ -188,6 +188,22 @@ fn positive(values: &FormValues, id: &str, errors: &mut FieldErrors) -> Option<u
     }
 }
 
+/// A finite number above 0 (a learning rate); `message` says what it must be.
+fn positive_float(
+    values: &FormValues,
+    id: &str,
+    message: &str,
+    errors: &mut FieldErrors,
+) -> Option<f64> {
+    match values.get(id).parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Some(v),
+        _ => {
+            errors.insert(id.into(), message.into());
+            None
+        }
+    }
+}
+
 /// Empty, or what `parse` makes of the text; `message` says what it must be.
 fn optional<T>(
     values: &FormValues,
@@ -220,16 +236,7 @@ fn sync(values: &FormValues, errors: &mut FieldErrors) -> Option<SyncFile> {
     let outer_optimizer = match values.get("outer-optimizer") {
         "none" => None,
         name => {
-            let lr = optional(
-                values,
-                "outer-lr",
-                "an outer learning rate above 0",
-                errors,
-                |t| t.parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0),
-            );
-            if lr.is_none() && !errors.contains_key("outer-lr") {
-                errors.insert("outer-lr".into(), "an outer learning rate above 0".into());
-            }
+            let lr = positive_float(values, "outer-lr", "an outer learning rate above 0", errors);
             Some(OuterOptimizerFile {
                 name: name.to_string(),
                 lr: lr.unwrap_or(0.0),
@@ -495,13 +502,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
         std = optional_float(values, "std", &mut errors);
     }
 
-    let lr = match values.get("lr").parse::<f64>() {
-        Ok(lr) if lr.is_finite() && lr > 0.0 => Some(lr),
-        _ => {
-            errors.insert("lr".into(), "a learning rate above 0".into());
-            None
-        }
-    };
+    let lr = positive_float(values, "lr", "a learning rate above 0", &mut errors);
     let optimizer = OptimizerFile {
         name: values.get("optimizer").to_string(),
         lr,
