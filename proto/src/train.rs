@@ -47,6 +47,16 @@ pub enum PipelineSchedule {
     /// more. The same arithmetic as `Gpipe`, in the same order.
     #[serde(rename = "1f1b")]
     OneForwardOneBackward,
+    /// PipeDream-2BW: no flush between steps, and no hold-back (a stage may
+    /// hold two steps' micro-batches: over slow links, what is in flight
+    /// is what keeps stages busy). Step
+    /// `k` runs with the weights every update up to step `k - 2` made
+    /// (each stage stashes the version a micro-batch's forward used for its
+    /// backward), so the server may feed step `k` once every stage has done
+    /// step `k - 2`. After a barrier (a sync, a resume) step `b` and `b + 1`
+    /// both run with the barrier's weights.
+    #[serde(rename = "async")]
+    Async,
 }
 
 impl PipelineSchedule {
@@ -54,7 +64,18 @@ impl PipelineSchedule {
         match self {
             PipelineSchedule::Gpipe => "gpipe",
             PipelineSchedule::OneForwardOneBackward => "1f1b",
+            PipelineSchedule::Async => "async",
         }
+    }
+
+    /// Whether a stage holds back forwards beyond `S - s` in flight.
+    pub fn holds_back(self) -> bool {
+        self == PipelineSchedule::OneForwardOneBackward
+    }
+
+    /// Whether steps overlap (with stashed weights).
+    pub fn is_async(self) -> bool {
+        self == PipelineSchedule::Async
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use rookery_model::Loss;
 use rookery_proto::{Bytes, ParamOptimState, Phase, ToServer, WireDType, WireTensor};
-use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
+use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, WeightVersion};
 
 /// The one way a faulty provider misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -105,9 +105,10 @@ impl<B: Backend> Backend for SlowedStage<B> {
         &mut self,
         inputs: &[(String, B::Tensor)],
         offset: u64,
+        version: WeightVersion,
     ) -> Result<(B::MicroBatch, Vec<(String, B::Tensor)>), B::Error> {
         slow_down();
-        self.0.forward(inputs, offset).await
+        self.0.forward(inputs, offset, version).await
     }
 
     async fn evaluate(
@@ -131,6 +132,10 @@ impl<B: Backend> Backend for SlowedStage<B> {
 
     async fn step(&mut self, lr: f64, grad_scale: f64) -> Result<(), B::Error> {
         self.0.step(lr, grad_scale).await
+    }
+
+    fn merge_versions(&mut self) -> Result<(), B::Error> {
+        self.0.merge_versions()
     }
 
     async fn parameters(&mut self) -> Result<Vec<WireTensor>, B::Error> {

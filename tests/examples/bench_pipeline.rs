@@ -2,12 +2,13 @@
 //! cluster of 3 local providers against the single-process reference
 //! trainer on the same model (the MNIST CNN of the demo) and the same
 //! batches, measured in one run and printed as a ratio (target >= 0.8); the
-//! same for each schedule (`gpipe`, `1f1b`) with every frame to a provider
+//! same for each schedule (`gpipe`, `1f1b`, `async`) with every frame to a provider
 //! held 0, 20 and 100 ms (`--relay-delay-ms`), with each stage's busy share
 //! and the most micro-batches it held at once; the bytes on the wire per
 //! step for f32, f16, bf16 and int8 activations; and the test accuracy of
-//! int8 against f32 on the demo's MNIST digits (train and test sets,
-//! `ACCURACY_EPOCHS` epochs, same seed).
+//! int8 against f32, and `async` against `gpipe`, on the demo's MNIST
+//! digits (train and test sets, `ACCURACY_EPOCHS` epochs, same seed). Jobs
+//! sync once per epoch, so `async` has steps to overlap.
 //!
 //! Needs release binaries (`ROOKERY_BIN_DIR`, set by xtask).
 
@@ -27,7 +28,7 @@ const BATCH: usize = 64;
 const STEPS: usize = 40;
 /// Steps left out of both timings: process start, first allocations.
 const WARMUP: usize = 5;
-const SCHEDULES: [&str; 2] = ["gpipe", "1f1b"];
+const SCHEDULES: [&str; 3] = ["gpipe", "1f1b", "async"];
 /// Epochs of the accuracy runs over the 8,000 digits of datasets/mnist-10k.
 const ACCURACY_EPOCHS: u64 = 3;
 
@@ -149,21 +150,25 @@ fn main() -> anyhow::Result<()> {
 /// test set, the same seed and steps, one cluster of 3 stages.
 fn accuracy(dir: &Path) -> anyhow::Result<()> {
     println!(
-        "test accuracy, int8 against f32: datasets/mnist-10k (8,000 digits, 2,000 test), \
+        "test accuracy, int8 against f32 and async against gpipe: datasets/mnist-10k (8,000 digits, 2,000 test), \
          {ACCURACY_EPOCHS} epochs, batch {BATCH}, 4 micro-batches, seed 1:"
     );
     let mut runs = Vec::new();
-    for dtype in ["f32", "int8"] {
-        let job = write_accuracy_job(dir, dtype)?;
+    for (dtype, schedule) in [("f32", "gpipe"), ("int8", "gpipe"), ("f32", "async")] {
+        let job = write_accuracy_job(dir, dtype, schedule)?;
         let started = Instant::now();
-        let metrics = rookery_train(&job, 3, &dir.join(format!("out-accuracy-{dtype}")))?;
+        let metrics = rookery_train(
+            &job,
+            3,
+            &dir.join(format!("out-accuracy-{dtype}-{schedule}")),
+        )?;
         let accuracy = metrics
             .epochs
             .last()
             .map_or(f64::NAN, |e| e.test_accuracy * 100.0);
         let per_step = relayed_per_step(&metrics);
         println!(
-            "  {dtype:>4}: test accuracy {accuracy:.2}% after {} steps, final loss {:.4}, \
+            "  {dtype:>4} {schedule:>5}: test accuracy {accuracy:.2}% after {} steps, final loss {:.4}, \
              {per_step} bytes/step, {:.1} s",
             metrics.steps.len(),
             metrics.steps.last().map_or(f64::NAN, |s| s.loss),
@@ -171,13 +176,22 @@ fn accuracy(dir: &Path) -> anyhow::Result<()> {
         );
         runs.push((accuracy, per_step));
     }
-    let [(f32_accuracy, f32_bytes), (int8_accuracy, int8_bytes)] = runs[..] else {
-        unreachable!("two runs")
+    let [
+        (f32_accuracy, f32_bytes),
+        (int8_accuracy, int8_bytes),
+        (async_accuracy, _),
+    ] = runs[..]
+    else {
+        unreachable!("three runs")
     };
     println!(
         "  int8 - f32: {:+.2} points (goal: within 0.5); bytes/step int8 / f32: {:.3} (goal: at most 0.27)",
         int8_accuracy - f32_accuracy,
         int8_bytes as f64 / f32_bytes as f64
+    );
+    println!(
+        "  async - gpipe: {:+.2} points (goal: within 0.5)",
+        async_accuracy - f32_accuracy
     );
     Ok(())
 }
@@ -207,7 +221,7 @@ fn write_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<PathBuf> 
     let training = format!(
         "epochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
          optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
-         seed = 1\nwire_dtype = \"{wire}\"\nschedule = \"{schedule}\""
+         seed = 1\nsync_every = {STEPS}\nwire_dtype = \"{wire}\"\nschedule = \"{schedule}\""
     );
     std::fs::write(&path, job_text(&spec, &[1, 28, 28], "", None, &training))?;
     Ok(path)
@@ -215,12 +229,13 @@ fn write_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<PathBuf> 
 
 /// The demo's model and data (datasets/mnist-10k, with its test set and
 /// normalisation) at the benchmark's batch, with the given wire dtype.
-fn write_accuracy_job(dir: &Path, wire: &str) -> anyhow::Result<PathBuf> {
-    let path = dir.join(format!("job-accuracy-{wire}.toml"));
+fn write_accuracy_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<PathBuf> {
+    let path = dir.join(format!("job-accuracy-{wire}-{schedule}.toml"));
+    // A sync per epoch (125 steps at batch 64).
     let text = mnist_10k_job_text(&format!(
         "epochs = {ACCURACY_EPOCHS}\nbatch_size = {BATCH}\nmicro_batches = 4\n\
          optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
-         shuffle = true\nseed = 1\nwire_dtype = \"{wire}\""
+         shuffle = true\nseed = 1\nsync_every = 125\nwire_dtype = \"{wire}\"\nschedule = \"{schedule}\""
     ));
     std::fs::write(&path, text)?;
     Ok(path)

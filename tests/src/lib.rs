@@ -6,6 +6,9 @@
 //! Every process is killed when its handle drops, so a failing test leaves
 //! nothing running.
 
+#[cfg(feature = "torch")]
+pub mod reference;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt as _;

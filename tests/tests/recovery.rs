@@ -174,11 +174,22 @@ fn kinds(log: &[LogEntry]) -> Vec<&str> {
     log.iter().map(|l| l.kind.as_str()).collect()
 }
 
+/// Under 1F1B, whose Roots hold back forwards a kill may strand.
 #[tokio::test(flavor = "multi_thread")]
 async fn providers_killed_mid_step_cost_a_replay_and_the_job_ends_as_an_undisturbed_one() {
+    kill_providers_mid_job("1f1b").await;
+}
+
+/// Under `async`, where a kill strands two steps and each stage's stashed
+/// weights: the rebuilt cluster replays from the checkpoint's.
+#[tokio::test(flavor = "multi_thread")]
+async fn async_providers_killed_mid_step_cost_a_replay_and_the_job_ends_as_an_undisturbed_one() {
+    kill_providers_mid_job("async").await;
+}
+
+async fn kill_providers_mid_job(schedule: &str) {
     let dir = tempfile::tempdir().unwrap();
-    // Under 1F1B, whose Roots hold back forwards a kill may strand.
-    let job_file = job(dir.path(), 8192, 2, "1f1b");
+    let job_file = job(dir.path(), 8192, 2, schedule);
     let undisturbed = rookery_train(&job_file, 4, &dir.path().join("undisturbed")).unwrap();
     let total_steps = undisturbed.steps.len() as u64;
     assert_eq!(total_steps, 2 * 8192 / 64);

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 
 use rookery_model::Loss;
 use rookery_proto::{ParamOptimState, ToProvider, ToServer, WireDType, WireTensor};
+use rookery_stage::WeightVersion;
 use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
 use tch::{Device, Tensor};
 
@@ -96,7 +97,8 @@ impl BackendFactory for TorchStageFactory {
                 spec.outputs.to_vec(),
                 params,
                 self.device,
-            )?;
+            )?
+            .with_stash_weights(spec.stash_weights);
             let mut optimizer = TorchOptimizer::new(spec.optimizer)?;
             restore_optimizer(&mut optimizer, &exec, spec.optimizer_state, self.device)?;
             Ok(TorchStage { exec, optimizer })
@@ -105,7 +107,10 @@ impl BackendFactory for TorchStageFactory {
     }
 }
 
-/// A libtorch stage and its optimizer.
+/// A libtorch stage and its optimizer. With `StageSpec::stash_weights` its
+/// executor keeps two weight versions (see [`crate::exec`]'s module docs);
+/// without, a forward with [`WeightVersion::Previous`] runs with the one
+/// version there is, and stepping still needs every backward done.
 #[derive(Debug)]
 pub struct TorchStage {
     exec: TorchExecutor,
@@ -146,8 +151,9 @@ impl Backend for TorchStage {
         &mut self,
         inputs: &[(String, Tensor)],
         offset: u64,
+        version: WeightVersion,
     ) -> Result<(TorchMicroBatch, Vec<(String, Tensor)>), TorchWorkerError> {
-        let forward = self.exec.forward_at(inputs, true, offset)?;
+        let forward = self.exec.forward_version(inputs, true, offset, version)?;
         Ok((forward.micro_batch, forward.outputs))
     }
 
@@ -174,6 +180,10 @@ impl Backend for TorchStage {
         self.exec.scale_grads(grad_scale)?;
         self.optimizer.set_lr(lr)?;
         Ok(self.exec.step(&mut self.optimizer)?)
+    }
+
+    fn merge_versions(&mut self) -> Result<(), TorchWorkerError> {
+        Ok(self.exec.merge_versions()?)
     }
 
     async fn parameters(&mut self) -> Result<Vec<WireTensor>, TorchWorkerError> {

@@ -294,6 +294,21 @@ struct ClusterRun {
     correct: u64,
     samples: u64,
     targets: u64,
+    /// Under `async`: the step after the one in `state`, fed before that
+    /// one is done.
+    ahead: Option<Ahead>,
+}
+
+/// What the step after a cluster's current one (fed early, under `async`)
+/// has reported so far.
+#[derive(Debug, Default)]
+struct Ahead {
+    loss_sum: f64,
+    correct: u64,
+    samples: u64,
+    targets: u64,
+    /// Each stage's `StepDone` of it: (compute ms, micro-batches held).
+    done: Vec<Option<(f64, u32)>>,
 }
 
 impl ClusterRun {
@@ -308,13 +323,29 @@ impl ClusterRun {
         self.correct = 0;
         self.samples = 0;
         self.targets = 0;
+        self.ahead = None;
+    }
+
+    /// Forgets the micro-batches of `phase` only (a step done while the
+    /// next one runs).
+    fn forget(&mut self, phase: Phase) {
+        self.labels.retain(|(p, _), _| *p != phase);
+        self.micro_samples.retain(|(p, _), _| *p != phase);
+        self.micro_targets.retain(|(p, _), _| *p != phase);
+        self.reported.retain(|(p, _)| *p != phase);
+        self.relayed.retain(|(p, ..)| *p != phase);
     }
 
     /// What the Leaf's mean loss for micro-batch `micro` of `phase` divides
     /// by: the whole step's targets in training, its own in evaluation.
     fn step_targets(&self, phase: Phase, micro: u32) -> u64 {
         match phase {
-            Phase::Train { .. } => self.micro_targets.values().sum(),
+            Phase::Train { .. } => self
+                .micro_targets
+                .iter()
+                .filter(|((p, _), _)| *p == phase)
+                .map(|(_, t)| t)
+                .sum(),
             Phase::Eval { .. } => self
                 .micro_targets
                 .get(&(phase, micro))

@@ -228,6 +228,7 @@ impl JobRun {
                 correct: 0,
                 samples: 0,
                 targets: 0,
+                ahead: None,
             });
         }
         let mut run = JobRun {

@@ -15,7 +15,7 @@ use rookery_proto::{
 
 use super::measure::wire_bytes;
 use super::{
-    ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected,
+    Ahead, ClusterRun, ClusterState, ClusterStep, Effect, FAIL_AFTER_PROVIDERS, JobRun, Rejected,
     StageTime, State, TapSide, on_wire,
 };
 
@@ -285,7 +285,7 @@ impl JobRun {
         let cluster = self.clusters[c].state;
         match (self.state, cluster, phase) {
             (State::Training, ClusterState::Training { step }, Phase::Train { step: got })
-                if step == got =>
+                if step == got || (got == step + 1 && self.clusters[c].ahead.is_some()) =>
             {
                 Ok(())
             }
@@ -316,7 +316,65 @@ impl JobRun {
         effects
     }
 
+    /// Cluster `c` starts `step` with nothing in flight (and, under
+    /// `async`, is fed the step after it too).
     pub(super) fn start_cluster_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
+        let run = &mut self.clusters[c];
+        run.state = ClusterState::Training { step };
+        for stage in &mut run.stages {
+            stage.step_done = false;
+            stage.grad_sum_of_squares = None;
+            stage.compute_ms = 0.0;
+            // What an evaluation or a rollback kept it busy with is not
+            // this step's.
+            stage.busy.take();
+        }
+        run.reset();
+        let mut effects = self.feed_step(c, step);
+        effects.extend(self.feed_ahead(c, step));
+        effects
+    }
+
+    /// Under `async`, feeds the step after `step` while `step` runs (its
+    /// stages use the weights from before `step`'s update, so nothing
+    /// waits for it), unless a barrier comes first.
+    fn feed_ahead(&mut self, c: usize, step: u64) -> Vec<Effect> {
+        if !self.spec.training.schedule.is_async() || step + 1 >= self.barrier() {
+            return Vec::new();
+        }
+        let run = &mut self.clusters[c];
+        run.ahead = Some(Ahead {
+            done: vec![None; run.stages.len()],
+            ..Ahead::default()
+        });
+        self.feed_step(c, step + 1)
+    }
+
+    /// Cluster `c` is done with `step - 1` while `step` (fed early) runs:
+    /// what `step` reported so far becomes the cluster's current totals.
+    fn advance_cluster_step(&mut self, c: usize, step: u64, ahead: Ahead) -> Vec<Effect> {
+        let run = &mut self.clusters[c];
+        run.forget(Phase::Train { step: step - 1 });
+        run.state = ClusterState::Training { step };
+        run.loss_sum = ahead.loss_sum;
+        run.correct = ahead.correct;
+        run.samples = ahead.samples;
+        run.targets = ahead.targets;
+        for (stage, done) in run.stages.iter_mut().zip(ahead.done) {
+            stage.grad_sum_of_squares = None;
+            stage.step_done = done.is_some();
+            (stage.compute_ms, stage.peak_held) = done.unwrap_or((0.0, 0));
+        }
+        let all_done = run.stages.iter().all(|s| s.step_done);
+        let mut effects = self.feed_ahead(c, step);
+        if all_done {
+            effects.extend(self.finish_cluster_step(c, step));
+        }
+        effects
+    }
+
+    /// Sends cluster `c`'s micro-batches of `step` to its Root.
+    fn feed_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
         let spe = self.schedule.steps_per_epoch as u64;
         let epoch = step / spe;
         if self.perm_epoch != Some(epoch) {
@@ -332,16 +390,6 @@ impl JobRun {
             .batch(&self.perm, (step % spe) as usize, c)
             .to_vec();
         let run = &mut self.clusters[c];
-        run.state = ClusterState::Training { step };
-        for stage in &mut run.stages {
-            stage.step_done = false;
-            stage.grad_sum_of_squares = None;
-            stage.compute_ms = 0.0;
-            // What an evaluation or a rollback kept it busy with is not
-            // this step's.
-            stage.busy.take();
-        }
-        run.reset();
         let step_targets = self.train.targets(&idx, self.spec.training.loss);
         let mut effects = Vec::new();
         for (m, r) in ranges.iter().enumerate() {
@@ -511,10 +559,28 @@ impl JobRun {
                 l.samples, l.loss_sum, l.correct
             )));
         }
-        run.loss_sum += l.loss_sum;
-        run.correct += l.correct;
-        run.samples += u64::from(l.samples);
-        run.targets += targets;
+        let ahead = match (run.state, l.phase, &mut run.ahead) {
+            (ClusterState::Training { step }, Phase::Train { step: got }, Some(ahead))
+                if got == step + 1 =>
+            {
+                Some(ahead)
+            }
+            _ => None,
+        };
+        match ahead {
+            Some(ahead) => {
+                ahead.loss_sum += l.loss_sum;
+                ahead.correct += l.correct;
+                ahead.samples += u64::from(l.samples);
+                ahead.targets += targets;
+            }
+            None => {
+                run.loss_sum += l.loss_sum;
+                run.correct += l.correct;
+                run.samples += u64::from(l.samples);
+                run.targets += targets;
+            }
+        }
         if let State::Evaluating {
             epoch,
             step,
@@ -536,14 +602,37 @@ impl JobRun {
         d: StepDone,
     ) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, Phase::Train { step: d.step })?;
-        let stage = &mut self.clusters[c].stages[s];
+        let held = d.peak_held.min(self.spec.training.micro_batches as u32);
+        let run = &mut self.clusters[c];
+        if run.state != (ClusterState::Training { step: d.step }) {
+            // Under `async`, the step fed ahead (`current_phase_ok` said so).
+            if !run.stages[s].step_done {
+                return Err(Rejected::Fault(format!(
+                    "step {} reported done before step {}",
+                    d.step,
+                    d.step - 1
+                )));
+            }
+            let ahead = run
+                .ahead
+                .as_mut()
+                .ok_or_else(|| format!("step {} is not in flight", d.step))?;
+            if ahead.done[s]
+                .replace((d.compute_ms.max(0.0), held))
+                .is_some()
+            {
+                return Err(format!("step {} was already reported done", d.step).into());
+            }
+            return Ok(Vec::new());
+        }
+        let stage = &mut run.stages[s];
         if stage.step_done {
             return Err(format!("step {} was already reported done", d.step).into());
         }
         stage.step_done = true;
         // The provider's total is authoritative; what the relays counted was partial.
         stage.compute_ms = d.compute_ms.max(0.0);
-        stage.peak_held = d.peak_held.min(self.spec.training.micro_batches as u32);
+        stage.peak_held = held;
         if !self.clusters[c].stages.iter().all(|s| s.step_done) {
             return Ok(Vec::new());
         }
@@ -654,6 +743,8 @@ impl JobRun {
         if done == self.barrier() {
             self.clusters[c].state = ClusterState::Idle;
             effects.extend(self.at_barrier());
+        } else if let Some(ahead) = self.clusters[c].ahead.take() {
+            effects.extend(self.advance_cluster_step(c, done, ahead));
         } else {
             effects.extend(self.start_cluster_step(c, done));
         }

@@ -31,7 +31,7 @@
 //! seed = 42                    # default 0
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16 | int8 (blockwise)
 //! aggregation = "mean"         # mean (default) | median | centered_clip
-//! schedule = "gpipe"           # gpipe (default) | 1f1b: how micro-batches flow
+//! schedule = "gpipe"           # gpipe (default) | 1f1b | async (PipeDream-2BW): how micro-batches flow
 //! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
 //! val_every = 100              # optional: also evaluate every 100 steps (needs test data)
 //! average_optimizer = false    # default false: true averages optimizer state at syncs too
@@ -625,6 +625,20 @@ impl JobSpec {
                 "training.clip_grad_norm",
                 format!("must be greater than 0 (got {n})"),
             ));
+        }
+        if t.schedule == PipelineSchedule::Async {
+            if t.clip_grad_norm.is_some() {
+                return Err(JobError::field(
+                    "training.clip_grad_norm",
+                    "cannot be used with schedule = \"async\": clipping needs the whole cluster's gradient norm before each update, which async does not wait for (use gpipe or 1f1b)",
+                ));
+            }
+            if t.verify_rate > 0.0 {
+                return Err(JobError::field(
+                    "training.verify",
+                    "spot checks cannot be used with schedule = \"async\" yet: a checker would need the stashed weights the micro-batch ran with (use gpipe or 1f1b)",
+                ));
+            }
         }
         match t.val_every {
             Some(0) => {

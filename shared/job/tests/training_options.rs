@@ -140,7 +140,7 @@ fn val_every_without_test_data_or_of_zero_is_refused_naming_the_field() {
 }
 
 #[test]
-fn the_pipeline_schedule_defaults_to_gpipe_takes_1f1b_and_refuses_the_unknown_by_name() {
+fn the_pipeline_schedule_defaults_to_gpipe_takes_1f1b_and_async_and_refuses_the_unknown_by_name() {
     use rookery_job::PipelineSchedule;
     let dir = base();
     let default = JobSpec::from_toml(&example_with("", ""), dir.path()).unwrap();
@@ -151,6 +151,7 @@ fn the_pipeline_schedule_defaults_to_gpipe_takes_1f1b_and_refuses_the_unknown_by
             "schedule = \"1f1b\"",
             PipelineSchedule::OneForwardOneBackward,
         ),
+        ("schedule = \"async\"", PipelineSchedule::Async),
     ] {
         let toml = example_with("seed = 42", &format!("seed = 42\n{line}"));
         let job = JobSpec::from_toml(&toml, dir.path()).unwrap();
@@ -162,7 +163,27 @@ fn the_pipeline_schedule_defaults_to_gpipe_takes_1f1b_and_refuses_the_unknown_by
     let err = JobSpec::from_toml(&toml, dir.path())
         .unwrap_err()
         .to_string();
-    for word in ["schedule", "pipedream", "gpipe", "1f1b"] {
+    for word in ["schedule", "pipedream", "gpipe", "1f1b", "async"] {
         assert!(err.contains(word), "{err}");
+    }
+}
+
+#[test]
+fn the_async_schedule_refuses_clipping_and_spot_checks_by_name() {
+    let dir = base();
+    for (extra, field) in [
+        ("clip_grad_norm = 1.0", "training.clip_grad_norm"),
+        ("[training.verify]\nrate = 0.1", "training.verify"),
+    ] {
+        let toml = example_with(
+            "wire_dtype = \"f32\"",
+            &format!("wire_dtype = \"f32\"\nschedule = \"async\"\n{extra}"),
+        );
+        let err = JobSpec::from_toml(&toml, dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(field) && err.contains("async"), "{err}");
+        let gpipe = toml.replace("\"async\"", "\"gpipe\"");
+        JobSpec::from_toml(&gpipe, dir.path()).unwrap();
     }
 }

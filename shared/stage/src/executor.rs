@@ -9,6 +9,15 @@
 //! backward; gradients and scratch space are one set per batch size, since
 //! backward passes run one at a time. In steady state nothing is allocated,
 //! and each boundary tensor is read back once.
+//!
+//! With [`StageExecutor::keep_previous_weights`] (the `async` schedule,
+//! PipeDream-2BW) each trainable parameter has a second value buffer: one
+//! holds the Current weights and the other the Previous ones (the weights
+//! before the last step), and a micro-batch's backward binds the set its
+//! forward bound. A step copies Current into the other buffer and applies
+//! the optimizer there, so micro-batches still in flight keep theirs;
+//! gradients, optimizer state and buffers (BatchNorm's running statistics)
+//! stay single. Without it nothing of this is allocated or run.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -21,6 +30,7 @@ use rookery_model::{DType, Graph, ParamKind, Source, StageLayout, sum_of_squares
 use crate::device::{BoundCall, Device};
 use crate::kernel::Kernel;
 use crate::program::{Buf, Program, lower};
+use crate::worker::WeightVersion;
 use crate::{HostTensor, StageError};
 
 /// One parameter's optimizer state, as [`StageExecutor::optimizer_state`]
@@ -48,7 +58,11 @@ impl MicroBatch {
 type BoundCalls<'a, D> = Vec<BoundCall<'a, <D as Device>::Prepared, <D as Device>::Buffer>>;
 
 struct ParamState<B> {
+    /// The value: weight set 0 (see [`Versions`]).
     value: B,
+    /// A trainable parameter's weight set 1, kept only with
+    /// [`StageExecutor::keep_previous_weights`].
+    stashed: Option<B>,
     /// The gradient accumulated since the last step; meaningful only while
     /// `has_grad` (PyTorch's `.grad is not None`).
     grad: B,
@@ -63,6 +77,29 @@ struct ParamState<B> {
     /// a count kept on the host, as no kernel reads it.
     count: Option<i64>,
 }
+
+impl<B> ParamState<B> {
+    /// The value in weight set `set` (parameters kept once have one).
+    fn value_in(&self, set: usize) -> &B {
+        match (set, &self.stashed) {
+            (1, Some(b)) => b,
+            _ => &self.value,
+        }
+    }
+}
+
+/// Which weight set (0: [`ParamState::value`], 1: [`ParamState::stashed`])
+/// holds each version; the same one while Previous is Current (after
+/// [`StageExecutor::merge_versions`], and before the first step).
+#[derive(Debug, Clone, Copy)]
+struct Versions {
+    current: usize,
+    previous: usize,
+}
+
+/// A micro-batch between forward and backward: its batch size, the weight
+/// set its forward bound and its activations.
+type InFlight<B> = (usize, usize, Activations<B>);
 
 /// Programs, activations and micro-batches are per batch size and mode
 /// (`true`: training).
@@ -92,7 +129,9 @@ pub struct StageExecutor<D: Device> {
     programs: HashMap<Key, Program<D::Prepared>>,
     free: HashMap<Key, Vec<Activations<D::Buffer>>>,
     scratch: HashMap<usize, Scratch<D::Buffer>>,
-    in_flight: BTreeMap<MicroBatch, (usize, Activations<D::Buffer>)>,
+    in_flight: BTreeMap<MicroBatch, InFlight<D::Buffer>>,
+    /// Two weight versions (PipeDream-2BW), or `None`: one set, set 0.
+    versions: Option<Versions>,
     /// The step's seed, steering dropout masks.
     seed: u64,
     next_micro_batch: u64,
@@ -160,6 +199,7 @@ impl<D: Device> StageExecutor<D> {
             })?;
             states.push(ParamState {
                 value,
+                stashed: None,
                 grad,
                 has_grad: false,
                 state: Vec::new(),
@@ -196,6 +236,7 @@ impl<D: Device> StageExecutor<D> {
             free: HashMap::new(),
             scratch: HashMap::new(),
             in_flight: BTreeMap::new(),
+            versions: None,
             seed: 0,
             next_micro_batch: 0,
             optimizer_kernels: HashMap::new(),
@@ -204,6 +245,55 @@ impl<D: Device> StageExecutor<D> {
 
     pub fn device(&self) -> &D {
         &self.device
+    }
+
+    /// Keeps two versions of the trainable weights from now on (the `async`
+    /// schedule): forwards may ask for [`WeightVersion::Previous`], and
+    /// [`Self::step`] keeps the weights it replaces as `Previous` and may
+    /// run while micro-batches of the `Current` ones await their backward.
+    /// Allocates a second value buffer per trainable parameter; until the
+    /// first step `Previous` is `Current`.
+    pub fn keep_previous_weights(&mut self) -> Result<(), StageError> {
+        if self.versions.is_some() {
+            return Ok(());
+        }
+        self.idle("keeping two weight versions")?;
+        for (p, state) in self.layout.params.iter().zip(&mut self.params) {
+            if p.kind == ParamKind::Trainable {
+                state.stashed = Some(self.device.alloc(state.len)?);
+            }
+        }
+        self.versions = Some(Versions {
+            current: 0,
+            previous: 0,
+        });
+        Ok(())
+    }
+
+    /// Makes `Previous` the `Current` weights again (a barrier). Micro-batches
+    /// in flight keep the weights their forward used. Nothing to do with one
+    /// version.
+    pub fn merge_versions(&mut self) {
+        if let Some(v) = &mut self.versions {
+            v.previous = v.current;
+        }
+    }
+
+    /// The weight set holding `version`.
+    fn weight_set(&self, version: WeightVersion) -> Result<usize, StageError> {
+        match (self.versions, version) {
+            (None, WeightVersion::Current) => Ok(0),
+            (Some(v), WeightVersion::Current) => Ok(v.current),
+            (Some(v), WeightVersion::Previous) => Ok(v.previous),
+            (None, WeightVersion::Previous) => Err(StageError::Internal(
+                "a forward with the previous weights on a stage that keeps one version".into(),
+            )),
+        }
+    }
+
+    /// The set of the `Current` weights.
+    fn current_set(&self) -> usize {
+        self.versions.map_or(0, |v| v.current)
     }
 
     /// Names this stage expects in [`forward`](Self::forward), in order.
@@ -250,11 +340,12 @@ impl<D: Device> StageExecutor<D> {
         self.ensure_program(key)?;
         self.ensure_scratch(batch)?;
         let acts = self.take_activations(key)?;
+        let set = self.current_set();
         let result = async {
             let program = &self.programs[&key];
             for _ in 0..times {
                 for calls in [&program.forward, &program.backward] {
-                    let bound = self.bind(calls, batch, Some(&acts))?;
+                    let bound = self.bind(calls, batch, set, Some(&acts))?;
                     self.device.run(&bound).await?;
                 }
             }
@@ -297,10 +388,24 @@ impl<D: Device> StageExecutor<D> {
         inputs: &[(String, HostTensor)],
         offset: u64,
     ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
-        let (batch, acts, outputs) = self.run_forward(inputs, offset, true).await?;
+        self.forward_with_weights(inputs, offset, WeightVersion::Current)
+            .await
+    }
+
+    /// [`Self::forward_at`] with the weights of `version` (`Previous` only
+    /// after [`Self::keep_previous_weights`]); the micro-batch's backward
+    /// uses the same, whatever steps come between.
+    pub async fn forward_with_weights(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        offset: u64,
+        version: WeightVersion,
+    ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
+        let set = self.weight_set(version)?;
+        let (batch, acts, outputs) = self.run_forward(inputs, offset, true, set).await?;
         let id = MicroBatch(self.next_micro_batch);
         self.next_micro_batch += 1;
-        self.in_flight.insert(id, (batch, acts));
+        self.in_flight.insert(id, (batch, set, acts));
         Ok((id, outputs))
     }
 
@@ -309,12 +414,13 @@ impl<D: Device> StageExecutor<D> {
         inputs: &[(String, HostTensor)],
         offset: u64,
         train: bool,
+        set: usize,
     ) -> Result<(usize, Activations<D::Buffer>, Vec<(String, HostTensor)>), StageError> {
         let batch = self.batch_of(inputs)?;
         let key = (batch, train);
         self.ensure_program(key)?;
         let acts = self.take_activations(key)?;
-        let result = self.run_forward_with(inputs, offset, key, &acts).await;
+        let result = self.run_forward_with(inputs, offset, key, set, &acts).await;
         match result {
             Ok(outputs) => Ok((batch, acts, outputs)),
             Err(e) => {
@@ -329,6 +435,7 @@ impl<D: Device> StageExecutor<D> {
         inputs: &[(String, HostTensor)],
         offset: u64,
         key: Key,
+        set: usize,
         acts: &Activations<D::Buffer>,
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
         let program = &self.programs[&key];
@@ -372,7 +479,7 @@ impl<D: Device> StageExecutor<D> {
                 self.device.write_u32(&acts.inputs[i], &words)?;
             }
         }
-        let calls = self.bind(&program.forward, key.0, Some(acts))?;
+        let calls = self.bind(&program.forward, key.0, set, Some(acts))?;
         self.device.run(&calls).await?;
         drop(calls);
         let mut outputs = Vec::with_capacity(self.layout.outputs.len());
@@ -416,11 +523,11 @@ impl<D: Device> StageExecutor<D> {
         micro_batch: MicroBatch,
         output_grads: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        let (batch, acts) = self
+        let (batch, set, acts) = self
             .in_flight
             .remove(&micro_batch)
             .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
-        let result = self.backward_with(batch, &acts, output_grads).await;
+        let result = self.backward_with(batch, set, &acts, output_grads).await;
         self.free.entry((batch, true)).or_default().push(acts);
         result
     }
@@ -428,6 +535,7 @@ impl<D: Device> StageExecutor<D> {
     async fn backward_with(
         &mut self,
         batch: usize,
+        set: usize,
         acts: &Activations<D::Buffer>,
         output_grads: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
@@ -476,7 +584,7 @@ impl<D: Device> StageExecutor<D> {
             };
             self.device.write_f32(buffer, &vec![0.0; len])?;
         }
-        let mut calls = self.bind(&program.backward, batch, Some(acts))?;
+        let mut calls = self.bind(&program.backward, batch, set, Some(acts))?;
         // This micro-batch's parameter gradients join the step's.
         for &p in &program.params_with_grad {
             let state = &self.params[p];
@@ -512,14 +620,15 @@ impl<D: Device> StageExecutor<D> {
         &mut self,
         inputs: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        let (batch, acts, outputs) = self.run_forward(inputs, 0, false).await?;
+        let set = self.current_set();
+        let (batch, acts, outputs) = self.run_forward(inputs, 0, false, set).await?;
         self.free.entry((batch, false)).or_default().push(acts);
         Ok(outputs)
     }
 
     /// Drops a micro-batch's saved state without backpropagating it.
     pub fn discard(&mut self, micro_batch: MicroBatch) -> Result<(), StageError> {
-        let (batch, acts) = self
+        let (batch, _, acts) = self
             .in_flight
             .remove(&micro_batch)
             .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
@@ -538,7 +647,7 @@ impl<D: Device> StageExecutor<D> {
     /// f64, parameter by parameter in the stage's order (read back from the
     /// device: WGSL has no f64, and the sum must be the same everywhere).
     pub async fn grad_sum_of_squares(&self) -> Result<f64, StageError> {
-        self.idle("measuring gradients")?;
+        self.idle_unless_versioned("measuring gradients")?;
         let mut acc = 0.0;
         for state in self.params.iter().filter(|s| s.has_grad) {
             acc = sum_of_squares(acc, &self.device.read_f32(&state.grad).await?);
@@ -546,10 +655,29 @@ impl<D: Device> StageExecutor<D> {
         Ok(acc)
     }
 
+    /// The parameter gradients accumulated since the last step, by name;
+    /// parameters without one are left out.
+    pub async fn gradients(&self) -> Result<Vec<(String, HostTensor)>, StageError> {
+        let mut out = Vec::new();
+        for (p, state) in self.layout.params.iter().zip(&self.params) {
+            if state.has_grad {
+                let data = self.device.read_f32(&state.grad).await?;
+                out.push((
+                    p.name.clone(),
+                    HostTensor {
+                        shape: p.shape.clone(),
+                        data,
+                    },
+                ));
+            }
+        }
+        Ok(out)
+    }
+
     /// Multiplies every accumulated parameter gradient by `scale` in f32, as
     /// `clip_grad_norm_`'s `grad.mul_(clip_coef)`; 1 changes nothing.
     pub async fn scale_grads(&mut self, scale: f32) -> Result<(), StageError> {
-        self.idle("scaling gradients")?;
+        self.idle_unless_versioned("scaling gradients")?;
         if scale == 1.0 {
             return Ok(());
         }
@@ -568,8 +696,13 @@ impl<D: Device> StageExecutor<D> {
 
     /// [`Self::step`] with learning rate `lr` (a schedule's value at this
     /// step) in place of the optimizer's: only the uniform changes.
+    ///
+    /// With two weight versions the optimizer updates a copy of the
+    /// `Current` weights in the other set, which becomes `Current`; the old
+    /// `Current` becomes `Previous` (micro-batches in flight keep it) and
+    /// the old `Previous`, overwritten, must have none in flight.
     pub async fn step_at_lr(&mut self, lr: f64) -> Result<(), StageError> {
-        self.idle("stepping")?;
+        let target = self.step_target()?;
         let optimizer = self.optimizer.with_lr(lr);
         let state_count = self.optimizer.state_names().len();
         let mut kernels = Vec::new();
@@ -610,20 +743,61 @@ impl<D: Device> StageExecutor<D> {
             ));
             state.has_grad = false;
         }
-        let calls: Vec<_> = kernels
-            .iter()
-            .map(|(p, kernel)| {
-                let s = &self.params[*p];
-                let mut buffers = vec![
-                    s.uniform.as_ref().expect("allocated above"),
-                    &s.value,
-                    &s.grad,
-                ];
-                buffers.extend(s.state.iter());
-                (kernel, &self.optimizer_kernels[&s.len], buffers)
-            })
-            .collect();
-        self.device.run(&calls).await
+        let mut calls: BoundCalls<'_, D> = Vec::new();
+        if let Some(v) = self.versions {
+            // The new Current starts as a copy of the old, parameters
+            // without a gradient included.
+            for s in self.params.iter().filter(|s| s.stashed.is_some()) {
+                let (kernel, prepared) = &self.accumulate[&(false, s.len)];
+                calls.push((
+                    kernel,
+                    prepared,
+                    vec![s.value_in(v.current), s.value_in(target)],
+                ));
+            }
+        }
+        calls.extend(kernels.iter().map(|(p, kernel)| {
+            let s = &self.params[*p];
+            let mut buffers = vec![
+                s.uniform.as_ref().expect("allocated above"),
+                s.value_in(target),
+                &s.grad,
+            ];
+            buffers.extend(s.state.iter());
+            (kernel, &self.optimizer_kernels[&s.len], buffers)
+        }));
+        self.device.run(&calls).await?;
+        drop(calls);
+        if let Some(v) = &mut self.versions {
+            *v = Versions {
+                current: target,
+                previous: v.current,
+            };
+        }
+        Ok(())
+    }
+
+    /// The weight set a step writes, refusing a step that would corrupt a
+    /// micro-batch in flight: any with one version, those of `Previous`
+    /// (whose set the step overwrites) with two.
+    pub(crate) fn step_target(&self) -> Result<usize, StageError> {
+        let Some(v) = self.versions else {
+            self.idle("stepping")?;
+            return Ok(0);
+        };
+        let target = 1 - v.current;
+        let stale = self
+            .in_flight
+            .values()
+            .filter(|(_, set, _)| *set == target)
+            .count();
+        if stale > 0 {
+            return Err(StageError::InFlight {
+                in_flight: stale,
+                action: "a step over the previous weights their forward used".into(),
+            });
+        }
+        Ok(target)
     }
 
     /// Drops accumulated gradients (PyTorch's `zero_grad(set_to_none=True)`).
@@ -638,10 +812,11 @@ impl<D: Device> StageExecutor<D> {
     /// Copies of every parameter and buffer, by name.
     pub async fn parameters(&self) -> Result<Vec<(String, HostTensor)>, StageError> {
         let mut out = Vec::with_capacity(self.params.len());
+        let set = self.current_set();
         for (p, state) in self.layout.params.iter().zip(&self.params) {
             let data = match state.count {
                 Some(c) => vec![c as f32],
-                None => self.device.read_f32(&state.value).await?,
+                None => self.device.read_f32(state.value_in(set)).await?,
             };
             out.push((
                 p.name.clone(),
@@ -655,7 +830,7 @@ impl<D: Device> StageExecutor<D> {
     }
 
     /// Loads values into some or all parameters, keeping gradients and
-    /// optimizer state.
+    /// optimizer state; with two weight versions, into both.
     pub fn set_parameters(&mut self, values: &[(String, HostTensor)]) -> Result<(), StageError> {
         self.idle("loading parameters")?;
         for (name, v) in values {
@@ -672,9 +847,15 @@ impl<D: Device> StageExecutor<D> {
                     v.shape, self.layout.params[at].shape
                 )));
             }
-            match &mut self.params[at].count {
+            let state = &mut self.params[at];
+            match &mut state.count {
                 Some(c) => *c = v.data.first().copied().unwrap_or(0.0) as i64,
-                None => self.device.write_f32(&self.params[at].value, &v.data)?,
+                None => {
+                    self.device.write_f32(&state.value, &v.data)?;
+                    if let Some(stashed) = &state.stashed {
+                        self.device.write_f32(stashed, &v.data)?;
+                    }
+                }
             }
         }
         Ok(())
@@ -759,6 +940,16 @@ impl<D: Device> StageExecutor<D> {
             state.steps = s.steps;
         }
         Ok(())
+    }
+
+    /// [`Self::idle`], but with two weight versions gradients may be
+    /// measured and scaled while micro-batches await backward (theirs are
+    /// not in them yet).
+    fn idle_unless_versioned(&self, action: &str) -> Result<(), StageError> {
+        match self.versions {
+            Some(_) => Ok(()),
+            None => self.idle(action),
+        }
     }
 
     fn idle(&self, action: &str) -> Result<(), StageError> {
@@ -875,6 +1066,7 @@ impl<D: Device> StageExecutor<D> {
         &'a self,
         calls: &'a [crate::program::Call<D::Prepared>],
         batch: usize,
+        set: usize,
         acts: Option<&'a Activations<D::Buffer>>,
     ) -> Result<BoundCalls<'a, D>, StageError> {
         let scratch = self.scratch.get(&batch);
@@ -887,7 +1079,7 @@ impl<D: Device> StageExecutor<D> {
                     .iter()
                     .map(|b| -> Result<&D::Buffer, StageError> {
                         Ok(match *b {
-                            Buf::Value(Source::Param(p)) => &self.params[p].value,
+                            Buf::Value(Source::Param(p)) => self.params[p].value_in(set),
                             Buf::Value(Source::Input(i)) => &acts.ok_or_else(missing)?.inputs[i],
                             Buf::Value(Source::Local(j)) => &acts.ok_or_else(missing)?.locals[j],
                             Buf::Grad(Source::Param(p)) => {

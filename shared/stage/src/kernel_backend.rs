@@ -14,7 +14,9 @@ use crate::device::{BoundCall, Device};
 use crate::executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 use rookery_proto::{ParamOptimState, WireDType};
 
-use crate::worker::{Backend, BackendFactory, LeafLossValue, StageSpec, WorkerError};
+use crate::worker::{
+    Backend, BackendFactory, LeafLossValue, StageSpec, WeightVersion, WorkerError,
+};
 use crate::{HostTensor, StageError};
 
 /// Optimizer state as it crossed the wire, decoded for the executor.
@@ -119,6 +121,9 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
             spec.optimizer,
         )
         .map_err(|e| e.to_string())?;
+        if spec.stash_weights {
+            exec.keep_previous_weights().map_err(|e| e.to_string())?;
+        }
         if !spec.optimizer_state.is_empty() {
             exec.restore_optimizer_state(&optimizer_states(spec.optimizer_state)?)
                 .map_err(|e| e.to_string())?;
@@ -166,8 +171,9 @@ impl<D: Device> Backend for StageExecutor<D> {
         &mut self,
         inputs: &[(String, HostTensor)],
         offset: u64,
+        version: WeightVersion,
     ) -> Result<(MicroBatch, Vec<(String, HostTensor)>), StageError> {
-        StageExecutor::forward_at(self, inputs, offset).await
+        StageExecutor::forward_with_weights(self, inputs, offset, version).await
     }
 
     async fn evaluate(
@@ -190,8 +196,15 @@ impl<D: Device> Backend for StageExecutor<D> {
     }
 
     async fn step(&mut self, lr: f64, grad_scale: f64) -> Result<(), StageError> {
+        // Refused before the gradients are scaled.
+        self.step_target()?;
         StageExecutor::scale_grads(self, grad_scale as f32).await?;
         StageExecutor::step_at_lr(self, lr).await
+    }
+
+    fn merge_versions(&mut self) -> Result<(), StageError> {
+        StageExecutor::merge_versions(self);
+        Ok(())
     }
 
     async fn parameters(&mut self) -> Result<Vec<WireTensor>, StageError> {

@@ -33,7 +33,7 @@ pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
 pub use kernel_backend::OwnFactory;
 pub use predict::{PredictError, Predictor};
-pub use worker::{Backend, BackendFactory, StageWorker, step_seed};
+pub use worker::{Backend, BackendFactory, StageWorker, WeightVersion, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.
 #[derive(Debug, Clone, PartialEq)]

@@ -53,6 +53,7 @@ impl<B: Backend> Predictor<B> {
                 // Never stepped: prediction runs no backward.
                 optimizer: OptimizerConfig::sgd(0.0),
                 optimizer_state: &[],
+                stash_weights: false,
             })
             .map_err(PredictError::Build)?;
         Ok(Self {

@@ -22,6 +22,13 @@
 //!   training `Forward` beyond that waits, in order, until a `Backward`
 //!   frees one. Forwards and backwards each still run in the order they
 //!   came, so the arithmetic is `gpipe`'s exactly;
+//! - under `async` (PipeDream-2BW) a stage may have two steps open, with
+//!   no hold-back. Step `k` runs with the weights that every
+//!   update up to step `k - 2` made (the backend keeps that version for the
+//!   micro-batch's backward, [`WeightVersion`]); the two steps from a
+//!   barrier (`Assign`, `UploadParams`, `SetParams`) run with the barrier's
+//!   weights. Backwards and updates still come in step order, so one
+//!   gradient buffer serves, and the result does not depend on timing;
 //! - after `JobFailed` the stage is gone: later messages for that job get
 //!   `JobFailed` again, until a new `Assign`.
 //!
@@ -63,6 +70,20 @@ pub struct StageSpec<'a> {
     pub params: &'a [WireTensor],
     pub optimizer: OptimizerConfig,
     pub optimizer_state: &'a [ParamOptimState],
+    /// The `async` schedule: [`Backend::step`] keeps the weights it
+    /// replaces as [`WeightVersion::Previous`], and may run while
+    /// micro-batches that ran forward still await their backward.
+    pub stash_weights: bool,
+}
+
+/// Which of a stage's two weight versions a training forward runs with (its
+/// backward uses the same). Only the `async` schedule asks for `Previous`:
+/// the weights before the last [`Backend::step`], or `Current` when there
+/// was none since the last [`Backend::merge_versions`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightVersion {
+    Current,
+    Previous,
 }
 
 /// The loss of one micro-batch on the Leaf.
@@ -97,12 +118,14 @@ pub trait Backend {
     /// Dimension 0 (the batch), if the tensor has one.
     fn samples(&self, t: &Self::Tensor) -> Option<usize>;
     /// A training forward of a micro-batch whose first sample is `offset` in
-    /// the step's batch; keeps what backward needs.
+    /// the step's batch, with the weights of `version`; keeps what backward
+    /// needs (those weights included).
     #[allow(clippy::type_complexity)]
     fn forward(
         &mut self,
         inputs: &[(String, Self::Tensor)],
         offset: u64,
+        version: WeightVersion,
     ) -> impl Future<Output = Result<(Self::MicroBatch, Vec<(String, Self::Tensor)>), Self::Error>>;
     fn evaluate(
         &mut self,
@@ -119,7 +142,17 @@ pub trait Backend {
     fn grad_sum_of_squares(&mut self) -> impl Future<Output = Result<f64, Self::Error>>;
     /// Multiplies the accumulated gradients by `grad_scale` (as f32; 1 leaves
     /// them alone), then steps the optimizer with learning rate `lr`.
+    ///
+    /// With `StageSpec::stash_weights` the gradients (from backwards of
+    /// either version) update a copy of the `Current` weights, which becomes
+    /// `Current`; the old `Current` becomes `Previous` and the old
+    /// `Previous` is dropped. Micro-batches in flight (all of the old
+    /// `Current`) keep the weights their forward used.
     fn step(&mut self, lr: f64, grad_scale: f64) -> impl Future<Output = Result<(), Self::Error>>;
+    /// Makes `Previous` the `Current` weights again (a barrier: a sync or
+    /// new parameters); nothing is in flight. A no-op without
+    /// `StageSpec::stash_weights`.
+    fn merge_versions(&mut self) -> Result<(), Self::Error>;
     /// Every parameter and buffer, floats as f32.
     fn parameters(&mut self) -> impl Future<Output = Result<Vec<WireTensor>, Self::Error>>;
     fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), Self::Error>;
@@ -379,7 +412,19 @@ struct Stage<B: Backend> {
     leaf_output: Option<String>,
     /// The lowest step not done yet.
     next_step: u64,
-    step: Option<StepState<B::MicroBatch>>,
+    /// Steps begun and not done, oldest first: at most one, or two under
+    /// `async`.
+    steps: Vec<StepState<B::MicroBatch>>,
+    /// Training forwards waiting for the schedule to let the stage hold
+    /// another, in the order they came (with their steps).
+    deferred: VecDeque<(u64, Forward)>,
+    schedule: PipelineSchedule,
+    /// The first step since the last barrier (assignment, sync or new
+    /// parameters): under `async` it and the step after it run with the
+    /// barrier's weights, so a resumed run replays exactly.
+    barrier_step: u64,
+    /// The step whose dropout seed the backend holds.
+    seeded: Option<u64>,
     micro_batches_done: u64,
     /// The optimizer's `lr`, which the schedule scales.
     base_lr: f64,
@@ -401,9 +446,7 @@ struct StepState<M> {
     /// Micro-batches run forward and awaiting Backward (never on the Leaf,
     /// which backpropagates at once).
     in_flight: BTreeMap<u32, M>,
-    /// Forwards waiting for the schedule to let the stage hold another.
-    deferred: VecDeque<Forward>,
-    /// The most micro-batches held at once.
+    /// The most micro-batches held at once (of any step).
     peak_held: u32,
     finished: u32,
     compute_ms: f64,
@@ -457,6 +500,11 @@ impl<B: Backend> Stage<B> {
                 "clip_grad_norm {n} is not a positive number"
             )));
         }
+        if a.schedule.is_async() && a.clip_grad_norm.is_some() {
+            return Err(protocol(
+                "the async schedule cannot clip gradients: a step's update would wait for the whole cluster's norm while the next step's backwards arrive",
+            ));
+        }
         let exec = factory
             .build(StageSpec {
                 graph: &graph,
@@ -465,6 +513,7 @@ impl<B: Backend> Stage<B> {
                 params: &a.params,
                 optimizer: a.optimizer,
                 optimizer_state: &a.optimizer_state,
+                stash_weights: a.schedule.is_async(),
             })
             .map_err(WorkerError)?;
         Ok(Self {
@@ -482,18 +531,17 @@ impl<B: Backend> Stage<B> {
             micro_batches: a.micro_batches.max(1),
             leaf_output,
             next_step: a.start_step,
-            step: None,
+            steps: Vec::new(),
+            deferred: VecDeque::new(),
+            schedule: a.schedule,
+            barrier_step: a.start_step,
+            seeded: None,
             micro_batches_done: 0,
             base_lr: a.optimizer.lr(),
             lr_schedule: a.lr_schedule,
             clip_grad_norm: a.clip_grad_norm,
             sync_base: a.sync_int8.then(|| float_params(&a.params)),
-            hold_limit: match a.schedule {
-                PipelineSchedule::OneForwardOneBackward if !leaf => {
-                    Some((a.stages - a.stage) as usize)
-                }
-                _ => None,
-            },
+            hold_limit: (a.schedule.holds_back() && !leaf).then_some((a.stages - a.stage) as usize),
         })
     }
 
@@ -523,6 +571,7 @@ impl<B: Backend> Stage<B> {
             },
             ToProvider::Backward(b) => self.backward(b, out).await,
             ToProvider::UploadParams { job_id, step } => {
+                self.barrier("UploadParams")?;
                 // The optimizer state goes first: the server's sync is over
                 // once every stage's parameters are in, and its checkpoint
                 // needs both.
@@ -540,7 +589,10 @@ impl<B: Backend> Stage<B> {
                 }));
                 Ok(())
             }
-            ToProvider::SetParams(p) => self.set_params(&p),
+            ToProvider::SetParams(p) => {
+                self.set_params(&p)?;
+                self.barrier("SetParams")
+            }
             ToProvider::SetOptimizerState(o) => {
                 refuse_quantized(o.params.iter().flat_map(|p| &p.slots))?;
                 self.exec.set_optimizer_state(&o.params).map_err(backend)
@@ -553,84 +605,138 @@ impl<B: Backend> Stage<B> {
         }
     }
 
-    /// The step's state, opening the step (and seeding its dropout) on its
-    /// first micro-batch.
+    /// The step's state, opening the step on its first micro-batch.
     fn begin_step(
         &mut self,
         step: u64,
         samples: u32,
     ) -> Result<&mut StepState<B::MicroBatch>, WorkerError> {
-        match &self.step {
-            Some(s) if s.step == step => {
-                if s.samples != samples {
-                    return Err(protocol(format!(
-                        "step_samples changed within step {step} from {} to {samples}",
-                        s.samples
-                    )));
-                }
+        if let Some(i) = self.steps.iter().position(|s| s.step == step) {
+            let s = &mut self.steps[i];
+            if s.samples != samples {
+                return Err(protocol(format!(
+                    "step_samples changed within step {step} from {} to {samples}",
+                    s.samples
+                )));
             }
-            Some(s) => {
+            return Ok(s);
+        }
+        let window = if self.schedule.is_async() { 2 } else { 1 };
+        match self.steps.last() {
+            Some(s) if self.steps.len() >= window => {
                 return Err(protocol(format!(
                     "step {step} cannot start while step {} is unfinished ({} of {} micro-batches backpropagated)",
                     s.step, s.finished, s.count
                 )));
             }
-            None => {
-                if step < self.next_step {
-                    return Err(protocol(format!(
-                        "step {step} is already done on this stage (the next step is {})",
-                        self.next_step
-                    )));
-                }
-                if samples == 0 {
-                    return Err(protocol("a training step of 0 samples"));
-                }
-                let chunk = samples.div_ceil(self.micro_batches);
-                self.exec.set_step_seed(step_seed(self.seed, step));
-                self.step = Some(StepState {
-                    step,
-                    samples,
-                    chunk,
-                    count: samples.div_ceil(chunk),
-                    forwarded: BTreeSet::new(),
-                    in_flight: BTreeMap::new(),
-                    deferred: VecDeque::new(),
-                    peak_held: 0,
-                    finished: 0,
-                    compute_ms: 0.0,
-                    awaiting_scale: false,
-                });
+            Some(s) if step != s.step + 1 => {
+                return Err(protocol(format!(
+                    "step {step} cannot start while step {} is unfinished: under async only the step after it can",
+                    s.step
+                )));
             }
+            Some(_) => {}
+            None if step < self.next_step => {
+                return Err(protocol(format!(
+                    "step {step} is already done on this stage (the next step is {})",
+                    self.next_step
+                )));
+            }
+            None => {}
         }
-        self.step
-            .as_mut()
+        if samples == 0 {
+            return Err(protocol("a training step of 0 samples"));
+        }
+        let chunk = samples.div_ceil(self.micro_batches);
+        self.steps.push(StepState {
+            step,
+            samples,
+            chunk,
+            count: samples.div_ceil(chunk),
+            forwarded: BTreeSet::new(),
+            in_flight: BTreeMap::new(),
+            peak_held: 0,
+            finished: 0,
+            compute_ms: 0.0,
+            awaiting_scale: false,
+        });
+        self.steps
+            .last_mut()
             .ok_or_else(|| protocol("the step state vanished"))
+    }
+
+    fn open_step(&mut self, step: u64) -> Result<&mut StepState<B::MicroBatch>, WorkerError> {
+        self.steps
+            .iter_mut()
+            .find(|s| s.step == step)
+            .ok_or_else(|| protocol(format!("step {step} is not in progress on this stage")))
+    }
+
+    /// Micro-batches run forward and awaiting their backward, of any step.
+    fn held(&self) -> usize {
+        self.steps.iter().map(|s| s.in_flight.len()).sum()
+    }
+
+    /// The weights step `step` runs with: under `async`, those every update
+    /// up to step `step - 2` made (the barrier's for the two steps from a
+    /// barrier); otherwise the current ones.
+    fn version(&self, step: u64) -> Result<WeightVersion, WorkerError> {
+        if !self.schedule.is_async() {
+            return Ok(WeightVersion::Current);
+        }
+        // Versions are named by the steps done when they were current.
+        let wanted = step.saturating_sub(1).max(self.barrier_step);
+        if wanted == self.next_step {
+            Ok(WeightVersion::Current)
+        } else if wanted + 1 == self.next_step && wanted >= self.barrier_step {
+            Ok(WeightVersion::Previous)
+        } else {
+            Err(protocol(format!(
+                "step {step} runs with the weights after step {}, but this stage has done the steps before {} (async feeds a step only once its step - 2 is done on every stage)",
+                wanted as i64 - 1,
+                self.next_step
+            )))
+        }
+    }
+
+    /// A sync or new parameters: both weight versions become the current
+    /// one, and the next two steps run with it.
+    fn barrier(&mut self, what: &str) -> Result<(), WorkerError> {
+        if let Some(s) = self.steps.first() {
+            return Err(protocol(format!(
+                "{what} while step {} is in progress ({} of {} micro-batches backpropagated)",
+                s.step, s.finished, s.count
+            )));
+        }
+        self.exec.merge_versions().map_err(backend)?;
+        self.barrier_step = self.next_step;
+        Ok(())
     }
 
     /// The forward to run now, or `None` when the schedule makes it wait.
     fn defer(&mut self, step: u64, f: Forward) -> Result<Option<Forward>, WorkerError> {
-        let (Some(limit), Some(state)) = (self.hold_limit, self.step.as_mut()) else {
+        let Some(limit) = self.hold_limit else {
             return Ok(Some(f));
         };
-        if state.step != step || state.in_flight.len() < limit {
+        if self.deferred.is_empty() && self.held() < limit {
             return Ok(Some(f));
         }
-        if state.deferred.len() >= state.count as usize {
+        let window = if self.schedule.is_async() { 2 } else { 1 };
+        if self.deferred.len() >= window * self.micro_batches as usize {
             return Err(protocol(format!(
-                "more forwards of step {step} wait than it has micro-batches ({})",
-                state.count
+                "more training forwards wait than {window} step(s) of {} micro-batches hold",
+                self.micro_batches
             )));
         }
-        state.deferred.push_back(f);
+        self.deferred.push_back((step, f));
         Ok(None)
     }
 
     /// The oldest waiting forward, once the schedule lets it run.
-    fn undefer(&mut self) -> Option<Forward> {
+    fn undefer(&mut self) -> Option<(u64, Forward)> {
         let limit = self.hold_limit?;
-        let state = self.step.as_mut()?;
-        if state.in_flight.len() < limit {
-            state.deferred.pop_front()
+        if self.held() < limit {
+            self.deferred.pop_front()
         } else {
             None
         }
@@ -644,6 +750,7 @@ impl<B: Backend> Stage<B> {
     ) -> Result<(), WorkerError> {
         let started = Clock::now();
         let inputs = self.decode_all(&f.inputs)?;
+        let version = self.version(step)?;
         let state = self.begin_step(step, f.step_samples)?;
         let micro = f.micro;
         if micro >= state.count {
@@ -668,19 +775,23 @@ impl<B: Backend> Stage<B> {
                 "input `{name}` holds {held} samples, but micro-batch {micro} of a step of {samples} samples in chunks of {chunk} holds {expected}"
             )));
         }
+        if self.seeded != Some(step) {
+            self.exec.set_step_seed(step_seed(self.seed, step));
+            self.seeded = Some(step);
+        }
         let (micro_batch, outputs) = self
             .exec
-            .forward(&inputs, u64::from(offset))
+            .forward(&inputs, u64::from(offset), version)
             .await
             .map_err(backend)?;
         let Some(output) = self.leaf_output.clone() else {
             let outputs = self.encode_all(&outputs)?;
             let compute_ms = started.elapsed_ms();
-            if let Some(state) = self.step.as_mut() {
-                state.in_flight.insert(micro, micro_batch);
-                state.peak_held = state.peak_held.max(state.in_flight.len() as u32);
-                state.compute_ms += compute_ms;
-            }
+            let held = self.held() as u32 + 1;
+            let state = self.open_step(step)?;
+            state.in_flight.insert(micro, micro_batch);
+            state.peak_held = state.peak_held.max(held);
+            state.compute_ms += compute_ms;
             out.push(ToServer::Activations(Activations {
                 job_id: self.job_id,
                 phase: f.phase,
@@ -695,9 +806,7 @@ impl<B: Backend> Stage<B> {
             .as_ref()
             .ok_or_else(|| protocol("the Leaf got a Forward without labels"))?;
         let y = single_output(&outputs, &output)?;
-        if let Some(state) = self.step.as_mut() {
-            state.peak_held = 1;
-        }
+        self.open_step(step)?.peak_held = 1;
         let loss = self
             .exec
             .leaf_loss(self.loss, y, labels, f.step_targets)
@@ -726,7 +835,9 @@ impl<B: Backend> Stage<B> {
                 "the Leaf runs backward right after its forward; it takes no Backward",
             ));
         }
-        let state = match self.step.as_mut() {
+        // A stage's steps finish in order: the next step's backwards come
+        // after this one's update, so one gradient buffer serves both.
+        let state = match self.steps.first_mut() {
             Some(s) if s.step == b.step => s,
             Some(s) => {
                 return Err(protocol(format!(
@@ -752,8 +863,8 @@ impl<B: Backend> Stage<B> {
             .map_err(backend)?;
         self.finish_micro(b.step, b.micro, grads, started, out)
             .await?;
-        while let Some(f) = self.undefer() {
-            self.train_forward(b.step, f, out).await?;
+        while let Some((step, f)) = self.undefer() {
+            self.train_forward(step, f, out).await?;
         }
         Ok(())
     }
@@ -778,21 +889,16 @@ impl<B: Backend> Stage<B> {
                 compute_ms: started.elapsed_ms(),
             }));
         }
-        let state = self
-            .step
-            .as_mut()
-            .ok_or_else(|| protocol("the step state vanished"))?;
+        let state = self.open_step(step)?;
         state.finished += 1;
         if state.finished < state.count {
             state.compute_ms += started.elapsed_ms();
             return Ok(());
         }
+        let so_far = state.compute_ms;
         if self.clip_grad_norm.is_some() {
             let sum_of_squares = self.exec.grad_sum_of_squares().await.map_err(backend)?;
-            let state = self
-                .step
-                .as_mut()
-                .ok_or_else(|| protocol("the step state vanished"))?;
+            let state = self.open_step(step)?;
             state.awaiting_scale = true;
             state.compute_ms += started.elapsed_ms();
             out.push(ToServer::GradNorm(GradNorm {
@@ -802,7 +908,6 @@ impl<B: Backend> Stage<B> {
             }));
             return Ok(());
         }
-        let so_far = state.compute_ms;
         self.finish_step(step, 1.0, so_far, started, out).await
     }
 
@@ -813,7 +918,7 @@ impl<B: Backend> Stage<B> {
         out: &mut Vec<ToServer>,
     ) -> Result<(), WorkerError> {
         let started = Clock::now();
-        let so_far = match &self.step {
+        let so_far = match self.steps.first() {
             Some(s) if s.step == g.step && s.awaiting_scale => s.compute_ms,
             Some(s) => {
                 return Err(protocol(format!(
@@ -844,7 +949,10 @@ impl<B: Backend> Stage<B> {
     ) -> Result<(), WorkerError> {
         let lr = self.lr_schedule.lr(self.base_lr, step);
         self.exec.step(lr, grad_scale).await.map_err(backend)?;
-        let peak_held = self.step.take().map_or(0, |s| s.peak_held);
+        let peak_held = match self.steps.iter().position(|s| s.step == step) {
+            Some(i) => self.steps.remove(i).peak_held,
+            None => 0,
+        };
         self.next_step = step + 1;
         out.push(ToServer::StepDone(StepDone {
             job_id: self.job_id,

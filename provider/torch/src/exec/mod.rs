@@ -14,6 +14,22 @@
 //! Inputs from another stage become fresh autograd leaves, so a stage's
 //! autograd graph never reaches outside the stage: this is what lets the
 //! stages live in different processes.
+//!
+//! # Weight stashing (PipeDream-2BW)
+//!
+//! An executor made [`with_stash_weights`](TorchExecutor::with_stash_weights)
+//! keeps two versions of its trainable parameters: `Current` and `Previous`
+//! (the weights before the last [`step`](TorchExecutor::step); the same
+//! tensors as `Current` until a step, and again after
+//! [`merge_versions`](TorchExecutor::merge_versions)). A training forward
+//! runs with the version asked for ([`forward_version`](TorchExecutor::forward_version))
+//! and its backward accumulates into that version's autograd leaves, so a
+//! micro-batch's backward always uses the weights its forward used. A step
+//! may run while micro-batches on `Current` await backward: it sums the
+//! pending gradients of both versions, applies them to a fresh copy of
+//! `Current` (never in place, since in-flight graphs saved those tensors),
+//! and the old `Current` becomes `Previous`. Buffers (BatchNorm statistics)
+//! are one copy shared by both versions.
 
 mod activations;
 pub mod loss;
@@ -26,7 +42,7 @@ use std::ops::Range;
 
 use rookery_model::layout::{self, LayoutError, LayoutParam, Source, StageLayout};
 use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
-pub use rookery_stage::StageError;
+pub use rookery_stage::{StageError, WeightVersion};
 use tch::{Device, Kind, Tensor};
 
 pub use activations::activation;
@@ -135,7 +151,18 @@ struct StageParam {
     kind: ParamKind,
     dtype: DType,
     shape: Vec<i64>,
+    /// The `Current` weights (for a trainable parameter, an autograd leaf).
     tensor: Tensor,
+    /// The `Previous` weights of a trainable parameter under weight
+    /// stashing; None while they are `tensor` itself (always for buffers and
+    /// without stashing).
+    previous: Option<Tensor>,
+    /// The gradient of `previous` that a step already applied and then
+    /// zeroed in place (micro-batches in flight had recorded that leaf, so it
+    /// could not be replaced), with its version counter after the zeroing:
+    /// while both still match, no backward has added to it since, and it
+    /// counts as no gradient at all.
+    spent: Option<(Tensor, i64)>,
 }
 
 /// What backward needs of one micro-batch.
@@ -145,6 +172,9 @@ struct InFlight {
     leaves: Vec<Option<Tensor>>,
     /// Outputs still attached to the stage's graph.
     outputs: Vec<Tensor>,
+    /// The generation of the weights the forward ran with (see
+    /// `TorchExecutor::generation`).
+    generation: u64,
 }
 
 /// One pipeline stage on one device. See the module docs for a step's calls.
@@ -162,6 +192,14 @@ pub struct TorchExecutor {
     next_micro_batch: u64,
     step_seed: u64,
     next_sample: u64,
+    /// Weight stashing (PipeDream-2BW), see the module docs.
+    stash_weights: bool,
+    /// A step with stashing ran since the last merge: `Previous` weights
+    /// (of generation `generation - 1`) are distinct from `Current` ones.
+    has_previous: bool,
+    /// Counts the steps taken with stashing: the `Current` weights are of
+    /// this generation, `Previous` ones (when distinct) of the one before.
+    generation: u64,
 }
 
 /// Names of the tensors crossing cut `cut` of the graph's topological order
@@ -287,7 +325,21 @@ impl TorchExecutor {
             next_micro_batch: 0,
             step_seed: 0,
             next_sample: 0,
+            stash_weights: false,
+            has_previous: false,
+            generation: 0,
         })
+    }
+
+    /// Turns weight stashing (PipeDream-2BW, see the module docs) on or off
+    /// for a new executor.
+    pub fn with_stash_weights(mut self, stash_weights: bool) -> Self {
+        self.stash_weights = stash_weights;
+        self
+    }
+
+    pub fn stash_weights(&self) -> bool {
+        self.stash_weights
     }
 
     pub fn device(&self) -> Device {
@@ -354,6 +406,22 @@ impl TorchExecutor {
         train: bool,
         sample_offset: u64,
     ) -> Result<TorchForward, ExecError> {
+        self.forward_version(inputs, train, sample_offset, WeightVersion::Current)
+    }
+
+    /// [`forward_at`](Self::forward_at) with the weights of `version`; the
+    /// micro-batch's backward uses the same. `Previous` is `Current` when no
+    /// step ran since the last [`merge_versions`](Self::merge_versions), and
+    /// always without weight stashing (such an executor has one version).
+    pub fn forward_version(
+        &mut self,
+        inputs: &[(String, Tensor)],
+        train: bool,
+        sample_offset: u64,
+        version: WeightVersion,
+    ) -> Result<TorchForward, ExecError> {
+        let previous = version == WeightVersion::Previous && self.has_previous;
+        let generation = self.generation - u64::from(previous);
         let placed = self.place_inputs(inputs, true)?;
         let batch = placed
             .first()
@@ -361,7 +429,7 @@ impl TorchExecutor {
             .unwrap_or(1)
             .max(0) as u64;
         // Autograd must record even if the caller sits inside `no_grad`.
-        let outputs = tch::with_grad(|| self.run(&placed, train, sample_offset))?;
+        let outputs = tch::with_grad(|| self.run(&placed, train, sample_offset, previous))?;
         if train {
             self.next_sample = sample_offset + batch;
         }
@@ -379,7 +447,14 @@ impl TorchExecutor {
             .collect();
         let id = TorchMicroBatch(self.next_micro_batch);
         self.next_micro_batch += 1;
-        self.in_flight.insert(id, InFlight { leaves, outputs });
+        self.in_flight.insert(
+            id,
+            InFlight {
+                leaves,
+                outputs,
+                generation,
+            },
+        );
         Ok(TorchForward {
             micro_batch: id,
             outputs: detached,
@@ -393,7 +468,7 @@ impl TorchExecutor {
         inputs: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
         let placed = self.place_inputs(inputs, false)?;
-        let outputs = tch::no_grad(|| self.run(&placed, false, 0))?;
+        let outputs = tch::no_grad(|| self.run(&placed, false, 0, false))?;
         Ok(self
             .outputs
             .iter()
@@ -489,7 +564,21 @@ impl TorchExecutor {
     /// Applies `optimizer` to every trainable parameter that received a gradient
     /// since the last step (as PyTorch skips parameters whose `.grad` is None),
     /// then clears the gradients.
+    ///
+    /// With weight stashing the gradients of both versions' backwards are
+    /// summed and update a fresh copy of the `Current` weights, which becomes
+    /// `Current`; the old `Current` becomes `Previous` and the old `Previous`
+    /// is dropped. Micro-batches in flight on the old `Current` keep it (their
+    /// backward lands in the new `Previous` and counts toward the next step);
+    /// one in flight on the old `Previous` is refused, as its weights would go.
+    /// Where micro-batches are in flight the old `Current` leaves keep their
+    /// identity, so their gradients are zeroed in place rather than dropped;
+    /// a zeroed gradient nothing adds to before the next step still counts as
+    /// none (told by its version counter), as PyTorch's would be None.
     pub fn step(&mut self, optimizer: &mut TorchOptimizer) -> Result<(), ExecError> {
+        if self.stash_weights {
+            return self.step_stashed(optimizer);
+        }
         self.idle("stepping")?;
         for p in &self.params {
             if p.kind != ParamKind::Trainable {
@@ -503,17 +592,79 @@ impl TorchExecutor {
         self.zero_grad()
     }
 
+    fn step_stashed(&mut self, optimizer: &mut TorchOptimizer) -> Result<(), ExecError> {
+        self.none_on_previous("stepping, which drops the weights they ran with,")?;
+        let recorded = !self.in_flight.is_empty();
+        for p in &mut self.params {
+            if p.kind != ParamKind::Trainable {
+                continue;
+            }
+            // Detached first: a copy of a leaf would be a non-leaf result.
+            let next = p.tensor.f_detach()?.f_detach_copy()?;
+            if let Some(g) = p.pending_grad()? {
+                optimizer.update(&p.name, &next, &g)?;
+            }
+            let old = std::mem::replace(&mut p.tensor, next.f_set_requires_grad(true)?);
+            p.spent = None;
+            p.previous = Some(if recorded {
+                // In-flight graphs recorded these leaves: their gradients,
+                // just applied, are cleared without replacing them.
+                let mut g = old.f_grad()?;
+                if g.defined() {
+                    let _ = tch::no_grad(|| g.f_zero_())?;
+                    let version = g.f_internal_version()?;
+                    p.spent = Some((g, version));
+                }
+                old
+            } else {
+                old.f_detach()?.f_set_requires_grad(true)?
+            });
+        }
+        self.generation += 1;
+        self.has_previous = true;
+        Ok(())
+    }
+
+    /// Makes `Previous` the `Current` weights again (a barrier). Gradients
+    /// that backwards on `Previous` accumulated since the last step move to
+    /// `Current`'s, for the next step. Refused while a micro-batch that ran on
+    /// the `Previous` weights awaits backward; a no-op without stashing.
+    pub fn merge_versions(&mut self) -> Result<(), ExecError> {
+        self.none_on_previous(
+            "merging the weight versions, which drops the weights they ran with,",
+        )?;
+        for p in &mut self.params {
+            let Some(previous) = p.previous.take() else {
+                continue;
+            };
+            let spent = p.spent.take();
+            let g = previous.f_grad()?;
+            if g.defined() && !is_spent(spent.as_ref(), &g)? {
+                let mut current = p.tensor.f_grad()?;
+                if current.defined() {
+                    let _ = tch::no_grad(|| current.f_add_(&g))?;
+                } else {
+                    // tch cannot assign `.grad`: d/dw of sum(w * g) is g, exactly.
+                    let g = g.f_detach()?;
+                    tch::with_grad(|| p.tensor.f_mul(&g)?.f_sum(None::<Kind>)?.f_backward())?;
+                }
+            }
+        }
+        self.has_previous = false;
+        Ok(())
+    }
+
     /// The sum of the squares of every accumulated gradient element, in f64,
     /// parameter by parameter in the stage's order, read on the host so the
-    /// order (and so the sum) is the same on every device and backend.
+    /// order (and so the sum) is the same on every device and backend. With
+    /// weight stashing, of the gradient a step would apply (both versions').
     pub fn grad_sum_of_squares(&self) -> Result<f64, ExecError> {
         let mut acc = 0.0;
         for p in &self.params {
             if p.kind != ParamKind::Trainable {
                 continue;
             }
-            let g = p.tensor.f_grad()?;
-            if g.defined() {
+            if let Some(g) = p.pending_grad()? {
                 let g = g
                     .f_detach()?
                     .f_to_device(tch::Device::Cpu)?
@@ -528,8 +679,9 @@ impl TorchExecutor {
         Ok(acc)
     }
 
-    /// Multiplies every accumulated gradient by `scale` rounded to f32, as
-    /// `clip_grad_norm_`'s `grad.mul_(clip_coef)`; 1 changes nothing.
+    /// Multiplies every accumulated gradient (of both versions, with weight
+    /// stashing) by `scale` rounded to f32, as `clip_grad_norm_`'s
+    /// `grad.mul_(clip_coef)`; 1 changes nothing.
     pub fn scale_grads(&mut self, scale: f64) -> Result<(), ExecError> {
         let scale = f64::from(scale as f32);
         if scale == 1.0 {
@@ -539,29 +691,34 @@ impl TorchExecutor {
             if p.kind != ParamKind::Trainable {
                 continue;
             }
-            let mut g = p.tensor.f_grad()?;
-            if g.defined() {
+            for mut g in p.pending_grads()? {
                 let _ = tch::no_grad(|| g.f_mul_scalar_(scale))?;
             }
         }
         Ok(())
     }
 
-    /// Drops accumulated gradients. A parameter becomes a fresh leaf sharing its
-    /// storage, which is PyTorch's `zero_grad(set_to_none=True)`: tch cannot
-    /// set `.grad` back to None otherwise, and a zeroed gradient would still
-    /// move momentum and weight decay for parameters that got none.
+    /// Drops accumulated gradients (of both versions). A parameter becomes a
+    /// fresh leaf sharing its storage, which is PyTorch's
+    /// `zero_grad(set_to_none=True)`: tch cannot set `.grad` back to None
+    /// otherwise, and a zeroed gradient would still move momentum and weight
+    /// decay for parameters that got none.
     pub fn zero_grad(&mut self) -> Result<(), ExecError> {
         self.idle("clearing gradients")?;
         for p in &mut self.params {
             if p.kind == ParamKind::Trainable {
                 p.tensor = p.tensor.f_detach()?.f_set_requires_grad(true)?;
+                if let Some(previous) = &p.previous {
+                    p.previous = Some(previous.f_detach()?.f_set_requires_grad(true)?);
+                }
+                p.spent = None;
             }
         }
         Ok(())
     }
 
-    /// Copies of every parameter and buffer, by name (for sync and averaging).
+    /// Copies of every parameter and buffer (the `Current` weights), by name
+    /// (for sync and averaging).
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>, ExecError> {
         self.params
             .iter()
@@ -569,12 +726,12 @@ impl TorchExecutor {
             .collect()
     }
 
-    /// Accumulated gradients of the trainable parameters that have one.
+    /// Accumulated gradients of the trainable parameters that have one (with
+    /// weight stashing, the sum of both versions', as a step applies them).
     pub fn gradients(&self) -> Result<Vec<(String, Tensor)>, ExecError> {
         let mut out = Vec::new();
         for p in &self.params {
-            let g = p.tensor.f_grad()?;
-            if g.defined() {
+            if let Some(g) = p.pending_grad()? {
                 out.push((p.name.clone(), g.f_detach_copy()?));
             }
         }
@@ -583,6 +740,8 @@ impl TorchExecutor {
 
     /// Loads values (e.g. the server's average) into some or all of the stage's
     /// parameters and buffers, in place, keeping gradients and optimizer state.
+    /// With weight stashing these are the `Current` weights, and `Previous`
+    /// too while they are the same (after [`merge_versions`](Self::merge_versions)).
     pub fn set_parameters(&mut self, values: &[(String, Tensor)]) -> Result<(), ExecError> {
         self.idle("loading parameters")?;
         for (name, v) in values {
@@ -623,6 +782,25 @@ impl TorchExecutor {
             // their later backward would add to gradients already spent.
             Err(ExecError::Stage(StageError::InFlight {
                 in_flight: self.in_flight.len(),
+                action: action.into(),
+            }))
+        }
+    }
+
+    /// Refuses `action` while micro-batches that ran on distinct `Previous`
+    /// weights await backward (it would drop those weights, and the
+    /// gradients their backward would bring).
+    fn none_on_previous(&self, action: &str) -> Result<(), ExecError> {
+        let on_previous = self
+            .in_flight
+            .values()
+            .filter(|f| f.generation != self.generation)
+            .count();
+        if on_previous == 0 {
+            Ok(())
+        } else {
+            Err(ExecError::Stage(StageError::InFlight {
+                in_flight: on_previous,
                 action: action.into(),
             }))
         }
@@ -688,12 +866,14 @@ impl TorchExecutor {
             .collect()
     }
 
-    /// Runs the nodes in order; returns the (still attached) outputs.
+    /// Runs the nodes in order with the `Current` weights, or the `Previous`
+    /// ones (`previous`); returns the (still attached) outputs.
     fn run(
         &self,
         inputs: &[Tensor],
         train: bool,
         sample_offset: u64,
+        previous: bool,
     ) -> Result<Vec<Tensor>, ExecError> {
         let mut local: Vec<Option<Tensor>> = (0..self.nodes.len()).map(|_| None).collect();
         for (k, node) in self.nodes.iter().enumerate() {
@@ -707,7 +887,13 @@ impl TorchExecutor {
                 .iter()
                 .map(|s| match *s {
                     Source::Input(i) => Ok(&inputs[i]),
-                    Source::Param(i) => Ok(&self.params[i].tensor),
+                    Source::Param(i) => {
+                        let p = &self.params[i];
+                        Ok(match &p.previous {
+                            Some(t) if previous => t,
+                            _ => &p.tensor,
+                        })
+                    }
                     Source::Local(j) => local[j]
                         .as_ref()
                         .ok_or_else(|| fail("input released before use".into())),
@@ -759,6 +945,49 @@ impl TorchExecutor {
     }
 }
 
+impl StageParam {
+    /// The gradients accumulated since the last step: `Current`'s, and
+    /// `Previous`'s where that is a distinct leaf whose gradient is not one a
+    /// step already applied.
+    fn pending_grads(&self) -> Result<Vec<Tensor>, ExecError> {
+        let mut out = Vec::new();
+        let g = self.tensor.f_grad()?;
+        if g.defined() {
+            out.push(g);
+        }
+        if let Some(previous) = &self.previous {
+            let g = previous.f_grad()?;
+            if g.defined() && !is_spent(self.spent.as_ref(), &g)? {
+                out.push(g);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The gradient a step applies: the sum of the pending ones (one of them
+    /// as it is), None where there is none.
+    fn pending_grad(&self) -> Result<Option<Tensor>, ExecError> {
+        let mut grads = self.pending_grads()?.into_iter();
+        let Some(mut sum) = grads.next() else {
+            return Ok(None);
+        };
+        for g in grads {
+            sum = sum.f_add(&g)?;
+        }
+        Ok(Some(sum))
+    }
+}
+
+/// Whether gradient `g` is still the `spent` one: the same tensor (its
+/// storage kept alive by `spent`, so no other can take its address) at the
+/// same version, so no backward has added to it since it was zeroed.
+fn is_spent(spent: Option<&(Tensor, i64)>, g: &Tensor) -> Result<bool, ExecError> {
+    Ok(match spent {
+        Some((t, version)) => t.data_ptr() == g.data_ptr() && g.f_internal_version()? == *version,
+        None => false,
+    })
+}
+
 /// The stage's copy of parameter `p`, taken from the values `given`, on `device`.
 fn stage_param(
     p: LayoutParam,
@@ -800,5 +1029,7 @@ fn stage_param(
         dtype: p.dtype,
         shape,
         tensor: t,
+        previous: None,
+        spent: None,
     })
 }

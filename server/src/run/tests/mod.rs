@@ -6,6 +6,7 @@
 mod clip;
 mod labels;
 mod outer;
+mod overlap;
 mod recovery;
 mod relay;
 mod residual;

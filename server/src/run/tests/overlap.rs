@@ -1,0 +1,130 @@
+//! The `async` schedule's window: a cluster is fed the step after its
+//! current one at once, what that step reports early waits for it, and a
+//! stage that reports steps out of order is at fault.
+
+use super::*;
+use rookery_proto::{PipelineSchedule, StepDone};
+
+/// One cluster of Root -> Leaf (providers 10, 11) under `schedule`, 4 steps
+/// of 4 samples with one sync at the end, every stage ready; the steps
+/// whose forwards went out first.
+fn ready(schedule: PipelineSchedule) -> (JobRun, Vec<u64>) {
+    let graph = rookery_model::from_toml(MLP).unwrap();
+    let mut spec = spec();
+    spec.training.clusters = ClusterCount::Fixed(1);
+    spec.training.sync_every = 4;
+    spec.training.schedule = schedule;
+    let plan = two_stage_plan(&graph, 10..12, 1);
+    let ids = (10..12).map(|i: u64| (i.to_string(), i)).collect();
+    let analysis = graph.analyze().unwrap();
+    let (mut run, _) = JobRun::start(
+        1,
+        spec,
+        graph.clone(),
+        &analysis,
+        &plan,
+        &ids,
+        data(16),
+        None,
+        None,
+    )
+    .unwrap();
+    run.on_message(10, ToServer::Ready { job_id: 1 });
+    let effects = run.on_message(11, ToServer::Ready { job_id: 1 });
+    (run, fed_steps(&effects))
+}
+
+/// The steps of the training forwards among `effects`, in order, once each.
+fn fed_steps(effects: &[Effect]) -> Vec<u64> {
+    let mut steps: Vec<u64> = sends(effects)
+        .into_iter()
+        .filter_map(|(p, m)| match m {
+            ToProvider::Forward(f) if p == 10 => match f.phase {
+                Phase::Train { step } => Some(step),
+                Phase::Eval { .. } => None,
+            },
+            _ => None,
+        })
+        .collect();
+    steps.dedup();
+    steps
+}
+
+fn done(step: u64) -> ToServer {
+    ToServer::StepDone(StepDone {
+        job_id: 1,
+        step,
+        compute_ms: 3.0,
+        peak_held: 2,
+    })
+}
+
+#[test]
+fn gpipe_feeds_one_step_and_async_two() {
+    assert_eq!(ready(PipelineSchedule::Gpipe).1, vec![0]);
+    assert_eq!(ready(PipelineSchedule::OneForwardOneBackward).1, vec![0]);
+    assert_eq!(ready(PipelineSchedule::Async).1, vec![0, 1]);
+}
+
+#[test]
+fn an_async_step_done_early_waits_for_the_step_before_and_each_done_step_feeds_the_next() {
+    let (mut run, _) = ready(PipelineSchedule::Async);
+    let [root, leaf] = [10, 11];
+    assert!(run.on_message(leaf, done(0)).is_empty());
+    // The Leaf is done with step 1 while the Root still backpropagates step 0.
+    assert!(run.on_message(leaf, done(1)).is_empty());
+    assert_eq!(run.clusters[0].state, ClusterState::Training { step: 0 });
+    // Step 0 is done: step 1 becomes current with the Leaf's early report,
+    // and step 2 is fed.
+    let effects = run.on_message(root, done(0));
+    assert!(faults(&effects).is_empty(), "{effects:?}");
+    assert_eq!(fed_steps(&effects), vec![2]);
+    assert_eq!(run.clusters[0].state, ClusterState::Training { step: 1 });
+    assert!(run.clusters[0].stages[1].step_done);
+    assert!(!run.clusters[0].stages[0].step_done);
+    let effects = run.on_message(root, done(1));
+    assert_eq!(fed_steps(&effects), vec![3]);
+    assert_eq!(run.clusters[0].state, ClusterState::Training { step: 2 });
+    // Step 3 is the last before the sync: nothing is fed past it.
+    for p in [root, leaf] {
+        run.on_message(p, done(2));
+    }
+    assert_eq!(run.clusters[0].state, ClusterState::Training { step: 3 });
+    assert!(run.clusters[0].ahead.is_none());
+}
+
+#[test]
+fn an_async_stage_reporting_a_step_before_the_one_before_it_is_at_fault() {
+    let (mut run, _) = ready(PipelineSchedule::Async);
+    let effects = run.on_message(11, done(1));
+    let faults = faults(&effects);
+    assert_eq!(faults.len(), 1, "{effects:?}");
+    assert_eq!(faults[0].0, 11);
+    assert!(faults[0].1.contains("before step 0"), "{faults:?}");
+    // Two steps ahead is not in flight: dropped (as a rolled-back step's
+    // frames are), counting nothing.
+    let (mut run, _) = ready(PipelineSchedule::Async);
+    assert!(run.on_message(10, done(2)).is_empty());
+    assert!(!run.clusters[0].stages[0].step_done);
+    assert!(run.clusters[0].ahead.as_ref().unwrap().done[0].is_none());
+}
+
+#[test]
+fn async_plans_room_for_a_second_copy_of_the_weights_and_two_steps_of_micro_batches() {
+    let mut spec = spec();
+    let gpipe = crate::coordinator::plan_options(&spec);
+    spec.training.schedule = PipelineSchedule::Async;
+    let overlapped = crate::coordinator::plan_options(&spec);
+    // Plain SGD keeps no state; two micro-batches a step.
+    assert_eq!(
+        (gpipe.optimizer_copies, gpipe.in_flight_micro_batches),
+        (0, 2)
+    );
+    assert_eq!(
+        (
+            overlapped.optimizer_copies,
+            overlapped.in_flight_micro_batches
+        ),
+        (1, 4)
+    );
+}

@@ -1,0 +1,493 @@
+//! PipeDream-2BW weight stashing on our executor (`StageSpec::stash_weights`,
+//! the `async` schedule), through `OwnFactory` and the `Backend` calls the
+//! worker makes: a step's micro-batches run forward on the weights before
+//! the previous step's update and backward on the same ones after it, and
+//! the result is, bit for bit, what executors keeping one version compute
+//! when handed those weights. On the CPU references always; on the GPU
+//! (lavapipe natively) with the `gpu` feature.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
+
+use rookery_model::{DType, Graph, OptimizerConfig, ParamKind, from_toml};
+use rookery_proto::{WireDType, WireTensor};
+use rookery_stage::worker::StageSpec;
+use rookery_stage::{
+    Backend, BackendFactory, CpuDevice, Device, HostTensor, MicroBatch, OwnFactory, StageError,
+    StageExecutor, WeightVersion,
+};
+
+type Exec<D> = StageExecutor<Arc<D>>;
+type Named = Vec<(String, HostTensor)>;
+
+const LR: f64 = 0.05;
+
+fn block<F: Future>(f: F) -> F::Output {
+    pollster::block_on(f)
+}
+
+/// Deterministic values in [-1, 1).
+fn pseudo(n: usize, seed: u64) -> Vec<f32> {
+    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            z ^= z << 13;
+            z ^= z >> 7;
+            z ^= z << 17;
+            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// A middle stage of a model: nodes `range`, fed by the node before it (so
+/// its input gets a gradient), sending the model's outputs.
+struct Case {
+    name: &'static str,
+    graph: Graph,
+    range: Range<usize>,
+    input: String,
+    in_width: usize,
+    output: String,
+    out_width: usize,
+}
+
+impl Case {
+    fn new(name: &'static str, toml: &str, first: usize) -> Self {
+        let graph = from_toml(toml).unwrap();
+        let analysis = graph.analyze().unwrap();
+        let width = |k: usize| analysis.nodes[k].output.shape[1..].iter().product();
+        let last = graph.nodes.len() - 1;
+        Self {
+            name,
+            input: graph.nodes[first - 1].name.clone(),
+            in_width: width(first - 1),
+            output: graph.nodes[last].name.clone(),
+            out_width: width(last),
+            range: first..graph.nodes.len(),
+            graph,
+        }
+    }
+
+    /// Dense 4 -> 5 (ReLU) | 6 (tanh) -> 3: the stage is the last two layers.
+    fn mlp() -> Self {
+        Self::new(
+            "MLP",
+            "input_shape = [4]\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 5\nactivation = \"relu\"\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 6\nactivation = \"tanh\"\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 3\n",
+            2,
+        )
+    }
+
+    /// Dense 4 -> 5 (ReLU) | 6, BatchNorm1d, ReLU -> 3: running statistics
+    /// and the batch counter are kept once, whatever the version.
+    fn batch_norm() -> Self {
+        Self::new(
+            "MLP with BatchNorm",
+            "input_shape = [4]\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 5\nactivation = \"relu\"\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 6\n\
+             [[layers]]\ntype = \"BatchNormalization1D\"\n\
+             [[layers]]\ntype = \"Activation\"\nname = \"relu\"\n\
+             [[layers]]\ntype = \"Dense\"\nunits = 3\n",
+            2,
+        )
+    }
+
+    /// A micro-batch of `batch` samples: its input and its output gradient.
+    fn micro_batch(&self, batch: usize, seed: u64) -> (HostTensor, HostTensor) {
+        let tensor = |width: usize, seed: u64| HostTensor {
+            shape: vec![batch, width],
+            data: pseudo(batch * width, seed),
+        };
+        (
+            tensor(self.in_width, seed),
+            tensor(self.out_width, seed + 1000),
+        )
+    }
+
+    fn trainable(&self, values: &Named) -> Named {
+        values
+            .iter()
+            .filter(|(name, _)| {
+                self.graph
+                    .params
+                    .iter()
+                    .any(|p| p.name == *name && p.kind == ParamKind::Trainable)
+            })
+            .cloned()
+            .collect()
+    }
+}
+
+/// The parameter values given as they cross the wire.
+fn wire(graph: &Graph, values: &BTreeMap<String, Vec<f32>>) -> Vec<WireTensor> {
+    graph
+        .params
+        .iter()
+        .filter(|p| values.contains_key(&p.name))
+        .map(|p| {
+            let v = &values[&p.name];
+            if p.dtype == DType::F32 {
+                WireTensor::from_f32(&p.name, &p.shape, v, WireDType::F32)
+            } else {
+                let v: Vec<i64> = v.iter().map(|&x| x as i64).collect();
+                WireTensor::from_i64(&p.name, &p.shape, &v)
+            }
+        })
+        .collect()
+}
+
+fn as_map(values: &Named) -> BTreeMap<String, Vec<f32>> {
+    values
+        .iter()
+        .map(|(n, t)| (n.clone(), t.data.clone()))
+        .collect()
+}
+
+fn build<D: Device>(
+    factory: &mut OwnFactory<D>,
+    case: &Case,
+    values: &BTreeMap<String, Vec<f32>>,
+    optimizer: OptimizerConfig,
+    stash_weights: bool,
+) -> Exec<D> {
+    let params = wire(&case.graph, values);
+    let outputs = vec![case.output.clone()];
+    factory
+        .build(StageSpec {
+            graph: &case.graph,
+            range: case.range.clone(),
+            outputs: &outputs,
+            params: &params,
+            optimizer,
+            optimizer_state: &[],
+            stash_weights,
+        })
+        .unwrap()
+}
+
+fn forward<D: Device>(
+    e: &mut Exec<D>,
+    case: &Case,
+    x: &HostTensor,
+    offset: u64,
+    version: WeightVersion,
+) -> (MicroBatch, Named) {
+    block(Backend::forward(
+        e,
+        &[(case.input.clone(), x.clone())],
+        offset,
+        version,
+    ))
+    .unwrap()
+}
+
+fn backward<D: Device>(e: &mut Exec<D>, case: &Case, mb: MicroBatch, dy: &HostTensor) -> Named {
+    block(Backend::backward(
+        e,
+        mb,
+        &[(case.output.clone(), dy.clone())],
+    ))
+    .unwrap()
+}
+
+fn step<D: Device>(e: &mut Exec<D>) -> Result<(), StageError> {
+    block(Backend::step(e, LR, 1.0))
+}
+
+fn params<D: Device>(e: &Exec<D>) -> Named {
+    block(StageExecutor::parameters(e)).unwrap()
+}
+
+fn grads<D: Device>(e: &Exec<D>) -> Named {
+    block(e.gradients()).unwrap()
+}
+
+/// Tensors as bits, so equality is bitwise.
+fn bits(tensors: &[(String, HostTensor)]) -> Vec<(String, Vec<usize>, Vec<u32>)> {
+    tensors
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.clone(),
+                t.shape.clone(),
+                t.data.iter().map(|v| v.to_bits()).collect(),
+            )
+        })
+        .collect()
+}
+
+fn same(a: &[(String, HostTensor)], b: &[(String, HostTensor)], what: &str) {
+    assert!(!a.is_empty(), "{what}: nothing to compare");
+    assert_eq!(bits(a), bits(b), "{what}");
+}
+
+/// Two steps of 2BW on a stage keeping two versions (`s`), against one
+/// keeping one (`r`) handed the weights each micro-batch ran with.
+fn two_bw_matches_one_version<D: Device>(
+    make: &dyn Fn() -> OwnFactory<D>,
+    case: &Case,
+    optimizer: OptimizerConfig,
+) {
+    let what = |s: &str| format!("{} with {optimizer:?}: {s}", case.name);
+    let mut factory = make();
+    let w0 = case.graph.initial_values(3);
+    let mut s = build(&mut factory, case, &w0, optimizer, true);
+    let mut r = build(&mut factory, case, &w0, optimizer, false);
+    // Two micro-batches a step, of 3 and 2 samples.
+    let step0 = [case.micro_batch(3, 1), case.micro_batch(2, 2)];
+    let step1 = [case.micro_batch(3, 3), case.micro_batch(2, 4)];
+    let offsets = [0, 3];
+
+    // Step 0 alike on both.
+    for e in [&mut s, &mut r] {
+        let mbs: Vec<_> = step0
+            .iter()
+            .zip(offsets)
+            .map(|((x, _), o)| forward(e, case, x, o, WeightVersion::Current).0)
+            .collect();
+        for (mb, (_, dy)) in mbs.into_iter().zip(&step0) {
+            backward(e, case, mb, dy);
+        }
+    }
+    // `s` runs step 1's forwards before step 0's update, then steps with
+    // them in flight.
+    let s_fwd: Vec<_> = step1
+        .iter()
+        .zip(offsets)
+        .map(|((x, _), o)| forward(&mut s, case, x, o, WeightVersion::Current))
+        .collect();
+    // Clipping measures the gradients with those in flight.
+    assert_eq!(
+        block(s.grad_sum_of_squares()).unwrap().to_bits(),
+        block(r.grad_sum_of_squares()).unwrap().to_bits(),
+        "{}",
+        what("step 0's gradient norm")
+    );
+    step(&mut s).unwrap();
+    step(&mut r).unwrap();
+    let w1 = params(&r);
+    // (Its running statistics have seen step 1's forwards already.)
+    same(
+        &case.trainable(&params(&s)),
+        &case.trainable(&w1),
+        &what("Current after step 0"),
+    );
+    let s_dx: Vec<Named> = s_fwd
+        .iter()
+        .zip(&step1)
+        .map(|((mb, _), (_, dy))| backward(&mut s, case, *mb, dy))
+        .collect();
+
+    // `r` runs step 1's micro-batches on W0, keeping the optimizer state
+    // and running statistics step 0 left.
+    r.set_parameters(&case.trainable(&named(&case.graph, &w0, &r.param_names())))
+        .unwrap();
+    let mut r_dx = Vec::new();
+    for (((x, dy), o), (_, s_y)) in step1.iter().zip(offsets).zip(&s_fwd) {
+        let (mb, y) = forward(&mut r, case, x, o, WeightVersion::Current);
+        same(&y, s_y, &what("step 1's outputs on W0"));
+        r_dx.push(backward(&mut r, case, mb, dy));
+    }
+    for (a, b) in s_dx.iter().zip(&r_dx) {
+        same(a, b, &what("step 1's input gradients on W0"));
+    }
+    same(
+        &grads(&s),
+        &grads(&r),
+        &what("step 1's parameter gradients"),
+    );
+    // Those gradients update W1.
+    r.set_parameters(&case.trainable(&w1)).unwrap();
+    step(&mut s).unwrap();
+    step(&mut r).unwrap();
+    let w2 = params(&r);
+    same(&params(&s), &w2, &what("Current after step 1"));
+
+    // Previous is W1 now, Current W2: each matches a stage holding it alone,
+    // forward and backward.
+    let (x, dy) = case.micro_batch(4, 5);
+    let mut y_w2 = Vec::new();
+    for (version, values) in [
+        (WeightVersion::Previous, &w1),
+        (WeightVersion::Current, &w2),
+    ] {
+        let versioned = |s: &str| what(&format!("{s} with {version:?}"));
+        let mut one = build(&mut factory, case, &as_map(values), optimizer, false);
+        let (mb, y) = forward(&mut s, case, &x, 0, version);
+        let (one_mb, one_y) = forward(&mut one, case, &x, 0, WeightVersion::Current);
+        same(&y, &one_y, &versioned("outputs"));
+        same(
+            &backward(&mut s, case, mb, &dy),
+            &backward(&mut one, case, one_mb, &dy),
+            &versioned("input gradients"),
+        );
+        same(&grads(&s), &grads(&one), &versioned("parameter gradients"));
+        s.zero_grad().unwrap();
+        y_w2 = y;
+    }
+
+    // A step would overwrite the weights of a micro-batch run with Previous.
+    let (mb, _) = forward(&mut s, case, &x, 0, WeightVersion::Previous);
+    let e = step(&mut s).unwrap_err();
+    assert!(
+        matches!(e, StageError::InFlight { in_flight: 1, .. }),
+        "{}",
+        what(&e.to_string())
+    );
+    same(
+        &case.trainable(&params(&s)),
+        &case.trainable(&w2),
+        &what("Current after a refused step"),
+    );
+    backward(&mut s, case, mb, &dy);
+    s.zero_grad().unwrap();
+
+    // After a merge Previous is Current; a step may run with both in flight.
+    Backend::merge_versions(&mut s).unwrap();
+    let (mb_prev, y_prev) = forward(&mut s, case, &x, 0, WeightVersion::Previous);
+    let (mb_cur, y_cur) = forward(&mut s, case, &x, 0, WeightVersion::Current);
+    same(&y_prev, &y_w2, &what("Previous after merging"));
+    same(&y_cur, &y_w2, &what("Current after merging"));
+    step(&mut s).unwrap();
+    let dx_prev = backward(&mut s, case, mb_prev, &dy);
+    let dx_cur = backward(&mut s, case, mb_cur, &dy);
+    same(
+        &dx_prev,
+        &dx_cur,
+        &what("input gradients across a step after merging"),
+    );
+    let (_, y) = forward(&mut s, case, &x, 0, WeightVersion::Previous);
+    same(
+        &y,
+        &y_w2,
+        &what("Previous after the step that followed the merge"),
+    );
+}
+
+/// The values of the parameters named `keep` as tensors shaped as the
+/// graph's parameters.
+fn named(graph: &Graph, values: &BTreeMap<String, Vec<f32>>, keep: &[String]) -> Named {
+    graph
+        .params
+        .iter()
+        .filter(|p| keep.contains(&p.name))
+        .map(|p| {
+            (
+                p.name.clone(),
+                HostTensor {
+                    shape: p.shape.clone(),
+                    data: values[&p.name].clone(),
+                },
+            )
+        })
+        .collect()
+}
+
+fn optimizers() -> [OptimizerConfig; 2] {
+    [
+        OptimizerConfig::Sgd {
+            lr: LR,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.01,
+        },
+        OptimizerConfig::adamw(LR),
+    ]
+}
+
+/// Until the first step Previous is Current; a stage keeping one version
+/// refuses Previous and, as before, a step with micro-batches in flight.
+fn versions_before_a_step_and_without_stashing<D: Device>(make: &dyn Fn() -> OwnFactory<D>) {
+    let case = Case::mlp();
+    let mut factory = make();
+    let w0 = case.graph.initial_values(7);
+    let optimizer = OptimizerConfig::adam(LR);
+    let mut s = build(&mut factory, &case, &w0, optimizer, true);
+    let (x, dy) = case.micro_batch(3, 9);
+    let (a, ya) = forward(&mut s, &case, &x, 0, WeightVersion::Previous);
+    let (b, yb) = forward(&mut s, &case, &x, 0, WeightVersion::Current);
+    same(&ya, &yb, "Previous before any step");
+    same(
+        &backward(&mut s, &case, a, &dy),
+        &backward(&mut s, &case, b, &dy),
+        "input gradients",
+    );
+    // A merge with nothing stepped changes nothing.
+    Backend::merge_versions(&mut s).unwrap();
+    same(
+        &params(&s),
+        &named(&case.graph, &w0, &s.param_names()),
+        "values after a merge",
+    );
+
+    let mut one = build(&mut factory, &case, &w0, optimizer, false);
+    let e = block(Backend::forward(
+        &mut one,
+        &[(case.input.clone(), x.clone())],
+        0,
+        WeightVersion::Previous,
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("one version"), "{e}");
+    assert_eq!(one.in_flight(), 0);
+    Backend::merge_versions(&mut one).unwrap();
+    let (mb, _) = forward(&mut one, &case, &x, 0, WeightVersion::Current);
+    let e = step(&mut one).unwrap_err();
+    assert!(matches!(e, StageError::InFlight { .. }), "{e}");
+    let e = block(one.grad_sum_of_squares()).unwrap_err();
+    assert!(matches!(e, StageError::InFlight { .. }), "{e}");
+    backward(&mut one, &case, mb, &dy);
+    step(&mut one).unwrap();
+}
+
+fn cpu() -> OwnFactory<CpuDevice> {
+    OwnFactory::new(CpuDevice)
+}
+
+#[test]
+fn two_bw_steps_match_one_version_stages_bitwise_on_the_cpu() {
+    for case in [Case::mlp(), Case::batch_norm()] {
+        for optimizer in optimizers() {
+            two_bw_matches_one_version(&cpu, &case, optimizer);
+        }
+    }
+}
+
+#[test]
+fn previous_is_current_until_a_step_and_one_version_refuses_it_on_the_cpu() {
+    versions_before_a_step_and_without_stashing(&cpu);
+}
+
+#[cfg(feature = "gpu")]
+mod gpu {
+    use rookery_stage::GpuDevice;
+
+    use super::*;
+
+    fn gpu() -> OwnFactory<GpuDevice> {
+        OwnFactory::new(block(GpuDevice::open()).unwrap_or_else(|e| {
+            panic!("no usable GPU adapter ({e}); install mesa-vulkan-drivers (lavapipe)")
+        }))
+    }
+
+    #[test]
+    fn two_bw_steps_match_one_version_stages_bitwise_on_the_gpu() {
+        for case in [Case::mlp(), Case::batch_norm()] {
+            for optimizer in optimizers() {
+                two_bw_matches_one_version(&gpu, &case, optimizer);
+            }
+        }
+    }
+
+    #[test]
+    fn previous_is_current_until_a_step_and_one_version_refuses_it_on_the_gpu() {
+        versions_before_a_step_and_without_stashing(&gpu);
+    }
+}

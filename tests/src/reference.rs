@@ -1,0 +1,59 @@
+//! Single-process references the end-to-end runs are held to.
+#![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
+
+use std::path::Path;
+
+use rookery_test_support::JobBatches;
+use rookery_torch::exec::{loss_targets, micro_batch_loss};
+use rookery_torch::{TorchExecutor, TorchOptimizer, step_seed, tensors_from_values};
+use tch::{Device, Tensor};
+
+/// The per-step losses of `job_file` trained in one process by
+/// PipeDream-2BW's rule, as `training.schedule = "async"` defines it: step
+/// `k`'s gradient (of its whole batch) is taken at the weights after steps
+/// `..k - 1`, or at the last barrier's for the two steps from a barrier
+/// (every `sync_every` steps and each epoch's start), and the job's
+/// optimizer applies it to the latest weights. (Models without buffers:
+/// they would not go back with the weights.)
+pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
+    let batches = JobBatches::open(job_file).unwrap();
+    let t = batches.spec.training.clone();
+    let steps_per_epoch = batches.total_steps() / t.epochs;
+    let graph = batches.graph.clone();
+    let params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
+    let nodes = graph.analyze().unwrap().nodes.len();
+    let given: Vec<(String, Tensor)> = params.into_iter().collect();
+    let mut exec =
+        TorchExecutor::new(&graph, 0..nodes, graph.outputs.clone(), given, Device::Cpu).unwrap();
+    let mut optimizer = TorchOptimizer::new(t.optimizer).unwrap();
+    // Every version: `versions[k]` is the weights after `k` steps.
+    let mut versions = vec![exec.parameters().unwrap()];
+    let mut barrier = 0;
+    let output = graph.outputs[0].clone();
+    batches
+        .map(|batch| {
+            let k = batch.step;
+            if k.is_multiple_of(t.sync_every) || k.is_multiple_of(steps_per_epoch) {
+                barrier = k;
+            }
+            let stale = k.saturating_sub(1).max(barrier) as usize;
+            exec.set_parameters(&versions[stale]).unwrap();
+            let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+            let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
+            let y = Tensor::from_slice(&batch.y);
+            exec.set_step_seed(step_seed(t.seed, k));
+            let forward = exec
+                .forward(&[(graph.inputs[0].name.clone(), x)], true)
+                .unwrap();
+            let targets = loss_targets(t.loss, &y).unwrap();
+            let loss = micro_batch_loss(t.loss, &forward.outputs[0].1, &y, targets).unwrap();
+            exec.backward(forward.micro_batch, &[(output.clone(), loss.grad)])
+                .unwrap();
+            // Loading the latest weights keeps the stale ones' gradients.
+            exec.set_parameters(&versions[k as usize]).unwrap();
+            exec.step(&mut optimizer).unwrap();
+            versions.push(exec.parameters().unwrap());
+            loss.scaled
+        })
+        .collect()
+}
