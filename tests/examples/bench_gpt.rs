@@ -1,5 +1,5 @@
 //! `cargo xtask bench gpt [--size example|124m] [--steps N] [--wire-dtype
-//! f32|f16|bf16|int8] [--schedule gpipe|1f1b] [--compare | --no-compare]`:
+//! f32|f16|bf16|int8] [--schedule gpipe|1f1b|async] [--compare | --no-compare]`:
 //! a GPT trained by `rookery train` across 4 local providers (one cluster of
 //! 4 stages, 4 micro-batches; f32 on the wire and the `gpipe` schedule
 //! unless told), measured in one run:
@@ -11,10 +11,11 @@
 //! - bytes relayed per step and seconds per step.
 //!
 //! Then (`--compare`, the default at `--size example`; `--no-compare` skips
-//! it) it trains the same steps twice more, once with int8 on the wire and
-//! once with the `1f1b` schedule (each other setting the first run's), and
-//! prints their final and mean losses against the first run's (the goal for
-//! int8: within 2%; 1f1b computes the same numbers), their bytes relayed per
+//! it) it trains the same steps three more times, once with int8 on the
+//! wire, once with the `1f1b` schedule and once with `async` (each other
+//! setting the first run's), and prints their final and mean losses against
+//! the first run's (the goal for int8 and async: within 2%; 1f1b computes
+//! the same numbers), their bytes relayed per
 //! step, and each stage's provider's peak resident memory and most
 //! micro-batches held at once under each schedule. The planner splits the
 //! model by the speeds providers measure at the start, so on a loaded
@@ -46,6 +47,9 @@ use rookery_test_support::workspace_root;
 /// Steps left out of the timings: process start, first allocations.
 const WARMUP: usize = 2;
 const PROVIDERS: usize = 4;
+/// Checkpoints (a single cluster's syncs) this far apart, so `async` has
+/// steps to overlap; they change no other schedule's numbers.
+const SYNC_EVERY: u64 = 1000;
 /// Runs of a `--compare` variant until its stages are split as the first
 /// run's were.
 const SPLIT_TRIES: u32 = 3;
@@ -201,6 +205,10 @@ fn compare_variants(
         Variant {
             wire: base.wire.clone(),
             schedule: "1f1b".into(),
+        },
+        Variant {
+            wire: base.wire.clone(),
+            schedule: "async".into(),
         },
     ];
     let base_bytes = relayed_per_step(&first.metrics);
@@ -412,7 +420,7 @@ fn write_job(
          optimizer = {{ name = \"adam\", lr = 0.0003 }}\n\
          loss = {{ name = \"cross_entropy\", class_axis = -1 }}\n\
          clusters = 1\nstages = {PROVIDERS}\nshuffle = false\nseed = 0\n\
-         wire_dtype = \"{}\"\nschedule = \"{}\"\n",
+         sync_every = {SYNC_EVERY}\nwire_dtype = \"{}\"\nschedule = \"{}\"\n",
         onnx.display(),
         tokens.display(),
         size.batch,

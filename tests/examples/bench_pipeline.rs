@@ -124,6 +124,23 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
+    // What a micro-batch costs beyond its arithmetic: the same samples in
+    // four times as many micro-batches.
+    let mut step_ms = Vec::new();
+    for micro_batches in [4, 16] {
+        let job = write_job_split(dir.path(), "f32", "gpipe", micro_batches)?;
+        let metrics = rookery_train(&job, 3, &dir.path().join(format!("out-split-{micro_batches}")))?;
+        let timed = &metrics.steps[WARMUP..];
+        step_ms.push(median(timed.iter().map(|s| s.elapsed_ms).collect()));
+    }
+    println!(
+        "per micro-batch: a step of {BATCH} samples takes {:.1} ms in 4 micro-batches and {:.1} ms in 16 (median): \
+         {:.2} times (goal: at most 1.3)",
+        step_ms[0],
+        step_ms[1],
+        step_ms[1] / step_ms[0]
+    );
+
     println!("bytes on the wire per step (activations and gradients relayed):");
     let f32_per_step = relayed_per_step(&metrics);
     for dtype in ["f32", "f16", "bf16", "int8"] {
@@ -213,13 +230,23 @@ fn median(mut values: Vec<f64>) -> f64 {
 /// The demo's model on the first `STEPS * BATCH` MNIST digits, as npy files
 /// beside a job file with the given wire dtype and schedule.
 fn write_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<PathBuf> {
+    write_job_split(dir, wire, schedule, 4)
+}
+
+/// [`write_job`] with the step's batch in `micro_batches` micro-batches.
+fn write_job_split(
+    dir: &Path,
+    wire: &str,
+    schedule: &str,
+    micro_batches: usize,
+) -> anyhow::Result<PathBuf> {
     if !dir.join("x.npy").exists() {
         write_mnist_digits(dir, STEPS * BATCH)?;
     }
-    let path = dir.join(format!("job-{wire}-{schedule}.toml"));
+    let path = dir.join(format!("job-{wire}-{schedule}-{micro_batches}.toml"));
     let spec = workspace_root().join("examples/mnist-cnn.toml");
     let training = format!(
-        "epochs = 1\nbatch_size = {BATCH}\nmicro_batches = 4\n\
+        "epochs = 1\nbatch_size = {BATCH}\nmicro_batches = {micro_batches}\n\
          optimizer = {{ name = \"adam\", lr = 0.001 }}\nclusters = 1\nstages = 3\n\
          seed = 1\nsync_every = {STEPS}\nwire_dtype = \"{wire}\"\nschedule = \"{schedule}\""
     );
