@@ -35,7 +35,8 @@ pub use file::{
 pub use order::{Schedule, epoch_permutation, micro_batch_ranges};
 pub use prepare::{PrepareError, Prepared, prepare};
 pub use spec::{
-    Aggregation, DataFormat, DataRef, DataSpec, JobSpec, MAX_PUBLIC_NAME_CHARS, ModelSection,
-    ModelSource, OuterOptimizer, PipelineSchedule, TokenDType, TrainingSpec, WireDType,
+    ASYNC_SYNC_EVERY, Aggregation, DataFormat, DataRef, DataSpec, JobSpec, MAX_PUBLIC_NAME_CHARS,
+    ModelSection, ModelSource, OuterOptimizer, PipelineSchedule, TokenDType, TrainingSpec,
+    WireDType,
 };
 pub use weights::{WeightTensor, read_safetensors, to_safetensors_bytes, write_safetensors};

@@ -25,7 +25,7 @@
 //! #   class_axis: 1 (logits [N, C, ..], default) | -1 (logits [N, .., C])
 //! optimizer = { name = "adam", lr = 0.001 }   # default: sgd with lr 0.01
 //! clusters = "auto"            # default "auto", or a number
-//! sync_every = 1               # default 1
+//! sync_every = 1               # default 1 (10 with schedule = "async")
 //! stages = 3                   # optional: exactly this many pipeline stages per cluster
 //! shuffle = true               # default true
 //! seed = 42                    # default 0
@@ -107,6 +107,9 @@ use crate::error::JobError;
 pub use crate::file::{Aggregation, DataFormat, TokenDType};
 use crate::file::{Clusters, DataFile, JobFile, ModelFile, SyncFile, TrainingFile, VerifyFile};
 pub use rookery_proto::PipelineSchedule;
+
+/// `sync_every` when an `async` job gives none.
+pub const ASYNC_SYNC_EVERY: u64 = 10;
 
 /// Most epochs a job may ask for: a million, so that epochs times steps
 /// per epoch (each at most the samples) never overflows a counter.
@@ -780,7 +783,12 @@ impl JobSpec {
                 None => OptimizerConfig::sgd(0.01),
             },
             clusters: t.clusters.map_or(ClusterCount::Auto, |c| c.0),
-            sync_every: sync_every.unwrap_or(1),
+            // A sync drains an `async` pipeline: every step would leave
+            // it nothing to overlap.
+            sync_every: sync_every.unwrap_or(match t.schedule {
+                Some(PipelineSchedule::Async) => ASYNC_SYNC_EVERY,
+                _ => 1,
+            }),
             stages: t.stages,
             shuffle: t.shuffle.unwrap_or(true),
             seed: t.seed.unwrap_or(0),

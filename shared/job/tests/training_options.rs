@@ -187,3 +187,22 @@ fn the_async_schedule_refuses_clipping_and_spot_checks_by_name() {
         JobSpec::from_toml(&gpipe, dir.path()).unwrap();
     }
 }
+
+#[test]
+fn an_async_job_syncs_every_ten_steps_unless_told_and_others_every_step() {
+    let dir = base();
+    let with = |extra: &str| {
+        let toml = example_with("sync_every = 1\n", extra);
+        JobSpec::from_toml(&toml, dir.path())
+            .unwrap()
+            .training
+            .sync_every
+    };
+    assert_eq!(
+        with("schedule = \"async\"\n"),
+        rookery_job::ASYNC_SYNC_EVERY
+    );
+    assert_eq!(with("schedule = \"async\"\nsync_every = 3\n"), 3);
+    assert_eq!(with("schedule = \"1f1b\"\n"), 1);
+    assert_eq!(with(""), 1);
+}
