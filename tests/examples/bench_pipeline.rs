@@ -129,7 +129,11 @@ fn main() -> anyhow::Result<()> {
     let mut step_ms = Vec::new();
     for micro_batches in [4, 16] {
         let job = write_job_split(dir.path(), "f32", "gpipe", micro_batches)?;
-        let metrics = rookery_train(&job, 3, &dir.path().join(format!("out-split-{micro_batches}")))?;
+        let metrics = rookery_train(
+            &job,
+            3,
+            &dir.path().join(format!("out-split-{micro_batches}")),
+        )?;
         let timed = &metrics.steps[WARMUP..];
         step_ms.push(median(timed.iter().map(|s| s.elapsed_ms).collect()));
     }
