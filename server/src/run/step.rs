@@ -602,7 +602,15 @@ impl JobRun {
         d: StepDone,
     ) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, Phase::Train { step: d.step })?;
-        let held = d.peak_held.min(self.spec.training.micro_batches as u32);
+        // Under `async` a stage may hold two steps' micro-batches.
+        let steps = if self.spec.training.schedule.is_async() {
+            2
+        } else {
+            1
+        };
+        let held = d
+            .peak_held
+            .min(steps * self.spec.training.micro_batches as u32);
         let run = &mut self.clusters[c];
         if run.state != (ClusterState::Training { step: d.step }) {
             // Under `async`, the step fed ahead (`current_phase_ok` said so).

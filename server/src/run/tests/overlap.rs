@@ -128,3 +128,18 @@ fn async_plans_room_for_a_second_copy_of_the_weights_and_two_steps_of_micro_batc
         (1, 4)
     );
 }
+
+#[test]
+fn a_stage_reports_holding_up_to_two_steps_of_micro_batches_under_async_and_one_otherwise() {
+    for (schedule, most) in [(PipelineSchedule::Gpipe, 2), (PipelineSchedule::Async, 4)] {
+        let (mut run, _) = ready(schedule);
+        let claim = ToServer::StepDone(StepDone {
+            job_id: 1,
+            step: 0,
+            compute_ms: 1.0,
+            peak_held: 9,
+        });
+        run.on_message(10, claim);
+        assert_eq!(run.clusters[0].stages[0].peak_held, most, "{schedule:?}");
+    }
+}
