@@ -376,3 +376,42 @@ pub fn plan_options(spec: &JobSpec) -> PlanOptions {
         ..PlanOptions::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A job of 2 micro-batches a step with plain SGD (no optimizer state)
+    /// and `training` added.
+    fn spec(training: &str) -> JobSpec {
+        let dir = tempfile::tempdir().unwrap();
+        for file in ["model.toml", "x.npy", "y.npy"] {
+            std::fs::write(dir.path().join(file), b"").unwrap();
+        }
+        let text = format!(
+            "[model]\nspec = \"model.toml\"\ninput_shape = [4]\n\
+             [data]\nformat = \"npy\"\ntrain_inputs = \"x.npy\"\ntrain_labels = \"y.npy\"\n\
+             [training]\nepochs = 1\nbatch_size = 8\nmicro_batches = 2\n\
+             optimizer = {{ name = \"sgd\", lr = 0.1 }}\n{training}\n"
+        );
+        JobSpec::from_toml(&text, dir.path()).unwrap()
+    }
+
+    #[test]
+    fn async_plans_room_for_a_second_copy_of_the_weights_and_two_steps_of_micro_batches() {
+        let gpipe = plan_options(&spec(""));
+        let overlapped = plan_options(&spec("schedule = \"async\""));
+        assert_eq!(
+            (gpipe.optimizer_copies, gpipe.in_flight_micro_batches),
+            (0, 2)
+        );
+        assert_eq!(
+            (
+                overlapped.optimizer_copies,
+                overlapped.in_flight_micro_batches
+            ),
+            (1, 4)
+        );
+    }
+}

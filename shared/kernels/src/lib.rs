@@ -12,7 +12,8 @@
 //! clipping multiplier, pure functions of the step), [`reduce`]
 //! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
 //! (transpose, concat, gather), [`conv`] (Conv2d as implicit GEMM), [`pool`]
-//! (max, average, global average), `matmul`
+//! (max, average, global average), [`int8`] (the wire's blockwise int8,
+//! quantized and dequantized on the device), `matmul`
 //! (the original uniform-shaped tiled matmul), and [`checks`] (the GPU-vs-reference cases
 //! every harness runs).
 
@@ -26,6 +27,7 @@ pub mod conv;
 pub mod dropout;
 pub mod elementwise;
 pub mod gemm;
+pub mod int8;
 pub mod loss;
 mod matmul;
 pub mod norm;

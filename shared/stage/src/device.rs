@@ -42,6 +42,10 @@ pub trait Device {
 
     fn read_f32(&self, buffer: &Self::Buffer)
     -> impl Future<Output = Result<Vec<f32>, StageError>>;
+
+    /// The buffer's words as they are (packed int8 payloads).
+    fn read_u32(&self, buffer: &Self::Buffer)
+    -> impl Future<Output = Result<Vec<u32>, StageError>>;
 }
 
 /// Runs every kernel's CPU reference. Slow, exact to the references'
@@ -112,6 +116,10 @@ impl Device for CpuDevice {
 
     async fn read_f32(&self, buffer: &CpuBuffer) -> Result<Vec<f32>, StageError> {
         Ok(buffer.words().into_iter().map(f32::from_bits).collect())
+    }
+
+    async fn read_u32(&self, buffer: &CpuBuffer) -> Result<Vec<u32>, StageError> {
+        Ok(buffer.words())
     }
 }
 
@@ -191,6 +199,10 @@ mod gpu {
 
         async fn read_f32(&self, buffer: &GpuBuffer) -> Result<Vec<f32>, StageError> {
             self.context.read_f32(buffer).await.map_err(gpu_error)
+        }
+
+        async fn read_u32(&self, buffer: &GpuBuffer) -> Result<Vec<u32>, StageError> {
+            self.context.read_u32(buffer).await.map_err(gpu_error)
         }
     }
 }

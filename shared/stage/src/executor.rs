@@ -10,6 +10,12 @@
 //! backward passes run one at a time. In steady state nothing is allocated,
 //! and each boundary tensor is read back once.
 //!
+//! With an int8 wire ([`StageExecutor::set_wire`]) outputs and input
+//! gradients are packed into the wire's payload on the device and only that
+//! is read back, and int8 inputs and output gradients are uploaded as their
+//! payload and unpacked there (`boundary`, `crate::packed`);
+//! [`StageExecutor::transfers`] counts the bytes either way.
+//!
 //! With [`StageExecutor::keep_previous_weights`] (the `async` schedule,
 //! PipeDream-2BW) each trainable parameter has a second value buffer: one
 //! holds the Current weights and the other the Previous ones (the weights
@@ -23,15 +29,17 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use rookery_kernels::OptimizerConfig;
-use rookery_kernels::dropout;
 use rookery_kernels::spec::numel;
 use rookery_model::{DType, Graph, ParamKind, Source, StageLayout, sum_of_squares};
 
 use crate::device::{BoundCall, Device};
 use crate::kernel::Kernel;
+use crate::packed::{PackedIo, Transfers};
 use crate::program::{Buf, Program, lower};
 use crate::worker::WeightVersion;
 use crate::{HostTensor, StageError};
+
+mod boundary;
 
 /// One parameter's optimizer state, as [`StageExecutor::optimizer_state`]
 /// gives it.
@@ -140,6 +148,9 @@ pub struct StageExecutor<D: Device> {
     /// The kernels that fold a micro-batch's parameter gradient into the
     /// step's, by (whether the step has one yet, length), prepared once.
     accumulate: HashMap<(bool, usize), (Kernel, D::Prepared)>,
+    /// Boundary tensors packed as int8 on the device (`None`: f32).
+    int8: Option<PackedIo<D>>,
+    transfers: Transfers,
 }
 
 impl<D: Device> StageExecutor<D> {
@@ -240,6 +251,8 @@ impl<D: Device> StageExecutor<D> {
             seed: 0,
             next_micro_batch: 0,
             optimizer_kernels: HashMap::new(),
+            int8: None,
+            transfers: Transfers::default(),
         })
     }
 
@@ -416,6 +429,19 @@ impl<D: Device> StageExecutor<D> {
         train: bool,
         set: usize,
     ) -> Result<(usize, Activations<D::Buffer>, Vec<(String, HostTensor)>), StageError> {
+        let result = self.forward_batch(inputs, offset, train, set).await;
+        // Packed inputs held for this call are gone, whatever happened.
+        self.end_call();
+        result
+    }
+
+    async fn forward_batch(
+        &mut self,
+        inputs: &[(String, HostTensor)],
+        offset: u64,
+        train: bool,
+        set: usize,
+    ) -> Result<(usize, Activations<D::Buffer>, Vec<(String, HostTensor)>), StageError> {
         let batch = self.batch_of(inputs)?;
         let key = (batch, train);
         self.ensure_program(key)?;
@@ -430,90 +456,6 @@ impl<D: Device> StageExecutor<D> {
         }
     }
 
-    async fn run_forward_with(
-        &mut self,
-        inputs: &[(String, HostTensor)],
-        offset: u64,
-        key: Key,
-        set: usize,
-        acts: &Activations<D::Buffer>,
-    ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        let program = &self.programs[&key];
-        for (at, node, per_sample) in &program.dropouts {
-            let k = dropout::key(self.seed, node);
-            let first = offset.wrapping_mul(*per_sample);
-            self.device.write_u32(
-                &acts.saved[*at],
-                &[
-                    k as u32,
-                    (k >> 32) as u32,
-                    first as u32,
-                    (first >> 32) as u32,
-                ],
-            )?;
-        }
-        for (i, shape) in program.input_shapes.iter().enumerate() {
-            let (name, tensor) = inputs
-                .iter()
-                .find(|(n, _)| *n == self.layout.inputs[i].name)
-                .ok_or_else(|| StageError::Input {
-                    name: self.layout.inputs[i].name.clone(),
-                    reason: "missing".into(),
-                })?;
-            if tensor.shape != *shape {
-                return Err(StageError::Input {
-                    name: name.clone(),
-                    reason: format!("shape {:?} where {:?} is expected", tensor.shape, shape),
-                });
-            }
-            if self.layout.inputs[i].dtype == DType::F32 {
-                self.device.write_f32(&acts.inputs[i], &tensor.data)?;
-            } else {
-                let limit = program
-                    .index_checks
-                    .iter()
-                    .filter(|(at, _)| *at == i)
-                    .map(|&(_, size)| size)
-                    .min();
-                let words = index_words(name, &tensor.data, limit)?;
-                self.device.write_u32(&acts.inputs[i], &words)?;
-            }
-        }
-        let calls = self.bind(&program.forward, key.0, set, Some(acts))?;
-        self.device.run(&calls).await?;
-        drop(calls);
-        let mut outputs = Vec::with_capacity(self.layout.outputs.len());
-        for (name, src) in &self.layout.outputs {
-            let (buffer, shape) = match *src {
-                Source::Input(i) => (&acts.inputs[i], &program.input_shapes[i]),
-                Source::Local(j) => (&acts.locals[j], &program.local_shapes[j]),
-                Source::Param(_) => unreachable!("the layout never sends parameters"),
-            };
-            let mut data = self.device.read_f32(buffer).await?;
-            // An integer input sent on holds i32 words.
-            if let Source::Input(i) = *src
-                && self.layout.inputs[i].dtype != DType::F32
-            {
-                for v in &mut data {
-                    *v = v.to_bits() as i32 as f32;
-                }
-            }
-            outputs.push((
-                name.clone(),
-                HostTensor {
-                    shape: shape.clone(),
-                    data,
-                },
-            ));
-        }
-        for &p in &program.counted.clone() {
-            if let Some(c) = &mut self.params[p].count {
-                *c += 1;
-            }
-        }
-        Ok(outputs)
-    }
-
     /// Backpropagates one micro-batch from the gradients of the stage's
     /// outputs (an output left out counts as zero) and returns the gradients
     /// of [`grad_input_names`](Self::grad_input_names). Parameter gradients
@@ -523,95 +465,14 @@ impl<D: Device> StageExecutor<D> {
         micro_batch: MicroBatch,
         output_grads: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        let (batch, set, acts) = self
-            .in_flight
-            .remove(&micro_batch)
-            .ok_or(StageError::UnknownMicroBatch(micro_batch.0))?;
+        let Some((batch, set, acts)) = self.in_flight.remove(&micro_batch) else {
+            self.end_call();
+            return Err(StageError::UnknownMicroBatch(micro_batch.0));
+        };
         let result = self.backward_with(batch, set, &acts, output_grads).await;
+        self.end_call();
         self.free.entry((batch, true)).or_default().push(acts);
         result
-    }
-
-    async fn backward_with(
-        &mut self,
-        batch: usize,
-        set: usize,
-        acts: &Activations<D::Buffer>,
-        output_grads: &[(String, HostTensor)],
-    ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        self.ensure_scratch(batch)?;
-        let program = &self.programs[&(batch, true)];
-        let scratch = &self.scratch[&batch];
-        for (name, g) in output_grads {
-            let err = |reason: String| StageError::Grad {
-                name: name.clone(),
-                reason,
-            };
-            let Some((_, src)) = self.layout.outputs.iter().find(|(o, _)| o == name) else {
-                return Err(err("not an output of this stage".into()));
-            };
-            let (buffer, shape) = match *src {
-                Source::Input(i) if self.layout.inputs[i].requires_grad => {
-                    (&scratch.input_grads[i], &program.input_shapes[i])
-                }
-                Source::Local(j) if self.local_dtypes[j] == DType::F32 => {
-                    (&scratch.local_grads[j], &program.local_shapes[j])
-                }
-                _ => continue,
-            };
-            if g.shape != *shape {
-                return Err(err(format!(
-                    "shape {:?} differs from the output's {:?}",
-                    g.shape, shape
-                )));
-            }
-            self.device.write_f32(buffer, &g.data)?;
-        }
-        // Outputs without a gradient count as zero.
-        for (name, src) in &self.layout.outputs {
-            if output_grads.iter().any(|(n, _)| n == name) {
-                continue;
-            }
-            let buffer = match *src {
-                Source::Input(i) if self.layout.inputs[i].requires_grad => &scratch.input_grads[i],
-                Source::Local(j) if self.local_dtypes[j] == DType::F32 => &scratch.local_grads[j],
-                _ => continue,
-            };
-            let len = match *src {
-                Source::Input(i) => numel(&program.input_shapes[i]),
-                Source::Local(j) => numel(&program.local_shapes[j]),
-                Source::Param(_) => 0,
-            };
-            self.device.write_f32(buffer, &vec![0.0; len])?;
-        }
-        let mut calls = self.bind(&program.backward, batch, set, Some(acts))?;
-        // This micro-batch's parameter gradients join the step's.
-        for &p in &program.params_with_grad {
-            let state = &self.params[p];
-            let (kernel, prepared) = &self.accumulate[&(state.has_grad, state.len)];
-            calls.push((kernel, prepared, vec![&scratch.param_grads[p], &state.grad]));
-        }
-        self.device.run(&calls).await?;
-        drop(calls);
-        let mut grads = Vec::new();
-        for (i, input) in self.layout.inputs.iter().enumerate() {
-            if !input.requires_grad {
-                continue;
-            }
-            let data = self.device.read_f32(&scratch.input_grads[i]).await?;
-            grads.push((
-                input.name.clone(),
-                HostTensor {
-                    shape: program.input_shapes[i].clone(),
-                    data,
-                },
-            ));
-        }
-        let with_grad = program.params_with_grad.clone();
-        for p in with_grad {
-            self.params[p].has_grad = true;
-        }
-        Ok(grads)
     }
 
     /// A forward pass in evaluation mode (no dropout, BatchNorm on its
@@ -974,7 +835,7 @@ impl<D: Device> StageExecutor<D> {
                     ),
                 });
             }
-            if t.data.len() != numel(&t.shape) {
+            if !t.is_packed() && t.data.len() != numel(&t.shape) {
                 return Err(StageError::Input {
                     name: name.clone(),
                     reason: format!("{} values for shape {:?}", t.data.len(), t.shape),
@@ -1100,30 +961,4 @@ impl<D: Device> StageExecutor<D> {
             })
             .collect()
     }
-}
-
-/// An integer input's values (carried as f32, exact below 2^24) as the i32
-/// words the kernels bind, refusing fractions and, when the input indexes an
-/// axis of `limit` entries, anything outside `[-limit, limit)` (as the
-/// libtorch executor refuses it, before a kernel reads out of bounds).
-fn index_words(name: &str, data: &[f32], limit: Option<usize>) -> Result<Vec<u32>, StageError> {
-    let err = |reason: String| StageError::Input {
-        name: name.to_string(),
-        reason,
-    };
-    let bound = limit.map_or(1 << 24, |n| n as i64);
-    data.iter()
-        .map(|&v| {
-            if v.fract() != 0.0 || !v.is_finite() {
-                return Err(err(format!("{v} is not an integer index")));
-            }
-            let i = v as i64;
-            if i < -bound || i >= bound {
-                return Err(err(format!(
-                    "index out of range: {i} where the axis has size {bound}"
-                )));
-            }
-            Ok(i as i32 as u32)
-        })
-        .collect()
 }

@@ -12,6 +12,7 @@ use rookery_kernels::conv::Conv2d;
 use rookery_kernels::dropout::DropoutMask;
 use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
 use rookery_kernels::gemm::{Linear, MatMul, sum_to_shape};
+use rookery_kernels::int8::{Int8Block, from_words, to_words};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::Softmax;
@@ -104,6 +105,10 @@ pub enum Kernel {
     Gather(Gather),
     /// `indices`, `dy`, `ddata`.
     GatherBackward(Gather),
+    /// `x` (f32), `packed` (the wire's int8 payload as `u32` words).
+    Quantize(Int8Block),
+    /// `packed`, `y` (f32).
+    Dequantize(Int8Block),
     /// `u` (the uniform of `step`), `param`, `grad`, then the optimizer's
     /// state buffers. `step` is 1 for a parameter's first update.
     OptimizerStep {
@@ -183,6 +188,8 @@ impl Kernel {
             Kernel::Dropout(d) => d.forward(),
             Kernel::Gather(g) => g.forward(),
             Kernel::GatherBackward(g) => g.backward(),
+            Kernel::Quantize(q) => q.quantize(),
+            Kernel::Dequantize(q) => q.dequantize(),
         }
     }
 
@@ -493,6 +500,15 @@ impl Kernel {
                     &f(&buffers[1]),
                 );
                 store(&mut buffers[2], &dd);
+            }
+            Kernel::Quantize(q) => {
+                let payload = q.quantize_reference(&f(&buffers[0][..q.len]));
+                let words = to_words(&payload);
+                buffers[1][..words.len()].copy_from_slice(&words);
+            }
+            Kernel::Dequantize(q) => {
+                let payload = from_words(&buffers[0], q.payload_bytes());
+                store(&mut buffers[1], &q.dequantize_reference(&payload));
             }
         }
     }

@@ -1,7 +1,10 @@
 //! Our executor as a [`Backend`] of the generic worker: stages built on one
 //! shared device ([`OwnFactory`]), the Leaf's loss computed from the read-back
 //! output with the kernels' CPU references (a micro-batch's logits are small,
-//! and the references sum in f64).
+//! and the references sum in f64). With an int8 wire, activations and
+//! gradients are packed and unpacked on the device: `decode` holds an int8
+//! tensor's payload as it came and `encode` frames the payload the device
+//! made, neither touching the values.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -99,6 +102,10 @@ impl<D: Device> Device for Arc<D> {
     async fn read_f32(&self, buffer: &Self::Buffer) -> Result<Vec<f32>, StageError> {
         (**self).read_f32(buffer).await
     }
+
+    async fn read_u32(&self, buffer: &Self::Buffer) -> Result<Vec<u32>, StageError> {
+        (**self).read_u32(buffer).await
+    }
 }
 
 impl<D: Device> BackendFactory for OwnFactory<D> {
@@ -124,6 +131,7 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
         if spec.stash_weights {
             exec.keep_previous_weights().map_err(|e| e.to_string())?;
         }
+        exec.set_wire(spec.wire).map_err(|e| e.to_string())?;
         if !spec.optimizer_state.is_empty() {
             exec.restore_optimizer_state(&optimizer_states(spec.optimizer_state)?)
                 .map_err(|e| e.to_string())?;
@@ -146,6 +154,11 @@ impl<D: Device> Backend for StageExecutor<D> {
     }
 
     fn decode(&self, t: &WireTensor) -> Result<HostTensor, StageError> {
+        if t.dtype == WireDType::I8Block
+            && let Some(held) = self.hold_packed(t)
+        {
+            return held;
+        }
         from_wire(t).map_err(|e| StageError::Input {
             name: t.name.clone(),
             reason: e.to_string(),
@@ -158,9 +171,26 @@ impl<D: Device> Backend for StageExecutor<D> {
         t: &HostTensor,
         dtype: WireDType,
     ) -> Result<WireTensor, StageError> {
-        // int8 is quantized here, on the host tensor's CPU copy; quantizing
-        // on the GPU before the read-back is not done yet.
-        Ok(WireTensor::from_f32(name, &t.shape, &t.data, dtype))
+        if !t.is_packed() {
+            return Ok(WireTensor::from_f32(name, &t.shape, &t.data, dtype));
+        }
+        let payload = self.packed_payload(name, t).ok_or_else(|| {
+            StageError::Internal(format!(
+                "`{name}` is a packed int8 stand-in whose payload the last call did not read back"
+            ))
+        })?;
+        let packed = WireTensor {
+            name: name.to_string(),
+            dtype: WireDType::I8Block,
+            shape: t.shape.iter().map(|&d| d as u32).collect(),
+            data: payload.clone(),
+        };
+        if dtype == WireDType::I8Block {
+            return Ok(packed);
+        }
+        // Asked for another type: the values the payload stands for.
+        let values = from_wire(&packed).map_err(|e| StageError::Internal(e.to_string()))?;
+        Ok(WireTensor::from_f32(name, &t.shape, &values.data, dtype))
     }
 
     fn samples(&self, t: &HostTensor) -> Option<usize> {
@@ -225,9 +255,16 @@ impl<D: Device> Backend for StageExecutor<D> {
     }
 
     fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), StageError> {
+        // Never held packed: parameters keep their values.
         let values = values
             .iter()
-            .map(|t| Ok((t.name.clone(), self.decode(t)?)))
+            .map(|t| {
+                let v = from_wire(t).map_err(|e| StageError::Param {
+                    name: t.name.clone(),
+                    reason: e.to_string(),
+                })?;
+                Ok((t.name.clone(), v))
+            })
             .collect::<Result<Vec<_>, StageError>>()?;
         StageExecutor::set_parameters(self, &values)
     }
@@ -263,7 +300,7 @@ impl<D: Device> Backend for StageExecutor<D> {
         labels: &WireTensor,
         step_targets: u64,
     ) -> Result<LeafLossValue<HostTensor>, StageError> {
-        let (sum, grad) = host_loss(loss, y, labels, Some(step_targets))?;
+        let (sum, grad) = host_loss(loss, values(y)?, labels, Some(step_targets))?;
         Ok(LeafLossValue {
             sum,
             grad: HostTensor {
@@ -274,7 +311,7 @@ impl<D: Device> Backend for StageExecutor<D> {
     }
 
     fn loss_sum(&self, loss: Loss, y: &HostTensor, labels: &WireTensor) -> Result<f64, StageError> {
-        Ok(host_loss(loss, y, labels, None)?.0)
+        Ok(host_loss(loss, values(y)?, labels, None)?.0)
     }
 
     fn correct(&self, loss: Loss, y: &HostTensor, labels: &WireTensor) -> Result<u64, StageError> {
@@ -282,8 +319,19 @@ impl<D: Device> Backend for StageExecutor<D> {
             name: "labels".into(),
             reason: e.to_string(),
         })?;
-        Ok(count_correct(loss, y, &labels))
+        Ok(count_correct(loss, values(y)?, &labels))
     }
+}
+
+/// The Leaf's output with its values: never a packed stand-in (the Leaf
+/// sends no outputs, so they are read back as f32).
+fn values(y: &HostTensor) -> Result<&HostTensor, StageError> {
+    if y.is_packed() {
+        return Err(StageError::Internal(
+            "the loss was given a packed int8 stand-in for the output".into(),
+        ));
+    }
+    Ok(y)
 }
 
 fn bad_labels(reason: String) -> StageError {

@@ -8,7 +8,9 @@
 //! Pieces: [`kernel`](crate::kernel) (a kernel call as data, lowered to WGSL
 //! or to its CPU reference), `program` (a stage at one batch size lowered to
 //! the kernel calls of its forward and backward passes), [`device`] (where
-//! kernels run) and [`executor`] (micro-batches, buffers, optimizer). The
+//! kernels run), [`executor`] (micro-batches, buffers, optimizer) and
+//! `packed` (activations and gradients as the wire's int8, packed and
+//! unpacked on the device: [`StageWire`]). The
 //! generic stage worker ([`worker`]) turns the server's training messages
 //! into calls on any backend (ours here, libtorch in `rookery-torch`), and
 //! [`session`] is the socket-free provider session both providers drive. It
@@ -19,6 +21,7 @@ pub mod duty;
 pub mod executor;
 mod kernel;
 mod kernel_backend;
+mod packed;
 pub mod predict;
 mod program;
 pub mod session;
@@ -32,14 +35,29 @@ pub use device::{CpuBuffer, CpuDevice, Device};
 pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
 pub use kernel::Kernel;
 pub use kernel_backend::OwnFactory;
+pub use packed::{StageWire, Transfers};
 pub use predict::{PredictError, Predictor};
 pub use worker::{Backend, BackendFactory, StageWorker, WeightVersion, step_seed};
 
 /// A tensor in host memory: row-major f32 values and their shape.
+///
+/// With an int8 wire ([`StageWire`]) our executor keeps boundary tensors
+/// packed: what it reads back, and what its backend decodes, is then a
+/// stand-in, the shape with no values ([`HostTensor::is_packed`]), whose
+/// payload the executor holds until its next forward, evaluation or
+/// backward (see `packed`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    /// Whether this is a stand-in for a packed int8 tensor: a shape with
+    /// elements and no values.
+    pub fn is_packed(&self) -> bool {
+        self.data.is_empty() && self.shape.iter().product::<usize>() > 0
+    }
 }
 
 /// Everything that can go wrong building or running a stage. Messages name

@@ -54,6 +54,8 @@ impl<B: Backend> Predictor<B> {
                 optimizer: OptimizerConfig::sgd(0.0),
                 optimizer_state: &[],
                 stash_weights: false,
+                // Outputs are read on the host, as f32.
+                wire: crate::StageWire::F32,
             })
             .map_err(PredictError::Build)?;
         Ok(Self {

@@ -74,6 +74,10 @@ pub struct StageSpec<'a> {
     /// replaces as [`WeightVersion::Previous`], and may run while
     /// micro-batches that ran forward still await their backward.
     pub stash_weights: bool,
+    /// How activations and gradients travel (the job's `wire_dtype`, and
+    /// whether the stage sends its outputs), for backends that ready them
+    /// on their device.
+    pub wire: crate::StageWire,
 }
 
 /// Which of a stage's two weight versions a training forward runs with (its
@@ -514,6 +518,10 @@ impl<B: Backend> Stage<B> {
                 optimizer: a.optimizer,
                 optimizer_state: &a.optimizer_state,
                 stash_weights: a.schedule.is_async(),
+                wire: crate::StageWire {
+                    dtype: a.wire_dtype,
+                    sends_outputs: !leaf,
+                },
             })
             .map_err(WorkerError)?;
         Ok(Self {

@@ -167,6 +167,7 @@ fn build<D: Device>(
             optimizer,
             optimizer_state: &[],
             stash_weights,
+            wire: rookery_stage::StageWire::F32,
         })
         .unwrap()
 }

@@ -110,26 +110,6 @@ fn an_async_stage_reporting_a_step_before_the_one_before_it_is_at_fault() {
 }
 
 #[test]
-fn async_plans_room_for_a_second_copy_of_the_weights_and_two_steps_of_micro_batches() {
-    let mut spec = spec();
-    let gpipe = crate::coordinator::plan_options(&spec);
-    spec.training.schedule = PipelineSchedule::Async;
-    let overlapped = crate::coordinator::plan_options(&spec);
-    // Plain SGD keeps no state; two micro-batches a step.
-    assert_eq!(
-        (gpipe.optimizer_copies, gpipe.in_flight_micro_batches),
-        (0, 2)
-    );
-    assert_eq!(
-        (
-            overlapped.optimizer_copies,
-            overlapped.in_flight_micro_batches
-        ),
-        (1, 4)
-    );
-}
-
-#[test]
 fn a_stage_reports_holding_up_to_two_steps_of_micro_batches_under_async_and_one_otherwise() {
     for (schedule, most) in [(PipelineSchedule::Gpipe, 2), (PipelineSchedule::Async, 4)] {
         let (mut run, _) = ready(schedule);

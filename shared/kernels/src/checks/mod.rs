@@ -12,6 +12,7 @@
 mod conv;
 mod elementwise;
 mod gemm;
+mod int8;
 mod loss;
 mod norm;
 mod optim;
@@ -22,6 +23,7 @@ mod standard;
 pub use conv::{conv_cases, conv2d};
 pub use elementwise::{binary, dropout, unary, unary_kinks};
 pub use gemm::{linear, matmul};
+pub use int8::{int8, int8_values};
 pub use loss::{cross_entropy, mse, softmax};
 pub use norm::{BatchNormInputs, batch_norm, batch_norm_inputs, layer_norm, layer_norm_around};
 pub use optim::optimizer;

@@ -2,7 +2,7 @@
 
 use super::{
     Check, batch_norm, binary, concat, conv_cases, conv2d, cross_entropy, dropout, gather,
-    global_avg_pool, layer_norm, layer_norm_around, linear, matmul, mse, optimizer, pool2d,
+    global_avg_pool, int8, layer_norm, layer_norm_around, linear, matmul, mse, optimizer, pool2d,
     softmax, transpose, unary, unary_kinks,
 };
 use crate::elementwise::{BINARY_OPS, UNARIES};
@@ -134,6 +134,10 @@ pub fn standard_checks() -> Vec<Check> {
     }
     for (planes, spatial) in [(1, 1), (64, 49), (3, 1000)] {
         checks.push(global_avg_pool(planes, spatial, spatial as u64));
+    }
+    // Blockwise int8: ragged last words and blocks, several workgroups.
+    for len in [1, 5, 63, 64, 65, 1000, 4097] {
+        checks.push(int8(len, len as u64));
     }
     checks
 }
