@@ -531,15 +531,48 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() -> anyhow::Result<()>
 {
+    let (got, want) = wgpu_stage_losses("f32").await?;
+    assert_near(&got, &want, 1e-4, "with a wgpu stage");
+    Ok(())
+}
+
+/// The same with int8 activations and gradients, which the wgpu stage packs
+/// and unpacks on its GPU: every step's loss stays near the f32
+/// reference's, and differs from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wgpu_provider_on_an_int8_wire_trains_a_stage_near_the_f32_reference()
+-> anyhow::Result<()> {
+    let (got, want) = wgpu_stage_losses("int8").await?;
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| (g - w).abs() / w)
+        .fold(0.0, f64::max);
+    // Each value moves by at most its block's absmax / 254 (0.4%); a
+    // loss, averaging many, moves far less (2.2e-4 at most, measured
+    // here). Garbage values would move it by whole percents.
+    assert_near(&got, &want, 5e-3, "int8 with a wgpu stage");
+    // And int8 did travel: f32 matches the reference within 1e-6 here.
+    assert!(worst > 1e-6, "int8 losses equal f32's within {worst:e}");
+    Ok(())
+}
+
+/// The per-step losses of a job one of whose three stages runs on a
+/// `--backend wgpu` provider, with `wire` on the wire, and the
+/// single-process reference's (in f32).
+async fn wgpu_stage_losses(wire: &str) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     use std::time::Duration;
 
     use rookery_e2e::{Process, Server, provider_command, start_native_provider};
     use rookery_server::cli::client::Client;
 
     let dir = tempfile::tempdir()?;
-    let training = "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
-        optimizer = { name = \"sgd\", lr = 0.1, momentum = 0.9 }\nclusters = 1\nstages = 3\nseed = 7";
-    let job_file = job(dir.path(), &mlp(), &[12], 20 * 16, training);
+    let training = format!(
+        "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
+         optimizer = {{ name = \"sgd\", lr = 0.1, momentum = 0.9 }}\nclusters = 1\nstages = 3\nseed = 7\n\
+         wire_dtype = \"{wire}\""
+    );
+    let job_file = job(dir.path(), &mlp(), &[12], 20 * 16, &training);
     let server = Server::start(10_000)?;
     let _a = start_native_provider(&server, "torch-a")?;
     let _b = start_native_provider(&server, "torch-b")?;
@@ -570,8 +603,7 @@ async fn a_wgpu_provider_trains_a_stage_beside_libtorch_ones_like_one_process() 
         .iter()
         .map(|s| s.loss)
         .collect();
-    assert_matches_reference(&job_file, &got, 1e-4, "with a wgpu stage");
-    Ok(())
+    Ok((got, reference_losses(&job_file)))
 }
 
 /// A browser tab closed while it runs a stage is a provider that leaves: its
