@@ -7,23 +7,12 @@
 //! rookery-kernels --features gpu`.
 #![cfg(feature = "gpu")]
 
-use std::sync::OnceLock;
+mod common;
 
+use common::gpu;
 use proptest::prelude::*;
-use rookery_kernels::GpuContext;
 use rookery_kernels::checks::{self, int8_values};
 use rookery_kernels::int8::{Int8Block, NAN_SCALE, from_words};
-
-fn gpu() -> &'static GpuContext {
-    static GPU: OnceLock<GpuContext> = OnceLock::new();
-    GPU.get_or_init(|| match pollster::block_on(GpuContext::new()) {
-        Ok(context) => context,
-        Err(error) => panic!(
-            "no usable GPU adapter ({error}); install a Vulkan driver such as \
-             mesa-vulkan-drivers (lavapipe) to run these tests"
-        ),
-    })
-}
 
 /// The payload the quantize kernel makes of `x`, as read back.
 fn quantize_on_gpu(x: &[f32]) -> Vec<u8> {

@@ -5,24 +5,14 @@
 //! without an adapter. Run with `cargo test -p rookery-kernels --features gpu`.
 #![cfg(feature = "gpu")]
 
-use std::sync::OnceLock;
+mod common;
 
+use common::gpu;
 use proptest::prelude::*;
 use rookery_kernels::GpuContext;
 use rookery_kernels::checks::{self, Check};
 use rookery_kernels::elementwise::{BINARY_OPS, UNARIES};
 use rookery_kernels::gemm::Tiling;
-
-fn gpu() -> &'static GpuContext {
-    static GPU: OnceLock<GpuContext> = OnceLock::new();
-    GPU.get_or_init(|| match pollster::block_on(GpuContext::new()) {
-        Ok(context) => context,
-        Err(error) => panic!(
-            "no usable GPU adapter ({error}); install a Vulkan driver such as \
-             mesa-vulkan-drivers (lavapipe) to run these tests"
-        ),
-    })
-}
 
 fn run(check: &Check) -> Result<(), String> {
     pollster::block_on(checks::run(gpu(), check)).map_err(|e| e.to_string())

@@ -14,11 +14,14 @@
 //! its payload's words.
 #![allow(clippy::unwrap_used)]
 
-use std::ops::Range;
+mod common;
+
 use std::sync::Arc;
 
+use common::{Case, block, pseudo};
+
 use rookery_kernels::int8::{BLOCK, Int8Block};
-use rookery_model::{DType, Graph, OptimizerConfig, from_toml};
+use rookery_model::{DType, OptimizerConfig};
 use rookery_proto::{INT8_BLOCK, WireDType, WireTensor};
 use rookery_stage::worker::StageSpec;
 use rookery_stage::{
@@ -29,55 +32,12 @@ use rookery_stage::{
 type Exec<D> = StageExecutor<Arc<D>>;
 type Named = Vec<(String, HostTensor)>;
 
-fn block<F: std::future::Future>(f: F) -> F::Output {
-    pollster::block_on(f)
-}
-
-/// Deterministic values in [-1, 1), spread over magnitudes by `spread`
-/// powers of two.
-fn pseudo(n: usize, seed: u64, spread: i32) -> Vec<f32> {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|i| {
-            z ^= z << 13;
-            z ^= z >> 7;
-            z ^= z << 17;
-            let v = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-            v * 2f32.powi(-((i / 7) as i32 % spread.max(1)))
-        })
-        .collect()
-}
-
-/// Nodes `range` of a layer spec, fed by the node before it.
-struct Case {
-    graph: Graph,
-    range: Range<usize>,
-    input: String,
-    in_width: usize,
-    output: String,
-    out_width: usize,
-}
-
 impl Case {
-    fn new(toml: &str, first: usize) -> Self {
-        let graph = from_toml(toml).unwrap();
-        let analysis = graph.analyze().unwrap();
-        let width = |k: usize| analysis.nodes[k].output.shape[1..].iter().product();
-        let last = graph.nodes.len() - 1;
-        Self {
-            input: graph.nodes[first - 1].name.clone(),
-            in_width: width(first - 1),
-            output: graph.nodes[last].name.clone(),
-            out_width: width(last),
-            range: first..graph.nodes.len(),
-            graph,
-        }
-    }
-
     /// Dense 70 -> 130 (ReLU) | 67 (tanh): a Stem of the second layer,
     /// whose tensors end in ragged blocks and words.
     fn stem() -> Self {
         Self::new(
+            "stem",
             "input_shape = [70]\n\
              [[layers]]\ntype = \"Dense\"\nunits = 130\nactivation = \"relu\"\n\
              [[layers]]\ntype = \"Dense\"\nunits = 67\nactivation = \"tanh\"\n",
@@ -89,6 +49,7 @@ impl Case {
     /// nothing that rounds (forward or backward).
     fn relu() -> Self {
         Self::new(
+            "relu",
             "input_shape = [9]\n\
              [[layers]]\ntype = \"Dense\"\nunits = 150\n\
              [[layers]]\ntype = \"Activation\"\nname = \"relu\"\n",

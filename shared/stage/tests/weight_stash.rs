@@ -7,12 +7,14 @@
 //! (lavapipe natively) with the `gpu` feature.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::ops::Range;
 use std::sync::Arc;
 
-use rookery_model::{DType, Graph, OptimizerConfig, ParamKind, from_toml};
+use common::{Case, block, pseudo};
+
+use rookery_model::{DType, Graph, OptimizerConfig, ParamKind};
 use rookery_proto::{WireDType, WireTensor};
 use rookery_stage::worker::StageSpec;
 use rookery_stage::{
@@ -25,52 +27,7 @@ type Named = Vec<(String, HostTensor)>;
 
 const LR: f64 = 0.05;
 
-fn block<F: Future>(f: F) -> F::Output {
-    pollster::block_on(f)
-}
-
-/// Deterministic values in [-1, 1).
-fn pseudo(n: usize, seed: u64) -> Vec<f32> {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            z ^= z << 13;
-            z ^= z >> 7;
-            z ^= z << 17;
-            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-/// A middle stage of a model: nodes `range`, fed by the node before it (so
-/// its input gets a gradient), sending the model's outputs.
-struct Case {
-    name: &'static str,
-    graph: Graph,
-    range: Range<usize>,
-    input: String,
-    in_width: usize,
-    output: String,
-    out_width: usize,
-}
-
 impl Case {
-    fn new(name: &'static str, toml: &str, first: usize) -> Self {
-        let graph = from_toml(toml).unwrap();
-        let analysis = graph.analyze().unwrap();
-        let width = |k: usize| analysis.nodes[k].output.shape[1..].iter().product();
-        let last = graph.nodes.len() - 1;
-        Self {
-            name,
-            input: graph.nodes[first - 1].name.clone(),
-            in_width: width(first - 1),
-            output: graph.nodes[last].name.clone(),
-            out_width: width(last),
-            range: first..graph.nodes.len(),
-            graph,
-        }
-    }
-
     /// Dense 4 -> 5 (ReLU) | 6 (tanh) -> 3: the stage is the last two layers.
     fn mlp() -> Self {
         Self::new(
@@ -102,7 +59,7 @@ impl Case {
     fn micro_batch(&self, batch: usize, seed: u64) -> (HostTensor, HostTensor) {
         let tensor = |width: usize, seed: u64| HostTensor {
             shape: vec![batch, width],
-            data: pseudo(batch * width, seed),
+            data: pseudo(batch * width, seed, 1),
         };
         (
             tensor(self.in_width, seed),
