@@ -492,13 +492,18 @@ mod tests {
         }
     }
 
-    /// Works `work` on each message and answers with one `Ready` of its job.
+    /// Works `work` on each message and answers with one `Ready` of its job,
+    /// noting when each message's work began.
     struct Slow {
         work: std::time::Duration,
+        began: std::sync::Arc<std::sync::Mutex<Vec<Instant>>>,
     }
 
     impl Trainer for Slow {
         fn handle(&mut self, message: ToProvider) -> Vec<ToServer> {
+            if let Ok(mut began) = self.began.lock() {
+                began.push(Instant::now());
+            }
             std::thread::sleep(self.work);
             job_of(&message)
                 .map(|job_id| vec![ToServer::Ready { job_id }])
@@ -512,26 +517,43 @@ mod tests {
     #[tokio::test]
     async fn a_capped_trainer_answers_at_once_then_rests_before_the_next_message() {
         let work = std::time::Duration::from_millis(20);
-        let paced = crate::trainer::Paced::new(Box::new(Slow { work }), 0.25);
+        let began = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let slow = Slow {
+            work,
+            began: began.clone(),
+        };
+        let paced = crate::trainer::Paced::new(Box::new(slow), 0.25);
         let mut thread = TrainerThread::spawn(Box::new(paced)).unwrap();
-        let started = Instant::now();
         for job_id in [1, 2, 3] {
             thread.inbox.send(ToProvider::Release { job_id }).unwrap();
         }
         let mut answered = Vec::new();
         for _ in 0..3 {
             assert!(thread.replies.recv().await.is_some());
-            answered.push(started.elapsed());
+            answered.push(Instant::now());
         }
+        let began = began.lock().unwrap().clone();
         // Each message works 20 ms and then rests 3 times as long (a 25%
-        // cap): the first answer needs only the work, each later one the
-        // rest before it too.
-        assert!(answered[0] >= work, "{answered:?}");
-        for pair in answered.windows(2) {
-            assert!(pair[1] - pair[0] >= 4 * work, "{answered:?}");
+        // cap): a message's work begins at least work + rest after the
+        // one before's (both timed on the trainer's thread, where sleeping
+        // never ends early), and each answer arrives before that rest ends.
+        // Times taken where the answers arrive would also hold the
+        // scheduler's delays.
+        assert_eq!(began.len(), 3);
+        // (Less a microsecond: the rest goes through f64 milliseconds.)
+        let least = 4 * work - std::time::Duration::from_micros(1);
+        for pair in began.windows(2) {
+            assert!(pair[1] - pair[0] >= least, "{began:?}");
+        }
+        for (answer, next) in answered.iter().zip(&began[1..]) {
+            assert!(answer < next, "answered {answered:?}, began {began:?}");
         }
         // Uncapped, nothing rests.
-        let paced = crate::trainer::Paced::new(Box::new(Slow { work }), 1.0);
+        let slow = Slow {
+            work,
+            began: Default::default(),
+        };
+        let paced = crate::trainer::Paced::new(Box::new(slow), 1.0);
         assert_eq!(paced.rest_after(), std::time::Duration::ZERO);
     }
 
