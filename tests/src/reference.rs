@@ -14,7 +14,8 @@ use tch::{Device, Tensor};
 /// `..k - 1`, or at the last barrier's for the two steps from a barrier
 /// (every `sync_every` steps and each epoch's start), and the job's
 /// optimizer applies it to the latest weights. (Models without buffers:
-/// they would not go back with the weights.)
+/// they would not go back with the weights. Token models too: their ids
+/// go in as i64.)
 pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
     let batches = JobBatches::open(job_file).unwrap();
     let t = batches.spec.training.clone();
@@ -39,8 +40,13 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
             let stale = k.saturating_sub(1).max(barrier) as usize;
             exec.set_parameters(&versions[stale]).unwrap();
             let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-            let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-            let y = Tensor::from_slice(&batch.y);
+            let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
+            // Token ids come as f32 from the batches, and go in as i64.
+            if graph.inputs[0].dtype == rookery_model::DType::I64 {
+                x = x.to_kind(tch::Kind::Int64);
+            }
+            let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
+            let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
             exec.set_step_seed(step_seed(t.seed, k));
             let forward = exec
                 .forward(&[(graph.inputs[0].name.clone(), x)], true)
