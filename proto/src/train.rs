@@ -77,6 +77,12 @@ impl PipelineSchedule {
     pub fn is_async(self) -> bool {
         self == PipelineSchedule::Async
     }
+
+    /// Steps a cluster may have in flight at once: two under `async`, so a
+    /// stage may hold two steps' micro-batches.
+    pub fn steps_in_flight(self) -> u32 {
+        if self.is_async() { 2 } else { 1 }
+    }
 }
 
 /// What a provider runs for a job: one stage of one cluster.

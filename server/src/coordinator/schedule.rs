@@ -361,7 +361,6 @@ pub fn by_plan_id(live: Vec<LiveProvider>) -> HashMap<String, (u64, Hello)> {
 /// second copy of the weights and may hold two steps' micro-batches).
 pub fn plan_options(spec: &JobSpec) -> PlanOptions {
     let t = &spec.training;
-    let steps_held = if t.schedule.is_async() { 2 } else { 1 };
     PlanOptions {
         micro_batch: spec.micro_batch_size().max(1),
         clusters: t.clusters,
@@ -369,9 +368,9 @@ pub fn plan_options(spec: &JobSpec) -> PlanOptions {
             OptimizerConfig::Sgd { momentum: 0.0, .. } => 0,
             OptimizerConfig::Sgd { .. } | OptimizerConfig::RmsProp { .. } => 1,
             _ => 2,
-        } + steps_held
+        } + t.schedule.steps_in_flight()
             - 1,
-        in_flight_micro_batches: steps_held * t.micro_batches.max(1) as u32,
+        in_flight_micro_batches: t.schedule.steps_in_flight() * t.micro_batches.max(1) as u32,
         stages_per_cluster: t.stages,
         ..PlanOptions::default()
     }

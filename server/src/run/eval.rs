@@ -77,12 +77,13 @@ impl JobRun {
     }
 
     pub(super) fn finish_eval(&mut self, epoch: u64, step: u64) -> Vec<Effect> {
-        let samples: u64 = self.clusters.iter().map(|r| r.samples).sum();
+        let samples: u64 = self.clusters.iter().map(|r| r.totals.samples).sum();
         // Per target: per sample for one class a sample, per token for a
         // language model, the ignored labels counting nowhere.
-        let targets: u64 = self.clusters.iter().map(|r| r.targets).sum();
-        let loss = self.clusters.iter().map(|r| r.loss_sum).sum::<f64>() / targets.max(1) as f64;
-        let correct: u64 = self.clusters.iter().map(|r| r.correct).sum();
+        let targets: u64 = self.clusters.iter().map(|r| r.totals.targets).sum();
+        let loss =
+            self.clusters.iter().map(|r| r.totals.loss_sum).sum::<f64>() / targets.max(1) as f64;
+        let correct: u64 = self.clusters.iter().map(|r| r.totals.correct).sum();
         let mut effects = vec![Effect::Epoch(EpochRecord {
             epoch,
             step,

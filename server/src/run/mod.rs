@@ -290,10 +290,8 @@ struct ClusterRun {
     /// gradients): a second copy is a replay, dropped and counted against its
     /// sender, never forwarded for the next stage to refuse in its name.
     relayed: HashSet<(Phase, u32, usize, bool)>,
-    loss_sum: f64,
-    correct: u64,
-    samples: u64,
-    targets: u64,
+    /// What the Leaf reported of the current step or evaluation.
+    totals: Totals,
     /// Under `async`: the step after the one in `state`, fed before that
     /// one is done.
     ahead: Option<Ahead>,
@@ -303,12 +301,28 @@ struct ClusterRun {
 /// has reported so far.
 #[derive(Debug, Default)]
 struct Ahead {
+    totals: Totals,
+    /// Each stage's `StepDone` of it: (compute ms, micro-batches held).
+    done: Vec<Option<(f64, u32)>>,
+}
+
+/// The Leaf's loss reports of one step or evaluation, added up.
+#[derive(Debug, Default, Clone, Copy)]
+struct Totals {
     loss_sum: f64,
     correct: u64,
     samples: u64,
     targets: u64,
-    /// Each stage's `StepDone` of it: (compute ms, micro-batches held).
-    done: Vec<Option<(f64, u32)>>,
+}
+
+impl Totals {
+    /// Adds a micro-batch's report, of `targets` targets.
+    fn add(&mut self, l: &rookery_proto::LeafLoss, targets: u64) {
+        self.loss_sum += l.loss_sum;
+        self.correct += l.correct;
+        self.samples += u64::from(l.samples);
+        self.targets += targets;
+    }
 }
 
 impl ClusterRun {
@@ -319,10 +333,7 @@ impl ClusterRun {
         self.micro_targets.clear();
         self.reported.clear();
         self.relayed.clear();
-        self.loss_sum = 0.0;
-        self.correct = 0;
-        self.samples = 0;
-        self.targets = 0;
+        self.totals = Totals::default();
         self.ahead = None;
     }
 

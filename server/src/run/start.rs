@@ -224,10 +224,7 @@ impl JobRun {
                 relayed: HashSet::new(),
                 micro_targets: HashMap::new(),
                 reported: Default::default(),
-                loss_sum: 0.0,
-                correct: 0,
-                samples: 0,
-                targets: 0,
+                totals: Default::default(),
                 ahead: None,
             });
         }

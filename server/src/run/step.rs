@@ -356,10 +356,7 @@ impl JobRun {
         let run = &mut self.clusters[c];
         run.forget(Phase::Train { step: step - 1 });
         run.state = ClusterState::Training { step };
-        run.loss_sum = ahead.loss_sum;
-        run.correct = ahead.correct;
-        run.samples = ahead.samples;
-        run.targets = ahead.targets;
+        run.totals = ahead.totals;
         for (stage, done) in run.stages.iter_mut().zip(ahead.done) {
             stage.grad_sum_of_squares = None;
             stage.step_done = done.is_some();
@@ -559,35 +556,22 @@ impl JobRun {
                 l.samples, l.loss_sum, l.correct
             )));
         }
-        let ahead = match (run.state, l.phase, &mut run.ahead) {
+        let totals = match (run.state, l.phase, &mut run.ahead) {
             (ClusterState::Training { step }, Phase::Train { step: got }, Some(ahead))
                 if got == step + 1 =>
             {
-                Some(ahead)
+                &mut ahead.totals
             }
-            _ => None,
+            _ => &mut run.totals,
         };
-        match ahead {
-            Some(ahead) => {
-                ahead.loss_sum += l.loss_sum;
-                ahead.correct += l.correct;
-                ahead.samples += u64::from(l.samples);
-                ahead.targets += targets;
-            }
-            None => {
-                run.loss_sum += l.loss_sum;
-                run.correct += l.correct;
-                run.samples += u64::from(l.samples);
-                run.targets += targets;
-            }
-        }
+        totals.add(&l, targets);
         if let State::Evaluating {
             epoch,
             step,
             expected,
         } = self.state
         {
-            let got: u64 = self.clusters.iter().map(|r| r.samples).sum();
+            let got: u64 = self.clusters.iter().map(|r| r.totals.samples).sum();
             if got == expected {
                 return Ok(self.finish_eval(epoch, step));
             }
@@ -603,14 +587,10 @@ impl JobRun {
     ) -> Result<Vec<Effect>, Rejected> {
         self.current_phase_ok(c, Phase::Train { step: d.step })?;
         // Under `async` a stage may hold two steps' micro-batches.
-        let steps = if self.spec.training.schedule.is_async() {
-            2
-        } else {
-            1
-        };
+        let t = &self.spec.training;
         let held = d
             .peak_held
-            .min(steps * self.spec.training.micro_batches as u32);
+            .min(t.schedule.steps_in_flight() * t.micro_batches as u32);
         let run = &mut self.clusters[c];
         if run.state != (ClusterState::Training { step: d.step }) {
             // Under `async`, the step fed ahead (`current_phase_ok` said so).
@@ -706,9 +686,9 @@ impl JobRun {
         let run = &mut self.clusters[c];
         if step >= self.recorded {
             let totals = ClusterStep {
-                loss_sum: run.loss_sum,
-                samples: run.samples,
-                targets: run.targets,
+                loss_sum: run.totals.loss_sum,
+                samples: run.totals.samples,
+                targets: run.totals.targets,
                 stages: run
                     .stages
                     .iter()

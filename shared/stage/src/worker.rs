@@ -629,9 +629,8 @@ impl<B: Backend> Stage<B> {
             }
             return Ok(s);
         }
-        let window = if self.schedule.is_async() { 2 } else { 1 };
         match self.steps.last() {
-            Some(s) if self.steps.len() >= window => {
+            Some(s) if self.steps.len() >= self.schedule.steps_in_flight() as usize => {
                 return Err(protocol(format!(
                     "step {step} cannot start while step {} is unfinished ({} of {} micro-batches backpropagated)",
                     s.step, s.finished, s.count
@@ -729,8 +728,8 @@ impl<B: Backend> Stage<B> {
         if self.deferred.is_empty() && self.held() < limit {
             return Ok(Some(f));
         }
-        let window = if self.schedule.is_async() { 2 } else { 1 };
-        if self.deferred.len() >= window * self.micro_batches as usize {
+        let window = self.schedule.steps_in_flight();
+        if self.deferred.len() >= (window * self.micro_batches) as usize {
             return Err(protocol(format!(
                 "more training forwards wait than {window} step(s) of {} micro-batches hold",
                 self.micro_batches
