@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use rookery_kernels::GpuContext;
 use rookery_kernels::conv::Conv2d;
-use rookery_kernels::gemm::Tiling;
+use rookery_kernels::gemm::{Precision, Tiling};
 use rookery_kernels::speed::{self, Measured};
 use tch::{Device, Kind, Tensor};
 
@@ -70,8 +70,9 @@ fn matmul_row(
     k: usize,
     n: usize,
     tiling: Option<Tiling>,
+    precision: Precision,
 ) -> Result<Row> {
-    let ours = pollster::block_on(speed::matmul(gpu, [m, k, n], tiling, SECONDS))?;
+    let ours = pollster::block_on(speed::matmul(gpu, [m, k, n], tiling, precision, SECONDS))?;
     let (ta, tb) = (randn(&[m, k]), randn(&[k, n]));
     let torch_s = time_torch(|| {
         let _ = ta.matmul(&tb);
@@ -80,7 +81,12 @@ fn matmul_row(
 }
 
 fn linear_rows(gpu: &GpuContext, rows: usize, inputs: usize, outputs: usize) -> Result<[Row; 2]> {
-    let [fwd, bwd] = pollster::block_on(speed::linear(gpu, [rows, inputs, outputs], SECONDS))?;
+    let [fwd, bwd] = pollster::block_on(speed::linear(
+        gpu,
+        [rows, inputs, outputs],
+        Precision::F32,
+        SECONDS,
+    ))?;
     let (tx, tw, tb, tdy) = (
         randn(&[rows, inputs]),
         randn(&[outputs, inputs]),
@@ -143,9 +149,26 @@ fn main() -> Result<()> {
     // The tiling chosen for the shape, the classic 4x4 register block, and
     // one output per invocation for comparison.
     let mut rows = vec![
-        matmul_row(&gpu, 1024, 1024, 1024, None)?,
-        matmul_row(&gpu, 1024, 1024, 1024, Some(Tiling::CLASSIC))?,
-        matmul_row(&gpu, 1024, 1024, 1024, Some(Tiling::square(16, 1)))?,
+        matmul_row(&gpu, 1024, 1024, 1024, None, Precision::F32)?,
+        matmul_row(
+            &gpu,
+            1024,
+            1024,
+            1024,
+            Some(Tiling::CLASSIC),
+            Precision::F32,
+        )?,
+        matmul_row(
+            &gpu,
+            1024,
+            1024,
+            1024,
+            Some(Tiling::square(16, 1)),
+            Precision::F32,
+        )?,
+        // Mixed precision's cost where it runs in the plain form (against
+        // torch's f32, the same reference as the rows above).
+        matmul_row(&gpu, 1024, 1024, 1024, None, Precision::Mixed)?,
     ];
     // The demo CNN at batch 64: two convolutions, then Dense 1568->128 and 128->10.
     for conv in [

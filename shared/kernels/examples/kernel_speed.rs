@@ -9,12 +9,19 @@
 //! classic one) at each matmul and convolution shape, marking the one it
 //! chose: how the choice is checked on a new GPU.
 //!
+//! Mixed precision (`precision = "mixed"`) follows: the same matmuls, the
+//! dense layer and the convolutions with f16 operands, on tensor cores where
+//! the adapter has them (then also in the plain form, for the comparison;
+//! `--sweep` adds every tensor-core tiling).
+//!
 //! Usage: `kernel_speed [--quick] [--sweep] [--seconds S]`
 
 use anyhow::{Context, Result, bail};
 use rookery_kernels::GpuContext;
 use rookery_kernels::conv::Conv2d;
-use rookery_kernels::gemm::{AUTO_CANDIDATES, Tiling};
+use rookery_kernels::gemm::precision::set_tensor_cores;
+use rookery_kernels::gemm::tensor::force_tiling;
+use rookery_kernels::gemm::{AUTO_CANDIDATES, Precision, TENSOR_CANDIDATES, Tiling};
 use rookery_kernels::speed::{self, Measured};
 
 fn conv(x: [usize; 4], out: usize) -> Result<Conv2d> {
@@ -44,6 +51,11 @@ fn main() -> Result<()> {
     println!("adapter: {}", gpu.adapter_description());
     let rated = pollster::block_on(gpu.benchmark_gflops(0.3)).context("self-measurement")?;
     println!("a provider on this adapter rates itself at {rated:.1} GFLOP/s");
+    let tensor = gpu.tensor_cores();
+    println!(
+        "tensor cores for mixed precision: {}",
+        if tensor { "yes" } else { "no (plain form)" }
+    );
     let matmuls: &[[usize; 3]] = if quick {
         &[[256, 256, 256], [64, 1568, 128]]
     } else {
@@ -95,7 +107,8 @@ fn main() -> Result<()> {
     };
     for &shape in matmuls {
         for &tiling in &tilings {
-            let mut row = pollster::block_on(speed::matmul(&gpu, shape, tiling, seconds))?;
+            let mut row =
+                pollster::block_on(speed::matmul(&gpu, shape, tiling, Precision::F32, seconds))?;
             if sweep && tiling.is_none() {
                 row.name += " [chosen]";
             }
@@ -118,6 +131,43 @@ fn main() -> Result<()> {
     } else {
         [8192, 768, 3072]
     };
-    block(pollster::block_on(speed::linear(&gpu, dense, seconds))?.to_vec())?;
+    block(pollster::block_on(speed::linear(&gpu, dense, Precision::F32, seconds))?.to_vec())?;
+
+    // Mixed precision: each form the adapter has, the chosen tiling first.
+    let forms: &[bool] = if tensor { &[true, false] } else { &[false] };
+    for &on in forms {
+        set_tensor_cores(on);
+        let sweep_tensor: Vec<Option<_>> = if sweep && on {
+            std::iter::once(None)
+                .chain(TENSOR_CANDIDATES.into_iter().map(Some))
+                .collect()
+        } else {
+            vec![None]
+        };
+        for &shape in matmuls {
+            for &forced in &sweep_tensor {
+                force_tiling(forced);
+                let mut row = pollster::block_on(speed::matmul(
+                    &gpu,
+                    shape,
+                    None,
+                    Precision::Mixed,
+                    seconds,
+                ))?;
+                if sweep && on && forced.is_none() {
+                    row.name += " [chosen]";
+                }
+                block(vec![row])?;
+            }
+            force_tiling(None);
+        }
+        for c in &convs {
+            let mut c = *c;
+            c.precision = Precision::Mixed;
+            block(pollster::block_on(speed::conv(&gpu, &c, seconds))?.to_vec())?;
+        }
+        block(pollster::block_on(speed::linear(&gpu, dense, Precision::Mixed, seconds))?.to_vec())?;
+    }
+    set_tensor_cores(tensor);
     Ok(())
 }

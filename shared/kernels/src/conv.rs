@@ -10,7 +10,8 @@
 //! - weight gradient: `dw[o, (c,ky,kx)] = sum_(n,oy,ox) dy[n, o, oy, ox] x[..]`;
 //! - bias gradient: `dy` summed over batch and space.
 
-use super::gemm::{Gemm, Tiling, sum_to_shape};
+use super::gemm::precision::{GRAD_SCALE, operand};
+use super::gemm::{Gemm, Precision, Side, Tiling, sum_to_shape};
 use super::spec::{Binding, KernelSpec};
 
 /// Fewest terms of the weight gradient's reduction one part sums.
@@ -48,6 +49,8 @@ pub struct Conv2d {
     pub bias: bool,
     /// `None`: chosen for each product's shape ([`Tiling::auto`]).
     pub tiling: Option<Tiling>,
+    /// How the operands enter the multiply-adds.
+    pub precision: Precision,
 }
 
 impl Conv2d {
@@ -88,6 +91,7 @@ impl Conv2d {
             groups,
             bias,
             tiling: None,
+            precision: Precision::F32,
         };
         let span =
             |size: usize, p: usize, d: usize, k: usize| (size + 2 * p).checked_sub(d * (k - 1) + 1);
@@ -173,6 +177,8 @@ impl Conv2d {
         };
         Gemm {
             label: "conv2d_fwd".into(),
+            precision: self.precision,
+            gradient: None,
             tiling: self.tiling,
             split: 1,
             batch: self.groups,
@@ -214,6 +220,8 @@ impl Conv2d {
         let ([s0, s1], [p0, p1], [d0, d1]) = (self.stride, self.padding, self.dilation);
         Gemm {
             label: "conv2d_bwd_input".into(),
+            precision: self.precision,
+            gradient: Some(Side::B),
             tiling: self.tiling,
             split: 1,
             batch: self.groups,
@@ -327,6 +335,8 @@ impl Conv2d {
         };
         Gemm {
             label: "conv2d_bwd_weight".into(),
+            precision: self.precision,
+            gradient: Some(Side::A),
             tiling,
             split: parts,
             batch: self.groups,
@@ -367,6 +377,11 @@ impl Conv2d {
         bias: Option<&[f32]>,
         dy: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (x, weight, dy) = (
+            operand(self.precision, x, 1.0),
+            operand(self.precision, weight, 1.0),
+            operand(self.precision, dy, GRAD_SCALE),
+        );
         let (oh, ow) = self.out_hw();
         let (cg, og) = (self.cg(), self.og());
         let mut y = vec![0.0f64; self.out_len()];

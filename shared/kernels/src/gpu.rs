@@ -177,16 +177,24 @@ impl Opened {
             adapter_info.name = name;
         }
         let adapter_limits = adapter.limits();
+        let tensor = tensor_cores_of(&adapter, &adapter_info, &adapter_limits);
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("rookery"),
+                required_features: if tensor {
+                    TENSOR_FEATURES
+                } else {
+                    wgpu::Features::empty()
+                },
                 // Everything the adapter offers, so the largest matmul it can
                 // hold is also the largest we accept.
                 required_limits: adapter_limits.clone(),
+                experimental_features: experimental(tensor),
                 ..Default::default()
             })
             .await
             .map_err(|e| GpuError::RequestDevice(e.to_string()))?;
+        crate::gemm::precision::set_tensor_cores(tensor);
         // A software adapter (lavapipe) runs one workgroup per CPU thread
         // at a time, and large blocks fastest.
         #[cfg(not(target_arch = "wasm32"))]
@@ -201,6 +209,53 @@ impl Opened {
             queue,
         })
     }
+}
+
+/// wgpu's consent token for experimental features, given only when the
+/// tensor-core kernels will run.
+#[allow(unsafe_code)]
+fn experimental(tensor: bool) -> wgpu::ExperimentalFeatures {
+    if tensor {
+        // SAFETY: cooperative matrices are the only experimental feature
+        // requested, and only where the adapter reports the exact
+        // configuration the tensor-core kernels are generated for; the GPU
+        // kit's checks run those kernels on such GPUs.
+        unsafe { wgpu::ExperimentalFeatures::enabled() }
+    } else {
+        wgpu::ExperimentalFeatures::disabled()
+    }
+}
+
+/// What the tensor-core form of mixed-precision GEMMs needs of a device.
+const TENSOR_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
+    .union(wgpu::Features::SUBGROUP)
+    .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+
+/// Whether `adapter` runs the tensor-core GEMMs ([`crate::gemm::tensor`]):
+/// f16 shaders, subgroups, cooperative matrices of 16 x 16 x 16 with f16
+/// operands and f32 accumulators, subgroups of exactly the size the kernels
+/// are generated for, and their workgroup memory. `ROOKERY_TENSOR_CORES=off`
+/// turns them off natively (the plain form computes the same).
+fn tensor_cores_of(
+    adapter: &wgpu::Adapter,
+    info: &wgpu::AdapterInfo,
+    limits: &wgpu::Limits,
+) -> bool {
+    use crate::gemm::tensor::{FRAGMENT, SUBGROUP, TENSOR_WORKGROUP_BYTES};
+    #[cfg(not(target_arch = "wasm32"))]
+    if std::env::var("ROOKERY_TENSOR_CORES").is_ok_and(|v| v == "off") {
+        return false;
+    }
+    adapter.features().contains(TENSOR_FEATURES)
+        && info.subgroup_min_size == SUBGROUP
+        && info.subgroup_max_size == SUBGROUP
+        && limits.max_compute_workgroup_storage_size >= TENSOR_WORKGROUP_BYTES
+        && limits.max_compute_invocations_per_workgroup >= 256
+        && adapter.cooperative_matrix_properties().iter().any(|p| {
+            [p.m_size, p.n_size, p.k_size] == [FRAGMENT; 3]
+                && p.ab_type == wgpu::CooperativeScalarType::F16
+                && p.cr_type == wgpu::CooperativeScalarType::F32
+        })
 }
 
 impl GpuContext {
@@ -262,6 +317,12 @@ impl GpuContext {
             .collect::<Vec<_>>()
             .join(", ");
         format!("{name} ({details})")
+    }
+
+    /// Whether mixed-precision GEMMs run on this adapter's tensor cores
+    /// (cooperative matrices) rather than in their plain form.
+    pub fn tensor_cores(&self) -> bool {
+        crate::gemm::precision::tensor_cores()
     }
 
     /// Everything wgpu knows about the adapter.

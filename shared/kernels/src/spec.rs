@@ -181,13 +181,19 @@ pub fn numel(shape: &[usize]) -> usize {
 pub(crate) mod validate {
     /// Parses and validates `source` with naga, as wgpu would before running it.
     pub fn check(source: &str) -> Result<naga::Module, String> {
+        check_with(source, naga::valid::Capabilities::empty())
+    }
+
+    /// [`check`] on an adapter with `capabilities` (f16, subgroups,
+    /// cooperative matrices).
+    pub fn check_with(
+        source: &str,
+        capabilities: naga::valid::Capabilities,
+    ) -> Result<naga::Module, String> {
         let module = naga::front::wgsl::parse_str(source).map_err(|e| e.emit_to_string(source))?;
-        naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::empty(),
-        )
-        .validate(&module)
-        .map_err(|e| format!("{e:?}"))?;
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), capabilities)
+            .validate(&module)
+            .map_err(|e| format!("{e:?}"))?;
         Ok(module)
     }
 

@@ -8,7 +8,8 @@
 use std::time::Instant;
 
 use crate::conv::Conv2d;
-use crate::gemm::{Linear, MatMul, Tiling};
+use crate::gemm::precision::tensor_cores;
+use crate::gemm::{Linear, MatMul, Precision, Tiling};
 use crate::{GpuBuffer, GpuContext, GpuError, KernelError, KernelSpec, sample_matrix};
 
 /// One timed workload.
@@ -55,25 +56,45 @@ fn upload(gpu: &GpuContext, len: usize, seed: u64) -> Result<GpuBuffer, GpuError
     gpu.upload_f32(&sample_matrix(len, seed))
 }
 
+/// What a workload's name says of its precision and form: nothing under
+/// f32, else ` mixed` and whether it ran on tensor cores.
+fn precision_mark(precision: Precision) -> &'static str {
+    match precision {
+        Precision::F32 => "",
+        Precision::Mixed if tensor_cores() => " mixed (tensor cores)",
+        Precision::Mixed => " mixed (plain)",
+    }
+}
+
 /// `[m, k] x [k, n]` with `tiling` (`None`: the one chosen for the shape).
 pub async fn matmul(
     gpu: &GpuContext,
     [m, k, n]: [usize; 3],
     tiling: Option<Tiling>,
+    precision: Precision,
     seconds: f64,
 ) -> Result<Measured, GpuError> {
     let mut mm =
         MatMul::new(&[m, k], &[k, n]).ok_or(GpuError::Kernel(KernelError::TooLarge { m, k, n }))?;
     mm.tiling = tiling;
+    mm.precision = precision;
     let spec = mm.forward();
-    let used = tiling.unwrap_or_else(|| Tiling::auto(m, n, 1));
+    let used = if precision == Precision::Mixed && tensor_cores() {
+        crate::gemm::tensor::forced_tiling()
+            .unwrap_or_else(|| {
+                crate::gemm::TensorTiling::auto_for(m, n, 1, crate::gemm::busy_blocks())
+            })
+            .describe()
+    } else {
+        tiling.unwrap_or_else(|| Tiling::auto(m, n, 1)).describe()
+    };
     let (a, b, c) = (
         upload(gpu, m * k, 1)?,
         upload(gpu, k * n, 2)?,
         gpu.create_buffer(m * n)?,
     );
     Ok(Measured {
-        name: format!("matmul {m}x{k}x{n} ({})", used.describe()),
+        name: format!("matmul {m}x{k}x{n}{} ({used})", precision_mark(precision)),
         flops: 2.0 * (m * k * n) as f64,
         seconds: time_chain(gpu, &[(&spec, vec![&a, &b, &c])], seconds).await?,
     })
@@ -84,9 +105,11 @@ pub async fn matmul(
 pub async fn linear(
     gpu: &GpuContext,
     [rows, inputs, outputs]: [usize; 3],
+    precision: Precision,
     seconds: f64,
 ) -> Result<[Measured; 2], GpuError> {
-    let l = Linear::new(rows, inputs, outputs, true);
+    let mut l = Linear::new(rows, inputs, outputs, true);
+    l.precision = precision;
     let (x, w, b) = (
         upload(gpu, rows * inputs, 1)?,
         upload(gpu, outputs * inputs, 2)?,
@@ -102,7 +125,10 @@ pub async fn linear(
     );
     let (fwd, bx, bw) = (l.forward(), l.backward_x(), l.backward_w());
     let flops = 2.0 * (rows * inputs * outputs) as f64;
-    let name = format!("linear {rows}x{inputs} -> {outputs}");
+    let name = format!(
+        "linear {rows}x{inputs} -> {outputs}{}",
+        precision_mark(precision)
+    );
     Ok([
         Measured {
             name: format!("{name} fwd"),
@@ -161,7 +187,7 @@ pub async fn conv(
         weight_grad.push((sum, vec![&dw_parts, &dw]));
     }
     let name = format!(
-        "conv2d {}x{}x{}x{} -> {} k{}x{}{}",
+        "conv2d {}x{}x{}x{} -> {} k{}x{}{}{}",
         conv.n,
         conv.c,
         conv.h,
@@ -169,6 +195,7 @@ pub async fn conv(
         conv.o,
         conv.kh,
         conv.kw,
+        precision_mark(conv.precision),
         conv.tiling
             .map(|t| format!(" ({})", t.describe()))
             .unwrap_or_default()

@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use rookery_kernels::GpuContext;
 use rookery_kernels::checks::{self, Check};
 use rookery_kernels::elementwise::{BINARY_OPS, UNARIES};
-use rookery_kernels::gemm::Tiling;
+use rookery_kernels::gemm::{Precision, Tiling};
 
 fn run(check: &Check) -> Result<(), String> {
     pollster::block_on(checks::run(gpu(), check)).map_err(|e| e.to_string())
@@ -34,6 +34,63 @@ fn a_wrong_kernel_fails_its_check() {
     let mut check = checks::unary(UNARIES[0], 100, 3);
     check.steps[0].0 = rookery_kernels::elementwise::Unary::Identity.forward(100);
     assert!(run(&check).is_err());
+}
+
+#[test]
+fn mixed_gemms_multiply_operands_rounded_to_f16_and_scale_gradients() {
+    use rookery_kernels::Tol;
+    use rookery_kernels::checks::{Expect, Fill};
+    use rookery_kernels::gemm::Linear;
+    use rookery_kernels::gemm::precision::{GRAD_SCALE, round_f16};
+    // Every sum below is exact in f32, so any executor, in any order, must
+    // give these values to the bit; f32 operands would give others.
+    let (rows, inputs, outputs) = (20, 48, 24);
+    let mut l = Linear::new(rows, inputs, outputs, false);
+    l.precision = Precision::Mixed;
+    // 1 + 2^-13 is within half a unit of f16's last place of 1.
+    let x = 1.0 + 2f32.powi(-13);
+    // Below f16's normal range: kept only because gradients are scaled.
+    let dy = 1e-7f32;
+    let dy_seen = round_f16(dy * GRAD_SCALE) / GRAD_SCALE;
+    assert!((dy_seen - dy).abs() < dy * 1e-3 && round_f16(dy) != dy_seen);
+    let check = Check {
+        name: "mixed rounding".into(),
+        buffers: vec![
+            Fill::F32(vec![x; rows * inputs]),
+            Fill::F32(vec![1.0; outputs * inputs]),
+            Fill::F32(vec![dy; rows * outputs]),
+            Fill::Zeros(rows * outputs),
+            Fill::Zeros(rows * inputs),
+            Fill::Zeros(outputs * inputs),
+        ],
+        steps: vec![
+            (l.forward(), vec![0, 1, 3]),
+            (l.backward_x(), vec![2, 1, 4]),
+            (l.backward_w(), vec![2, 0, 5]),
+        ],
+        expect: vec![
+            Expect::new("y", 3, vec![inputs as f32; rows * outputs], Tol::EXACT),
+            Expect::new(
+                "dx",
+                4,
+                vec![outputs as f32 * dy_seen; rows * inputs],
+                Tol::EXACT,
+            ),
+            Expect::new(
+                "dw",
+                5,
+                vec![rows as f32 * dy_seen; outputs * inputs],
+                Tol::EXACT,
+            ),
+        ],
+    };
+    assert_eq!(run(&check), Ok(()));
+    // In f32 the same check fails: it can tell the precisions apart.
+    let mut f32_check = check.clone();
+    let mut exact = l;
+    exact.precision = Precision::F32;
+    f32_check.steps[0].0 = exact.forward();
+    assert!(run(&f32_check).is_err());
 }
 
 #[test]
@@ -89,6 +146,10 @@ proptest! {
 }
 
 /// Any tiling WebGPU's guaranteed limits allow.
+fn precision() -> impl Strategy<Value = Precision> {
+    prop_oneof![Just(Precision::F32), Just(Precision::Mixed)]
+}
+
 fn tiling() -> impl Strategy<Value = Tiling> {
     (1u32..=16, 1u32..=8, 1u32..=8, 1u32..=32, any::<bool>()).prop_filter_map(
         "within the guaranteed workgroup memory",
@@ -106,7 +167,7 @@ proptest! {
     fn matmul_matches_reference_on_random_batched_shapes(
         m in 1usize..40, k in 1usize..40, n in 1usize..40,
         batch_a in prop::collection::vec(1usize..4, 0..3), b_lead in any::<bool>(),
-        tiling in tiling(), seed in any::<u64>()
+        tiling in tiling(), precision in precision(), seed in any::<u64>()
     ) {
         let mut a = batch_a.clone();
         a.extend([m, k]);
@@ -114,15 +175,16 @@ proptest! {
         // both operands' reductions are exercised.
         let mut b: Vec<usize> = if b_lead { batch_a.iter().skip(1).copied().collect() } else { batch_a.iter().map(|_| 1).collect() };
         b.extend([k, n]);
-        let check = checks::matmul(&a, &b, tiling, seed).expect("valid shapes");
+        let check = checks::matmul(&a, &b, tiling, precision, seed).expect("valid shapes");
         prop_assert_eq!(run(&check), Ok(()));
     }
 
     #[test]
     fn linear_matches_reference_on_random_shapes(
-        rows in 1usize..50, inputs in 1usize..70, outputs in 1usize..30, bias in any::<bool>(), seed in any::<u64>()
+        rows in 1usize..50, inputs in 1usize..70, outputs in 1usize..30, bias in any::<bool>(),
+        precision in precision(), seed in any::<u64>()
     ) {
-        prop_assert_eq!(run(&checks::linear(rows, inputs, outputs, bias, seed)), Ok(()));
+        prop_assert_eq!(run(&checks::linear(rows, inputs, outputs, bias, precision, seed)), Ok(()));
     }
 
     #[test]
@@ -183,7 +245,7 @@ proptest! {
         n in 1usize..3, cg in 1usize..4, og in 1usize..4, groups in 1usize..3,
         h in 1usize..12, w in 1usize..12, kh in 1usize..4, kw in 1usize..4,
         stride in (1usize..3, 1usize..3), padding in (0usize..2, 0usize..2), dilation in (1usize..3, 1usize..3),
-        bias in any::<bool>(), tiling in tiling(), seed in any::<u64>()
+        bias in any::<bool>(), tiling in tiling(), precision in precision(), seed in any::<u64>()
     ) {
         let conv = rookery_kernels::conv::Conv2d::new(
             [n, cg * groups, h, w], og * groups, [kh, kw], [stride.0, stride.1],
@@ -192,6 +254,7 @@ proptest! {
         prop_assume!(conv.is_some());
         let mut conv = conv.unwrap();
         conv.tiling = Some(tiling);
+        conv.precision = precision;
         prop_assert_eq!(run(&checks::conv2d(conv, seed)), Ok(()));
     }
 

@@ -551,6 +551,7 @@ fn widened(m: &MatMul, operand: &[usize]) -> MatMul {
         a,
         b,
         tiling: m.tiling,
+        precision: m.precision,
     }
 }
 

@@ -1,9 +1,11 @@
 //! Checks of Conv2d (implicit GEMM) against the direct reference, and the
 //! convolutions every harness runs.
 
+use super::gemm::{accumulation_bound, mixed_mark};
 use super::{Builder, Check};
 use crate::conv::Conv2d;
 use crate::gemm::gemm_tol;
+use crate::gemm::precision::{Precision, magnitudes};
 use crate::sample_matrix;
 
 /// Conv2d forward and backward (input, weight, bias) against the direct
@@ -17,8 +19,19 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     );
     let bias = sample_matrix(conv.o, seed ^ 2);
     let dy = sample_matrix(conv.out_len(), seed ^ 3);
-    let (want_y, want_dx, want_dw, want_db) =
+    let (want_y, want_dx, want_dw, _) =
         conv.reference(&x, &weight, conv.bias.then_some(&bias[..]), &dy);
+    // The bias gradient is a plain sum of dy, never rounded.
+    let mut exact = conv;
+    exact.precision = Precision::F32;
+    let want_db = exact.reference(&x, &weight, None, &dy).3;
+    let (abs_y, abs_dx, abs_dw, _) = exact.reference(
+        &magnitudes(&x),
+        &magnitudes(&weight),
+        None,
+        &magnitudes(&dy),
+    );
+    let p = conv.precision;
     let (oh, ow) = conv.out_hw();
     let k_fwd = conv.c / conv.groups * conv.kh * conv.kw;
     let k_in = conv.o / conv.groups * conv.kh * conv.kw;
@@ -46,15 +59,28 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         conv.sum_weight_parts(parts),
         [dweight_parts, dweight_summed],
     );
-    c.expect("y", y, want_y, gemm_tol(k_fwd));
-    c.expect("dx", dx, want_dx, gemm_tol(k_in));
-    c.expect("dweight", dweight, want_dw.clone(), gemm_tol(k_w));
-    c.expect("dweight in parts", dweight_summed, want_dw, gemm_tol(k_w));
+    let abs_dw_parts = abs_dw.clone();
+    c.expect_gemm("y", y, want_y, k_fwd, accumulation_bound(p, abs_y, k_fwd));
+    c.expect_gemm("dx", dx, want_dx, k_in, accumulation_bound(p, abs_dx, k_in));
+    c.expect_gemm(
+        "dweight",
+        dweight,
+        want_dw.clone(),
+        k_w,
+        accumulation_bound(p, abs_dw, k_w),
+    );
+    c.expect_gemm(
+        "dweight in parts",
+        dweight_summed,
+        want_dw,
+        k_w,
+        accumulation_bound(p, abs_dw_parts, k_w),
+    );
     if conv.bias {
         c.step(conv.backward_bias(), [dy, dbias]);
         c.expect("dbias", dbias, want_db, gemm_tol(k_w));
     }
-    c.build(format!("{conv:?}"))
+    c.build(format!("{conv:?}{}", mixed_mark(p)))
 }
 
 /// The convolutions of the standard checks: the demo CNN's

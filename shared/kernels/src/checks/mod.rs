@@ -22,7 +22,7 @@ mod standard;
 
 pub use conv::{conv_cases, conv2d};
 pub use elementwise::{binary, dropout, unary, unary_kinks};
-pub use gemm::{linear, matmul};
+pub use gemm::{accumulation_bound, linear, matmul};
 pub use int8::{int8, int8_values};
 pub use loss::{cross_entropy, mse, softmax};
 pub use norm::{BatchNormInputs, batch_norm, batch_norm_inputs, layer_norm, layer_norm_around};
@@ -260,6 +260,20 @@ impl Builder {
     /// After the steps, `buffer` must hold `want` within `tol`.
     fn expect(&mut self, what: &'static str, buffer: usize, want: Vec<f32>, tol: Tol) {
         self.expect.push(Expect::new(what, buffer, want, tol));
+    }
+
+    /// After the steps, a GEMM output of `k` terms per element must hold
+    /// `want` within [`crate::gemm::gemm_tol`] and `bound[i]` more.
+    fn expect_gemm(
+        &mut self,
+        what: &'static str,
+        buffer: usize,
+        want: Vec<f32>,
+        k: usize,
+        bound: Vec<f32>,
+    ) {
+        self.expect
+            .push(Expect::new(what, buffer, want, crate::gemm::gemm_tol(k)).with_bound(bound));
     }
 
     /// After the steps, element `i` of `buffer` must be within `bound[i]`

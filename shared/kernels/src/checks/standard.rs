@@ -6,7 +6,7 @@ use super::{
     softmax, transpose, unary, unary_kinks,
 };
 use crate::elementwise::{BINARY_OPS, UNARIES};
-use crate::gemm::{AUTO_CANDIDATES, Tiling};
+use crate::gemm::{AUTO_CANDIDATES, Precision, Tiling};
 use crate::optim::optimizer_cases;
 use crate::pool::Pool2d;
 
@@ -52,15 +52,20 @@ pub fn standard_checks() -> Vec<Check> {
     let tilings = [Tiling::CLASSIC, Tiling::square(5, 3), Tiling::square(16, 1)];
     for (i, (a, b)) in matmuls.iter().enumerate() {
         for tiling in tilings.into_iter().chain(AUTO_CANDIDATES) {
-            checks.extend(matmul(a, b, tiling, i as u64));
+            checks.extend(matmul(a, b, tiling, Precision::F32, i as u64));
         }
+        // Mixed precision: the tensor-core form where the adapter has
+        // tensor cores (its tiling is its own), else the plain one.
+        checks.extend(matmul(a, b, Tiling::CLASSIC, Precision::Mixed, i as u64));
     }
-    for (i, (rows, inputs, outputs)) in [(1, 1, 1), (32, 784, 10), (7, 13, 29)]
+    for (i, (rows, inputs, outputs)) in [(1, 1, 1), (32, 784, 10), (7, 13, 29), (150, 200, 300)]
         .into_iter()
         .enumerate()
     {
-        checks.push(linear(rows, inputs, outputs, true, i as u64));
-        checks.push(linear(rows, inputs, outputs, false, i as u64));
+        for precision in [Precision::F32, Precision::Mixed] {
+            checks.push(linear(rows, inputs, outputs, true, precision, i as u64));
+            checks.push(linear(rows, inputs, outputs, false, precision, i as u64));
+        }
     }
     for (n, c, inner) in [(1, 1, 1), (32, 10, 1), (5, 3, 7), (300, 17, 1)] {
         checks.push(cross_entropy(n, c, inner, false, n as u64));
@@ -107,6 +112,9 @@ pub fn standard_checks() -> Vec<Check> {
     checks.push(gather(3, 5, 2, 4, 2));
     for (i, conv) in conv_cases().into_iter().enumerate() {
         checks.push(conv2d(conv, i as u64));
+        let mut mixed = conv;
+        mixed.precision = Precision::Mixed;
+        checks.push(conv2d(mixed, i as u64));
     }
     for (i, (planes, h, w, k, s, p)) in [
         (1, 1, 1, [1, 1], [1, 1], [0, 0]),

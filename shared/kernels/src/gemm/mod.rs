@@ -6,11 +6,16 @@
 use super::elementwise::{BinaryOp, Broadcast};
 use super::spec::{Binding, KernelSpec, Tol, numel, strides};
 
+pub mod precision;
 pub mod template;
+pub mod tensor;
+use precision::{GRAD_SCALE, operand};
+pub use precision::{Precision, Side};
 pub use template::{
     AUTO_CANDIDATES, BUSY_BLOCKS, Gemm, MAX_GEMM_TILE, MAX_PER_THREAD, Tiling, WORKGROUP_BYTES,
     busy_blocks, set_busy_blocks, split_parts,
 };
+pub use tensor::{TENSOR_CANDIDATES, TensorTiling};
 
 /// Tolerance of a GEMM with `k` terms per output in `[-1, 1]`: f32
 /// accumulation in tile order against an f64 reference.
@@ -68,6 +73,9 @@ pub struct MatMul {
     pub b: Vec<usize>,
     /// `None`: chosen for each product's shape ([`Tiling::auto`]).
     pub tiling: Option<Tiling>,
+    /// How the operands enter the multiply-adds, on the GPU and in
+    /// [`Self::reference_at`].
+    pub precision: Precision,
 }
 
 impl MatMul {
@@ -82,6 +90,7 @@ impl MatMul {
             a: a.to_vec(),
             b: b.to_vec(),
             tiling: None,
+            precision: Precision::F32,
         })
     }
 
@@ -111,6 +120,8 @@ impl MatMul {
         let (ba, bb, out) = self.batch_shapes();
         Gemm {
             label: "matmul_fwd".into(),
+            precision: self.precision,
+            gradient: None,
             tiling: self.tiling,
             split: 1,
             batch: numel(&out),
@@ -145,6 +156,8 @@ impl MatMul {
         let (_, bb, out) = self.batch_shapes();
         Gemm {
             label: "matmul_bwd_a".into(),
+            precision: self.precision,
+            gradient: Some(Side::A),
             tiling: self.tiling,
             split: 1,
             batch: numel(&out),
@@ -175,6 +188,8 @@ impl MatMul {
         let (ba, _, out) = self.batch_shapes();
         Gemm {
             label: "matmul_bwd_b".into(),
+            precision: self.precision,
+            gradient: Some(Side::B),
             tiling: self.tiling,
             split: 1,
             batch: numel(&out),
@@ -225,6 +240,11 @@ impl MatMul {
 
     /// CPU reference: `(c, da, db)` for upstream gradient `dc`, in f64.
     pub fn reference(&self, a: &[f32], b: &[f32], dc: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (a, b, dc) = (
+            operand(self.precision, a, 1.0),
+            operand(self.precision, b, 1.0),
+            operand(self.precision, dc, GRAD_SCALE),
+        );
         let (m, k, n) = self.mkn();
         let (ba, bb, out) = self.batch_shapes();
         let z_count = numel(&out);
@@ -298,6 +318,9 @@ pub struct Linear {
     pub bias: bool,
     /// `None`: chosen for each product's shape ([`Tiling::auto`]).
     pub tiling: Option<Tiling>,
+    /// How the operands enter the multiply-adds, on the GPU and in
+    /// [`Self::reference_at`].
+    pub precision: Precision,
 }
 
 impl Linear {
@@ -308,6 +331,7 @@ impl Linear {
             outputs,
             bias,
             tiling: None,
+            precision: Precision::F32,
         }
     }
 
@@ -328,6 +352,8 @@ impl Linear {
         ];
         Gemm {
             label: "linear_fwd".into(),
+            precision: self.precision,
+            gradient: None,
             tiling: self.tiling,
             split: 1,
             batch: 1,
@@ -353,6 +379,8 @@ impl Linear {
         let (r, i, o) = (self.rows, self.inputs, self.outputs);
         Gemm {
             label: "linear_bwd_x".into(),
+            precision: self.precision,
+            gradient: Some(Side::A),
             tiling: self.tiling,
             split: 1,
             batch: 1,
@@ -378,6 +406,8 @@ impl Linear {
         let (r, i, o) = (self.rows, self.inputs, self.outputs);
         Gemm {
             label: "linear_bwd_w".into(),
+            precision: self.precision,
+            gradient: Some(Side::A),
             tiling: self.tiling,
             split: 1,
             batch: 1,
@@ -411,16 +441,22 @@ impl Linear {
         bias: Option<&[f32]>,
         dy: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (x, w, dy) = (
+            operand(self.precision, x, 1.0),
+            operand(self.precision, w, 1.0),
+            operand(self.precision, dy, GRAD_SCALE),
+        );
         let (r, i, o) = (self.rows, self.inputs, self.outputs);
         let mm = MatMul::new(&[r, i], &[i, o]).unwrap_or_else(|| MatMul {
             a: vec![r, i],
             b: vec![i, o],
             tiling: None,
+            precision: Precision::F32,
         });
         // W^T as a plain [in, out] matrix for the matmul reference.
         let wt: Vec<f32> = (0..i * o).map(|idx| w[(idx % o) * i + idx / o]).collect();
         let (mut y, dx, dwt, _) = {
-            let (c, da, db) = mm.reference(x, &wt, dy);
+            let (c, da, db) = mm.reference(&x, &wt, &dy);
             (c, da, db, ())
         };
         if let Some(bias) = bias {

@@ -16,6 +16,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::precision::{GRAD_SCALE, Precision, ROUND_HALF_WGSL, Side, tensor_cores};
+use super::tensor::{self, TensorTiling};
 use crate::spec::{Binding, KernelSpec, declare, kinds};
 
 /// Largest workgroup side: `tile x tile` invocations must fit WebGPU's
@@ -331,6 +333,30 @@ pub struct Gemm<'a> {
     /// Statements storing `acc` for `(z, row, col)` (and `part`), run only
     /// in bounds.
     pub store: String,
+    /// How the operands enter the multiply-adds ([`super::precision`]).
+    pub precision: Precision,
+    /// The operand that is a gradient, scaled into f16's range under
+    /// [`Precision::Mixed`].
+    pub gradient: Option<Side>,
+}
+
+/// The staging loop of one operand tile: `elems` elements over `threads`
+/// invocations, `body` run for each `idx` (guarded where the last round is
+/// partial).
+pub(super) fn staged(elems: u32, threads: u32, body: &str) -> String {
+    let mut s = String::new();
+    for e in 0..elems.div_ceil(threads) {
+        let guard = if (e + 1) * threads > elems {
+            format!("if (lin + {}u < {elems}u) ", e * threads)
+        } else {
+            String::new()
+        };
+        s += &format!(
+            "        {guard}{{\n            let idx = lin + {}u;\n{body}        }}\n",
+            e * threads
+        );
+    }
+    s
 }
 
 /// Parts [`Gemm::split`] actually makes of `k` for `tiling`: no part is
@@ -348,7 +374,27 @@ impl Gemm<'_> {
             .unwrap_or_else(|| Tiling::auto(self.m, self.n, self.batch))
     }
 
+    /// The tensor-core tiling a mixed-precision GEMM takes where the
+    /// adapter has them.
+    pub fn tensor_tiling(&self) -> TensorTiling {
+        tensor::forced_tiling().unwrap_or_else(|| {
+            TensorTiling::auto_for(self.m, self.n, self.batch, super::busy_blocks())
+        })
+    }
+
+    /// The WGSL: the tensor-core form for a mixed-precision GEMM where the
+    /// adapter has tensor cores, else the plain form.
     pub fn spec(&self) -> KernelSpec {
+        if self.precision == Precision::Mixed && tensor_cores() {
+            return tensor::spec(self, self.tensor_tiling());
+        }
+        self.plain_spec()
+    }
+
+    /// The plain form, for every adapter: under [`Precision::Mixed`] each
+    /// staged operand is rounded to f16's precision in f32
+    /// ([`ROUND_HALF_WGSL`]).
+    pub fn plain_spec(&self) -> KernelSpec {
         let tiling = self.tiling();
         let Tiling {
             tile: t,
@@ -367,21 +413,7 @@ impl Gemm<'_> {
         let (a_elems, b_elems) = (bm * d, d * bn);
         let (a_stride, b_stride) = tiling.strides(self.a_along_k, self.b_along_k);
         let (a_stride4, b_stride4) = (a_stride / 4, b_stride / 4);
-        let staged = |elems: u32, body: &str| {
-            let mut s = String::new();
-            for e in 0..elems.div_ceil(threads) {
-                let guard = if (e + 1) * threads > elems {
-                    format!("if (lin + {}u < {elems}u) ", e * threads)
-                } else {
-                    String::new()
-                };
-                s += &format!(
-                    "        {guard}{{\n            let idx = lin + {}u;\n{body}        }}\n",
-                    e * threads
-                );
-            }
-            s
-        };
+        let staged = |elems: u32, body: &str| staged(elems, threads, body);
         let (put_a, put_b) = if vector {
             (
                 format!("tile_a[ak * {a_stride4}u + ar / 4u][ar % 4u] = av;"),
@@ -404,18 +436,37 @@ impl Gemm<'_> {
         } else {
             (format!("idx / {bn}u"), format!("idx % {bn}u"))
         };
+        let mixed = self.precision == Precision::Mixed;
+        let (round_open, round_close) = if mixed {
+            ("round_half(", ")")
+        } else {
+            ("", "")
+        };
+        let scale = |side| {
+            if mixed && self.gradient == Some(side) {
+                format!(" * {GRAD_SCALE:.1}")
+            } else {
+                String::new()
+            }
+        };
+        let (scale_a, scale_b) = (scale(Side::A), scale(Side::B));
+        let unscale = if mixed && self.gradient.is_some() {
+            format!(" * {:e}", 1.0 / GRAD_SCALE)
+        } else {
+            String::new()
+        };
         let loads = staged(
             a_elems,
             &format!(
                 "            let ar = {ar};\n            let ak = {ak};\n            let gk = kbase + ak;\n\
-                 \x20           var av = 0.0;\n            if (row0 + ar < {m}u && gk < {k}u) {{ av = load_a(z, row0 + ar, gk); }}\n\
+                 \x20           var av = 0.0;\n            if (row0 + ar < {m}u && gk < {k}u) {{ av = {round_open}load_a(z, row0 + ar, gk){scale_a}{round_close}; }}\n\
                  \x20           {put_a}\n"
             ),
         ) + &staged(
             b_elems,
             &format!(
                 "            let bk = {bk};\n            let bc = {bc};\n            let gk = kbase + bk;\n\
-                 \x20           var bv = 0.0;\n            if (gk < {k}u && col0 + bc < {n}u) {{ bv = load_b(z, gk, col0 + bc); }}\n\
+                 \x20           var bv = 0.0;\n            if (gk < {k}u && col0 + bc < {n}u) {{ bv = {round_open}load_b(z, gk, col0 + bc){scale_b}{round_close}; }}\n\
                  \x20           {put_b}\n"
             ),
         );
@@ -487,7 +538,7 @@ impl Gemm<'_> {
             for j in 0..rn {
                 let (r, c, acc) = place(i, j);
                 store += &format!(
-                    "    {{\n        let row = row0 + {r};\n        let col = col0 + {c};\n        let acc = {acc};\n\
+                    "    {{\n        let row = row0 + {r};\n        let col = col0 + {c};\n        let acc = {acc}{unscale};\n\
                      \x20       if (row < {m}u && col < {n}u) {{\n{}\n        }}\n    }}\n",
                     self.store
                 );
@@ -507,7 +558,7 @@ fn load_a(z: u32, row: u32, kk: u32) -> f32 {{
 fn load_b(z: u32, kk: u32, col: u32) -> f32 {{
 {load_b}
 }}
-var<workgroup> tile_a: array<{tile_ty}, {a_len}>;
+{to_half}var<workgroup> tile_a: array<{tile_ty}, {a_len}>;
 var<workgroup> tile_b: array<{tile_ty}, {b_len}>;
 
 @compute @workgroup_size({t}, {t}, 1)
@@ -534,6 +585,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_id) l
             desc = tiling.describe(),
             load_a = self.load_a,
             load_b = self.load_b,
+            to_half = if mixed { ROUND_HALF_WGSL } else { "" },
         );
         KernelSpec {
             label: self.label.clone(),
