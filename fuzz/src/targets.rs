@@ -245,6 +245,7 @@ fn protocol_to_provider() -> io::Result<Target> {
             public_name: Some("fuzz".into()),
             schedule: rookery_proto::PipelineSchedule::OneForwardOneBackward,
             sync_int8: true,
+            precision: Default::default(),
         })),
         ToProvider::Forward(Forward {
             job_id: 1,

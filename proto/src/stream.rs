@@ -694,6 +694,7 @@ mod tests {
                 public_name: None,
                 schedule: crate::PipelineSchedule::Gpipe,
                 sync_int8: false,
+                precision: Default::default(),
             })),
             ToProvider::SetOptimizerState(OptimizerState {
                 job_id: 1,

@@ -20,7 +20,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use rookery_model::{Loss, LrSchedule, OptimizerConfig};
+use rookery_model::{Loss, LrSchedule, OptimizerConfig, Precision};
 
 use crate::tensor::{WireDType, WireTensor};
 
@@ -136,6 +136,10 @@ pub struct Assignment {
     /// in blockwise int8 ([`WireDType::I8Block`]); the server adds it back
     /// to the same values. Other tensors, and optimizer state, go as they are.
     pub sync_int8: bool,
+    /// How the stage's matrix products compute (the job's `precision`):
+    /// under `mixed`, operands rounded to f16 and sums in f32, alike on
+    /// every backend.
+    pub precision: Precision,
 }
 
 /// The names of optimizer state slots, as `torch.optim` names them in a

@@ -74,6 +74,7 @@ fn assignment(graph_json: String) -> Assignment {
         public_name: None,
         schedule: rookery_proto::PipelineSchedule::Gpipe,
         sync_int8: false,
+        precision: Default::default(),
     }
 }
 

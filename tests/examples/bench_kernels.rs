@@ -225,6 +225,7 @@ fn main() -> Result<()> {
         "mnist-cnn",
         &cnn,
         BATCH,
+        Precision::F32,
         SECONDS,
     ))?;
     println!("\n{time}");

@@ -46,6 +46,7 @@ pub const FIELDS: &[(&str, &str)] = &[
     ("val-every", "training.val_every"),
     ("wire-dtype", "training.wire_dtype"),
     ("schedule", "training.schedule"),
+    ("precision", "training.precision"),
     ("average-optimizer", "training.average_optimizer"),
     ("outer-optimizer", "training.sync.outer_optimizer"),
     ("outer-lr", "training.sync.outer_optimizer.lr"),
@@ -163,6 +164,7 @@ pub fn defaults() -> BTreeMap<&'static str, String> {
         ("val-every", ""),
         ("wire-dtype", "f32"),
         ("schedule", "gpipe"),
+        ("precision", "f32"),
         ("average-optimizer", "no"),
         ("outer-optimizer", "none"),
         ("outer-lr", "0.7"),
@@ -549,6 +551,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
     let loss = loss(values, &mut errors);
     let wire_dtype = choice(values, "wire-dtype", &mut errors);
     let schedule = choice(values, "schedule", &mut errors);
+    let precision = choice(values, "precision", &mut errors);
     let average_optimizer = (values.get("average-optimizer") == "yes").then_some(true);
     let sync = sync(values, &mut errors);
 
@@ -589,6 +592,7 @@ pub fn build_job(values: &FormValues) -> Result<JobFile, FieldErrors> {
             wire_dtype,
             aggregation: None,
             schedule,
+            precision,
             lr_schedule,
             clip_grad_norm,
             verify: None,

@@ -98,7 +98,8 @@ impl BackendFactory for TorchStageFactory {
                 params,
                 self.device,
             )?
-            .with_stash_weights(spec.stash_weights);
+            .with_stash_weights(spec.stash_weights)
+            .with_precision(spec.precision);
             let mut optimizer = TorchOptimizer::new(spec.optimizer)?;
             restore_optimizer(&mut optimizer, &exec, spec.optimizer_state, self.device)?;
             Ok(TorchStage { exec, optimizer })

@@ -302,6 +302,7 @@ impl JobRun {
             public_name: self.spec.public_name.clone(),
             schedule: self.spec.training.schedule,
             sync_int8: self.syncs_int8(),
+            precision: t.precision,
         }
     }
 

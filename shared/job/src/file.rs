@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use rookery_model::{ClassAxis, ClusterCount, Loss, LrSchedule, OptimizerConfig};
+use rookery_model::{ClassAxis, ClusterCount, Loss, LrSchedule, OptimizerConfig, Precision};
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -164,6 +164,8 @@ pub struct TrainingFile {
     pub aggregation: Option<Aggregation>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<PipelineSchedule>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr_schedule: Option<LrScheduleFile>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -32,6 +32,7 @@
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16 | int8 (blockwise)
 //! aggregation = "mean"         # mean (default) | median | centered_clip
 //! schedule = "gpipe"           # gpipe (default) | 1f1b | async (PipeDream-2BW): how micro-batches flow
+//! precision = "f32"            # f32 (default) | mixed: matrix products on f16 operands, f32 sums
 //! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
 //! val_every = 100              # optional: also evaluate every 100 steps (needs test data)
 //! average_optimizer = false    # default false: true averages optimizer state at syncs too
@@ -98,7 +99,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use rookery_model::load::{LoadedModel, load_model_file};
-use rookery_model::{ClusterCount, Loss, LrSchedule, OptimizerConfig};
+use rookery_model::{ClusterCount, Loss, LrSchedule, OptimizerConfig, Precision};
 use serde::Serialize;
 
 pub use rookery_proto::WireDType;
@@ -251,6 +252,9 @@ pub struct TrainingSpec {
     /// stage uploads its float parameters at a sync as their change since
     /// the parameters it was last given, in blockwise int8.
     pub sync_int8: bool,
+    /// How every matrix product of the model computes: `mixed` rounds its
+    /// operands to f16 and sums in f32 (tensor cores where a GPU has them).
+    pub precision: Precision,
 }
 
 /// The outer optimizer of a DiLoCo-style sync (Douillard et al., 2023): the
@@ -823,6 +827,7 @@ impl JobSpec {
             average_optimizer: t.average_optimizer.unwrap_or(false),
             schedule: t.schedule.unwrap_or_default(),
             sync_int8,
+            precision: t.precision.unwrap_or_default(),
             outer_optimizer: match sync.outer_optimizer {
                 Some(o) => Some(OuterOptimizer::from_file(o)?),
                 None => None,
@@ -1017,6 +1022,7 @@ impl From<JobSpec> for JobFile {
                 val_every: t.val_every,
                 average_optimizer: Some(t.average_optimizer),
                 schedule: Some(t.schedule),
+                precision: Some(t.precision),
                 sync: (t.outer_optimizer.is_some() || t.sync_int8).then(|| SyncFile {
                     every: None,
                     outer_optimizer: t.outer_optimizer.map(|o| o.to_file()),

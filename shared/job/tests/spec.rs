@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use rookery_job::{Aggregation, DataFormat, DataRef, JobError, JobSpec, ModelSource, WireDType};
-use rookery_model::{ClassAxis, ClusterCount, Loss, LrSchedule, OptimizerConfig};
+use rookery_model::{ClassAxis, ClusterCount, Loss, LrSchedule, OptimizerConfig, Precision};
 
 mod common;
 
@@ -302,6 +302,34 @@ fn loss_tables_set_the_class_axis_and_ignore_index_with_torch_defaults() {
             class_axis: ClassAxis::Last,
             ignore_index: -100,
         }
+    );
+}
+
+#[test]
+fn mixed_precision_parses_round_trips_and_an_unknown_one_is_refused() {
+    let dir = base();
+    let plain = JobSpec::from_toml(EXAMPLE, dir.path()).unwrap();
+    assert_eq!(plain.training.precision, Precision::F32);
+    let text = example_with(
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\nprecision = \"mixed\"",
+    );
+    let job = JobSpec::from_toml(&text, dir.path()).unwrap();
+    assert_eq!(job.training.precision, Precision::Mixed);
+    let json = job.to_json().unwrap();
+    assert!(json.contains(r#""precision": "mixed""#), "{json}");
+    let back = JobSpec::from_json(&json, Path::new("/nonexistent-base")).unwrap();
+    assert_eq!(back, job);
+    let text = example_with(
+        "wire_dtype = \"f32\"",
+        "wire_dtype = \"f32\"\nprecision = \"fp16\"",
+    );
+    let error = JobSpec::from_toml(&text, dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("precision") && error.contains("mixed"),
+        "{error}"
     );
 }
 

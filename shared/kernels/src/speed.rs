@@ -82,7 +82,7 @@ pub async fn matmul(
     let used = if precision == Precision::Mixed && tensor_cores() {
         crate::gemm::tensor::forced_tiling()
             .unwrap_or_else(|| {
-                crate::gemm::TensorTiling::auto_for(m, n, 1, crate::gemm::busy_blocks())
+                crate::gemm::TensorTiling::auto_for(m, n, 1, crate::gemm::tensor::busy_blocks())
             })
             .describe()
     } else {

@@ -94,6 +94,50 @@ fn mixed_gemms_multiply_operands_rounded_to_f16_and_scale_gradients() {
 }
 
 #[test]
+fn every_tensor_core_tiling_matches_its_reference() {
+    use rookery_kernels::gemm::TENSOR_CANDIDATES;
+    use rookery_kernels::gemm::tensor::force_tiling;
+    // Where the adapter has no tensor cores this checks the plain form once
+    // per candidate; where it has, each candidate's own kernels, edges and
+    // split-K included.
+    let mut failures = Vec::new();
+    for t in TENSOR_CANDIDATES {
+        force_tiling(Some(t));
+        let mut conv = rookery_kernels::conv::Conv2d::new(
+            [3, 5, 11, 9],
+            7,
+            [3, 3],
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            1,
+            true,
+        )
+        .expect("valid geometry");
+        conv.precision = Precision::Mixed;
+        let built = [
+            checks::linear(150, 200, 300, true, Precision::Mixed, 5),
+            checks::matmul(
+                &[2, 70, 45],
+                &[45, 130],
+                Tiling::CLASSIC,
+                Precision::Mixed,
+                6,
+            )
+            .expect("valid shapes"),
+            checks::conv2d(conv, 7),
+        ];
+        force_tiling(None);
+        failures.extend(
+            built
+                .iter()
+                .filter_map(|c| run(c).err().map(|e| format!("{}: {e}", t.describe()))),
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
 fn pipelines_are_cached_per_generated_source() {
     // A context of its own: the shared one gains pipelines from the tests
     // running beside this one.

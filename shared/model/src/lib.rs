@@ -30,6 +30,7 @@ pub use ops::Op;
 /// The optimizer settings of a job: defined beside the kernels that step
 /// them, so every crate names the same type.
 pub use rookery_kernels::OptimizerConfig;
+pub use rookery_kernels::gemm::Precision;
 /// Learning-rate schedules and the clipping multiplier, beside the optimizer.
 pub use rookery_kernels::{LrSchedule, ScheduleError, clip_scale, sum_of_squares};
 

@@ -1,13 +1,15 @@
 //! What a training micro-batch costs a stage beyond its kernels on this
 //! machine's GPU, for the demo CNN (`examples/mnist-cnn.toml`) and a wide
 //! MLP: part of the GPU kit (`cargo xtask gpu-kit`), which needs no
-//! libtorch. `--quick` runs small batches only (software renderers).
+//! libtorch. `--quick` runs small batches only (software renderers). Each
+//! runs in f32, then in mixed precision (`precision = "mixed"`).
 //!
 //! Usage: `stage_speed [--quick] [--seconds S]`
 
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
+use rookery_model::Precision;
 use rookery_model::spec::from_toml;
 use rookery_stage::GpuDevice;
 use rookery_stage::speed::micro_batch;
@@ -58,9 +60,22 @@ fn main() -> Result<()> {
     };
     for &(name, toml, batch) in runs {
         let graph = from_toml(toml).with_context(|| format!("the {name} spec"))?;
-        let time = pollster::block_on(micro_batch(device.clone(), name, &graph, batch, seconds))
-            .with_context(|| format!("{name} at batch {batch}"))?;
-        println!("{time}");
+        for precision in [Precision::F32, Precision::Mixed] {
+            let label = match precision {
+                Precision::F32 => name.to_string(),
+                Precision::Mixed => format!("{name} mixed"),
+            };
+            let time = pollster::block_on(micro_batch(
+                device.clone(),
+                &label,
+                &graph,
+                batch,
+                precision,
+                seconds,
+            ))
+            .with_context(|| format!("{label} at batch {batch}"))?;
+            println!("{time}");
+        }
     }
     Ok(())
 }

@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 use rookery_kernels::OptimizerConfig;
+use rookery_kernels::gemm::Precision;
 use rookery_kernels::spec::numel;
 use rookery_model::{DType, Graph, ParamKind, Source, StageLayout, sum_of_squares};
 
@@ -151,6 +152,8 @@ pub struct StageExecutor<D: Device> {
     /// Boundary tensors packed as int8 on the device (`None`: f32).
     int8: Option<PackedIo<D>>,
     transfers: Transfers,
+    /// How the matrix products compute; programs are lowered with it.
+    precision: Precision,
 }
 
 impl<D: Device> StageExecutor<D> {
@@ -253,6 +256,7 @@ impl<D: Device> StageExecutor<D> {
             optimizer_kernels: HashMap::new(),
             int8: None,
             transfers: Transfers::default(),
+            precision: Precision::F32,
         })
     }
 
@@ -266,6 +270,17 @@ impl<D: Device> StageExecutor<D> {
     /// run while micro-batches of the `Current` ones await their backward.
     /// Allocates a second value buffer per trainable parameter; until the
     /// first step `Previous` is `Current`.
+    /// Computes the stage's matrix products in `precision` from now on
+    /// (programs already lowered are lowered again).
+    pub fn set_precision(&mut self, precision: Precision) -> Result<(), StageError> {
+        self.idle("changing the precision")?;
+        if precision != self.precision {
+            self.precision = precision;
+            self.programs.clear();
+        }
+        Ok(())
+    }
+
     pub fn keep_previous_weights(&mut self) -> Result<(), StageError> {
         if self.versions.is_some() {
             return Ok(());
@@ -868,6 +883,7 @@ impl<D: Device> StageExecutor<D> {
                 batch,
                 train,
                 &self.local_dtypes,
+                self.precision,
                 |k| device.prepare(k),
             )?;
             self.programs.insert(key, program);

@@ -132,6 +132,8 @@ impl<D: Device> BackendFactory for OwnFactory<D> {
             exec.keep_previous_weights().map_err(|e| e.to_string())?;
         }
         exec.set_wire(spec.wire).map_err(|e| e.to_string())?;
+        exec.set_precision(spec.precision)
+            .map_err(|e| e.to_string())?;
         if !spec.optimizer_state.is_empty() {
             exec.restore_optimizer_state(&optimizer_states(spec.optimizer_state)?)
                 .map_err(|e| e.to_string())?;

@@ -54,6 +54,7 @@ impl<B: Backend> Predictor<B> {
                 optimizer: OptimizerConfig::sgd(0.0),
                 optimizer_state: &[],
                 stash_weights: false,
+                precision: Default::default(),
                 // Outputs are read on the host, as f32.
                 wire: crate::StageWire::F32,
             })

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use rookery_kernels::conv::Conv2d;
 use rookery_kernels::dropout::{self, DropoutMask};
 use rookery_kernels::elementwise::{BinaryOp, Broadcast, Operand, Unary};
-use rookery_kernels::gemm::{Linear, MatMul};
+use rookery_kernels::gemm::{Linear, MatMul, Precision};
 use rookery_kernels::norm::{BatchNorm, LayerNorm};
 use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::{Softmax, split_at_axis};
@@ -94,13 +94,15 @@ fn shapes_at(graph: &Graph, batch: usize) -> Result<BTreeMap<String, Vec<usize>>
 
 /// Builds the program of `layout` for micro-batches of `batch` samples in
 /// training (`train`: dropout active, BatchNorm on batch statistics) or
-/// evaluation mode, preparing each kernel with `prepare`.
+/// evaluation mode, its matrix products in `precision`, preparing each
+/// kernel with `prepare`.
 pub(crate) fn lower<P>(
     graph: &Graph,
     layout: &StageLayout,
     batch: usize,
     train: bool,
     local_dtypes: &[DType],
+    precision: Precision,
     prepare: impl Fn(&Kernel) -> P,
 ) -> Result<Program<P>, StageError> {
     let shapes = shapes_at(graph, batch)?;
@@ -130,6 +132,7 @@ pub(crate) fn lower<P>(
         free_temps: Vec::new(),
         kept: HashMap::new(),
         train,
+        precision,
         dropouts: Vec::new(),
         counted: Vec::new(),
         index_checks: Vec::new(),
@@ -212,6 +215,7 @@ struct Lowering<'a> {
     /// Saved buffers each node's forward wrote, for its backward.
     kept: HashMap<usize, Vec<Buf>>,
     train: bool,
+    precision: Precision,
     dropouts: Vec<(usize, String, u64)>,
     counted: Vec<usize>,
     index_checks: Vec<(usize, usize)>,
@@ -1033,6 +1037,10 @@ impl Lowering<'_> {
             *groups,
             ins.len() > 2,
         )
+        .map(|c| Conv2d {
+            precision: self.precision,
+            ..c
+        })
         .ok_or_else(|| self.unsupported(k, op, "invalid convolution geometry"))
     }
 
@@ -1069,16 +1077,18 @@ impl Lowering<'_> {
         if inputs != *w_in || inputs == 0 {
             return Err(self.unsupported(k, op, "input width differs from the weight's"));
         }
-        Ok(Linear::new(
-            numel(x) / inputs,
-            inputs,
-            *outputs,
-            ins.len() > 2,
-        ))
+        Ok(Linear {
+            precision: self.precision,
+            ..Linear::new(numel(x) / inputs, inputs, *outputs, ins.len() > 2)
+        })
     }
 
     fn matmul(&self, k: usize, op: &Op, ins: &[Source]) -> Result<MatMul, StageError> {
         MatMul::new(self.shape(ins[0]), self.shape(ins[1]))
+            .map(|m| MatMul {
+                precision: self.precision,
+                ..m
+            })
             .ok_or_else(|| self.unsupported(k, op, "operand shapes do not multiply"))
     }
 }

@@ -58,6 +58,7 @@ pub async fn micro_batch<D: Device>(
     name: &str,
     graph: &Graph,
     batch: usize,
+    precision: rookery_kernels::gemm::Precision,
     seconds: f64,
 ) -> Result<MicroBatchTime, StageError> {
     let input = graph
@@ -77,6 +78,7 @@ pub async fn micro_batch<D: Device>(
         &graph.initial_values(1),
         OptimizerConfig::sgd(0.01),
     )?;
+    exec.set_precision(precision)?;
     // The first micro-batch finds the outputs' shapes, and so the gradients
     // every later one sends back (drawn once: drawing them is host work no
     // stage does).

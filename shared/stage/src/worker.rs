@@ -78,6 +78,8 @@ pub struct StageSpec<'a> {
     /// whether the stage sends its outputs), for backends that ready them
     /// on their device.
     pub wire: crate::StageWire,
+    /// How the stage's matrix products compute (the job's `precision`).
+    pub precision: rookery_model::Precision,
 }
 
 /// Which of a stage's two weight versions a training forward runs with (its
@@ -518,6 +520,7 @@ impl<B: Backend> Stage<B> {
                 optimizer: a.optimizer,
                 optimizer_state: &a.optimizer_state,
                 stash_weights: a.schedule.is_async(),
+                precision: a.precision,
                 wire: crate::StageWire {
                     dtype: a.wire_dtype,
                     sends_outputs: !leaf,

@@ -90,6 +90,7 @@ impl Case {
                 optimizer: OptimizerConfig::sgd(0.1),
                 optimizer_state: &[],
                 stash_weights: false,
+                precision: Default::default(),
                 wire,
             })
             .unwrap()
@@ -440,6 +441,7 @@ fn chain_step<D: Device>(factory: &OwnFactory<D>, root: WireDType, leaf: WireDTy
             public_name: None,
             schedule: rookery_proto::PipelineSchedule::Gpipe,
             sync_int8: false,
+            precision: Default::default(),
         }))
     };
     let mut workers = [root, leaf].map(|_| StageWorker::new(factory.clone()));

@@ -125,6 +125,7 @@ fn build<D: Device>(
             optimizer_state: &[],
             stash_weights,
             wire: rookery_stage::StageWire::F32,
+            precision: Default::default(),
         })
         .unwrap()
 }

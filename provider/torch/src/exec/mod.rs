@@ -40,6 +40,7 @@ pub mod reference;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
+use rookery_kernels::gemm::Precision;
 use rookery_model::layout::{self, LayoutError, LayoutParam, Source, StageLayout};
 use rookery_model::{DType, Graph, GraphError, Op, ParamKind};
 pub use rookery_stage::{StageError, WeightVersion};
@@ -194,6 +195,8 @@ pub struct TorchExecutor {
     next_sample: u64,
     /// Weight stashing (PipeDream-2BW), see the module docs.
     stash_weights: bool,
+    /// How matrix products compute (the job's `precision`).
+    precision: Precision,
     /// A step with stashing ran since the last merge: `Previous` weights
     /// (of generation `generation - 1`) are distinct from `Current` ones.
     has_previous: bool,
@@ -326,6 +329,7 @@ impl TorchExecutor {
             step_seed: 0,
             next_sample: 0,
             stash_weights: false,
+            precision: Precision::F32,
             has_previous: false,
             generation: 0,
         })
@@ -335,6 +339,14 @@ impl TorchExecutor {
     /// for a new executor.
     pub fn with_stash_weights(mut self, stash_weights: bool) -> Self {
         self.stash_weights = stash_weights;
+        self
+    }
+
+    /// The same executor computing its matrix products in `precision`:
+    /// under [`Precision::Mixed`] exactly what our kernels do (operands and
+    /// output gradients rounded to f16), so stages agree across backends.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
         self
     }
 
@@ -904,6 +916,7 @@ impl TorchExecutor {
                 seed: self.step_seed,
                 sample_offset,
                 node: &node.name,
+                precision: self.precision,
             };
             let out = ops::apply(&node.op, &args, &ctx).map_err(|e| match e {
                 OpFailure::Torch(e) => fail(short(&e)),

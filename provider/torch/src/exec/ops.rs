@@ -6,6 +6,8 @@
 
 use rookery_kernels::dropout;
 use rookery_kernels::elementwise::Unary;
+use rookery_kernels::gemm::Precision;
+use rookery_kernels::gemm::precision::{F16_MAX, GRAD_SCALE};
 use rookery_model::Op;
 use tch::{Kind, Tensor};
 
@@ -39,6 +41,63 @@ pub(crate) struct OpContext<'a> {
     pub sample_offset: u64,
     /// The node's name; it selects the node's own dropout stream.
     pub node: &'a str,
+    /// How matrix products compute (the job's `precision`).
+    pub precision: Precision,
+}
+
+/// `x` rounded to f16 (clamped to its range, to nearest, ties to even),
+/// passing gradients through unchanged: a mixed-precision GEMM operand.
+fn rounded(x: &Tensor) -> OpResult {
+    let r = x
+        .f_clamp(-f64::from(F16_MAX), f64::from(F16_MAX))?
+        .f_to_kind(Kind::Half)?
+        .f_to_kind(Kind::Float)?;
+    // `r` forward (x - x is exactly 0), the identity backward.
+    Ok(r.detach().f_add(&x.f_sub(&x.detach())?)?)
+}
+
+/// `y` unchanged forward, whose gradient is rounded to f16 after scaling by
+/// [`GRAD_SCALE`] (and scaled back): what the GEMMs of our kernels'
+/// backward see of a mixed-precision product's output gradient.
+fn gradient_rounded(y: &Tensor) -> OpResult {
+    let s = f64::from(GRAD_SCALE);
+    // Autograd rounds the gradient where it casts it back to f16.
+    let w = y
+        .f_div_scalar(s)?
+        .f_clamp(-f64::from(F16_MAX), f64::from(F16_MAX))?
+        .f_to_kind(Kind::Half)?
+        .f_to_kind(Kind::Float)?
+        .f_mul_scalar(s)?;
+    // Forward `w + (y - w) = y` exactly (w is y rounded more coarsely);
+    // backward only through `w`.
+    Ok(w.f_add(&y.f_sub(&w)?.detach())?)
+}
+
+/// The product `gemm(a, b)` as a mixed-precision GEMM of our kernels
+/// computes it: operands rounded to f16, f32 sums, and (backward) the
+/// output's gradient rounded as [`gradient_rounded`] says. Under f32 just
+/// `gemm(a, b)`.
+fn product(
+    precision: Precision,
+    a: &Tensor,
+    b: &Tensor,
+    gemm: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor, tch::TchError>,
+) -> OpResult {
+    match precision {
+        Precision::F32 => Ok(gemm(a, b)?),
+        Precision::Mixed => gradient_rounded(&gemm(&rounded(a)?, &rounded(b)?)?),
+    }
+}
+
+/// `y + bias` broadcast along `axis` of `y` (the channel of a convolution,
+/// the last of a linear layer), or `y` without one.
+fn plus_bias(y: Tensor, bias: Option<&Tensor>, rank: usize, axis: usize) -> OpResult {
+    let Some(bias) = bias else {
+        return Ok(y);
+    };
+    let mut shape = vec![1i64; rank];
+    shape[axis] = -1;
+    Ok(y.f_add(&bias.f_reshape(shape.as_slice())?)?)
 }
 
 /// Converts an attribute stored as f32 to the f64 the user wrote: `0.1f32` is
@@ -110,8 +169,16 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
             .ok_or_else(|| OpFailure::Invalid(format!("missing input {i}")))
     };
     Ok(match op {
+        Op::Linear if ctx.precision == Precision::Mixed => {
+            // The bias is added after the product, as the kernels' store does.
+            let y = product(ctx.precision, x, arg(1)?, |x, w| {
+                x.f_linear(w, None::<&Tensor>)
+            })?;
+            let rank = y.dim();
+            plus_bias(y, ins.get(2).copied(), rank, rank.saturating_sub(1))?
+        }
         Op::Linear => x.f_linear(arg(1)?, ins.get(2).copied())?,
-        Op::MatMul => x.f_matmul(arg(1)?)?,
+        Op::MatMul => product(ctx.precision, x, arg(1)?, |a, b| a.f_matmul(b))?,
         Op::Add => x.f_add(arg(1)?)?,
         Op::Sub => x.f_sub(arg(1)?)?,
         Op::Mul => x.f_mul(arg(1)?)?,
@@ -133,6 +200,24 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
         // torch.nn.functional.softmin: `(-x).softmax(dim)`.
         Op::Softmin { axis } => x.f_neg()?.f_softmax(*axis, None::<Kind>)?,
         _ if let Some(Unary::Activation(a)) = op.as_unary() => super::activation(x, a)?,
+        Op::Conv2d {
+            stride,
+            padding,
+            dilation,
+            groups,
+        } if ctx.precision == Precision::Mixed => {
+            let y = product(ctx.precision, x, arg(1)?, |x, w| {
+                x.f_conv2d(
+                    w,
+                    None::<&Tensor>,
+                    i64s(stride),
+                    i64s(padding),
+                    i64s(dilation),
+                    *groups as i64,
+                )
+            })?;
+            plus_bias(y, ins.get(2).copied(), 4, 1)?
+        }
         Op::Conv2d {
             stride,
             padding,

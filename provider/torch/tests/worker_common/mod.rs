@@ -117,6 +117,7 @@ pub fn assignment(
         public_name: None,
         schedule: rookery_proto::PipelineSchedule::Gpipe,
         sync_int8: false,
+        precision: Default::default(),
     }
 }
 

@@ -103,6 +103,7 @@ fn spec() -> JobSpec {
             average_optimizer: false,
             outer_optimizer: None,
             sync_int8: false,
+            precision: Default::default(),
             schedule: rookery_proto::PipelineSchedule::Gpipe,
         },
         public_name: None,

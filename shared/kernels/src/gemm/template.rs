@@ -378,7 +378,7 @@ impl Gemm<'_> {
     /// adapter has them.
     pub fn tensor_tiling(&self) -> TensorTiling {
         tensor::forced_tiling().unwrap_or_else(|| {
-            TensorTiling::auto_for(self.m, self.n, self.batch, super::busy_blocks())
+            TensorTiling::auto_for(self.m, self.n, self.batch, tensor::busy_blocks())
         })
     }
 

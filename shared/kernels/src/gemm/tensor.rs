@@ -11,7 +11,7 @@
 //! and the workgroup memory the largest [`TensorTiling`] stages.
 
 use super::precision::{GRAD_SCALE, ROUND_HALF_WGSL, Side};
-use super::template::{Gemm, split_parts, staged};
+use super::template::{Gemm, split_parts};
 use crate::spec::{KernelSpec, declare, kinds};
 
 /// The side of one cooperative-matrix fragment.
@@ -70,12 +70,17 @@ impl TensorTiling {
         (self.depth + PAD, self.block_cols() + PAD)
     }
 
+    /// Halves of the staged tiles of A and B.
+    fn tile_lens(&self) -> (u32, u32) {
+        let (sa, sb) = self.strides();
+        (self.block_rows() * sa, self.depth * sb)
+    }
+
     /// Workgroup memory: both staged tiles in f16 and a 16 x 16 f32
     /// scratch per subgroup for the store.
     pub fn workgroup_bytes(&self) -> u32 {
-        let (sa, sb) = self.strides();
-        2 * (self.block_rows() * sa + self.depth * sb)
-            + 4 * FRAGMENT * FRAGMENT * self.warps_m * self.warps_n
+        let (a, b) = self.tile_lens();
+        2 * (a + b) + 4 * FRAGMENT * FRAGMENT * self.warps_m * self.warps_n
     }
 
     fn blocks(&self, m: usize, n: usize, batch: usize) -> usize {
@@ -84,7 +89,7 @@ impl TensorTiling {
             * batch.max(1)
     }
 
-    /// The largest block that keeps `busy` workgroups doing mostly useful
+    /// The first candidate that keeps `busy` workgroups doing mostly useful
     /// work, else the one with the most useful work (as [`super::Tiling::auto`]).
     pub fn auto_for(m: usize, n: usize, batch: usize, busy: usize) -> Self {
         let useful = |t: &TensorTiling| {
@@ -135,10 +140,23 @@ pub fn forced_tiling() -> Option<TensorTiling> {
     FORCED.with(|f| f.get())
 }
 
-/// The tensor-core tilings, largest block first.
+/// Workgroups a tensor-core GEMM aims for: half of [`super::busy_blocks`],
+/// since its blocks of 256 invocations hold more work each (on an H100,
+/// 8192 x 3072 x 768 ran at 66 TFLOP/s in 384 blocks of 128 x 128 and 54
+/// in 768 of 64 x 128).
+pub fn busy_blocks() -> usize {
+    super::busy_blocks().div_ceil(2)
+}
+
+/// The tensor-core tilings, fastest first where each keeps a GPU busy.
+/// Timed on an H100 (`kernel_speed --sweep`, 2026-11-26) with two more
+/// forms, both slower at every large shape and left out: B staged
+/// transposed (read as column-major fragments), and the next step's
+/// operands prefetched into registers (too many registers with 8 to 16
+/// accumulator fragments an invocation).
 pub const TENSOR_CANDIDATES: [TensorTiling; 8] = [
-    TensorTiling::new(4, 2, 4, 4, 32),
     TensorTiling::new(2, 4, 4, 4, 32),
+    TensorTiling::new(4, 2, 4, 4, 32),
     TensorTiling::new(4, 2, 2, 4, 64),
     TensorTiling::new(4, 2, 2, 4, 32),
     TensorTiling::new(2, 2, 4, 4, 32),
@@ -186,23 +204,59 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
     } else {
         (format!("idx / {bn}u"), format!("idx % {bn}u"))
     };
-    let loads = staged(
-        bm * d,
-        threads,
-        &format!(
-            "            let ar = {ar};\n            let ak = {ak};\n            let gk = kbase + ak;\n\
-             \x20           var av = 0.0;\n            if (row0 + ar < {m}u && gk < {k}u) {{ av = load_a(z, row0 + ar, gk){scale_a}; }}\n\
-             \x20           tile_a[ar * {sa}u + ak] = to_half(av);\n"
-        ),
-    ) + &staged(
-        d * bn,
-        threads,
-        &format!(
-            "            let bk = {bk};\n            let bc = {bc};\n            let gk = kbase + bk;\n\
-             \x20           var bv = 0.0;\n            if (gk < {k}u && col0 + bc < {n}u) {{ bv = load_b(z, gk, col0 + bc){scale_b}; }}\n\
-             \x20           tile_b[bk * {sb}u + bc] = to_half(bv);\n"
-        ),
-    );
+    // Each invocation's share of a step's operands passes through
+    // registers (`ra{e}`, `rb{e}`): loaded (bounds-checked, scaled, rounded)
+    // by `fetch`, written to workgroup memory by `put`.
+    let (a_elems, b_elems) = (bm * d, d * bn);
+    let rounds = |elems: u32| elems.div_ceil(threads);
+    let each = |elems: u32, body: &dyn Fn(u32) -> String| {
+        let mut s = String::new();
+        for e in 0..rounds(elems) {
+            let guard = if (e + 1) * threads > elems {
+                format!("if (lin + {}u < {elems}u) ", e * threads)
+            } else {
+                String::new()
+            };
+            s += &format!(
+                "        {guard}{{\n            let idx = lin + {}u;\n{}        }}\n",
+                e * threads,
+                body(e)
+            );
+        }
+        s
+    };
+    let mut registers = String::new();
+    for e in 0..rounds(a_elems) {
+        registers += &format!("    var ra{e}: f16;\n");
+    }
+    for e in 0..rounds(b_elems) {
+        registers += &format!("    var rb{e}: f16;\n");
+    }
+    let fetch = |kbase: &str| {
+        each(a_elems, &|e| {
+            format!(
+                "            let ar = {ar};\n            let gk = {kbase} + {ak};\n\
+                 \x20           var av = 0.0;\n            if (row0 + ar < {m}u && gk < {k}u) {{ av = load_a(z, row0 + ar, gk){scale_a}; }}\n\
+                 \x20           ra{e} = to_half(av);\n"
+            )
+        }) + &each(b_elems, &|e| {
+            format!(
+                "            let bc = {bc};\n            let gk = {kbase} + {bk};\n\
+                 \x20           var bv = 0.0;\n            if (gk < {k}u && col0 + bc < {n}u) {{ bv = load_b(z, gk, col0 + bc){scale_b}; }}\n\
+                 \x20           rb{e} = to_half(bv);\n"
+            )
+        })
+    };
+    let put = each(a_elems, &|e| {
+        format!(
+            "            let ar = {ar};\n            let ak = {ak};\n            tile_a[ar * {sa}u + ak] = ra{e};\n"
+        )
+    }) + &each(b_elems, &|e| {
+        format!(
+            "            let bk = {bk};\n            let bc = {bc};\n            tile_b[bk * {sb}u + bc] = rb{e};\n"
+        )
+    });
+    let staging = fetch(&format!("(part * {steps_per}u + step) * {d}u")) + &put;
     let mut decl_acc = String::new();
     let mut inner = String::new();
     let mut store = String::new();
@@ -268,9 +322,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
     let wr = (sg / {warps_n}u) * {wm_rows}u;
     let wc = (sg % {warps_n}u) * {wn_cols}u;
     let scratch = sg * 256u;
-{decl_acc}    for (var step = 0u; step < {steps_per}u; step += 1u) {{
-        let kbase = (part * {steps_per}u + step) * {d}u;
-{loads}        workgroupBarrier();
+{decl_acc}{registers}    for (var step = 0u; step < {steps_per}u; step += 1u) {{
+{staging}        workgroupBarrier();
         for (var kk = 0u; kk < {d}u; kk += 16u) {{
 {inner}        }}
         workgroupBarrier();
@@ -282,8 +335,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
         desc = tiling.describe(),
         load_a = gemm.load_a,
         load_b = gemm.load_b,
-        a_len = bm * sa,
-        b_len = d * sb,
+        a_len = tiling.tile_lens().0,
+        b_len = tiling.tile_lens().1,
         c_len = 256 * tiling.warps_m * warps_n,
         wm_rows = fm * FRAGMENT,
         round_half = ROUND_HALF_WGSL,
