@@ -44,6 +44,8 @@ pub struct Donation {
     pub samples: RwSignal<Vec<(f64, u64)>>,
     /// The accepted work the server last said this browser is credited with.
     pub credit_gflop: RwSignal<Option<f64>>,
+    /// The GPU's kernels as the self-check timed them, one line each.
+    pub kernel_speeds: RwSignal<Vec<rookery_web_provider::KernelSpeed>>,
     /// Why the donation is paused, while it is: the first of
     /// [`PauseConditions::reason`] that holds.
     pub paused: RwSignal<Option<String>>,
@@ -153,6 +155,7 @@ impl Donation {
             since_ms: RwSignal::new(None),
             samples: RwSignal::new(Vec::new()),
             credit_gflop: RwSignal::new(None),
+            kernel_speeds: RwSignal::new(Vec::new()),
             paused: RwSignal::new(None),
             pause_when_hidden: RwSignal::new(true),
             paused_by_hand: RwSignal::new(false),
@@ -299,6 +302,10 @@ impl Donation {
             }
             DonateStatus::DeviceBusy(busy) => {
                 self.device_busy(busy);
+                return;
+            }
+            DonateStatus::KernelSpeeds { lines } => {
+                self.kernel_speeds.set(lines);
                 return;
             }
             DonateStatus::Connected { .. } | DonateStatus::Training { .. }
@@ -473,6 +480,23 @@ pub fn DonatePage() -> impl IntoView {
                     }
                 }}
             </div>
+            {move || {
+                let lines = donation.kernel_speeds.get();
+                (!lines.is_empty())
+                    .then(|| {
+                        view! {
+                            <details id="donate-kernels" class="donate-kernels">
+                                <summary>"This GPU's kernels, as its self-check timed them"</summary>
+                                <ul>
+                                    {lines
+                                        .iter()
+                                        .map(|line| view! { <li>{format::kernel_speed(line)}</li> })
+                                        .collect::<Vec<_>>()}
+                                </ul>
+                            </details>
+                        }
+                    })
+            }}
             {move || {
                 status
                     .with(|s| match s {

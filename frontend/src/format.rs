@@ -182,7 +182,11 @@ pub fn donate_state(status: Option<&DonateStatus>) -> &'static str {
         Some(DonateStatus::Failed { .. }) => "failed",
         Some(DonateStatus::Paused { .. }) => "paused",
         // Never kept as the state (`Donation` files them apart).
-        Some(DonateStatus::Credited { .. } | DonateStatus::DeviceBusy(_)) => "connected",
+        Some(
+            DonateStatus::Credited { .. }
+            | DonateStatus::DeviceBusy(_)
+            | DonateStatus::KernelSpeeds { .. },
+        ) => "connected",
     }
 }
 
@@ -303,6 +307,10 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
             ),
             None,
         ),
+        Some(DonateStatus::KernelSpeeds { lines }) => (
+            format!("Measured {} kernels on this GPU.", lines.len()),
+            None,
+        ),
         Some(DonateStatus::DeviceBusy(busy)) => (
             "Pausing: the GPU is busy with something else.".into(),
             Some(format!(
@@ -311,6 +319,11 @@ pub fn donate_text(status: Option<&DonateStatus>) -> (String, Option<String>) {
             )),
         ),
     }
+}
+
+/// A kernel line of the Donate page: its name and shape, and its speed.
+pub fn kernel_speed(line: &rookery_web_provider::KernelSpeed) -> String {
+    format!("{}: {} GFLOP/s", line.name, gflops(line.gflops))
 }
 
 /// One line of a job's event log as the page shows it: a run of

@@ -472,6 +472,36 @@ async fn the_donate_page_names_a_public_job_and_calls_a_private_one_private() {
     root.remove();
 }
 
+#[wasm_bindgen_test]
+async fn the_donate_page_lists_the_gpus_kernel_speeds_once_measured() {
+    use rookery_web_provider::KernelSpeed;
+    let (root, donation, _mounted) = donate_page().await;
+    assert!(
+        query(&root, "#donate-kernels").is_none(),
+        "nothing measured yet"
+    );
+    donation.kernel_speeds.set(vec![
+        KernelSpeed {
+            name: "matmul 256x256x256 (16x16 x 8x8 d8 vec4)".into(),
+            gflops: 12.5,
+        },
+        KernelSpeed {
+            name: "matmul 256x256x256 mixed (plain) (16x16 x 8x8 d8 vec4)".into(),
+            gflops: 7.25,
+        },
+    ]);
+    settle().await;
+    let list = query(&root, "#donate-kernels").unwrap();
+    let text = list.text_content().unwrap();
+    assert!(
+        text.contains("matmul 256x256x256 (16x16 x 8x8 d8 vec4): 12.5 GFLOP/s"),
+        "{text}"
+    );
+    assert!(text.contains("mixed (plain)"), "{text}");
+    assert_eq!(list.query_selector_all("li").unwrap().length(), 2);
+    root.remove();
+}
+
 /// Replaces `navigator.getBattery` with `script`'s value for the test
 /// (`undefined`: a browser without it); [`restore_battery`] undoes it.
 fn fake_get_battery(script: &str) {

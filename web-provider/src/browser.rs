@@ -96,6 +96,10 @@ pub(crate) async fn donate(server_ws_url: String, on_status: impl Fn(DonateStatu
             return;
         }
     };
+    // A failure here costs only the lines: the GPU passed its self-check.
+    if let Ok(lines) = measure::kernel_speeds(&gpu).await {
+        on_status(DonateStatus::KernelSpeeds { lines });
+    }
     let max_buffer = gpu
         .max_storage_buffer_binding_size()
         .min(gpu.max_buffer_size());

@@ -52,10 +52,22 @@ pub enum DonateStatus {
     /// Not a state but news beside it: the server now credits this
     /// browser's identity with `gflop` of accepted work in all.
     Credited { gflop: f64 },
+    /// News beside the state: what the GPU's kernels ran at in the
+    /// self-check, one line per kernel and shape (the GPU kit's
+    /// `kernel_speed` measures the same way).
+    KernelSpeeds { lines: Vec<KernelSpeed> },
     /// News beside the state: the stage's micro-batches have been far
     /// slower than usual several times in a row, so something else is
     /// using the GPU; the page pauses the donation for a while.
     DeviceBusy(pace::Busy),
+}
+
+/// One kernel's speed on the donor's GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelSpeed {
+    /// The kernel and its shape, e.g. `matmul 256x256x256 (16x16 x 4x4 d16)`.
+    pub name: String,
+    pub gflops: f64,
 }
 
 /// The provider WebSocket URL of the server that served this page

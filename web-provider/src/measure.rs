@@ -29,6 +29,22 @@ pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
     gpu.benchmark_gflops(BENCHMARK_BUDGET_S).await
 }
 
+/// Seconds each kernel line of [`kernel_speeds`] is timed for.
+const KERNEL_LINE_S: f64 = 0.03;
+
+/// The GPU's kernels, one line each (`rookery_kernels::speed::donor_lines`):
+/// what the Donate page lists under the GPU's figure.
+pub(crate) async fn kernel_speeds(gpu: &GpuContext) -> Result<Vec<crate::KernelSpeed>, GpuError> {
+    Ok(rookery_kernels::speed::donor_lines(gpu, KERNEL_LINE_S)
+        .await?
+        .into_iter()
+        .map(|m| crate::KernelSpeed {
+            gflops: m.gflops(),
+            name: m.name,
+        })
+        .collect())
+}
+
 /// GFLOP/s of the CPU reference matmul, timed with `now_ms` (the browser's
 /// clock): what a tab without WebGPU offers.
 pub(crate) fn measure_cpu_gflops(now_ms: impl Fn() -> f64) -> f64 {

@@ -140,16 +140,28 @@ async fn donation_benchmarks_then_retries_an_unreachable_server() {
     let DonateStatus::Benchmarking { adapter } = &statuses[1] else {
         panic!("{statuses:?}");
     };
+    // The self-check's kernel lines, for the Donate page: the kit's
+    // kernels timed on this tab's GPU, mixed precision among them.
+    let DonateStatus::KernelSpeeds { lines } = &statuses[2] else {
+        panic!("{statuses:?}");
+    };
+    assert_eq!(lines.len(), 5, "{lines:?}");
+    assert!(
+        lines.iter().all(|l| l.gflops.is_finite() && l.gflops > 0.0),
+        "{lines:?}"
+    );
+    assert!(lines[0].name.starts_with("matmul 256x256x256"), "{lines:?}");
+    assert!(lines[1].name.contains("mixed"), "{lines:?}");
     let DonateStatus::Connecting {
         adapter: connecting_adapter,
         gflops,
-    } = &statuses[2]
+    } = &statuses[3]
     else {
         panic!("{statuses:?}");
     };
     assert_eq!(adapter, connecting_adapter);
     assert!(gflops.is_finite() && *gflops > 0.0);
-    let DonateStatus::Reconnecting { reason } = &statuses[3] else {
+    let DonateStatus::Reconnecting { reason } = &statuses[4] else {
         panic!("{statuses:?}");
     };
     assert!(reason.contains("cannot reach the server"), "{reason}");

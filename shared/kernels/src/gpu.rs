@@ -913,15 +913,15 @@ async fn browser_adapter_name() -> Option<String> {
 
 /// Wall-clock time for the benchmark.
 #[cfg(not(target_arch = "wasm32"))]
-struct Clock(std::time::Instant);
+pub(crate) struct Clock(std::time::Instant);
 
 #[cfg(not(target_arch = "wasm32"))]
 impl Clock {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self(std::time::Instant::now())
     }
 
-    fn elapsed_seconds(&self) -> f64 {
+    pub(crate) fn elapsed_seconds(&self) -> f64 {
         self.0.elapsed().as_secs_f64()
     }
 }
@@ -930,15 +930,15 @@ impl Clock {
 /// (windows and workers), otherwise `Date.now()`, whose millisecond steps are
 /// coarse but still measure a run of a few hundred milliseconds.
 #[cfg(target_arch = "wasm32")]
-struct Clock(f64);
+pub(crate) struct Clock(f64);
 
 #[cfg(target_arch = "wasm32")]
 impl Clock {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self(Self::now_ms())
     }
 
-    fn elapsed_seconds(&self) -> f64 {
+    pub(crate) fn elapsed_seconds(&self) -> f64 {
         (Self::now_ms() - self.0) / 1000.0
     }
 

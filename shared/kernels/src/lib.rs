@@ -54,6 +54,8 @@ pub use schedule::{LrSchedule, ScheduleError, clip_scale, sum_of_squares};
 pub use spec::{Binding, KernelSpec, Tol};
 
 #[cfg(feature = "gpu")]
+pub(crate) use gpu::Clock;
+#[cfg(feature = "gpu")]
 pub use gpu::{GpuBuffer, GpuContext, GpuError};
 
 /// Everything that can be wrong with a kernel's parameters, its operands, or

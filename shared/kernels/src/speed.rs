@@ -3,9 +3,8 @@
 //! back-to-back dispatches as fill about the seconds asked for, submission
 //! to completion, data resident on the device. `cargo xtask bench kernels`
 //! puts libtorch's figures beside these; the GPU kit's `kernel_speed`
-//! prints them alone, on any machine with a Vulkan, Metal or DX12 driver.
-
-use std::time::Instant;
+//! prints them alone, on any machine with a Vulkan, Metal or DX12 driver;
+//! a donating browser tab times [`donor_lines`] for its Donate page.
 
 use crate::conv::Conv2d;
 use crate::gemm::precision::tensor_cores;
@@ -40,10 +39,10 @@ pub async fn time_chain(
         let all: Vec<(&KernelSpec, &[&GpuBuffer])> =
             (0..times).flat_map(|_| chain.iter().copied()).collect();
         async move {
-            let start = Instant::now();
+            let start = crate::Clock::start();
             gpu.dispatch_all(&all).await?;
             gpu.wait_for_queue().await?;
-            Ok::<f64, GpuError>(start.elapsed().as_secs_f64())
+            Ok::<f64, GpuError>(start.elapsed_seconds())
         }
     };
     run(1).await?;
@@ -224,4 +223,22 @@ pub async fn conv(
             seconds: time_chain(gpu, &step, seconds).await?,
         },
     ])
+}
+
+/// The kernel lines a donor's Donate page shows for its GPU, each timed for
+/// about `seconds`: a matmul in f32 and in mixed precision, a convolution's
+/// training step and a dense layer forward and backward, at shapes small
+/// enough for a software renderer.
+pub async fn donor_lines(gpu: &GpuContext, seconds: f64) -> Result<Vec<Measured>, GpuError> {
+    let mut lines = vec![
+        matmul(gpu, [256, 256, 256], None, Precision::F32, seconds).await?,
+        matmul(gpu, [256, 256, 256], None, Precision::Mixed, seconds).await?,
+    ];
+    // A valid geometry, so always `Some`.
+    if let Some(c) = Conv2d::new([8, 16, 28, 28], 32, [3, 3], [1, 1], [1, 1], [1, 1], 1, true) {
+        let [_, _, step] = conv(gpu, &c, seconds).await?;
+        lines.push(step);
+    }
+    lines.extend(linear(gpu, [64, 512, 128], Precision::F32, seconds).await?);
+    Ok(lines)
 }
