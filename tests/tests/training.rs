@@ -597,23 +597,17 @@ async fn a_mixed_precision_job_with_a_wgpu_stage_matches_the_mixed_reference() -
 /// its single-process reference losses.
 fn wgpu_stage_losses_reference(extra: &str) -> anyhow::Result<(tempfile::TempDir, Vec<f64>)> {
     let dir = tempfile::tempdir()?;
-    let job_file = job(
-        dir.path(),
-        &mlp(),
-        &[12],
-        20 * 16,
-        &wgpu_stage_training(extra),
-    );
-    let losses = reference_losses(&job_file);
+    let losses = reference_losses(&wgpu_stage_job(dir.path(), extra));
     Ok((dir, losses))
 }
 
-/// The training table of [`wgpu_stage_losses`]'s job, with `extra` lines.
-fn wgpu_stage_training(extra: &str) -> String {
-    format!(
+/// [`wgpu_stage_losses`]'s job in `dir`, with `extra` training lines.
+fn wgpu_stage_job(dir: &Path, extra: &str) -> std::path::PathBuf {
+    let training = format!(
         "epochs = 1\nbatch_size = 16\nmicro_batches = 4\n\
          optimizer = {{ name = \"sgd\", lr = 0.1, momentum = 0.9 }}\nclusters = 1\nstages = 3\nseed = 7\n{extra}"
-    )
+    );
+    job(dir, &mlp(), &[12], 20 * 16, &training)
 }
 
 /// The per-step losses of a job one of whose three stages runs on a
@@ -626,13 +620,7 @@ async fn wgpu_stage_losses(extra: &str) -> anyhow::Result<(Vec<f64>, Vec<f64>)> 
     use rookery_server::cli::client::Client;
 
     let dir = tempfile::tempdir()?;
-    let job_file = job(
-        dir.path(),
-        &mlp(),
-        &[12],
-        20 * 16,
-        &wgpu_stage_training(extra),
-    );
+    let job_file = wgpu_stage_job(dir.path(), extra);
     let server = Server::start(10_000)?;
     let _a = start_native_provider(&server, "torch-a")?;
     let _b = start_native_provider(&server, "torch-b")?;

@@ -43,37 +43,24 @@ type Named = Vec<(String, Tensor)>;
 /// The micro-batch's inputs and its outputs' gradients.
 fn inputs(graph: &Graph) -> (Named, Named) {
     let analysis = graph.analyze().unwrap();
-    let x: Named = graph
-        .inputs
-        .iter()
-        .enumerate()
-        .map(|(i, input)| {
-            let mut shape: Vec<i64> = analysis.tensors[&input.name]
-                .shape
-                .iter()
-                .map(|&d| d as i64)
-                .collect();
-            shape[0] = BATCH as i64;
-            let n = shape.iter().product::<i64>() as usize;
-            (input.name.clone(), t(&pseudo(n, 11 + i as u64), &shape))
-        })
+    // `name` at the micro-batch's size, pseudo-random values times `scale`.
+    let sample = |name: &str, seed: u64, scale: f32| {
+        let mut shape: Vec<i64> = analysis.tensors[name]
+            .shape
+            .iter()
+            .map(|&d| d as i64)
+            .collect();
+        shape[0] = BATCH as i64;
+        let n = shape.iter().product::<i64>() as usize;
+        let values: Vec<f32> = pseudo(n, seed).iter().map(|v| v * scale).collect();
+        (name.to_string(), t(&values, &shape))
+    };
+    let x: Named = (graph.inputs.iter().enumerate())
+        .map(|(i, input)| sample(&input.name, 11 + i as u64, 1.0))
         .collect();
-    let dy: Named = graph
-        .outputs
-        .iter()
-        .enumerate()
-        .map(|(i, name)| {
-            let mut shape: Vec<i64> = analysis.tensors[name]
-                .shape
-                .iter()
-                .map(|&d| d as i64)
-                .collect();
-            shape[0] = BATCH as i64;
-            let n = shape.iter().product::<i64>() as usize;
-            // A mean loss's gradient: small, as f16 alone could not hold.
-            let g: Vec<f32> = pseudo(n, 50 + i as u64).iter().map(|v| v * 1e-4).collect();
-            (name.clone(), t(&g, &shape))
-        })
+    // A mean loss's gradient: small, as f16 alone could not hold.
+    let dy: Named = (graph.outputs.iter().enumerate())
+        .map(|(i, name)| sample(name, 50 + i as u64, 1e-4))
         .collect();
     (x, dy)
 }

@@ -19,7 +19,7 @@
 use anyhow::{Context, Result, bail};
 use rookery_kernels::GpuContext;
 use rookery_kernels::conv::Conv2d;
-use rookery_kernels::gemm::precision::set_tensor_cores;
+use rookery_kernels::gemm::precision::force_tensor_cores;
 use rookery_kernels::gemm::tensor::force_tiling;
 use rookery_kernels::gemm::{AUTO_CANDIDATES, Precision, TENSOR_CANDIDATES, Tiling};
 use rookery_kernels::speed::{self, Measured};
@@ -136,7 +136,7 @@ fn main() -> Result<()> {
     // Mixed precision: each form the adapter has, the chosen tiling first.
     let forms: &[bool] = if tensor { &[true, false] } else { &[false] };
     for &on in forms {
-        set_tensor_cores(on);
+        force_tensor_cores(Some(on));
         let sweep_tensor: Vec<Option<_>> = if sweep && on {
             std::iter::once(None)
                 .chain(TENSOR_CANDIDATES.into_iter().map(Some))
@@ -168,6 +168,6 @@ fn main() -> Result<()> {
         }
         block(pollster::block_on(speed::linear(&gpu, dense, Precision::Mixed, seconds))?.to_vec())?;
     }
-    set_tensor_cores(tensor);
+    force_tensor_cores(None);
     Ok(())
 }

@@ -166,17 +166,31 @@ pub fn max_abs(v: &[f32]) -> f32 {
 
 static TENSOR_CORES: AtomicBool = AtomicBool::new(false);
 
-/// Whether this process's adapter multiplies f16 tiles with cooperative
-/// matrices (set when the GPU context opens one that has them), so
-/// [`Precision::Mixed`] GEMMs are generated in their tensor-core form.
-pub fn tensor_cores() -> bool {
-    TENSOR_CORES.load(Ordering::Relaxed)
+thread_local! {
+    static FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Sets what [`tensor_cores`] says: the GPU context, once it has enabled
-/// them on its device, and benchmarks comparing both forms on one adapter.
+/// Whether [`Precision::Mixed`] GEMMs are generated in their tensor-core
+/// form: what [`force_tensor_cores`] set on this thread, else whether this
+/// process's adapter multiplies f16 tiles with cooperative matrices (set
+/// when the GPU context opens one that has them).
+pub fn tensor_cores() -> bool {
+    FORCED
+        .with(|f| f.get())
+        .unwrap_or_else(|| TENSOR_CORES.load(Ordering::Relaxed))
+}
+
+/// Sets what [`tensor_cores`] says for the process: the GPU context, once
+/// it has enabled them on its device.
 pub fn set_tensor_cores(on: bool) {
     TENSOR_CORES.store(on, Ordering::Relaxed);
+}
+
+/// Makes [`tensor_cores`] say `on` on this thread (`None`: what the
+/// process says): how a benchmark times both forms on one adapter, and
+/// how tests generate either form without touching their neighbours.
+pub fn force_tensor_cores(on: Option<bool>) {
+    FORCED.with(|f| f.set(on));
 }
 
 #[cfg(test)]

@@ -341,9 +341,9 @@ pub struct Gemm<'a> {
 }
 
 /// The staging loop of one operand tile: `elems` elements over `threads`
-/// invocations, `body` run for each `idx` (guarded where the last round is
-/// partial).
-pub(super) fn staged(elems: u32, threads: u32, body: &str) -> String {
+/// invocations, the statements `body(round)` run for each `idx` (guarded
+/// where the last round is partial).
+pub(super) fn staged(elems: u32, threads: u32, body: &dyn Fn(u32) -> String) -> String {
     let mut s = String::new();
     for e in 0..elems.div_ceil(threads) {
         let guard = if (e + 1) * threads > elems {
@@ -352,8 +352,9 @@ pub(super) fn staged(elems: u32, threads: u32, body: &str) -> String {
             String::new()
         };
         s += &format!(
-            "        {guard}{{\n            let idx = lin + {}u;\n{body}        }}\n",
-            e * threads
+            "        {guard}{{\n            let idx = lin + {}u;\n{}        }}\n",
+            e * threads,
+            body(e)
         );
     }
     s
@@ -413,7 +414,7 @@ impl Gemm<'_> {
         let (a_elems, b_elems) = (bm * d, d * bn);
         let (a_stride, b_stride) = tiling.strides(self.a_along_k, self.b_along_k);
         let (a_stride4, b_stride4) = (a_stride / 4, b_stride / 4);
-        let staged = |elems: u32, body: &str| staged(elems, threads, body);
+        let staged = |elems: u32, body: &str| staged(elems, threads, &|_| body.to_string());
         let (put_a, put_b) = if vector {
             (
                 format!("tile_a[ak * {a_stride4}u + ar / 4u][ar % 4u] = av;"),

@@ -11,7 +11,7 @@
 //! and the workgroup memory the largest [`TensorTiling`] stages.
 
 use super::precision::{GRAD_SCALE, ROUND_HALF_WGSL, Side};
-use super::template::{Gemm, split_parts};
+use super::template::{Gemm, split_parts, staged};
 use crate::spec::{KernelSpec, declare, kinds};
 
 /// The side of one cooperative-matrix fragment.
@@ -209,22 +209,7 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
     // by `fetch`, written to workgroup memory by `put`.
     let (a_elems, b_elems) = (bm * d, d * bn);
     let rounds = |elems: u32| elems.div_ceil(threads);
-    let each = |elems: u32, body: &dyn Fn(u32) -> String| {
-        let mut s = String::new();
-        for e in 0..rounds(elems) {
-            let guard = if (e + 1) * threads > elems {
-                format!("if (lin + {}u < {elems}u) ", e * threads)
-            } else {
-                String::new()
-            };
-            s += &format!(
-                "        {guard}{{\n            let idx = lin + {}u;\n{}        }}\n",
-                e * threads,
-                body(e)
-            );
-        }
-        s
-    };
+    let each = |elems: u32, body: &dyn Fn(u32) -> String| staged(elems, threads, body);
     let mut registers = String::new();
     for e in 0..rounds(a_elems) {
         registers += &format!("    var ra{e}: f16;\n");
@@ -389,19 +374,19 @@ mod tests {
     fn both_forms_of_every_mixed_gemm_validate() {
         use naga::valid::Capabilities as C;
         let caps = C::SHADER_FLOAT16 | C::SUBGROUP | C::COOPERATIVE_MATRIX;
-        crate::gemm::precision::set_tensor_cores(false);
+        crate::gemm::precision::force_tensor_cores(Some(false));
         for plain in mixed_specs() {
             assert!(plain.wgsl.contains("round_half"), "{}", plain.label);
             validate::spec(&plain);
         }
-        crate::gemm::precision::set_tensor_cores(true);
+        crate::gemm::precision::force_tensor_cores(Some(true));
         let mut tensor = mixed_specs();
         for t in TENSOR_CANDIDATES {
             force_tiling(Some(t));
             tensor.extend(mixed_specs());
         }
         force_tiling(None);
-        crate::gemm::precision::set_tensor_cores(false);
+        crate::gemm::precision::force_tensor_cores(None);
         for spec in tensor {
             assert!(spec.wgsl.contains("coopMultiplyAdd"), "{}", spec.label);
             if let Err(e) = validate::check_with(&spec.wgsl, caps) {
