@@ -375,6 +375,24 @@ impl Gemm<'_> {
             .unwrap_or_else(|| Tiling::auto(self.m, self.n, self.batch))
     }
 
+    /// Under mixed precision, the WGSL scaling A's and B's loads (the
+    /// gradient's by [`GRAD_SCALE`]) and the sum back.
+    pub(super) fn gradient_scales(&self) -> [String; 3] {
+        let scale = |side| {
+            if self.gradient == Some(side) {
+                format!(" * {GRAD_SCALE:.1}")
+            } else {
+                String::new()
+            }
+        };
+        let unscale = if self.gradient.is_some() {
+            format!(" * {:e}", 1.0 / GRAD_SCALE)
+        } else {
+            String::new()
+        };
+        [scale(Side::A), scale(Side::B), unscale]
+    }
+
     /// The tensor-core tiling a mixed-precision GEMM takes where the
     /// adapter has them.
     pub fn tensor_tiling(&self) -> TensorTiling {
@@ -443,18 +461,10 @@ impl Gemm<'_> {
         } else {
             ("", "")
         };
-        let scale = |side| {
-            if mixed && self.gradient == Some(side) {
-                format!(" * {GRAD_SCALE:.1}")
-            } else {
-                String::new()
-            }
-        };
-        let (scale_a, scale_b) = (scale(Side::A), scale(Side::B));
-        let unscale = if mixed && self.gradient.is_some() {
-            format!(" * {:e}", 1.0 / GRAD_SCALE)
+        let [scale_a, scale_b, unscale] = if mixed {
+            self.gradient_scales()
         } else {
-            String::new()
+            Default::default()
         };
         let loads = staged(
             a_elems,

@@ -10,7 +10,7 @@
 //! [`SUBGROUP`] invocations, cooperative matrices of that shape and type,
 //! and the workgroup memory the largest [`TensorTiling`] stages.
 
-use super::precision::{GRAD_SCALE, ROUND_HALF_WGSL, Side};
+use super::precision::ROUND_HALF_WGSL;
 use super::template::{Gemm, split_parts, staged};
 use crate::spec::{KernelSpec, declare, kinds};
 
@@ -181,19 +181,7 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
     let steps_per = steps.div_ceil(split as usize);
     let threads = tiling.threads();
     let (sa, sb) = tiling.strides();
-    let scale = |side| {
-        if gemm.gradient == Some(side) {
-            format!(" * {GRAD_SCALE:.1}")
-        } else {
-            String::new()
-        }
-    };
-    let (scale_a, scale_b) = (scale(Side::A), scale(Side::B));
-    let unscale = if gemm.gradient.is_some() {
-        format!(" * {:e}", 1.0 / GRAD_SCALE)
-    } else {
-        String::new()
-    };
+    let [scale_a, scale_b, unscale] = gemm.gradient_scales();
     let (ar, ak) = if gemm.a_along_k {
         (format!("idx / {d}u"), format!("idx % {d}u"))
     } else {
