@@ -1,5 +1,6 @@
 //! `cargo xtask bench gpt [--size example|124m] [--steps N] [--wire-dtype
-//! f32|f16|bf16|int8] [--schedule gpipe|1f1b|async] [--compare | --no-compare]`:
+//! f32|f16|bf16|int8] [--schedule gpipe|1f1b|async] [--precision f32|mixed]
+//! [--compare | --no-compare]`:
 //! a GPT trained by `rookery train` across 4 local providers (one cluster of
 //! 4 stages, 4 micro-batches; f32 on the wire and the `gpipe` schedule
 //! unless told), measured in one run:
@@ -11,11 +12,11 @@
 //! - bytes relayed per step and seconds per step.
 //!
 //! Then (`--compare`, the default at `--size example`; `--no-compare` skips
-//! it) it trains the same steps three more times, once with int8 on the
-//! wire, once with the `1f1b` schedule and once with `async` (each other
-//! setting the first run's), and prints their final and mean losses against
-//! the first run's (the goal for int8 and async: within 2%; 1f1b computes
-//! the same numbers), their bytes relayed per
+//! it) it trains the same steps four more times, once with int8 on the
+//! wire, once with the `1f1b` schedule, once with `async` and once in mixed
+//! precision (each other setting the first run's), and prints their final
+//! and mean losses against the first run's (the goal for int8 and async:
+//! within 2%; 1f1b computes the same numbers), their bytes relayed per
 //! step, and each stage's provider's peak resident memory and most
 //! micro-batches held at once under each schedule. The planner splits the
 //! model by the speeds providers measure at the start, so on a loaded
@@ -100,6 +101,7 @@ fn main() -> anyhow::Result<()> {
     let base = Variant {
         wire: flag(&args, "--wire-dtype")?.unwrap_or_else(|| "f32".into()),
         schedule: flag(&args, "--schedule")?.unwrap_or_else(|| "gpipe".into()),
+        precision: flag(&args, "--precision")?.unwrap_or_else(|| "f32".into()),
     };
     let compare = if args.iter().any(|a| a == "--no-compare") {
         false
@@ -112,7 +114,8 @@ fn main() -> anyhow::Result<()> {
     let job = write_job(dir.path(), &onnx, &tokens, &size, &base)?;
     println!(
         "model: GPT {} ({} layers, d {}, {} heads, vocab {}, context {}), batch {} x {} tokens, \
-         {} steps, Adam, 1 cluster x {PROVIDERS} stages, 4 micro-batches, {} on the wire, schedule {}",
+         {} steps, Adam, 1 cluster x {PROVIDERS} stages, 4 micro-batches, {} on the wire, schedule {}, \
+         precision {}",
         size.name,
         size.layers,
         size.d_model,
@@ -123,7 +126,8 @@ fn main() -> anyhow::Result<()> {
         size.context,
         size.steps,
         base.wire,
-        base.schedule
+        base.schedule,
+        base.precision
     );
 
     let run = train_watching_memory(&job, &dir.path().join("out"))?;
@@ -179,11 +183,23 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What a run puts on the wire and how its stages schedule micro-batches.
+/// What a run puts on the wire, how its stages schedule micro-batches and
+/// how they multiply matrices.
 #[derive(Clone)]
 struct Variant {
     wire: String,
     schedule: String,
+    precision: String,
+}
+
+impl Variant {
+    /// For people: `int8 wire, 1f1b, mixed precision`.
+    fn describe(&self) -> String {
+        format!(
+            "{} wire, {}, {} precision",
+            self.wire, self.schedule, self.precision
+        )
+    }
 }
 
 /// The same steps with int8 on the wire and with the 1f1b schedule, against
@@ -200,15 +216,19 @@ fn compare_variants(
     let variants = [
         Variant {
             wire: "int8".into(),
-            schedule: base.schedule.clone(),
+            ..base.clone()
         },
         Variant {
-            wire: base.wire.clone(),
             schedule: "1f1b".into(),
+            ..base.clone()
         },
         Variant {
-            wire: base.wire.clone(),
             schedule: "async".into(),
+            ..base.clone()
+        },
+        Variant {
+            precision: "mixed".into(),
+            ..base.clone()
         },
     ];
     let base_bytes = relayed_per_step(&first.metrics);
@@ -237,17 +257,17 @@ fn compare_variants(
             if same_split || tries == SPLIT_TRIES {
                 if !same_split {
                     println!(
-                        "  ({} wire, {}: the stages were split elsewhere than in the first run \
+                        "  ({}: the stages were split elsewhere than in the first run \
                          in all {tries} tries: not comparable)",
-                        variant.wire, variant.schedule
+                        variant.describe()
                     );
                 }
                 break run;
             }
             println!(
-                "  ({} wire, {}: the planner split the stages elsewhere than in the first run \
+                "  ({}: the planner split the stages elsewhere than in the first run \
                  ({bytes} bytes relayed/step, {expected:.0} on its split): running it again)",
-                variant.wire, variant.schedule
+                variant.describe()
             );
         };
         runs.push(run);
@@ -260,20 +280,18 @@ fn compare_variants(
     };
     let (base_last, base_mean) = losses(first);
     println!(
-        "at equal steps ({}), against the first run ({} on the wire, {}): final loss {base_last:.5}, \
+        "at equal steps ({}), against the first run ({}): final loss {base_last:.5}, \
          mean loss {base_mean:.5}, {base_bytes} bytes relayed/step",
         first.metrics.steps.len(),
-        base.wire,
-        base.schedule
+        base.describe()
     );
     for (variant, run) in variants.iter().zip(&runs) {
         let (last, mean) = losses(run);
         let bytes = relayed_per_step(&run.metrics);
         println!(
-            "  {} wire, {}: final loss {last:.5} ({:+.3}%), mean loss {mean:.5} ({:+.3}%), \
+            "  {}: final loss {last:.5} ({:+.3}%), mean loss {mean:.5} ({:+.3}%), \
              {bytes} bytes relayed/step ({:.3} of the first run's), {:.2} s/step (median)",
-            variant.wire,
-            variant.schedule,
+            variant.describe(),
             100.0 * (last - base_last) / base_last,
             100.0 * (mean - base_mean) / base_mean,
             bytes as f64 / base_bytes as f64,
@@ -420,12 +438,13 @@ fn write_job(
          optimizer = {{ name = \"adam\", lr = 0.0003 }}\n\
          loss = {{ name = \"cross_entropy\", class_axis = -1 }}\n\
          clusters = 1\nstages = {PROVIDERS}\nshuffle = false\nseed = 0\n\
-         sync_every = {SYNC_EVERY}\nwire_dtype = \"{}\"\nschedule = \"{}\"\n",
+         sync_every = {SYNC_EVERY}\nwire_dtype = \"{}\"\nschedule = \"{}\"\nprecision = \"{}\"\n",
         onnx.display(),
         tokens.display(),
         size.batch,
         variant.wire,
         variant.schedule,
+        variant.precision,
         ctx = size.context,
     );
     std::fs::write(&path, text)?;
