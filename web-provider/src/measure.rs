@@ -32,17 +32,22 @@ pub(crate) async fn measure_gflops(gpu: &GpuContext) -> Result<f64, GpuError> {
 /// Seconds each kernel line of [`kernel_speeds`] is timed for.
 const KERNEL_LINE_S: f64 = 0.03;
 
+/// Seconds after which no further kernel line starts: the donor waits.
+const KERNEL_LINES_BUDGET_S: f64 = 1.0;
+
 /// The GPU's kernels, one line each (`rookery_kernels::speed::donor_lines`):
 /// what the Donate page lists under the GPU's figure.
 pub(crate) async fn kernel_speeds(gpu: &GpuContext) -> Result<Vec<crate::KernelSpeed>, GpuError> {
-    Ok(rookery_kernels::speed::donor_lines(gpu, KERNEL_LINE_S)
-        .await?
-        .into_iter()
-        .map(|m| crate::KernelSpeed {
-            gflops: m.gflops(),
-            name: m.name,
-        })
-        .collect())
+    Ok(
+        rookery_kernels::speed::donor_lines(gpu, KERNEL_LINE_S, KERNEL_LINES_BUDGET_S)
+            .await?
+            .into_iter()
+            .map(|m| crate::KernelSpeed {
+                gflops: m.gflops(),
+                name: m.name,
+            })
+            .collect(),
+    )
 }
 
 /// GFLOP/s of the CPU reference matmul, timed with `now_ms` (the browser's

@@ -145,7 +145,9 @@ async fn donation_benchmarks_then_retries_an_unreachable_server() {
     let DonateStatus::KernelSpeeds { lines } = &statuses[2] else {
         panic!("{statuses:?}");
     };
-    assert_eq!(lines.len(), 5, "{lines:?}");
+    // Within its budget a software renderer gets through the first lines
+    // at least; a GPU, all five.
+    assert!((2..=5).contains(&lines.len()), "{lines:?}");
     assert!(
         lines.iter().all(|l| l.gflops.is_finite() && l.gflops > 0.0),
         "{lines:?}"

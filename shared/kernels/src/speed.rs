@@ -226,19 +226,29 @@ pub async fn conv(
 }
 
 /// The kernel lines a donor's Donate page shows for its GPU, each timed for
-/// about `seconds`: a matmul in f32 and in mixed precision, a convolution's
-/// training step and a dense layer forward and backward, at shapes small
-/// enough for a software renderer.
-pub async fn donor_lines(gpu: &GpuContext, seconds: f64) -> Result<Vec<Measured>, GpuError> {
-    let mut lines = vec![
-        matmul(gpu, [256, 256, 256], None, Precision::F32, seconds).await?,
-        matmul(gpu, [256, 256, 256], None, Precision::Mixed, seconds).await?,
-    ];
+/// about `seconds`: a matmul in f32 and in mixed precision, a dense layer
+/// forward and backward, and the demo CNN's second convolution's training
+/// step, in that order. A donor waits for them before the tab connects, so
+/// once `budget` seconds have gone no further line starts: a GPU gives all
+/// five at once, a software renderer the first few.
+pub async fn donor_lines(
+    gpu: &GpuContext,
+    seconds: f64,
+    budget: f64,
+) -> Result<Vec<Measured>, GpuError> {
+    let clock = crate::Clock::start();
+    let mut lines = vec![matmul(gpu, [256, 256, 256], None, Precision::F32, seconds).await?];
+    if clock.elapsed_seconds() < budget {
+        lines.push(matmul(gpu, [256, 256, 256], None, Precision::Mixed, seconds).await?);
+    }
+    if clock.elapsed_seconds() < budget {
+        lines.extend(linear(gpu, [64, 512, 128], Precision::F32, seconds).await?);
+    }
     // A valid geometry, so always `Some`.
-    if let Some(c) = Conv2d::new([8, 16, 28, 28], 32, [3, 3], [1, 1], [1, 1], [1, 1], 1, true) {
+    let demo = Conv2d::new([8, 16, 28, 28], 32, [3, 3], [1, 1], [1, 1], [1, 1], 1, true);
+    if let Some(c) = demo.filter(|_| clock.elapsed_seconds() < budget) {
         let [_, _, step] = conv(gpu, &c, seconds).await?;
         lines.push(step);
     }
-    lines.extend(linear(gpu, [64, 512, 128], Precision::F32, seconds).await?);
     Ok(lines)
 }
