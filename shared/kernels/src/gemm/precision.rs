@@ -251,6 +251,67 @@ mod tests {
     }
 
     #[test]
+    fn mixed_products_stay_within_the_stated_bound_of_the_f32_ones() {
+        use crate::gemm::MatMul;
+        // Operands spanning f16's normal range and below it (where the
+        // absolute term counts), and gradients a mean loss would give.
+        let (m, k, n) = (7, 300, 5);
+        let wide = |len: usize, seed: u64| -> Vec<f32> {
+            crate::sample_matrix(len, seed)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * 10f32.powi((i % 9) as i32 - 6))
+                .collect()
+        };
+        let (a, b) = (wide(m * k, 1), wide(k * n, 2));
+        let dc: Vec<f32> = crate::sample_matrix(m * n, 3)
+            .iter()
+            .map(|v| v * 1e-5)
+            .collect();
+        let exact = MatMul::new(&[m, k], &[k, n]).unwrap();
+        let mixed = MatMul {
+            precision: Precision::Mixed,
+            ..exact.clone()
+        };
+        let (want, want_da, _) = exact.reference(&a, &b, &dc);
+        let (got, got_da, _) = mixed.reference(&a, &b, &dc);
+        let (sums, sums_da, _) =
+            exact.reference(&magnitudes(&a), &magnitudes(&b), &magnitudes(&dc));
+        let mut worst: f64 = 0.0;
+        for (what, got, want, sums, bound, terms) in [
+            (
+                "c",
+                &got,
+                &want,
+                &sums,
+                MixedBound::new(max_abs(&a), max_abs(&b), 1.0, 1.0),
+                k,
+            ),
+            (
+                "da",
+                &got_da,
+                &want_da,
+                &sums_da,
+                MixedBound::new(max_abs(&dc), max_abs(&b), GRAD_SCALE, 1.0),
+                n,
+            ),
+        ] {
+            for ((g, w), allowed) in got.iter().zip(want).zip(bound.per_output(sums, terms)) {
+                // f32 rounds the result once more.
+                let allowed = f64::from(allowed) + f64::from(w.abs()) * 2f64.powi(-23);
+                let error = (f64::from(*g) - f64::from(*w)).abs();
+                assert!(
+                    error <= allowed,
+                    "{what}: {g} against {w}, allowed {allowed:e}"
+                );
+                worst = worst.max(error / allowed);
+            }
+        }
+        // And the bound is no blanket: some output comes near it.
+        assert!(worst > 0.2, "the largest error is {worst} of the bound");
+    }
+
+    #[test]
     fn precisions_are_named_as_job_files_spell_them() {
         for p in [Precision::F32, Precision::Mixed] {
             assert_eq!(Precision::parse(p.name()), Some(p));
