@@ -77,16 +77,7 @@ pub async fn matmul(
         MatMul::new(&[m, k], &[k, n]).ok_or(GpuError::Kernel(KernelError::TooLarge { m, k, n }))?;
     mm.tiling = tiling;
     mm.precision = precision;
-    let spec = mm.forward();
-    let used = if precision == Precision::Mixed && tensor_cores() {
-        crate::gemm::tensor::forced_tiling()
-            .unwrap_or_else(|| {
-                crate::gemm::TensorTiling::auto_for(m, n, 1, crate::gemm::tensor::busy_blocks())
-            })
-            .describe()
-    } else {
-        tiling.unwrap_or_else(|| Tiling::auto(m, n, 1)).describe()
-    };
+    let (spec, used) = (mm.forward(), mm.forward_form());
     let (a, b, c) = (
         upload(gpu, m * k, 1)?,
         upload(gpu, k * n, 2)?,

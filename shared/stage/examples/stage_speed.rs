@@ -61,10 +61,7 @@ fn main() -> Result<()> {
     for &(name, toml, batch) in runs {
         let graph = from_toml(toml).with_context(|| format!("the {name} spec"))?;
         for precision in [Precision::F32, Precision::Mixed] {
-            let label = match precision {
-                Precision::F32 => name.to_string(),
-                Precision::Mixed => format!("{name} mixed"),
-            };
+            let label = format!("{name}{}", precision.mark());
             let time = pollster::block_on(micro_batch(
                 device.clone(),
                 &label,

@@ -75,18 +75,13 @@ fn gradient_rounded(y: &Tensor) -> OpResult {
 
 /// The product `gemm(a, b)` as a mixed-precision GEMM of our kernels
 /// computes it: operands rounded to f16, f32 sums, and (backward) the
-/// output's gradient rounded as [`gradient_rounded`] says. Under f32 just
-/// `gemm(a, b)`.
-fn product(
-    precision: Precision,
+/// output's gradient rounded as [`gradient_rounded`] says.
+fn mixed_product(
     a: &Tensor,
     b: &Tensor,
     gemm: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor, tch::TchError>,
 ) -> OpResult {
-    match precision {
-        Precision::F32 => Ok(gemm(a, b)?),
-        Precision::Mixed => gradient_rounded(&gemm(&rounded(a)?, &rounded(b)?)?),
-    }
+    gradient_rounded(&gemm(&rounded(a)?, &rounded(b)?)?)
 }
 
 /// `y + bias` broadcast along `axis` of `y` (the channel of a convolution,
@@ -171,14 +166,15 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
     Ok(match op {
         Op::Linear if ctx.precision == Precision::Mixed => {
             // The bias is added after the product, as the kernels' store does.
-            let y = product(ctx.precision, x, arg(1)?, |x, w| {
-                x.f_linear(w, None::<&Tensor>)
-            })?;
+            let y = mixed_product(x, arg(1)?, |x, w| x.f_linear(w, None::<&Tensor>))?;
             let rank = y.dim();
             plus_bias(y, ins.get(2).copied(), rank, rank.saturating_sub(1))?
         }
         Op::Linear => x.f_linear(arg(1)?, ins.get(2).copied())?,
-        Op::MatMul => product(ctx.precision, x, arg(1)?, |a, b| a.f_matmul(b))?,
+        Op::MatMul if ctx.precision == Precision::Mixed => {
+            mixed_product(x, arg(1)?, |a, b| a.f_matmul(b))?
+        }
+        Op::MatMul => x.f_matmul(arg(1)?)?,
         Op::Add => x.f_add(arg(1)?)?,
         Op::Sub => x.f_sub(arg(1)?)?,
         Op::Mul => x.f_mul(arg(1)?)?,
@@ -206,7 +202,7 @@ pub(crate) fn apply(op: &Op, ins: &[&Tensor], ctx: &OpContext<'_>) -> OpResult {
             dilation,
             groups,
         } if ctx.precision == Precision::Mixed => {
-            let y = product(ctx.precision, x, arg(1)?, |x, w| {
+            let y = mixed_product(x, arg(1)?, |x, w| {
                 x.f_conv2d(
                     w,
                     None::<&Tensor>,

@@ -1,7 +1,7 @@
 //! Checks of Conv2d (implicit GEMM) against the direct reference, and the
 //! convolutions every harness runs.
 
-use super::gemm::{accumulation_bound, mixed_mark};
+use super::gemm::accumulation_bound;
 use super::{Builder, Check};
 use crate::conv::Conv2d;
 use crate::gemm::gemm_tol;
@@ -80,7 +80,7 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         c.step(conv.backward_bias(), [dy, dbias]);
         c.expect("dbias", dbias, want_db, gemm_tol(k_w));
     }
-    c.build(format!("{conv:?}{}", mixed_mark(p)))
+    c.build(format!("{conv:?}{}", p.mark()))
 }
 
 /// The convolutions of the standard checks: the demo CNN's

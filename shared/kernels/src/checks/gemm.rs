@@ -100,7 +100,7 @@ pub fn matmul(
         shape_name(a_shape),
         shape_name(b_shape),
         tiling.describe(),
-        mixed_mark(precision)
+        precision.mark()
     )))
 }
 
@@ -169,14 +169,6 @@ pub fn linear(
     }
     c.build(format!(
         "linear({rows}x{inputs}->{outputs}, bias {bias}){}",
-        mixed_mark(precision)
+        precision.mark()
     ))
-}
-
-/// What a check's name says of its precision.
-pub(super) fn mixed_mark(precision: Precision) -> &'static str {
-    match precision {
-        Precision::F32 => "",
-        Precision::Mixed => " mixed",
-    }
 }

@@ -116,6 +116,15 @@ impl MatMul {
 
     /// Forward: bindings `a`, `b`, `c`.
     pub fn forward(&self) -> KernelSpec {
+        self.forward_gemm().spec()
+    }
+
+    /// For people: the form and tiling [`Self::forward`] generates with.
+    pub fn forward_form(&self) -> String {
+        self.forward_gemm().form()
+    }
+
+    fn forward_gemm(&self) -> Gemm<'static> {
         let (m, k, n) = self.mkn();
         let (ba, bb, out) = self.batch_shapes();
         Gemm {
@@ -145,7 +154,6 @@ impl MatMul {
             ),
             store: format!("        c[(z * {m}u + row) * {n}u + col] = acc;"),
         }
-        .spec()
     }
 
     /// The gradient of `a` before any reduction over broadcast batch

@@ -31,19 +31,13 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// The name a job file uses.
-    pub fn name(self) -> &'static str {
+    /// What a check's or a benchmark's name adds for this precision:
+    /// nothing for f32, ` mixed` for mixed.
+    pub fn mark(self) -> &'static str {
         match self {
-            Precision::F32 => "f32",
-            Precision::Mixed => "mixed",
+            Precision::F32 => "",
+            Precision::Mixed => " mixed",
         }
-    }
-
-    /// The precision named `name` (`f32` or `mixed`).
-    pub fn parse(name: &str) -> Option<Self> {
-        [Precision::F32, Precision::Mixed]
-            .into_iter()
-            .find(|p| p.name() == name)
     }
 }
 
@@ -106,15 +100,6 @@ pub fn operand(precision: Precision, v: &[f32], scale: f32) -> std::borrow::Cow<
     }
 }
 
-/// The scale of `side` when `gradient` names the gradient operand.
-pub fn scale_of(gradient: Option<Side>, side: Side) -> f32 {
-    if gradient == Some(side) {
-        GRAD_SCALE
-    } else {
-        1.0
-    }
-}
-
 /// How far a mixed-precision GEMM output may be from the exact product of
 /// its f32 operands, beyond f32 accumulation ([`super::gemm_tol`]):
 /// `rel * sum |a_i b_i| + abs_per_term * k`.
@@ -135,8 +120,11 @@ impl MixedBound {
     /// magnitude, with scales `scale_a` and `scale_b`.
     pub fn new(a_max: f32, b_max: f32, scale_a: f32, scale_b: f32) -> Self {
         let unit = 2f64.powi(-11);
-        let flush = 2f64.powi(-25);
-        let (da, db) = (flush / f64::from(scale_a), flush / f64::from(scale_b));
+        let subnormal = 2f64.powi(-25);
+        let (da, db) = (
+            subnormal / f64::from(scale_a),
+            subnormal / f64::from(scale_b),
+        );
         let (a, b) = (f64::from(a_max), f64::from(b_max));
         Self {
             rel: 2.0 * unit + unit * unit,
@@ -309,13 +297,5 @@ mod tests {
         }
         // And the bound is no blanket: some output comes near it.
         assert!(worst > 0.2, "the largest error is {worst} of the bound");
-    }
-
-    #[test]
-    fn precisions_are_named_as_job_files_spell_them() {
-        for p in [Precision::F32, Precision::Mixed] {
-            assert_eq!(Precision::parse(p.name()), Some(p));
-        }
-        assert_eq!(Precision::parse("fp16"), None);
     }
 }

@@ -135,9 +135,7 @@ impl Tiling {
 
     /// Workgroups a `batch` of `m x n` outputs takes.
     pub fn blocks(&self, m: usize, n: usize, batch: usize) -> usize {
-        m.div_ceil(self.block_rows() as usize).max(1)
-            * n.div_ceil(self.block_cols() as usize).max(1)
-            * batch.max(1)
+        coverage(self.block_rows(), self.block_cols(), m, n, batch).0
     }
 
     /// The tiling for a `batch` of `m x n` outputs: the largest register
@@ -166,24 +164,14 @@ impl Tiling {
             .find(fits)
             .or_else(|| SMALL_CANDIDATES.into_iter().find(enough))
             .unwrap_or_else(|| {
-                // Reversed so that ties go to the larger block.
-                SMALL_CANDIDATES
-                    .into_iter()
-                    .rev()
-                    .max_by_key(|t| {
-                        let (blocks, per_mille) = t.coverage(m, n, batch);
-                        blocks.min(busy) * per_mille
-                    })
+                most_useful(&SMALL_CANDIDATES, busy, |t| t.coverage(m, n, batch))
                     .unwrap_or(Tiling::CLASSIC)
             })
     }
 
-    /// Workgroups a `batch` of `m x n` outputs takes, and the share of the
-    /// outputs they compute that are inside the result, in thousandths.
+    /// [`coverage`] of this tiling's blocks.
     fn coverage(&self, m: usize, n: usize, batch: usize) -> (usize, usize) {
-        let blocks = self.blocks(m, n, batch);
-        let computed = blocks * (self.block_rows() * self.block_cols()) as usize;
-        (blocks, m * n * batch.max(1) * 1000 / computed)
+        coverage(self.block_rows(), self.block_cols(), m, n, batch)
     }
 
     /// The tiling and split-K parts for a `batch` of `m x n` outputs each
@@ -239,6 +227,30 @@ impl Tiling {
             v = if self.vector { " vec4" } else { "" }
         )
     }
+}
+
+/// Workgroups of `rows x cols` output blocks a `batch` of `m x n` outputs
+/// takes, and the share of the outputs they compute that are inside the
+/// result, in thousandths: what choosing a tiling weighs, in either GEMM
+/// form.
+pub(super) fn coverage(rows: u32, cols: u32, m: usize, n: usize, batch: usize) -> (usize, usize) {
+    let blocks = m.div_ceil(rows as usize).max(1) * n.div_ceil(cols as usize).max(1) * batch.max(1);
+    let computed = blocks * (rows * cols) as usize;
+    (blocks, m * n * batch.max(1) * 1000 / computed)
+}
+
+/// Of `candidates` (largest block first), the one that keeps the most of
+/// `busy` workgroups doing useful work by its `coverage`; ties go to the
+/// larger block. `None` only without candidates.
+pub(super) fn most_useful<T: Copy>(
+    candidates: &[T],
+    busy: usize,
+    coverage: impl Fn(&T) -> (usize, usize),
+) -> Option<T> {
+    candidates.iter().rev().copied().max_by_key(|t| {
+        let (blocks, per_mille) = coverage(t);
+        blocks.min(busy) * per_mille
+    })
 }
 
 /// Workgroups a product must fill before a larger register block is used:
@@ -393,6 +405,32 @@ impl Gemm<'_> {
         [scale(Side::A), scale(Side::B), unscale]
     }
 
+    /// WGSL expressions of where staged element `idx` goes: `[ar, ak, bk,
+    /// bc]`, its row and step of A's `bm x d` tile, and its step and column
+    /// of B's `d x bn` one. Neighbouring invocations load neighbours in
+    /// memory.
+    pub(super) fn staging_indices(&self, d: u32, bm: u32, bn: u32) -> [String; 4] {
+        let (ar, ak) = if self.a_along_k {
+            (format!("idx / {d}u"), format!("idx % {d}u"))
+        } else {
+            (format!("idx % {bm}u"), format!("idx / {bm}u"))
+        };
+        let (bk, bc) = if self.b_along_k {
+            (format!("idx % {d}u"), format!("idx / {d}u"))
+        } else {
+            (format!("idx / {bn}u"), format!("idx % {bn}u"))
+        };
+        [ar, ak, bk, bc]
+    }
+
+    /// WGSL of the loader functions `load_a` and `load_b`.
+    pub(super) fn loaders(&self) -> String {
+        format!(
+            "fn load_a(z: u32, row: u32, kk: u32) -> f32 {{\n{}\n}}\nfn load_b(z: u32, kk: u32, col: u32) -> f32 {{\n{}\n}}\n",
+            self.load_a, self.load_b
+        )
+    }
+
     /// The tensor-core tiling a mixed-precision GEMM takes where the
     /// adapter has them.
     pub fn tensor_tiling(&self) -> TensorTiling {
@@ -401,13 +439,29 @@ impl Gemm<'_> {
         })
     }
 
+    /// Whether this GEMM is generated in its tensor-core form: mixed
+    /// precision on an adapter with tensor cores.
+    fn on_tensor_cores(&self) -> bool {
+        self.precision == Precision::Mixed && tensor_cores()
+    }
+
     /// The WGSL: the tensor-core form for a mixed-precision GEMM where the
     /// adapter has tensor cores, else the plain form.
     pub fn spec(&self) -> KernelSpec {
-        if self.precision == Precision::Mixed && tensor_cores() {
+        if self.on_tensor_cores() {
             return tensor::spec(self, self.tensor_tiling());
         }
         self.plain_spec()
+    }
+
+    /// For people: the tiling [`Self::spec`] generates with, tensor-core or
+    /// plain.
+    pub fn form(&self) -> String {
+        if self.on_tensor_cores() {
+            self.tensor_tiling().describe()
+        } else {
+            self.tiling().describe()
+        }
     }
 
     /// The plain form, for every adapter: under [`Precision::Mixed`] each
@@ -444,17 +498,7 @@ impl Gemm<'_> {
                 format!("tile_b[bk * {b_stride}u + bc] = bv;"),
             )
         };
-        // Neighbouring invocations load neighbours in memory.
-        let (ar, ak) = if self.a_along_k {
-            (format!("idx / {d}u"), format!("idx % {d}u"))
-        } else {
-            (format!("idx % {bm}u"), format!("idx / {bm}u"))
-        };
-        let (bk, bc) = if self.b_along_k {
-            (format!("idx % {d}u"), format!("idx / {d}u"))
-        } else {
-            (format!("idx / {bn}u"), format!("idx % {bn}u"))
-        };
+        let [ar, ak, bk, bc] = self.staging_indices(d, bm, bn);
         let mixed = self.precision == Precision::Mixed;
         let (round_open, round_close) = if mixed {
             ("round_half(", ")")
@@ -563,13 +607,7 @@ impl Gemm<'_> {
         let wgsl = format!(
             r"// {label}: tiled GEMM {m}x{k}x{n} (batch {batch}, k in {split} parts), {desc}; generated by rookery_kernels.
 {decls}
-fn load_a(z: u32, row: u32, kk: u32) -> f32 {{
-{load_a}
-}}
-fn load_b(z: u32, kk: u32, col: u32) -> f32 {{
-{load_b}
-}}
-{to_half}var<workgroup> tile_a: array<{tile_ty}, {a_len}>;
+{loaders}{to_half}var<workgroup> tile_a: array<{tile_ty}, {a_len}>;
 var<workgroup> tile_b: array<{tile_ty}, {b_len}>;
 
 @compute @workgroup_size({t}, {t}, 1)
@@ -594,8 +632,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_id) l
             label = self.label,
             batch = self.batch,
             desc = tiling.describe(),
-            load_a = self.load_a,
-            load_b = self.load_b,
+            loaders = self.loaders(),
             to_half = if mixed { ROUND_HALF_WGSL } else { "" },
         );
         KernelSpec {

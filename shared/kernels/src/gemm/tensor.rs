@@ -11,7 +11,7 @@
 //! and the workgroup memory the largest [`TensorTiling`] stages.
 
 use super::precision::ROUND_HALF_WGSL;
-use super::template::{Gemm, split_parts, staged};
+use super::template::{Gemm, coverage, most_useful, split_parts, staged};
 use crate::spec::{KernelSpec, declare, kinds};
 
 /// The side of one cooperative-matrix fragment.
@@ -83,36 +83,22 @@ impl TensorTiling {
         2 * (a + b) + 4 * FRAGMENT * FRAGMENT * self.warps_m * self.warps_n
     }
 
-    fn blocks(&self, m: usize, n: usize, batch: usize) -> usize {
-        m.div_ceil(self.block_rows() as usize).max(1)
-            * n.div_ceil(self.block_cols() as usize).max(1)
-            * batch.max(1)
+    /// [`coverage`] of this tiling's blocks.
+    fn coverage(&self, m: usize, n: usize, batch: usize) -> (usize, usize) {
+        coverage(self.block_rows(), self.block_cols(), m, n, batch)
     }
 
     /// The first candidate that keeps `busy` workgroups doing mostly useful
     /// work, else the one with the most useful work (as [`super::Tiling::auto`]).
     pub fn auto_for(m: usize, n: usize, batch: usize, busy: usize) -> Self {
-        let useful = |t: &TensorTiling| {
-            let blocks = t.blocks(m, n, batch);
-            let computed = blocks * (t.block_rows() * t.block_cols()) as usize;
-            (blocks, m * n * batch.max(1) * 1000 / computed)
-        };
         TENSOR_CANDIDATES
             .into_iter()
             .find(|t| {
-                let (blocks, per_mille) = useful(t);
+                let (blocks, per_mille) = t.coverage(m, n, batch);
                 blocks >= busy && per_mille >= 750
             })
-            .unwrap_or_else(|| {
-                TENSOR_CANDIDATES
-                    .into_iter()
-                    .rev()
-                    .max_by_key(|t| {
-                        let (blocks, per_mille) = useful(t);
-                        blocks.min(busy) * per_mille
-                    })
-                    .unwrap_or(TENSOR_CANDIDATES[0])
-            })
+            .or_else(|| most_useful(&TENSOR_CANDIDATES, busy, |t| t.coverage(m, n, batch)))
+            .unwrap_or(TENSOR_CANDIDATES[0])
     }
 
     /// For people: `2x2 warps x 4x4 frags d32`.
@@ -182,16 +168,7 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
     let threads = tiling.threads();
     let (sa, sb) = tiling.strides();
     let [scale_a, scale_b, unscale] = gemm.gradient_scales();
-    let (ar, ak) = if gemm.a_along_k {
-        (format!("idx / {d}u"), format!("idx % {d}u"))
-    } else {
-        (format!("idx % {bm}u"), format!("idx / {bm}u"))
-    };
-    let (bk, bc) = if gemm.b_along_k {
-        (format!("idx % {d}u"), format!("idx / {d}u"))
-    } else {
-        (format!("idx / {bn}u"), format!("idx % {bn}u"))
-    };
+    let [ar, ak, bk, bc] = gemm.staging_indices(d, bm, bn);
     // Each invocation's share of a step's operands passes through
     // registers (`ra{e}`, `rb{e}`): loaded (bounds-checked, scaled, rounded)
     // by `fetch`, written to workgroup memory by `put`.
@@ -205,21 +182,20 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
     for e in 0..rounds(b_elems) {
         registers += &format!("    var rb{e}: f16;\n");
     }
-    let fetch = |kbase: &str| {
-        each(a_elems, &|e| {
-            format!(
-                "            let ar = {ar};\n            let gk = {kbase} + {ak};\n\
+    let kbase = format!("(part * {steps_per}u + step) * {d}u");
+    let fetch = each(a_elems, &|e| {
+        format!(
+            "            let ar = {ar};\n            let gk = {kbase} + {ak};\n\
                  \x20           var av = 0.0;\n            if (row0 + ar < {m}u && gk < {k}u) {{ av = load_a(z, row0 + ar, gk){scale_a}; }}\n\
                  \x20           ra{e} = to_half(av);\n"
-            )
-        }) + &each(b_elems, &|e| {
-            format!(
-                "            let bc = {bc};\n            let gk = {kbase} + {bk};\n\
+        )
+    }) + &each(b_elems, &|e| {
+        format!(
+            "            let bc = {bc};\n            let gk = {kbase} + {bk};\n\
                  \x20           var bv = 0.0;\n            if (gk < {k}u && col0 + bc < {n}u) {{ bv = load_b(z, gk, col0 + bc){scale_b}; }}\n\
                  \x20           rb{e} = to_half(bv);\n"
-            )
-        })
-    };
+        )
+    });
     let put = each(a_elems, &|e| {
         format!(
             "            let ar = {ar};\n            let ak = {ak};\n            tile_a[ar * {sa}u + ak] = ra{e};\n"
@@ -229,7 +205,7 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
             "            let bk = {bk};\n            let bc = {bc};\n            tile_b[bk * {sb}u + bc] = rb{e};\n"
         )
     });
-    let staging = fetch(&format!("(part * {steps_per}u + step) * {d}u")) + &put;
+    let staging = fetch + &put;
     let mut decl_acc = String::new();
     let mut inner = String::new();
     let mut store = String::new();
@@ -272,13 +248,7 @@ pub fn spec(gemm: &Gemm<'_>, tiling: TensorTiling) -> KernelSpec {
 enable f16;
 enable wgpu_cooperative_matrix;
 {decls}
-fn load_a(z: u32, row: u32, kk: u32) -> f32 {{
-{load_a}
-}}
-fn load_b(z: u32, kk: u32, col: u32) -> f32 {{
-{load_b}
-}}
-{round_half}fn to_half(v: f32) -> f16 {{
+{loaders}{round_half}fn to_half(v: f32) -> f16 {{
     return f16(round_half(v));
 }}
 var<workgroup> tile_a: array<f16, {a_len}>;
@@ -306,8 +276,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
         label = gemm.label,
         batch = gemm.batch,
         desc = tiling.describe(),
-        load_a = gemm.load_a,
-        load_b = gemm.load_b,
+        loaders = gemm.loaders(),
         a_len = tiling.tile_lens().0,
         b_len = tiling.tile_lens().1,
         c_len = 256 * tiling.warps_m * warps_n,
@@ -399,7 +368,7 @@ mod tests {
     #[test]
     fn tensor_tiling_keeps_large_gpus_busy_and_small_products_whole() {
         let big = TensorTiling::auto_for(4096, 4096, 1, 512);
-        assert!(big.blocks(4096, 4096, 1) >= 512, "{big:?}");
+        assert!(big.coverage(4096, 4096, 1).0 >= 512, "{big:?}");
         assert!(big.block_rows() * big.block_cols() >= 128 * 128, "{big:?}");
         let small = TensorTiling::auto_for(16, 9, 1, 512);
         assert_eq!(small, TENSOR_CANDIDATES[TENSOR_CANDIDATES.len() - 1]);
