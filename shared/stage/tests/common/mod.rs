@@ -11,18 +11,14 @@ pub fn block<F: Future>(f: F) -> F::Output {
     pollster::block_on(f)
 }
 
-/// Deterministic values in [-1, 1), spread over magnitudes by `spread`
+/// The workspace's deterministic values in [-1, 1)
+/// (`rookery_test_support::pseudo`), spread over magnitudes by `spread`
 /// powers of two (1: not spread).
 pub fn pseudo(n: usize, seed: u64, spread: i32) -> Vec<f32> {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|i| {
-            z ^= z << 13;
-            z ^= z >> 7;
-            z ^= z << 17;
-            let v = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
-            v * 2f32.powi(-((i / 7) as i32 % spread.max(1)))
-        })
+    rookery_test_support::pseudo(n, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| v * 2f32.powi(-((i / 7) as i32 % spread.max(1))))
         .collect()
 }
 
