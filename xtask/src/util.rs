@@ -44,7 +44,26 @@ pub fn secs(d: Duration) -> String {
 /// Records steps for a closing summary table (used by `test`, whose log is long).
 #[derive(Default)]
 pub struct Summary {
-    rows: Vec<(String, String, &'static str)>,
+    rows: Vec<(String, String, &'static str, String)>,
+}
+
+/// Free space on the filesystem holding the target folder, as `df` reports it,
+/// so a step that fails for want of disk says so in the summary.
+fn free_disk() -> String {
+    let out = Command::new("df").arg("-Pk").arg(target_dir()).output();
+    let avail_kib = out.ok().and_then(|out| {
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .nth(1)?
+            .split_whitespace()
+            .nth(3)?
+            .parse::<f64>()
+            .ok()
+    });
+    match avail_kib {
+        Some(kib) => format!("{:.1} GiB", kib / (1024.0 * 1024.0)),
+        None => "?".to_owned(),
+    }
 }
 
 impl Summary {
@@ -53,13 +72,14 @@ impl Summary {
         let result = step(name, f);
         let outcome = if result.is_ok() { "ok" } else { "FAILED" };
         self.rows
-            .push((name.to_owned(), secs(start.elapsed()), outcome));
+            .push((name.to_owned(), secs(start.elapsed()), outcome, free_disk()));
         result
     }
 
     pub fn skipped(&mut self, name: &str) {
         println!("--- {name}: skipped");
-        self.rows.push((name.to_owned(), "-".to_owned(), "skipped"));
+        self.rows
+            .push((name.to_owned(), "-".to_owned(), "skipped", free_disk()));
     }
 
     pub fn print(&self) {
@@ -69,9 +89,12 @@ impl Summary {
             .map(|(name, ..)| name.len())
             .max()
             .unwrap_or(0);
-        println!("\n{:<width$}  {:>9}  result", "step", "time");
-        for (name, time, outcome) in &self.rows {
-            println!("{name:<width$}  {time:>9}  {outcome}");
+        println!(
+            "\n{:<width$}  {:>9}  {:<7}  disk free after",
+            "step", "time", "result"
+        );
+        for (name, time, outcome, free) in &self.rows {
+            println!("{name:<width$}  {time:>9}  {outcome:<7}  {free}");
         }
     }
 }
