@@ -29,7 +29,7 @@ pub use train::{
 /// Invariant that keeps version negotiation possible across versions:
 /// [`ToServer::Hello`] stays variant 0 and [`Hello::protocol_version`] stays its
 /// first field, so any server can read the version of any client's first frame.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// Default largest frame either side of a provider connection sends or
 /// accepts. The server announces its own limit in [`ToProvider::Welcome`];

@@ -47,14 +47,16 @@ pub enum PipelineSchedule {
     /// more. The same arithmetic as `Gpipe`, in the same order.
     #[serde(rename = "1f1b")]
     OneForwardOneBackward,
-    /// PipeDream-2BW: no flush between steps, and no hold-back (a stage may
-    /// hold two steps' micro-batches: over slow links, what is in flight
-    /// is what keeps stages busy). Step
-    /// `k` runs with the weights every update up to step `k - 2` made
-    /// (each stage stashes the version a micro-batch's forward used for its
-    /// backward), so the server may feed step `k` once every stage has done
-    /// step `k - 2`. After a barrier (a sync, a resume) step `b` and `b + 1`
-    /// both run with the barrier's weights.
+    /// PipeDream-2BW with weight prediction: no flush between steps, and no
+    /// hold-back (a stage may hold two steps' micro-batches: over slow
+    /// links, what is in flight is what keeps stages busy). Step `k` runs
+    /// with the weights every update up to step `k - 2` made, extrapolated
+    /// by step `k - 2`'s update (`w + (w - w_before)`, a prediction of the
+    /// update step `k - 1` has yet to make; each stage stashes the version
+    /// a micro-batch's forward used for its backward), so the server may
+    /// feed step `k` once every stage has done step `k - 2`. After a barrier
+    /// (a sync, a resume) step `b` and `b + 1` both run with the barrier's
+    /// weights.
     #[serde(rename = "async")]
     Async,
 }
@@ -82,6 +84,12 @@ impl PipelineSchedule {
     /// stage may hold two steps' micro-batches.
     pub fn steps_in_flight(self) -> u32 {
         if self.is_async() { 2 } else { 1 }
+    }
+
+    /// Copies of a stage's trainable weights kept beyond the one: under
+    /// `async` the two forward versions beside the master weights.
+    pub fn extra_weight_copies(self) -> u32 {
+        if self.is_async() { 2 } else { 0 }
     }
 }
 

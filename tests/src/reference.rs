@@ -9,11 +9,12 @@ use rookery_torch::{TorchExecutor, TorchOptimizer, step_seed, tensors_from_value
 use tch::{Device, Tensor};
 
 /// The per-step losses of `job_file` trained in one process by
-/// PipeDream-2BW's rule, as `training.schedule = "async"` defines it: step
-/// `k`'s gradient (of its whole batch) is taken at the weights after steps
-/// `..k - 1`, or at the last barrier's for the two steps from a barrier
-/// (every `sync_every` steps and each epoch's start), and the job's
-/// optimizer applies it to the latest weights. (Models without buffers:
+/// PipeDream-2BW's rule with weight prediction, as `training.schedule =
+/// "async"` defines it: step `k`'s gradient (of its whole batch) is taken
+/// at the weights after steps `..k - 1` extrapolated by step `k - 2`'s
+/// update (`w + (w - w_before)`), or at the last barrier's for the two
+/// steps from a barrier (every `sync_every` steps and each epoch's start),
+/// and the job's optimizer applies it to the latest weights. (Models without buffers:
 /// they would not go back with the weights. Token models too: their ids
 /// go in as i64.)
 pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
@@ -38,7 +39,16 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
                 barrier = k;
             }
             let stale = k.saturating_sub(1).max(barrier) as usize;
-            exec.set_parameters(&versions[stale]).unwrap();
+            if stale > barrier as usize {
+                let predicted: Vec<(String, Tensor)> = versions[stale]
+                    .iter()
+                    .zip(&versions[stale - 1])
+                    .map(|((n, w), (_, before))| (n.clone(), w + (w - before)))
+                    .collect();
+                exec.set_parameters(&predicted).unwrap();
+            } else {
+                exec.set_parameters(&versions[stale]).unwrap();
+            }
             let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
             let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
             // Token ids come as f32 from the batches, and go in as i64.

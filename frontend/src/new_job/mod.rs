@@ -531,7 +531,7 @@ pub fn NewJobPage() -> impl IntoView {
                     {text_input("val-every", "Evaluate every (steps)", "empty: on the test set after each epoch only (Ravnest's val_freq)")}
                     {select("wire-dtype", "Wire dtype", &[("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("int8", "int8")])}
                     {select("precision", "Precision", &[("f32", "f32"), ("mixed", "Mixed: matrix products on f16 operands (tensor cores), f32 sums")])}
-                    {select("schedule", "Pipeline schedule", &[("gpipe", "GPipe: all micro-batches at once"), ("1f1b", "1F1B: the same result, less memory per stage"), ("async", "Async (PipeDream-2BW): no flush between syncs, a one-step weight delay")])}
+                    {select("schedule", "Pipeline schedule", &[("gpipe", "GPipe: all micro-batches at once"), ("1f1b", "1F1B: the same result, less memory per stage"), ("async", "Async (PipeDream-2BW): no flush between syncs, a one-step weight delay, predicted")])}
                     {select("average-optimizer", "Average optimizer state at syncs", &[("no", "no: each cluster keeps its own"), ("yes", "yes (Ravnest's average_optim)")])}
                     {select("outer-optimizer", "Outer optimizer at syncs", &[("none", "none: plain averaging"), ("nesterov", "Nesterov (DiLoCo)"), ("sgd", "SGD")])}
                     {text_input("outer-lr", "Outer learning rate", "DiLoCo uses 0.7")}

@@ -79,6 +79,18 @@ fn assert_same(got: &Named, want: &Named, what: &str) {
     }
 }
 
+/// `latest` extrapolated by the update from `before` (every parameter here
+/// is trainable), as `rookery_stage::extrapolate` computes each element.
+fn predicted(latest: &Named, before: &Named) -> Named {
+    latest
+        .iter()
+        .map(|(n, l)| {
+            let (_, b) = before.iter().find(|(m, _)| m == n).unwrap();
+            (n.clone(), l + (l - b))
+        })
+        .collect()
+}
+
 fn copies(v: &Named) -> Named {
     v.iter().map(|(n, t)| (n.clone(), t.copy())).collect()
 }
@@ -166,21 +178,28 @@ fn a_micro_batch_forwarded_before_a_step_backpropagates_through_its_weights_and_
         }
         assert_same(&stash.parameters().unwrap(), &w2, "W2 = W1 updated with g1");
 
-        // Previous is now W1, Current W2.
-        stash.set_step_seed(102);
+        // Previous is now W1 extrapolated by step 0's update, Current W2 by
+        // step 1's.
+        let p1 = predicted(&w1, &owned(&init));
+        let p2 = predicted(&w2, &w1);
+        for (p, w) in [(&p1, &w1), (&p2, &w2)] {
+            assert!(p.iter().zip(w).any(|((_, p), (_, w))| !p.equal(w)));
+        }
+        let mut a = executor(&g, &range, p1, false);
         a.set_step_seed(102);
-        let mut c = executor(&g, &range, copies(&w2), false);
+        stash.set_step_seed(102);
+        let mut c = executor(&g, &range, p2, false);
         c.set_step_seed(102);
         let on_w1 = stash
             .forward_version(&mbs[0], true, 0, WeightVersion::Previous)
             .unwrap();
         let r1 = a.forward_at(&mbs[0], true, 0).unwrap();
-        assert_same(&on_w1.outputs, &r1.outputs, "Previous runs W1");
+        assert_same(&on_w1.outputs, &r1.outputs, "Previous runs W1 + (W1 - W0)");
         let on_w2 = stash
             .forward_version(&mbs[1], true, 3, WeightVersion::Current)
             .unwrap();
         let r2 = c.forward_at(&mbs[1], true, 3).unwrap();
-        assert_same(&on_w2.outputs, &r2.outputs, "Current runs W2");
+        assert_same(&on_w2.outputs, &r2.outputs, "Current runs W2 + (W2 - W1)");
         // Both backpropagate through their own weights; the next step would
         // apply the sum of both versions' gradients.
         let grads = output_grads(&r1.outputs, 400);

@@ -357,8 +357,9 @@ pub fn by_plan_id(live: Vec<LiveProvider>) -> HashMap<String, (u64, Hello)> {
 }
 
 /// The planner's knobs for a job: its micro-batch, cluster count, optimizer
-/// memory and the schedule's in-flight micro-batches (`async` stashes a
-/// second copy of the weights and may hold two steps' micro-batches).
+/// memory and the schedule's in-flight micro-batches (`async` keeps two
+/// forward copies of the weights beside the master ones and may hold two
+/// steps' micro-batches).
 pub fn plan_options(spec: &JobSpec) -> PlanOptions {
     let t = &spec.training;
     PlanOptions {
@@ -368,8 +369,7 @@ pub fn plan_options(spec: &JobSpec) -> PlanOptions {
             OptimizerConfig::Sgd { momentum: 0.0, .. } => 0,
             OptimizerConfig::Sgd { .. } | OptimizerConfig::RmsProp { .. } => 1,
             _ => 2,
-        } + t.schedule.steps_in_flight()
-            - 1,
+        } + t.schedule.extra_weight_copies(),
         in_flight_micro_batches: t.schedule.steps_in_flight() * t.micro_batches.max(1) as u32,
         stages_per_cluster: t.stages,
         ..PlanOptions::default()
@@ -398,7 +398,7 @@ mod tests {
     }
 
     #[test]
-    fn async_plans_room_for_a_second_copy_of_the_weights_and_two_steps_of_micro_batches() {
+    fn async_plans_room_for_two_more_copies_of_the_weights_and_two_steps_of_micro_batches() {
         let gpipe = plan_options(&spec(""));
         let overlapped = plan_options(&spec("schedule = \"async\""));
         assert_eq!(
@@ -410,7 +410,7 @@ mod tests {
                 overlapped.optimizer_copies,
                 overlapped.in_flight_micro_batches
             ),
-            (1, 4)
+            (2, 4)
         );
     }
 }

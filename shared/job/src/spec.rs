@@ -31,7 +31,7 @@
 //! seed = 42                    # default 0
 //! wire_dtype = "f32"           # f32 (default) | f16 | bf16 | int8 (blockwise)
 //! aggregation = "mean"         # mean (default) | median | centered_clip
-//! schedule = "gpipe"           # gpipe (default) | 1f1b | async (PipeDream-2BW): how micro-batches flow
+//! schedule = "gpipe"           # gpipe (default) | 1f1b | async (PipeDream-2BW, weight prediction): how micro-batches flow
 //! precision = "f32"            # f32 (default) | mixed: matrix products on f16 operands, f32 sums
 //! clip_grad_norm = 1.0         # optional: clip_grad_norm_ over the whole model
 //! val_every = 100              # optional: also evaluate every 100 steps (needs test data)

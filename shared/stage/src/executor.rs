@@ -17,12 +17,17 @@
 //! [`StageExecutor::transfers`] counts the bytes either way.
 //!
 //! With [`StageExecutor::keep_previous_weights`] (the `async` schedule,
-//! PipeDream-2BW) each trainable parameter has a second value buffer: one
-//! holds the Current weights and the other the Previous ones (the weights
-//! before the last step), and a micro-batch's backward binds the set its
-//! forward bound. A step copies Current into the other buffer and applies
-//! the optimizer there, so micro-batches still in flight keep theirs;
-//! gradients, optimizer state and buffers (BatchNorm's running statistics)
+//! PipeDream-2BW with weight prediction) each trainable parameter has three
+//! value buffers: the master weights (what the optimizer updates, what
+//! [`StageExecutor::parameters`] reads), the Current forward weights and the
+//! Previous ones, and a micro-batch's backward binds the set its forward
+//! bound. A step applies the optimizer to the master weights and makes the
+//! new Current their extrapolation by the update just made
+//! ([`Kernel::Extrapolate`]) in the buffer no micro-batch in flight uses;
+//! the old Current becomes Previous. After a barrier
+//! ([`StageExecutor::merge_versions`]) both forward versions are the master
+//! buffer itself, so the first step writes the new master weights elsewhere.
+//! Gradients, optimizer state and buffers (BatchNorm's running statistics)
 //! stay single. Without it nothing of this is allocated or run.
 
 use std::collections::{BTreeMap, HashMap};
@@ -69,9 +74,9 @@ type BoundCalls<'a, D> = Vec<BoundCall<'a, <D as Device>::Prepared, <D as Device
 struct ParamState<B> {
     /// The value: weight set 0 (see [`Versions`]).
     value: B,
-    /// A trainable parameter's weight set 1, kept only with
+    /// A trainable parameter's weight sets 1 and 2, kept only with
     /// [`StageExecutor::keep_previous_weights`].
-    stashed: Option<B>,
+    stashed: Vec<B>,
     /// The gradient accumulated since the last step; meaningful only while
     /// `has_grad` (PyTorch's `.grad is not None`).
     grad: B,
@@ -90,20 +95,31 @@ struct ParamState<B> {
 impl<B> ParamState<B> {
     /// The value in weight set `set` (parameters kept once have one).
     fn value_in(&self, set: usize) -> &B {
-        match (set, &self.stashed) {
-            (1, Some(b)) => b,
+        match set.checked_sub(1) {
+            Some(i) if i < self.stashed.len() => &self.stashed[i],
             _ => &self.value,
         }
     }
 }
 
-/// Which weight set (0: [`ParamState::value`], 1: [`ParamState::stashed`])
-/// holds each version; the same one while Previous is Current (after
-/// [`StageExecutor::merge_versions`], and before the first step).
-#[derive(Debug, Clone, Copy)]
+/// Which weight set (0: [`ParamState::value`], 1 and 2:
+/// [`ParamState::stashed`]) holds the master weights and each forward
+/// version; all the same one after [`StageExecutor::merge_versions`] (and
+/// before the first step).
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Versions {
+    master: usize,
     current: usize,
     previous: usize,
+}
+
+/// The sets a step writes: the new master weights (the old ones' set,
+/// updated in place, unless forwards use it), and the new Current forward
+/// weights.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepTarget {
+    master: usize,
+    current: usize,
 }
 
 /// A micro-batch between forward and backward: its batch size, the weight
@@ -149,6 +165,9 @@ pub struct StageExecutor<D: Device> {
     /// The kernels that fold a micro-batch's parameter gradient into the
     /// step's, by (whether the step has one yet, length), prepared once.
     accumulate: HashMap<(bool, usize), (Kernel, D::Prepared)>,
+    /// [`Kernel::Extrapolate`] by parameter length, prepared by
+    /// [`StageExecutor::keep_previous_weights`].
+    extrapolate: HashMap<usize, (Kernel, D::Prepared)>,
     /// Boundary tensors packed as int8 on the device (`None`: f32).
     int8: Option<PackedIo<D>>,
     transfers: Transfers,
@@ -213,7 +232,7 @@ impl<D: Device> StageExecutor<D> {
             })?;
             states.push(ParamState {
                 value,
-                stashed: None,
+                stashed: Vec::new(),
                 grad,
                 has_grad: false,
                 state: Vec::new(),
@@ -240,6 +259,7 @@ impl<D: Device> StageExecutor<D> {
         }
         Ok(Self {
             accumulate,
+            extrapolate: HashMap::new(),
             device,
             graph: graph.clone(),
             layout,
@@ -264,12 +284,6 @@ impl<D: Device> StageExecutor<D> {
         &self.device
     }
 
-    /// Keeps two versions of the trainable weights from now on (the `async`
-    /// schedule): forwards may ask for [`WeightVersion::Previous`], and
-    /// [`Self::step`] keeps the weights it replaces as `Previous` and may
-    /// run while micro-batches of the `Current` ones await their backward.
-    /// Allocates a second value buffer per trainable parameter; until the
-    /// first step `Previous` is `Current`.
     /// Computes the stage's matrix products in `precision` from now on
     /// (programs already lowered are lowered again).
     pub fn set_precision(&mut self, precision: Precision) -> Result<(), StageError> {
@@ -281,6 +295,12 @@ impl<D: Device> StageExecutor<D> {
         Ok(())
     }
 
+    /// Keeps two forward versions of the trainable weights from now on, and
+    /// the master weights apart from them (the `async` schedule, see the
+    /// module docs): forwards may ask for [`WeightVersion::Previous`], and
+    /// [`Self::step`] may run while micro-batches of the `Current` ones
+    /// await their backward. Allocates two more value buffers per trainable
+    /// parameter; until the first step every version is the master weights.
     pub fn keep_previous_weights(&mut self) -> Result<(), StageError> {
         if self.versions.is_some() {
             return Ok(());
@@ -288,22 +308,30 @@ impl<D: Device> StageExecutor<D> {
         self.idle("keeping two weight versions")?;
         for (p, state) in self.layout.params.iter().zip(&mut self.params) {
             if p.kind == ParamKind::Trainable {
-                state.stashed = Some(self.device.alloc(state.len)?);
+                state.stashed = (0..2)
+                    .map(|_| self.device.alloc(state.len))
+                    .collect::<Result<_, _>>()?;
+                let kernel = Kernel::Extrapolate { len: state.len };
+                self.extrapolate
+                    .entry(state.len)
+                    .or_insert_with(|| (kernel.clone(), self.device.prepare(&kernel)));
             }
         }
         self.versions = Some(Versions {
+            master: 0,
             current: 0,
             previous: 0,
         });
         Ok(())
     }
 
-    /// Makes `Previous` the `Current` weights again (a barrier). Micro-batches
-    /// in flight keep the weights their forward used. Nothing to do with one
-    /// version.
+    /// Makes both forward versions the master weights (a barrier: the next
+    /// two steps run with them, unextrapolated). Micro-batches in flight
+    /// keep the weights their forward used. Nothing to do with one version.
     pub fn merge_versions(&mut self) {
         if let Some(v) = &mut self.versions {
-            v.previous = v.current;
+            v.current = v.master;
+            v.previous = v.master;
         }
     }
 
@@ -319,9 +347,9 @@ impl<D: Device> StageExecutor<D> {
         }
     }
 
-    /// The set of the `Current` weights.
-    fn current_set(&self) -> usize {
-        self.versions.map_or(0, |v| v.current)
+    /// The set of the master weights.
+    fn master_set(&self) -> usize {
+        self.versions.map_or(0, |v| v.master)
     }
 
     /// Names this stage expects in [`forward`](Self::forward), in order.
@@ -368,7 +396,7 @@ impl<D: Device> StageExecutor<D> {
         self.ensure_program(key)?;
         self.ensure_scratch(batch)?;
         let acts = self.take_activations(key)?;
-        let set = self.current_set();
+        let set = self.master_set();
         let result = async {
             let program = &self.programs[&key];
             for _ in 0..times {
@@ -496,7 +524,7 @@ impl<D: Device> StageExecutor<D> {
         &mut self,
         inputs: &[(String, HostTensor)],
     ) -> Result<Vec<(String, HostTensor)>, StageError> {
-        let set = self.current_set();
+        let set = self.master_set();
         let (batch, acts, outputs) = self.run_forward(inputs, 0, false, set).await?;
         self.free.entry((batch, false)).or_default().push(acts);
         Ok(outputs)
@@ -573,10 +601,11 @@ impl<D: Device> StageExecutor<D> {
     /// [`Self::step`] with learning rate `lr` (a schedule's value at this
     /// step) in place of the optimizer's: only the uniform changes.
     ///
-    /// With two weight versions the optimizer updates a copy of the
-    /// `Current` weights in the other set, which becomes `Current`; the old
-    /// `Current` becomes `Previous` (micro-batches in flight keep it) and
-    /// the old `Previous`, overwritten, must have none in flight.
+    /// With two weight versions the optimizer updates the master weights
+    /// (a copy of them when forwards use their set), the new `Current` is
+    /// their extrapolation by this update, written over the old
+    /// `Previous`, which must have no micro-batch in flight, and the old
+    /// `Current` becomes `Previous` (micro-batches in flight keep it).
     pub async fn step_at_lr(&mut self, lr: f64) -> Result<(), StageError> {
         let target = self.step_target()?;
         let optimizer = self.optimizer.with_lr(lr);
@@ -620,52 +649,85 @@ impl<D: Device> StageExecutor<D> {
             state.has_grad = false;
         }
         let mut calls: BoundCalls<'_, D> = Vec::new();
+        let stashed = || self.params.iter().filter(|s| !s.stashed.is_empty());
         if let Some(v) = self.versions {
-            // The new Current starts as a copy of the old, parameters
-            // without a gradient included.
-            for s in self.params.iter().filter(|s| s.stashed.is_some()) {
+            // Both new sets start as the old master weights, parameters
+            // without a gradient included (their extrapolation is
+            // themselves).
+            for s in stashed() {
                 let (kernel, prepared) = &self.accumulate[&(false, s.len)];
-                calls.push((
-                    kernel,
-                    prepared,
-                    vec![s.value_in(v.current), s.value_in(target)],
-                ));
+                for set in [target.master, target.current] {
+                    if set != v.master {
+                        calls.push((
+                            kernel,
+                            prepared,
+                            vec![s.value_in(v.master), s.value_in(set)],
+                        ));
+                    }
+                }
             }
         }
         calls.extend(kernels.iter().map(|(p, kernel)| {
             let s = &self.params[*p];
             let mut buffers = vec![
                 s.uniform.as_ref().expect("allocated above"),
-                s.value_in(target),
+                s.value_in(target.master),
                 &s.grad,
             ];
             buffers.extend(s.state.iter());
             (kernel, &self.optimizer_kernels[&s.len], buffers)
         }));
+        if self.versions.is_some() {
+            for s in stashed() {
+                let (kernel, prepared) = &self.extrapolate[&s.len];
+                calls.push((
+                    kernel,
+                    prepared,
+                    vec![s.value_in(target.master), s.value_in(target.current)],
+                ));
+            }
+        }
         self.device.run(&calls).await?;
         drop(calls);
         if let Some(v) = &mut self.versions {
             *v = Versions {
-                current: target,
+                master: target.master,
+                current: target.current,
                 previous: v.current,
             };
         }
         Ok(())
     }
 
-    /// The weight set a step writes, refusing a step that would corrupt a
+    /// The weight sets a step writes, refusing a step that would corrupt a
     /// micro-batch in flight: any with one version, those of `Previous`
     /// (whose set the step overwrites) with two.
-    pub(crate) fn step_target(&self) -> Result<usize, StageError> {
+    pub(crate) fn step_target(&self) -> Result<StepTarget, StageError> {
         let Some(v) = self.versions else {
             self.idle("stepping")?;
-            return Ok(0);
+            return Ok(StepTarget {
+                master: 0,
+                current: 0,
+            });
         };
-        let target = 1 - v.current;
+        let mut free = (0..3).filter(|&set| set != v.master && set != v.current);
+        let target = if v.current == v.master {
+            // After a barrier forwards run on the master set itself.
+            let master = free.next().unwrap_or(v.master);
+            StepTarget {
+                master,
+                current: free.next().unwrap_or(v.master),
+            }
+        } else {
+            StepTarget {
+                master: v.master,
+                current: free.next().unwrap_or(v.master),
+            }
+        };
         let stale = self
             .in_flight
             .values()
-            .filter(|(_, set, _)| *set == target)
+            .filter(|(_, set, _)| *set == target.current || *set == target.master)
             .count();
         if stale > 0 {
             return Err(StageError::InFlight {
@@ -688,7 +750,7 @@ impl<D: Device> StageExecutor<D> {
     /// Copies of every parameter and buffer, by name.
     pub async fn parameters(&self) -> Result<Vec<(String, HostTensor)>, StageError> {
         let mut out = Vec::with_capacity(self.params.len());
-        let set = self.current_set();
+        let set = self.master_set();
         for (p, state) in self.layout.params.iter().zip(&self.params) {
             let data = match state.count {
                 Some(c) => vec![c as f32],
@@ -728,7 +790,7 @@ impl<D: Device> StageExecutor<D> {
                 Some(c) => *c = v.data.first().copied().unwrap_or(0.0) as i64,
                 None => {
                     self.device.write_f32(&state.value, &v.data)?;
-                    if let Some(stashed) = &state.stashed {
+                    for stashed in &state.stashed {
                         self.device.write_f32(stashed, &v.data)?;
                     }
                 }

@@ -53,6 +53,11 @@ pub enum Kernel {
     Copy { len: usize },
     /// `x`, `y`: `y += x`.
     AddInto { len: usize },
+    /// `x`, `y`: `y = x + (x - y)`, the weights `x` one more update like
+    /// the last one (`y` held the weights before it) further on: the
+    /// `async` schedule's weight prediction. Exact IEEE f32 arithmetic, so
+    /// every device and libtorch give the same bits.
+    Extrapolate { len: usize },
     /// `y`: every element set to `value`.
     Fill { len: usize, value: f32 },
     /// `x`, `w`, `b`, `y`, `mean`, `rstd`.
@@ -154,6 +159,17 @@ impl Kernel {
                 *len,
                 DEFAULT_WORKGROUP,
                 "    y[i] = y[i] + x[i];",
+            ),
+            Kernel::Extrapolate { len } => one_d(
+                "extrapolate",
+                &[
+                    ("x", Binding::Read, "f32"),
+                    ("y", Binding::ReadWrite, "f32"),
+                ],
+                "",
+                *len,
+                DEFAULT_WORKGROUP,
+                "    y[i] = x[i] + (x[i] - y[i]);",
             ),
             Kernel::Fill { len, value } => one_d(
                 "fill",
@@ -294,6 +310,14 @@ impl Kernel {
             Kernel::Copy { len } => {
                 let x = buffers[0][..*len].to_vec();
                 buffers[1][..*len].copy_from_slice(&x);
+            }
+            Kernel::Extrapolate { len } => {
+                let x = f(&buffers[0][..*len]);
+                let mut y = f(&buffers[1][..*len]);
+                for (y, x) in y.iter_mut().zip(&x) {
+                    *y = extrapolate(*x, *y);
+                }
+                store(&mut buffers[1], &y);
             }
             Kernel::AddInto { len } => {
                 let x = f(&buffers[0][..*len]);
@@ -515,6 +539,12 @@ impl Kernel {
 }
 
 /// i32 words as the kernels bind indices.
+/// The `async` schedule's predicted weight from `latest` and the value
+/// `before` the update that made it ([`Kernel::Extrapolate`]'s arithmetic).
+pub fn extrapolate(latest: f32, before: f32) -> f32 {
+    latest + (latest - before)
+}
+
 fn ints(words: &[u32]) -> Vec<i32> {
     words.iter().map(|&w| w as i32).collect()
 }

@@ -33,7 +33,7 @@ pub mod worker;
 pub use device::GpuDevice;
 pub use device::{CpuBuffer, CpuDevice, Device};
 pub use executor::{MicroBatch, ParamOptimizerState, StageExecutor};
-pub use kernel::Kernel;
+pub use kernel::{Kernel, extrapolate};
 pub use kernel_backend::OwnFactory;
 pub use packed::{StageWire, Transfers};
 pub use predict::{PredictError, Predictor};

@@ -22,12 +22,14 @@
 //!   training `Forward` beyond that waits, in order, until a `Backward`
 //!   frees one. Forwards and backwards each still run in the order they
 //!   came, so the arithmetic is `gpipe`'s exactly;
-//! - under `async` (PipeDream-2BW) a stage may have two steps open, with
-//!   no hold-back. Step `k` runs with the weights that every
-//!   update up to step `k - 2` made (the backend keeps that version for the
-//!   micro-batch's backward, [`WeightVersion`]); the two steps from a
+//! - under `async` (PipeDream-2BW with weight prediction) a stage may have
+//!   two steps open, with no hold-back. Step `k` runs with the weights that
+//!   every update up to step `k - 2` made, extrapolated by step `k - 2`'s
+//!   own update (`w + (w - w_before)`: the update step `k - 1` has yet to
+//!   make, predicted as the last one; the backend keeps that version for
+//!   the micro-batch's backward, [`WeightVersion`]); the two steps from a
 //!   barrier (`Assign`, `UploadParams`, `SetParams`) run with the barrier's
-//!   weights. Backwards and updates still come in step order, so one
+//!   weights, unextrapolated. Backwards and updates still come in step order, so one
 //!   gradient buffer serves, and the result does not depend on timing;
 //! - after `JobFailed` the stage is gone: later messages for that job get
 //!   `JobFailed` again, until a new `Assign`.
@@ -70,9 +72,9 @@ pub struct StageSpec<'a> {
     pub params: &'a [WireTensor],
     pub optimizer: OptimizerConfig,
     pub optimizer_state: &'a [ParamOptimState],
-    /// The `async` schedule: [`Backend::step`] keeps the weights it
-    /// replaces as [`WeightVersion::Previous`], and may run while
-    /// micro-batches that ran forward still await their backward.
+    /// The `async` schedule: the backend keeps master weights apart from
+    /// two forward versions ([`WeightVersion`]), and [`Backend::step`] may
+    /// run while micro-batches that ran forward still await their backward.
     pub stash_weights: bool,
     /// How activations and gradients travel (the job's `wire_dtype`, and
     /// whether the stage sends its outputs), for backends that ready them
@@ -82,10 +84,14 @@ pub struct StageSpec<'a> {
     pub precision: rookery_model::Precision,
 }
 
-/// Which of a stage's two weight versions a training forward runs with (its
-/// backward uses the same). Only the `async` schedule asks for `Previous`:
-/// the weights before the last [`Backend::step`], or `Current` when there
-/// was none since the last [`Backend::merge_versions`].
+/// Which of a stage's two forward weight versions a training forward runs
+/// with (its backward uses the same). `Current` is the master weights
+/// extrapolated by the last [`Backend::step`]'s update (`w + (w -
+/// w_before)`, [`crate::extrapolate`]), or the master weights themselves
+/// when there was no step since the last [`Backend::merge_versions`];
+/// `Previous` is the `Current` before the last step. Only the `async`
+/// schedule asks for `Previous`; without `StageSpec::stash_weights` both
+/// are the one set of weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightVersion {
     Current,
@@ -150,16 +156,16 @@ pub trait Backend {
     /// them alone), then steps the optimizer with learning rate `lr`.
     ///
     /// With `StageSpec::stash_weights` the gradients (from backwards of
-    /// either version) update a copy of the `Current` weights, which becomes
-    /// `Current`; the old `Current` becomes `Previous` and the old
-    /// `Previous` is dropped. Micro-batches in flight (all of the old
-    /// `Current`) keep the weights their forward used.
+    /// either version) update the master weights, the new `Current` is
+    /// their extrapolation by this update, the old `Current` becomes
+    /// `Previous` and the old `Previous` is dropped. Micro-batches in flight
+    /// (all of the old `Current`) keep the weights their forward used.
     fn step(&mut self, lr: f64, grad_scale: f64) -> impl Future<Output = Result<(), Self::Error>>;
-    /// Makes `Previous` the `Current` weights again (a barrier: a sync or
-    /// new parameters); nothing is in flight. A no-op without
+    /// Makes both forward versions the master weights (a barrier: a sync
+    /// or new parameters); nothing is in flight. A no-op without
     /// `StageSpec::stash_weights`.
     fn merge_versions(&mut self) -> Result<(), Self::Error>;
-    /// Every parameter and buffer, floats as f32.
+    /// Every parameter and buffer (the master weights), floats as f32.
     fn parameters(&mut self) -> impl Future<Output = Result<Vec<WireTensor>, Self::Error>>;
     fn set_parameters(&mut self, values: &[WireTensor]) -> Result<(), Self::Error>;
     fn optimizer_state(

@@ -1,7 +1,8 @@
-//! PipeDream-2BW weight stashing on our executor (`StageSpec::stash_weights`,
-//! the `async` schedule), through `OwnFactory` and the `Backend` calls the
-//! worker makes: a step's micro-batches run forward on the weights before
-//! the previous step's update and backward on the same ones after it, and
+//! PipeDream-2BW weight stashing with weight prediction on our executor
+//! (`StageSpec::stash_weights`, the `async` schedule), through `OwnFactory`
+//! and the `Backend` calls the worker makes: a step's micro-batches run
+//! forward on the weights before the previous step's update, extrapolated
+//! by the update before that, and backward on the same ones after it, and
 //! the result is, bit for bit, what executors keeping one version compute
 //! when handed those weights. On the CPU references always; on the GPU
 //! (lavapipe natively) with the `gpu` feature.
@@ -19,7 +20,7 @@ use rookery_proto::{WireDType, WireTensor};
 use rookery_stage::worker::StageSpec;
 use rookery_stage::{
     Backend, BackendFactory, CpuDevice, Device, HostTensor, MicroBatch, OwnFactory, StageError,
-    StageExecutor, WeightVersion,
+    StageExecutor, WeightVersion, extrapolate,
 };
 
 type Exec<D> = StageExecutor<Arc<D>>;
@@ -95,6 +96,31 @@ fn wire(graph: &Graph, values: &BTreeMap<String, Vec<f32>>) -> Vec<WireTensor> {
                 let v: Vec<i64> = v.iter().map(|&x| x as i64).collect();
                 WireTensor::from_i64(&p.name, &p.shape, &v)
             }
+        })
+        .collect()
+}
+
+/// The forward weights a step extrapolates from `before` and `latest`
+/// (buffers are kept once: `latest`'s), computed on the host.
+fn predicted(case: &Case, latest: &Named, before: &Named) -> Named {
+    let trainable = case.trainable(latest);
+    latest
+        .iter()
+        .map(|(name, t)| {
+            let Some((_, b)) = before.iter().find(|(n, _)| n == name) else {
+                return (name.clone(), t.clone());
+            };
+            if !trainable.iter().any(|(n, _)| n == name) {
+                return (name.clone(), t.clone());
+            }
+            let data = t
+                .data
+                .iter()
+                .zip(&b.data)
+                .map(|(&l, &b)| extrapolate(l, b))
+                .collect();
+            let shape = t.shape.clone();
+            (name.clone(), HostTensor { shape, data })
         })
         .collect()
 }
@@ -268,14 +294,22 @@ fn two_bw_matches_one_version<D: Device>(
     let w2 = params(&r);
     same(&params(&s), &w2, &what("Current after step 1"));
 
-    // Previous is W1 now, Current W2: each matches a stage holding it alone,
-    // forward and backward.
+    // Previous is W1 extrapolated by step 0's update now, Current W2 by
+    // step 1's: each matches a stage holding it alone, forward and backward.
     let (x, dy) = case.micro_batch(4, 5);
+    let w0 = named(&case.graph, &w0, &r.param_names());
     let mut y_w2 = Vec::new();
-    for (version, values) in [
-        (WeightVersion::Previous, &w1),
-        (WeightVersion::Current, &w2),
+    for (version, values, exact) in [
+        (WeightVersion::Previous, predicted(case, &w1, &w0), &w1),
+        (WeightVersion::Current, predicted(case, &w2, &w1), &w2),
     ] {
+        assert_ne!(
+            bits(&values),
+            bits(exact),
+            "{}",
+            what("a prediction that moves nothing")
+        );
+        let values = &values;
         let versioned = |s: &str| what(&format!("{s} with {version:?}"));
         let mut one = build(&mut factory, case, &as_map(values), optimizer, false);
         let (mb, y) = forward(&mut s, case, &x, 0, version);
@@ -288,7 +322,9 @@ fn two_bw_matches_one_version<D: Device>(
         );
         same(&grads(&s), &grads(&one), &versioned("parameter gradients"));
         s.zero_grad().unwrap();
-        y_w2 = y;
+        // What W2 itself gives, for the merge below.
+        let mut one = build(&mut factory, case, &as_map(exact), optimizer, false);
+        y_w2 = forward(&mut one, case, &x, 0, WeightVersion::Current).1;
     }
 
     // A step would overwrite the weights of a micro-batch run with Previous.
@@ -307,7 +343,8 @@ fn two_bw_matches_one_version<D: Device>(
     backward(&mut s, case, mb, &dy);
     s.zero_grad().unwrap();
 
-    // After a merge Previous is Current; a step may run with both in flight.
+    // After a merge both versions are the master weights, unextrapolated; a
+    // step may run with both in flight.
     Backend::merge_versions(&mut s).unwrap();
     let (mb_prev, y_prev) = forward(&mut s, case, &x, 0, WeightVersion::Previous);
     let (mb_cur, y_cur) = forward(&mut s, case, &x, 0, WeightVersion::Current);

@@ -15,21 +15,25 @@
 //! autograd graph never reaches outside the stage: this is what lets the
 //! stages live in different processes.
 //!
-//! # Weight stashing (PipeDream-2BW)
+//! # Weight stashing (PipeDream-2BW) with weight prediction
 //!
 //! An executor made [`with_stash_weights`](TorchExecutor::with_stash_weights)
-//! keeps two versions of its trainable parameters: `Current` and `Previous`
-//! (the weights before the last [`step`](TorchExecutor::step); the same
-//! tensors as `Current` until a step, and again after
-//! [`merge_versions`](TorchExecutor::merge_versions)). A training forward
+//! keeps the master weights of its trainable parameters (what the optimizer
+//! updates and [`parameters`](TorchExecutor::parameters) gives) and two
+//! forward versions: `Current`, the master weights extrapolated by the last
+//! [`step`](TorchExecutor::step)'s update (`w + (w - w_before)`, the
+//! `async` schedule's prediction of the update still to come), and
+//! `Previous`, the `Current` before that step. All three are the same
+//! tensors until a step, and again after
+//! [`merge_versions`](TorchExecutor::merge_versions). A training forward
 //! runs with the version asked for ([`forward_version`](TorchExecutor::forward_version))
 //! and its backward accumulates into that version's autograd leaves, so a
 //! micro-batch's backward always uses the weights its forward used. A step
 //! may run while micro-batches on `Current` await backward: it sums the
-//! pending gradients of both versions, applies them to a fresh copy of
-//! `Current` (never in place, since in-flight graphs saved those tensors),
-//! and the old `Current` becomes `Previous`. Buffers (BatchNorm statistics)
-//! are one copy shared by both versions.
+//! pending gradients of both versions, applies them to a fresh copy of the
+//! master weights (never in place, since in-flight graphs may have saved
+//! those tensors), and the old `Current` becomes `Previous`. Buffers
+//! (BatchNorm statistics) are one copy shared by every version.
 
 mod activations;
 pub mod loss;
@@ -154,6 +158,10 @@ struct StageParam {
     shape: Vec<i64>,
     /// The `Current` weights (for a trainable parameter, an autograd leaf).
     tensor: Tensor,
+    /// The master weights of a trainable parameter under weight stashing
+    /// when they differ from `Current` (after a step); None while they are
+    /// `tensor` itself.
+    master: Option<Tensor>,
     /// The `Previous` weights of a trainable parameter under weight
     /// stashing; None while they are `tensor` itself (always for buffers and
     /// without stashing).
@@ -612,11 +620,15 @@ impl TorchExecutor {
                 continue;
             }
             // Detached first: a copy of a leaf would be a non-leaf result.
-            let next = p.tensor.f_detach()?.f_detach_copy()?;
+            let base = p.master().f_detach()?;
+            let next = base.f_detach_copy()?;
             if let Some(g) = p.pending_grad()? {
                 optimizer.update(&p.name, &next, &g)?;
             }
-            let old = std::mem::replace(&mut p.tensor, next.f_set_requires_grad(true)?);
+            // `rookery_stage::extrapolate`'s arithmetic, element by element.
+            let predicted = next.f_add(&next.f_sub(&base)?)?;
+            p.master = Some(next);
+            let old = std::mem::replace(&mut p.tensor, predicted.f_set_requires_grad(true)?);
             p.spent = None;
             p.previous = Some(if recorded {
                 // In-flight graphs recorded these leaves: their gradients,
@@ -637,14 +649,18 @@ impl TorchExecutor {
         Ok(())
     }
 
-    /// Makes `Previous` the `Current` weights again (a barrier). Gradients
-    /// that backwards on `Previous` accumulated since the last step move to
-    /// `Current`'s, for the next step. Refused while a micro-batch that ran on
-    /// the `Previous` weights awaits backward; a no-op without stashing.
+    /// Makes both forward versions the master weights (a barrier: the next
+    /// two steps run with them, unextrapolated). Gradients that backwards
+    /// accumulated since the last step move to the new `Current`'s, for the
+    /// next step. Refused while a micro-batch awaits backward on weights
+    /// this replaces; a no-op without stashing.
     pub fn merge_versions(&mut self) -> Result<(), ExecError> {
-        self.none_on_previous(
-            "merging the weight versions, which drops the weights they ran with,",
-        )?;
+        let action = "merging the weight versions, which drops the weights they ran with,";
+        if self.params.iter().any(|p| p.master.is_some()) {
+            self.idle(action)?;
+        } else {
+            self.none_on_previous(action)?;
+        }
         for p in &mut self.params {
             let Some(previous) = p.previous.take() else {
                 continue;
@@ -652,13 +668,13 @@ impl TorchExecutor {
             let spent = p.spent.take();
             let g = previous.f_grad()?;
             if g.defined() && !is_spent(spent.as_ref(), &g)? {
-                let mut current = p.tensor.f_grad()?;
-                if current.defined() {
-                    let _ = tch::no_grad(|| current.f_add_(&g))?;
-                } else {
-                    // tch cannot assign `.grad`: d/dw of sum(w * g) is g, exactly.
-                    let g = g.f_detach()?;
-                    tch::with_grad(|| p.tensor.f_mul(&g)?.f_sum(None::<Kind>)?.f_backward())?;
+                add_grad(&p.tensor, &g)?;
+            }
+            if let Some(master) = p.master.take() {
+                let pending = p.tensor.f_grad()?;
+                p.tensor = master.f_set_requires_grad(true)?;
+                if pending.defined() {
+                    add_grad(&p.tensor, &pending)?;
                 }
             }
         }
@@ -729,12 +745,12 @@ impl TorchExecutor {
         Ok(())
     }
 
-    /// Copies of every parameter and buffer (the `Current` weights), by name
+    /// Copies of every parameter and buffer (the master weights), by name
     /// (for sync and averaging).
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>, ExecError> {
         self.params
             .iter()
-            .map(|p| Ok((p.name.clone(), p.tensor.f_detach_copy()?)))
+            .map(|p| Ok((p.name.clone(), p.master().f_detach_copy()?)))
             .collect()
     }
 
@@ -752,8 +768,9 @@ impl TorchExecutor {
 
     /// Loads values (e.g. the server's average) into some or all of the stage's
     /// parameters and buffers, in place, keeping gradients and optimizer state.
-    /// With weight stashing these are the `Current` weights, and `Previous`
-    /// too while they are the same (after [`merge_versions`](Self::merge_versions)).
+    /// With weight stashing these are the master and the `Current` weights,
+    /// and `Previous` too while they are the same (after
+    /// [`merge_versions`](Self::merge_versions)).
     pub fn set_parameters(&mut self, values: &[(String, Tensor)]) -> Result<(), ExecError> {
         self.idle("loading parameters")?;
         for (name, v) in values {
@@ -782,6 +799,9 @@ impl TorchExecutor {
             }
             let v = v.f_to_device(self.device)?.f_to_kind(p.tensor.kind())?;
             tch::no_grad(|| p.tensor.shallow_clone().f_copy_(&v))?;
+            if let Some(master) = &p.master {
+                tch::no_grad(|| master.shallow_clone().f_copy_(&v))?;
+            }
         }
         Ok(())
     }
@@ -958,7 +978,25 @@ impl TorchExecutor {
     }
 }
 
+/// Adds `g` to leaf `w`'s gradient: tch cannot assign `.grad`, and d/dw of
+/// sum(w * g) is g, exactly (added to a defined gradient as `add_` would).
+fn add_grad(w: &Tensor, g: &Tensor) -> Result<(), ExecError> {
+    let mut current = w.f_grad()?;
+    if current.defined() {
+        let _ = tch::no_grad(|| current.f_add_(g))?;
+    } else {
+        let g = g.f_detach()?;
+        tch::with_grad(|| w.f_mul(&g)?.f_sum(None::<Kind>)?.f_backward())?;
+    }
+    Ok(())
+}
+
 impl StageParam {
+    /// The master weights: what the optimizer updates and syncs read.
+    fn master(&self) -> &Tensor {
+        self.master.as_ref().unwrap_or(&self.tensor)
+    }
+
     /// The gradients accumulated since the last step: `Current`'s, and
     /// `Previous`'s where that is a distinct leaf whose gradient is not one a
     /// step already applied.
@@ -1043,6 +1081,7 @@ fn stage_param(
         shape,
         tensor: t,
         previous: None,
+        master: None,
         spent: None,
     })
 }
