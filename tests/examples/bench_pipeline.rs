@@ -10,6 +10,11 @@
 //! digits (train and test sets, `ACCURACY_EPOCHS` epochs, same seed). Jobs
 //! sync once per epoch, so `async` has steps to overlap.
 //!
+//! `--micro-batches-only` measures only the cost per micro-batch (the same
+//! samples in 4 and in 16 micro-batches), `--repeat N` times alternately
+//! (default once), printing each pair's ratio and their median: a quick
+//! check of a change to what a micro-batch costs.
+//!
 //! Needs release binaries (`ROOKERY_BIN_DIR`, set by xtask).
 
 use std::path::{Path, PathBuf};
@@ -33,6 +38,19 @@ const SCHEDULES: [&str; 3] = ["gpipe", "1f1b", "async"];
 const ACCURACY_EPOCHS: u64 = 3;
 
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let repeat = match args.iter().position(|a| a == "--repeat") {
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .ok_or_else(|| anyhow::anyhow!("--repeat takes a count of at least 1"))?,
+        None => 1,
+    };
+    if args.iter().any(|a| a == "--micro-batches-only") {
+        let dir = tempfile::tempdir()?;
+        return micro_batch_cost(dir.path(), repeat);
+    }
     let dir = tempfile::tempdir()?;
     let job = write_job(dir.path(), "f32", "gpipe")?;
     println!(
@@ -124,26 +142,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
-    // What a micro-batch costs beyond its arithmetic: the same samples in
-    // four times as many micro-batches.
-    let mut step_ms = Vec::new();
-    for micro_batches in [4, 16] {
-        let job = write_job_split(dir.path(), "f32", "gpipe", micro_batches)?;
-        let metrics = rookery_train(
-            &job,
-            3,
-            &dir.path().join(format!("out-split-{micro_batches}")),
-        )?;
-        let timed = &metrics.steps[WARMUP..];
-        step_ms.push(median(timed.iter().map(|s| s.elapsed_ms).collect()));
-    }
-    println!(
-        "per micro-batch: a step of {BATCH} samples takes {:.1} ms in 4 micro-batches and {:.1} ms in 16 (median): \
-         {:.2} times (goal: at most 1.3)",
-        step_ms[0],
-        step_ms[1],
-        step_ms[1] / step_ms[0]
-    );
+    micro_batch_cost(dir.path(), repeat)?;
 
     println!("bytes on the wire per step (activations and gradients relayed):");
     let f32_per_step = relayed_per_step(&metrics);
@@ -165,6 +164,41 @@ fn main() -> anyhow::Result<()> {
     }
 
     accuracy(dir.path())
+}
+
+/// What a micro-batch costs beyond its arithmetic: the same samples in four
+/// times as many micro-batches, `repeat` times alternately.
+fn micro_batch_cost(dir: &Path, repeat: usize) -> anyhow::Result<()> {
+    let (mut ratios, mut fours, mut sixteens) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..repeat {
+        let mut step_ms = Vec::new();
+        for micro_batches in [4, 16] {
+            let job = write_job_split(dir, "f32", "gpipe", micro_batches)?;
+            let out = dir.join(format!("out-split-{micro_batches}-{round}"));
+            let metrics = rookery_train(&job, 3, &out)?;
+            let timed = &metrics.steps[WARMUP..];
+            step_ms.push(median(timed.iter().map(|s| s.elapsed_ms).collect()));
+        }
+        println!(
+            "per micro-batch: a step of {BATCH} samples takes {:.1} ms in 4 micro-batches and {:.1} ms in 16 (median): \
+             {:.2} times (goal: at most 1.3)",
+            step_ms[0],
+            step_ms[1],
+            step_ms[1] / step_ms[0]
+        );
+        ratios.push(step_ms[1] / step_ms[0]);
+        fours.push(step_ms[0]);
+        sixteens.push(step_ms[1]);
+    }
+    if repeat > 1 {
+        println!(
+            "per micro-batch, median of {repeat} pairs: {:.2} times ({:.1} ms in 4, {:.1} ms in 16)",
+            median(ratios),
+            median(fours),
+            median(sixteens)
+        );
+    }
+    Ok(())
 }
 
 /// int8 against f32 on what the model learns: the demo's digits with its
