@@ -12,9 +12,10 @@ use tch::{Device, Tensor};
 /// PipeDream-2BW's rule with weight prediction, as `training.schedule =
 /// "async"` defines it: step `k`'s gradient (of its whole batch) is taken
 /// at the weights after steps `..k - 1` extrapolated by step `k - 2`'s
-/// update (`w + (w - w_before)`), or at the last barrier's for the two
-/// steps from a barrier (every `sync_every` steps and each epoch's start),
-/// and the job's optimizer applies it to the latest weights. (Models without buffers:
+/// update (`w + (w - w_before)`); a barrier's step (every `sync_every`
+/// steps and each epoch's start) at the barrier's weights, and the step
+/// after it at the weights after the barrier's step. The job's optimizer
+/// applies each gradient to the latest weights. (Models without buffers:
 /// they would not go back with the weights. Token models too: their ids
 /// go in as i64.)
 pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
@@ -38,16 +39,19 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
             if k.is_multiple_of(t.sync_every) || k.is_multiple_of(steps_per_epoch) {
                 barrier = k;
             }
-            let stale = k.saturating_sub(1).max(barrier) as usize;
-            if stale > barrier as usize {
-                let predicted: Vec<(String, Tensor)> = versions[stale]
+            // A barrier's step runs with the barrier's weights, the step
+            // after it with what that step's update made, later ones with
+            // the weights before the previous update extrapolated.
+            let (k, from) = (k as usize, barrier as usize);
+            if k >= from + 2 {
+                let predicted: Vec<(String, Tensor)> = versions[k - 1]
                     .iter()
-                    .zip(&versions[stale - 1])
+                    .zip(&versions[k - 2])
                     .map(|((n, w), (_, before))| (n.clone(), w + (w - before)))
                     .collect();
                 exec.set_parameters(&predicted).unwrap();
             } else {
-                exec.set_parameters(&versions[stale]).unwrap();
+                exec.set_parameters(&versions[k]).unwrap();
             }
             let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
             let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
@@ -57,7 +61,7 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
             }
             let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
             let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
-            exec.set_step_seed(step_seed(t.seed, k));
+            exec.set_step_seed(step_seed(t.seed, k as u64));
             let forward = exec
                 .forward(&[(graph.inputs[0].name.clone(), x)], true)
                 .unwrap();
@@ -66,7 +70,7 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
             exec.backward(forward.micro_batch, &[(output.clone(), loss.grad)])
                 .unwrap();
             // Loading the latest weights keeps the stale ones' gradients.
-            exec.set_parameters(&versions[k as usize]).unwrap();
+            exec.set_parameters(&versions[k]).unwrap();
             exec.step(&mut optimizer).unwrap();
             versions.push(exec.parameters().unwrap());
             loss.scaled

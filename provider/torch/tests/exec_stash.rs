@@ -115,18 +115,42 @@ fn a_micro_batch_forwarded_before_a_step_backpropagates_through_its_weights_and_
         let (g, range, init, mbs) = mlp_stage();
         let mut stash = executor(&g, &range, owned(&init), true);
         let mut stash_opt = TorchOptimizer::new(config).unwrap();
-        // `a` takes step 0 as a plain executor would: W0, then W1.
+        // `a` takes the barrier's step and step 0 as a plain executor
+        // would: W_init, then W0, then W1.
         let mut a = executor(&g, &range, owned(&init), false);
         let mut a_opt = TorchOptimizer::new(config).unwrap();
-        // `b` holds W0 for step 1's micro-batches.
-        let mut b = executor(&g, &range, owned(&init), false);
 
-        // Step 0 on W0, forwards and backwards.
+        // The barrier's step, its update with nothing in flight (the step
+        // after it waits for it).
+        for e in [&mut stash, &mut a] {
+            e.set_step_seed(99);
+            let f = e.forward_at(&mbs[3], true, 0).unwrap();
+            let early = e.forward_at(&mbs[2], true, 3).unwrap();
+            if e.stash_weights() {
+                let err = e.step(&mut stash_opt).unwrap_err();
+                assert!(err.to_string().contains("2 micro-batch(es)"), "{err}");
+            }
+            e.backward(f.micro_batch, &output_grads(&f.outputs, 98))
+                .unwrap();
+            e.backward(early.micro_batch, &output_grads(&early.outputs, 97))
+                .unwrap();
+        }
+        stash.step(&mut stash_opt).unwrap();
+        a.step(&mut a_opt).unwrap();
+        let w0 = a.parameters().unwrap();
+        // `b` holds W0 extrapolated by that update for step 1's
+        // micro-batches.
+        let mut b = executor(&g, &range, predicted(&w0, &owned(&init)), false);
+
+        // Step 0 on W0 (`Previous`, what the barrier step's update made),
+        // forwards and backwards.
         stash.set_step_seed(100);
         a.set_step_seed(100);
         for (k, mb) in mbs[..2].iter().enumerate() {
             let offset = 3 * k as u64;
-            let s = stash.forward_at(mb, true, offset).unwrap();
+            let s = stash
+                .forward_version(mb, true, offset, WeightVersion::Previous)
+                .unwrap();
             let r = a.forward_at(mb, true, offset).unwrap();
             assert_same(&s.outputs, &r.outputs, "step 0 outputs");
             let grads = output_grads(&r.outputs, 200 + k as u64);
@@ -134,7 +158,8 @@ fn a_micro_batch_forwarded_before_a_step_backpropagates_through_its_weights_and_
             let r = a.backward(r.micro_batch, &grads).unwrap();
             assert_same(&s, &r, "step 0 input gradients");
         }
-        // Step 1's micro-batches run forward on W0 before step 0 is applied.
+        // Step 1's micro-batches run forward on W0 extrapolated before step 0
+        // is applied.
         stash.set_step_seed(101);
         b.set_step_seed(101);
         let mut pending = Vec::new();
@@ -159,7 +184,7 @@ fn a_micro_batch_forwarded_before_a_step_backpropagates_through_its_weights_and_
             "step 0's gradients are spent"
         );
 
-        // Their backwards use W0 and accumulate g1 alone.
+        // Their backwards use those weights and accumulate g1 alone.
         for (s, r, grads) in pending {
             let s = stash.backward(s, &grads).unwrap();
             let r = b.backward(r, &grads).unwrap();
@@ -180,7 +205,7 @@ fn a_micro_batch_forwarded_before_a_step_backpropagates_through_its_weights_and_
 
         // Previous is now W1 extrapolated by step 0's update, Current W2 by
         // step 1's.
-        let p1 = predicted(&w1, &owned(&init));
+        let p1 = predicted(&w1, &w0);
         let p2 = predicted(&w2, &w1);
         for (p, w) in [(&p1, &w1), (&p2, &w2)] {
             assert!(p.iter().zip(w).any(|((_, p), (_, w))| !p.equal(w)));
@@ -252,12 +277,16 @@ fn a_parameter_with_no_gradient_since_a_stashed_step_is_skipped_as_pytorch_skips
     let mut exec = executor(&g, &(0..2), owned(&init_params(&g, 0)), true);
     let mut opt = TorchOptimizer::new(OptimizerConfig::adam(0.1)).unwrap();
     let feed = [("x".to_string(), x.shallow_clone())];
+    // The barrier's step (its update runs with nothing in flight).
+    let f = exec.forward(&feed, true).unwrap();
+    let both = output_grads(&f.outputs, 5);
+    exec.backward(f.micro_batch, &both).unwrap();
+    exec.step(&mut opt).unwrap();
     let f0 = exec.forward(&feed, true).unwrap();
-    let both = output_grads(&f0.outputs, 5);
     exec.backward(f0.micro_batch, &both).unwrap();
     let f1 = exec.forward(&feed, true).unwrap();
     exec.step(&mut opt).unwrap();
-    assert_eq!((opt.steps("w1"), opt.steps("w2")), (1, 1));
+    assert_eq!((opt.steps("w1"), opt.steps("w2")), (2, 2));
     exec.backward(f1.micro_batch, &both[..1]).unwrap();
     let grads = exec.gradients().unwrap();
     assert_eq!(grads.len(), 1, "only w1 has a gradient");
@@ -266,7 +295,7 @@ fn a_parameter_with_no_gradient_since_a_stashed_step_is_skipped_as_pytorch_skips
     exec.step(&mut opt).unwrap();
     let after = exec.parameters().unwrap();
     // Adam would move w2 on a zero gradient (its moments are not zero).
-    assert_eq!((opt.steps("w1"), opt.steps("w2")), (2, 1));
+    assert_eq!((opt.steps("w1"), opt.steps("w2")), (3, 2));
     assert!(!after[0].1.equal(&before[0].1), "w1 steps");
     assert!(after[1].1.equal(&before[1].1), "w2 does not");
 }
@@ -276,6 +305,12 @@ fn merge_versions_makes_previous_the_current_weights_and_keeps_pending_gradients
     let (g, range, init, mbs) = mlp_stage();
     let mut stash = executor(&g, &range, owned(&init), true);
     let mut opt = TorchOptimizer::new(OptimizerConfig::adam(0.01)).unwrap();
+    // The barrier's step: its update runs with nothing in flight.
+    let f = stash.forward(&mbs[3], true).unwrap();
+    stash
+        .backward(f.micro_batch, &output_grads(&f.outputs, 0))
+        .unwrap();
+    stash.step(&mut opt).unwrap();
     // Step 0 with step 1's first micro-batch in flight across it.
     let f = stash.forward(&mbs[0], true).unwrap();
     stash

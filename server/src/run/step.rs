@@ -316,8 +316,10 @@ impl JobRun {
         effects
     }
 
-    /// Cluster `c` starts `step` with nothing in flight (and, under
-    /// `async`, is fed the step after it too).
+    /// Cluster `c` starts `step` with nothing in flight. Under `async` the
+    /// step after it waits for it here (a barrier's step: its successor
+    /// runs with its update, since there is no update before it to
+    /// extrapolate); [`Self::finish_cluster_step`] feeds ahead from then on.
     pub(super) fn start_cluster_step(&mut self, c: usize, step: u64) -> Vec<Effect> {
         let run = &mut self.clusters[c];
         run.state = ClusterState::Training { step };
@@ -330,14 +332,12 @@ impl JobRun {
             stage.busy.take();
         }
         run.reset();
-        let mut effects = self.feed_step(c, step);
-        effects.extend(self.feed_ahead(c, step));
-        effects
+        self.feed_step(c, step)
     }
 
     /// Under `async`, feeds the step after `step` while `step` runs (its
-    /// stages use the weights from before `step`'s update, so nothing
-    /// waits for it), unless a barrier comes first.
+    /// stages use the weights from before `step`'s update, extrapolated,
+    /// so nothing waits for it), unless a barrier comes first.
     fn feed_ahead(&mut self, c: usize, step: u64) -> Vec<Effect> {
         if !self.spec.training.schedule.is_async() || step + 1 >= self.barrier() {
             return Vec::new();
@@ -735,6 +735,7 @@ impl JobRun {
             effects.extend(self.advance_cluster_step(c, done, ahead));
         } else {
             effects.extend(self.start_cluster_step(c, done));
+            effects.extend(self.feed_ahead(c, done));
         }
         effects
     }

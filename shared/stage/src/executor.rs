@@ -26,7 +26,9 @@
 //! ([`Kernel::Extrapolate`]) in the buffer no micro-batch in flight uses;
 //! the old Current becomes Previous. After a barrier
 //! ([`StageExecutor::merge_versions`]) both forward versions are the master
-//! buffer itself, so the first step writes the new master weights elsewhere.
+//! buffer itself, so the first step writes the new master weights elsewhere
+//! and, run with nothing in flight, makes them Previous: the step after a
+//! barrier's waits for its update.
 //! Gradients, optimizer state and buffers (BatchNorm's running statistics)
 //! stay single. Without it nothing of this is allocated or run.
 
@@ -605,7 +607,9 @@ impl<D: Device> StageExecutor<D> {
     /// (a copy of them when forwards use their set), the new `Current` is
     /// their extrapolation by this update, written over the old
     /// `Previous`, which must have no micro-batch in flight, and the old
-    /// `Current` becomes `Previous` (micro-batches in flight keep it).
+    /// `Current` becomes `Previous` (micro-batches in flight keep it). The
+    /// first step after a merge runs with nothing in flight and makes
+    /// `Previous` the new master weights.
     pub async fn step_at_lr(&mut self, lr: f64) -> Result<(), StageError> {
         let target = self.step_target()?;
         let optimizer = self.optimizer.with_lr(lr);
@@ -690,10 +694,17 @@ impl<D: Device> StageExecutor<D> {
         self.device.run(&calls).await?;
         drop(calls);
         if let Some(v) = &mut self.versions {
+            // The step after a barrier's runs with the master weights this
+            // update made; later ones have the old Current in flight.
+            let previous = if v.current == v.master {
+                target.master
+            } else {
+                v.current
+            };
             *v = Versions {
                 master: target.master,
                 current: target.current,
-                previous: v.current,
+                previous,
             };
         }
         Ok(())
@@ -712,7 +723,9 @@ impl<D: Device> StageExecutor<D> {
         };
         let mut free = (0..3).filter(|&set| set != v.master && set != v.current);
         let target = if v.current == v.master {
-            // After a barrier forwards run on the master set itself.
+            // After a barrier forwards run on the master set itself, and the
+            // next step's wait for this update.
+            self.idle("the first step after a barrier (the next step runs with its update)")?;
             let master = free.next().unwrap_or(v.master);
             StepTarget {
                 master,

@@ -27,9 +27,13 @@
 //!   every update up to step `k - 2` made, extrapolated by step `k - 2`'s
 //!   own update (`w + (w - w_before)`: the update step `k - 1` has yet to
 //!   make, predicted as the last one; the backend keeps that version for
-//!   the micro-batch's backward, [`WeightVersion`]); the two steps from a
-//!   barrier (`Assign`, `UploadParams`, `SetParams`) run with the barrier's
-//!   weights, unextrapolated. Backwards and updates still come in step order, so one
+//!   the micro-batch's backward, [`WeightVersion`]). A barrier's step `b`
+//!   (after an `Assign`, an `UploadParams`, a `SetParams`) runs with the
+//!   barrier's weights, and step `b + 1` waits for its update and runs with
+//!   what it made (as `Previous`): there is no update before `b` to
+//!   extrapolate, and a step on stale weights unextrapolated cost the
+//!   example GPT more than the rest of the delay. Backwards and updates
+//!   still come in step order, so one
 //!   gradient buffer serves, and the result does not depend on timing;
 //! - after `JobFailed` the stage is gone: later messages for that job get
 //!   `JobFailed` again, until a new `Assign`.
@@ -89,7 +93,9 @@ pub struct StageSpec<'a> {
 /// extrapolated by the last [`Backend::step`]'s update (`w + (w -
 /// w_before)`, [`crate::extrapolate`]), or the master weights themselves
 /// when there was no step since the last [`Backend::merge_versions`];
-/// `Previous` is the `Current` before the last step. Only the `async`
+/// `Previous` is the `Current` before the last step, except after the
+/// first step since a merge: then it is the master weights that step made
+/// (nothing ran on the merged weights' successor yet). Only the `async`
 /// schedule asks for `Previous`; without `StageSpec::stash_weights` both
 /// are the one set of weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,7 +165,9 @@ pub trait Backend {
     /// either version) update the master weights, the new `Current` is
     /// their extrapolation by this update, the old `Current` becomes
     /// `Previous` and the old `Previous` is dropped. Micro-batches in flight
-    /// (all of the old `Current`) keep the weights their forward used.
+    /// (all of the old `Current`) keep the weights their forward used. The
+    /// first step after a merge runs with nothing in flight, and makes
+    /// `Previous` the master weights it made.
     fn step(&mut self, lr: f64, grad_scale: f64) -> impl Future<Output = Result<(), Self::Error>>;
     /// Makes both forward versions the master weights (a barrier: a sync
     /// or new parameters); nothing is in flight. A no-op without
@@ -694,11 +702,18 @@ impl<B: Backend> Stage<B> {
     }
 
     /// The weights step `step` runs with: under `async`, those every update
-    /// up to step `step - 2` made (the barrier's for the two steps from a
-    /// barrier); otherwise the current ones.
+    /// up to step `step - 2` made, extrapolated (a barrier's step: the
+    /// barrier's; the step after it: those the barrier's step's update made,
+    /// as it waits for that update); otherwise the current ones.
     fn version(&self, step: u64) -> Result<WeightVersion, WorkerError> {
         if !self.schedule.is_async() {
             return Ok(WeightVersion::Current);
+        }
+        if step == self.barrier_step + 1 && self.next_step == self.barrier_step {
+            return Err(protocol(format!(
+                "step {step} runs with step {}'s update, which this stage has not made yet (async feeds the step after a barrier's once that step is done)",
+                self.barrier_step
+            )));
         }
         // Versions are named by the steps done when they were current.
         let wanted = step.saturating_sub(1).max(self.barrier_step);

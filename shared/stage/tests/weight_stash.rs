@@ -212,8 +212,9 @@ fn same(a: &[(String, HostTensor)], b: &[(String, HostTensor)], what: &str) {
     assert_eq!(bits(a), bits(b), "{what}");
 }
 
-/// Two steps of 2BW on a stage keeping two versions (`s`), against one
-/// keeping one (`r`) handed the weights each micro-batch ran with.
+/// A barrier's step and three steps of 2BW on a stage keeping two versions
+/// (`s`), against one keeping one (`r`) handed the weights each
+/// micro-batch ran with.
 fn two_bw_matches_one_version<D: Device>(
     make: &dyn Fn() -> OwnFactory<D>,
     case: &Case,
@@ -221,25 +222,40 @@ fn two_bw_matches_one_version<D: Device>(
 ) {
     let what = |s: &str| format!("{} with {optimizer:?}: {s}", case.name);
     let mut factory = make();
-    let w0 = case.graph.initial_values(3);
-    let mut s = build(&mut factory, case, &w0, optimizer, true);
-    let mut r = build(&mut factory, case, &w0, optimizer, false);
+    let init = case.graph.initial_values(3);
+    let mut s = build(&mut factory, case, &init, optimizer, true);
+    let mut r = build(&mut factory, case, &init, optimizer, false);
     // Two micro-batches a step, of 3 and 2 samples.
+    let barriers = [case.micro_batch(3, 7), case.micro_batch(2, 8)];
     let step0 = [case.micro_batch(3, 1), case.micro_batch(2, 2)];
     let step1 = [case.micro_batch(3, 3), case.micro_batch(2, 4)];
     let offsets = [0, 3];
 
-    // Step 0 alike on both.
-    for e in [&mut s, &mut r] {
-        let mbs: Vec<_> = step0
+    // The barrier's step alike on both, and its update with nothing in
+    // flight (the step after it waits for it).
+    let passes = |e: &mut Exec<D>, batches: &[(HostTensor, HostTensor)], version| {
+        let mbs: Vec<_> = batches
             .iter()
             .zip(offsets)
-            .map(|((x, _), o)| forward(e, case, x, o, WeightVersion::Current).0)
+            .map(|((x, _), o)| forward(e, case, x, o, version).0)
             .collect();
-        for (mb, (_, dy)) in mbs.into_iter().zip(&step0) {
+        for (mb, (_, dy)) in mbs.into_iter().zip(batches) {
             backward(e, case, mb, dy);
         }
+    };
+    for e in [&mut s, &mut r] {
+        passes(e, &barriers, WeightVersion::Current);
     }
+    step(&mut s).unwrap();
+    step(&mut r).unwrap();
+    let w_init = named(&case.graph, &init, &r.param_names());
+    let w0_named = params(&r);
+    let w0 = as_map(&w0_named);
+
+    // Step 0 (the one after the barrier's) on what that update made: its
+    // Previous on `s`.
+    passes(&mut s, &step0, WeightVersion::Previous);
+    passes(&mut r, &step0, WeightVersion::Current);
     // `s` runs step 1's forwards before step 0's update, then steps with
     // them in flight.
     let s_fwd: Vec<_> = step1
@@ -269,9 +285,10 @@ fn two_bw_matches_one_version<D: Device>(
         .map(|((mb, _), (_, dy))| backward(&mut s, case, *mb, dy))
         .collect();
 
-    // `r` runs step 1's micro-batches on W0, keeping the optimizer state
-    // and running statistics step 0 left.
-    r.set_parameters(&case.trainable(&named(&case.graph, &w0, &r.param_names())))
+    // `r` runs step 1's micro-batches on W0 extrapolated by the barrier
+    // step's update, keeping the optimizer state and running statistics
+    // step 0 left.
+    r.set_parameters(&case.trainable(&predicted(case, &w0_named, &w_init)))
         .unwrap();
     let mut r_dx = Vec::new();
     for (((x, dy), o), (_, s_y)) in step1.iter().zip(offsets).zip(&s_fwd) {
@@ -343,26 +360,48 @@ fn two_bw_matches_one_version<D: Device>(
     backward(&mut s, case, mb, &dy);
     s.zero_grad().unwrap();
 
-    // After a merge both versions are the master weights, unextrapolated; a
-    // step may run with both in flight.
+    // After a merge both versions are the master weights, unextrapolated;
+    // the first step after it waits for both to come back.
     Backend::merge_versions(&mut s).unwrap();
     let (mb_prev, y_prev) = forward(&mut s, case, &x, 0, WeightVersion::Previous);
     let (mb_cur, y_cur) = forward(&mut s, case, &x, 0, WeightVersion::Current);
     same(&y_prev, &y_w2, &what("Previous after merging"));
     same(&y_cur, &y_w2, &what("Current after merging"));
-    step(&mut s).unwrap();
+    let e = step(&mut s).unwrap_err();
+    assert!(
+        matches!(e, StageError::InFlight { in_flight: 2, .. }),
+        "{}",
+        what(&e.to_string())
+    );
     let dx_prev = backward(&mut s, case, mb_prev, &dy);
     let dx_cur = backward(&mut s, case, mb_cur, &dy);
-    same(
-        &dx_prev,
-        &dx_cur,
-        &what("input gradients across a step after merging"),
-    );
+    same(&dx_prev, &dx_cur, &what("input gradients after merging"));
+    step(&mut s).unwrap();
+    // Previous is now the master weights that step made: what the step
+    // after the barrier's runs with.
+    let made = params(&s);
+    let mut one = build(&mut factory, case, &as_map(&made), optimizer, false);
     let (_, y) = forward(&mut s, case, &x, 0, WeightVersion::Previous);
+    let (_, want) = forward(&mut one, case, &x, 0, WeightVersion::Current);
     same(
         &y,
-        &y_w2,
+        &want,
         &what("Previous after the step that followed the merge"),
+    );
+    let (_, y) = forward(&mut s, case, &x, 0, WeightVersion::Current);
+    let w_merged = named(&case.graph, &as_map(&w2), &s.param_names());
+    let mut one = build(
+        &mut factory,
+        case,
+        &as_map(&predicted(case, &made, &w_merged)),
+        optimizer,
+        false,
+    );
+    let (_, want) = forward(&mut one, case, &x, 0, WeightVersion::Current);
+    same(
+        &y,
+        &want,
+        &what("Current after the step that followed the merge"),
     );
 }
 

@@ -32,7 +32,9 @@
 //! may run while micro-batches on `Current` await backward: it sums the
 //! pending gradients of both versions, applies them to a fresh copy of the
 //! master weights (never in place, since in-flight graphs may have saved
-//! those tensors), and the old `Current` becomes `Previous`. Buffers
+//! those tensors), and the old `Current` becomes `Previous`; the first step
+//! after a merge runs with nothing in flight and makes `Previous` the
+//! master weights it made (the step after a barrier's runs with them). Buffers
 //! (BatchNorm statistics) are one copy shared by every version.
 
 mod activations;
@@ -613,6 +615,11 @@ impl TorchExecutor {
     }
 
     fn step_stashed(&mut self, optimizer: &mut TorchOptimizer) -> Result<(), ExecError> {
+        // The first step after a merge: the next step runs with its update.
+        let first = !self.has_previous;
+        if first {
+            self.idle("the first step after a barrier (the next step runs with its update)")?;
+        }
         self.none_on_previous("stepping, which drops the weights they ran with,")?;
         let recorded = !self.in_flight.is_empty();
         for p in &mut self.params {
@@ -630,7 +637,11 @@ impl TorchExecutor {
             p.master = Some(next);
             let old = std::mem::replace(&mut p.tensor, predicted.f_set_requires_grad(true)?);
             p.spent = None;
-            p.previous = Some(if recorded {
+            p.previous = Some(if first {
+                // A copy: `master` alone may change in place (parameters
+                // loaded).
+                p.master().f_detach_copy()?.f_set_requires_grad(true)?
+            } else if recorded {
                 // In-flight graphs recorded these leaves: their gradients,
                 // just applied, are cleared without replacing them.
                 let mut g = old.f_grad()?;

@@ -1,6 +1,6 @@
-//! The `async` schedule's window: a cluster is fed the step after its
-//! current one at once, what that step reports early waits for it, and a
-//! stage that reports steps out of order is at fault.
+//! The `async` schedule's window: past a barrier's step, a cluster is fed
+//! the step after its current one at once, what that step reports early
+//! waits for it, and a stage that reports steps out of order is at fault.
 
 use super::*;
 use rookery_proto::{PipelineSchedule, StepDone};
@@ -59,36 +59,44 @@ fn done(step: u64) -> ToServer {
     })
 }
 
+/// Steps 0 (the barrier's) done on both stages.
+fn past_the_barriers_step(run: &mut JobRun) -> Vec<u64> {
+    run.on_message(11, done(0));
+    fed_steps(&run.on_message(10, done(0)))
+}
+
 #[test]
-fn gpipe_feeds_one_step_and_async_two() {
+fn gpipe_feeds_one_step_and_async_two_once_the_barriers_step_is_done() {
     assert_eq!(ready(PipelineSchedule::Gpipe).1, vec![0]);
     assert_eq!(ready(PipelineSchedule::OneForwardOneBackward).1, vec![0]);
-    assert_eq!(ready(PipelineSchedule::Async).1, vec![0, 1]);
+    let (mut run, fed) = ready(PipelineSchedule::Async);
+    // Step 1 runs with step 0's update: it waits for it.
+    assert_eq!(fed, vec![0]);
+    assert_eq!(past_the_barriers_step(&mut run), vec![1, 2]);
+    let (mut run, _) = ready(PipelineSchedule::Gpipe);
+    assert_eq!(past_the_barriers_step(&mut run), vec![1]);
 }
 
 #[test]
 fn an_async_step_done_early_waits_for_the_step_before_and_each_done_step_feeds_the_next() {
     let (mut run, _) = ready(PipelineSchedule::Async);
+    past_the_barriers_step(&mut run);
     let [root, leaf] = [10, 11];
-    assert!(run.on_message(leaf, done(0)).is_empty());
-    // The Leaf is done with step 1 while the Root still backpropagates step 0.
     assert!(run.on_message(leaf, done(1)).is_empty());
-    assert_eq!(run.clusters[0].state, ClusterState::Training { step: 0 });
-    // Step 0 is done: step 1 becomes current with the Leaf's early report,
-    // and step 2 is fed.
-    let effects = run.on_message(root, done(0));
-    assert!(faults(&effects).is_empty(), "{effects:?}");
-    assert_eq!(fed_steps(&effects), vec![2]);
+    // The Leaf is done with step 2 while the Root still backpropagates step 1.
+    assert!(run.on_message(leaf, done(2)).is_empty());
     assert_eq!(run.clusters[0].state, ClusterState::Training { step: 1 });
-    assert!(run.clusters[0].stages[1].step_done);
-    assert!(!run.clusters[0].stages[0].step_done);
+    // Step 1 is done: step 2 becomes current with the Leaf's early report,
+    // and step 3 is fed.
     let effects = run.on_message(root, done(1));
+    assert!(faults(&effects).is_empty(), "{effects:?}");
     assert_eq!(fed_steps(&effects), vec![3]);
     assert_eq!(run.clusters[0].state, ClusterState::Training { step: 2 });
+    assert!(run.clusters[0].stages[1].step_done);
+    assert!(!run.clusters[0].stages[0].step_done);
     // Step 3 is the last before the sync: nothing is fed past it.
-    for p in [root, leaf] {
-        run.on_message(p, done(2));
-    }
+    let effects = run.on_message(root, done(2));
+    assert!(fed_steps(&effects).is_empty(), "{effects:?}");
     assert_eq!(run.clusters[0].state, ClusterState::Training { step: 3 });
     assert!(run.clusters[0].ahead.is_none());
 }
@@ -96,15 +104,17 @@ fn an_async_step_done_early_waits_for_the_step_before_and_each_done_step_feeds_t
 #[test]
 fn an_async_stage_reporting_a_step_before_the_one_before_it_is_at_fault() {
     let (mut run, _) = ready(PipelineSchedule::Async);
-    let effects = run.on_message(11, done(1));
+    past_the_barriers_step(&mut run);
+    let effects = run.on_message(11, done(2));
     let faults = faults(&effects);
     assert_eq!(faults.len(), 1, "{effects:?}");
     assert_eq!(faults[0].0, 11);
-    assert!(faults[0].1.contains("before step 0"), "{faults:?}");
+    assert!(faults[0].1.contains("before step 1"), "{faults:?}");
     // Two steps ahead is not in flight: dropped (as a rolled-back step's
     // frames are), counting nothing.
     let (mut run, _) = ready(PipelineSchedule::Async);
-    assert!(run.on_message(10, done(2)).is_empty());
+    past_the_barriers_step(&mut run);
+    assert!(run.on_message(10, done(3)).is_empty());
     assert!(!run.clusters[0].stages[0].step_done);
     assert!(run.clusters[0].ahead.as_ref().unwrap().done[0].is_none());
 }
