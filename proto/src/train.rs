@@ -55,8 +55,8 @@ pub enum PipelineSchedule {
     /// update step `k - 1` has yet to make; each stage stashes the version
     /// a micro-batch's forward used for its backward), so the server may
     /// feed step `k` once every stage has done step `k - 2`. After a barrier
-    /// (a sync, a resume) step `b` and `b + 1` both run with the barrier's
-    /// weights.
+    /// (a sync, a resume) step `b` runs with the barrier's weights and step
+    /// `b + 1`, fed once `b` is done, with what `b`'s update made.
     #[serde(rename = "async")]
     Async,
 }
