@@ -435,11 +435,10 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
     let id = client.submit(&job_file).await?.id;
     let started = Instant::now();
     let mut seen_training = false;
+    // The page is looked at before the job's status each time round, and
+    // often until it shows the stage training: a job this small can be
+    // over in about a second.
     let job = loop {
-        let job = client.job(id).await?;
-        if matches!(job.status.as_str(), "completed" | "failed" | "cancelled") {
-            break job;
-        }
         if !seen_training
             && let Ok(status) = browser.client.find(Locator::Css("#donate-status")).await
             && status.attr("data-state").await?.as_deref() == Some("training")
@@ -465,11 +464,16 @@ async fn browser_stage_matches_the_reference(webgpu: bool) -> anyhow::Result<()>
             };
             browser.screenshot(name).await?;
         }
+        let job = client.job(id).await?;
+        if matches!(job.status.as_str(), "completed" | "failed" | "cancelled") {
+            break job;
+        }
         anyhow::ensure!(
             started.elapsed() < Duration::from_secs(300),
             "the job did not finish in 5 minutes: {job:?}"
         );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let pause = if seen_training { 200 } else { 10 };
+        tokio::time::sleep(Duration::from_millis(pause)).await;
     };
     assert_eq!(job.status, "completed", "{job:?}");
     let plan = job.plan.as_ref().expect("a running job has a plan");
