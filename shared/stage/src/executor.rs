@@ -108,20 +108,11 @@ impl<B> ParamState<B> {
 /// [`ParamState::stashed`]) holds the master weights and each forward
 /// version; all the same one after [`StageExecutor::merge_versions`] (and
 /// before the first step).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Versions {
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Versions {
     master: usize,
     current: usize,
     previous: usize,
-}
-
-/// The sets a step writes: the new master weights (the old ones' set,
-/// updated in place, unless forwards use it), and the new Current forward
-/// weights.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct StepTarget {
-    master: usize,
-    current: usize,
 }
 
 /// A micro-batch between forward and backward: its batch size, the weight
@@ -328,8 +319,8 @@ impl<D: Device> StageExecutor<D> {
     }
 
     /// Makes both forward versions the master weights (a barrier: the next
-    /// two steps run with them, unextrapolated). Micro-batches in flight
-    /// keep the weights their forward used. Nothing to do with one version.
+    /// step runs with them, unextrapolated). Micro-batches in flight keep
+    /// the weights their forward used. Nothing to do with one version.
     pub fn merge_versions(&mut self) {
         if let Some(v) = &mut self.versions {
             v.current = v.master;
@@ -694,47 +685,43 @@ impl<D: Device> StageExecutor<D> {
         self.device.run(&calls).await?;
         drop(calls);
         if let Some(v) = &mut self.versions {
-            // The step after a barrier's runs with the master weights this
-            // update made; later ones have the old Current in flight.
-            let previous = if v.current == v.master {
-                target.master
-            } else {
-                v.current
-            };
-            *v = Versions {
-                master: target.master,
-                current: target.current,
-                previous,
-            };
+            *v = target;
         }
         Ok(())
     }
 
-    /// The weight sets a step writes, refusing a step that would corrupt a
-    /// micro-batch in flight: any with one version, those of `Previous`
-    /// (whose set the step overwrites) with two.
-    pub(crate) fn step_target(&self) -> Result<StepTarget, StageError> {
+    /// The weight sets after a step: it writes the new master weights and
+    /// the new Current, refusing a step that would corrupt a micro-batch in
+    /// flight: any with one version, those of `Previous` (whose set the
+    /// step overwrites) with two.
+    pub(crate) fn step_target(&self) -> Result<Versions, StageError> {
         let Some(v) = self.versions else {
             self.idle("stepping")?;
-            return Ok(StepTarget {
+            return Ok(Versions {
                 master: 0,
                 current: 0,
+                previous: 0,
             });
         };
         let mut free = (0..3).filter(|&set| set != v.master && set != v.current);
         let target = if v.current == v.master {
             // After a barrier forwards run on the master set itself, and the
-            // next step's wait for this update.
+            // next step waits for this update and runs with the master
+            // weights it makes (as Previous).
             self.idle("the first step after a barrier (the next step runs with its update)")?;
             let master = free.next().unwrap_or(v.master);
-            StepTarget {
+            Versions {
                 master,
                 current: free.next().unwrap_or(v.master),
+                previous: master,
             }
         } else {
-            StepTarget {
+            // The old Current has micro-batches in flight; the master
+            // weights are updated in place.
+            Versions {
                 master: v.master,
                 current: free.next().unwrap_or(v.master),
+                previous: v.current,
             }
         };
         let stale = self

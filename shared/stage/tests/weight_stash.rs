@@ -249,8 +249,7 @@ fn two_bw_matches_one_version<D: Device>(
     step(&mut s).unwrap();
     step(&mut r).unwrap();
     let w_init = named(&case.graph, &init, &r.param_names());
-    let w0_named = params(&r);
-    let w0 = as_map(&w0_named);
+    let w0 = params(&r);
 
     // Step 0 (the one after the barrier's) on what that update made: its
     // Previous on `s`.
@@ -288,7 +287,7 @@ fn two_bw_matches_one_version<D: Device>(
     // `r` runs step 1's micro-batches on W0 extrapolated by the barrier
     // step's update, keeping the optimizer state and running statistics
     // step 0 left.
-    r.set_parameters(&case.trainable(&predicted(case, &w0_named, &w_init)))
+    r.set_parameters(&case.trainable(&predicted(case, &w0, &w_init)))
         .unwrap();
     let mut r_dx = Vec::new();
     for (((x, dy), o), (_, s_y)) in step1.iter().zip(offsets).zip(&s_fwd) {
@@ -314,7 +313,6 @@ fn two_bw_matches_one_version<D: Device>(
     // Previous is W1 extrapolated by step 0's update now, Current W2 by
     // step 1's: each matches a stage holding it alone, forward and backward.
     let (x, dy) = case.micro_batch(4, 5);
-    let w0 = named(&case.graph, &w0, &r.param_names());
     let mut y_w2 = Vec::new();
     for (version, values, exact) in [
         (WeightVersion::Previous, predicted(case, &w1, &w0), &w1),
@@ -389,11 +387,10 @@ fn two_bw_matches_one_version<D: Device>(
         &what("Previous after the step that followed the merge"),
     );
     let (_, y) = forward(&mut s, case, &x, 0, WeightVersion::Current);
-    let w_merged = named(&case.graph, &as_map(&w2), &s.param_names());
     let mut one = build(
         &mut factory,
         case,
-        &as_map(&predicted(case, &made, &w_merged)),
+        &as_map(&predicted(case, &made, &w2)),
         optimizer,
         false,
     );

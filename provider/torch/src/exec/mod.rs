@@ -661,7 +661,7 @@ impl TorchExecutor {
     }
 
     /// Makes both forward versions the master weights (a barrier: the next
-    /// two steps run with them, unextrapolated). Gradients that backwards
+    /// step runs with them, unextrapolated). Gradients that backwards
     /// accumulated since the last step move to the new `Current`'s, for the
     /// next step. Refused while a micro-batch awaits backward on weights
     /// this replaces; a no-op without stashing.
