@@ -5,6 +5,10 @@
 //! GPUs are judged at: matmul 4096^3, a transformer's token x 768 x 3072 in
 //! both orientations, and ResNet convolutions.
 //!
+//! A convolution that runs as Winograd is also timed with the other tile
+//! size (F(2x2, 3x3) against F(4x4, 3x3)) and as the implicit GEMM, for the
+//! comparison.
+//!
 //! `--sweep` also times every tiling [`Tiling::auto`] chooses from (and the
 //! classic one) at each matmul and convolution shape, marking the one it
 //! chose: how the choice is checked on a new GPU.
@@ -23,6 +27,7 @@ use rookery_kernels::gemm::precision::force_tensor_cores;
 use rookery_kernels::gemm::tensor::force_tiling;
 use rookery_kernels::gemm::{AUTO_CANDIDATES, Precision, TENSOR_CANDIDATES, Tiling};
 use rookery_kernels::speed::{self, Measured};
+use rookery_kernels::winograd::{Winograd, force_tile};
 
 fn conv(x: [usize; 4], out: usize) -> Result<Conv2d> {
     Conv2d::new(x, out, [3, 3], [1, 1], [1, 1], [1, 1], 1, true)
@@ -67,7 +72,11 @@ fn main() -> Result<()> {
         ]
     };
     let convs = if quick {
-        vec![conv([8, 16, 28, 28], 32)?, conv([64, 1, 28, 28], 16)?]
+        vec![
+            conv([8, 16, 28, 28], 32)?,
+            conv([8, 32, 28, 28], 32)?,
+            conv([64, 1, 28, 28], 16)?,
+        ]
     } else {
         vec![
             conv([256, 64, 56, 56], 64)?,
@@ -123,6 +132,19 @@ fn main() -> Result<()> {
             if sweep && tiling.is_none() {
                 rows.iter_mut().for_each(|r| r.name += " [chosen]");
             }
+            block(rows)?;
+        }
+        // Where the forward and input gradient run as Winograd, the
+        // implicit GEMM beside it.
+        if let Some(chosen) = Winograd::forward_of(c) {
+            force_tile(Some(6 - chosen.tile));
+            block(pollster::block_on(speed::conv(&gpu, c, seconds))?.to_vec())?;
+            force_tile(None);
+            let mut direct = *c;
+            direct.winograd = false;
+            let mut rows = pollster::block_on(speed::conv(&gpu, &direct, seconds))?.to_vec();
+            rows.iter_mut()
+                .for_each(|r| r.name = r.name.replacen(" k3x3", " k3x3 (implicit GEMM)", 1));
             block(rows)?;
         }
     }

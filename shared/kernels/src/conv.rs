@@ -51,6 +51,10 @@ pub struct Conv2d {
     pub tiling: Option<Tiling>,
     /// How the operands enter the multiply-adds.
     pub precision: Precision,
+    /// Whether the forward and input gradient may run as Winograd
+    /// F(2x2, 3x3) where it suits ([`crate::winograd::Winograd`]); true
+    /// unless a benchmark or check wants the implicit GEMM.
+    pub winograd: bool,
 }
 
 impl Conv2d {
@@ -92,6 +96,7 @@ impl Conv2d {
             bias,
             tiling: None,
             precision: Precision::F32,
+            winograd: true,
         };
         let span =
             |size: usize, p: usize, d: usize, k: usize| (size + 2 * p).checked_sub(d * (k - 1) + 1);

@@ -12,7 +12,8 @@
 //! clipping multiplier, pure functions of the step), [`reduce`]
 //! (softmax, log-softmax), [`norm`] (LayerNorm, BatchNorm), [`shape`]
 //! (transpose, concat, gather), [`conv`] (Conv2d as implicit GEMM), [`pool`]
-//! (max, average, global average), [`int8`] (the wire's blockwise int8,
+//! (max, average, global average), [`winograd`] (3x3 convolutions as
+//! Winograd F(2x2, 3x3)), [`int8`] (the wire's blockwise int8,
 //! quantized and dequantized on the device), `matmul`
 //! (the original uniform-shaped tiled matmul), and [`checks`] (the GPU-vs-reference cases
 //! every harness runs).
@@ -39,6 +40,7 @@ pub mod reduce;
 pub mod schedule;
 pub mod shape;
 pub mod spec;
+pub mod winograd;
 
 #[cfg(feature = "gpu")]
 mod gpu;

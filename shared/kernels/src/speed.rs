@@ -9,6 +9,7 @@
 use crate::conv::Conv2d;
 use crate::gemm::precision::tensor_cores;
 use crate::gemm::{Linear, MatMul, Precision, Tiling};
+use crate::winograd::Winograd;
 use crate::{GpuBuffer, GpuContext, GpuError, KernelError, KernelSpec, sample_matrix};
 
 /// One timed workload.
@@ -139,7 +140,10 @@ pub async fn linear(
 }
 
 /// A convolution: forward, backward (input and weight gradients), and the
-/// two as one training step.
+/// two as one training step, in the forms a stage runs them: Winograd for
+/// the forward and the input gradient where it suits ([`Winograd`]; the
+/// name then says so), the weight gradient in parts where its reduction is
+/// long.
 pub async fn conv(
     gpu: &GpuContext,
     conv: &Conv2d,
@@ -157,27 +161,53 @@ pub async fn conv(
         upload(gpu, conv.out_len(), 4)?,
     );
     let (dx, dw) = (gpu.create_buffer(x_len)?, gpu.create_buffer(w_len)?);
-    // The weight gradient as a stage computes it: in parts when its
-    // reduction is long, then added up.
     let parts = conv.weight_parts();
     let dw_parts = gpu.create_buffer(w_len * parts as usize)?;
-    let (fwd, bi) = (conv.forward(), conv.backward_input());
-    let (bw, sum) = if parts > 1 {
-        (
-            conv.backward_weight_parts(parts),
-            Some(conv.sum_weight_parts(parts)),
-        )
-    } else {
-        (conv.backward_weight(), None)
+    let winograd = Winograd::forward_of(conv).zip(Winograd::backward_input(conv));
+    // Scratch buffers sized for both Winograd convolutions, shared.
+    let scratch = match &winograd {
+        Some((f, i)) => Some([
+            gpu.create_buffer(f.u_len().max(i.u_len()))?,
+            gpu.create_buffer(f.v_len().max(i.v_len()))?,
+            gpu.create_buffer(f.m_len().max(i.m_len()))?,
+        ]),
+        None => None,
     };
-    let forward = (&fwd, vec![&x, &w, &b, &y]);
-    let input_grad = (&bi, vec![&dy, &w, &dx]);
-    let mut weight_grad = vec![(&bw, vec![&dy, &x, if parts > 1 { &dw_parts } else { &dw }])];
-    if let Some(sum) = &sum {
-        weight_grad.push((sum, vec![&dw_parts, &dw]));
-    }
+    let (fwd, input_grad) = match (&winograd, &scratch) {
+        (Some((f, i)), Some(s)) => (
+            winograd_steps(f, [&x, &w], Some(&b).filter(|_| conv.bias), &y, s),
+            winograd_steps(i, [&dy, &w], None, &dx, s),
+        ),
+        _ => {
+            let mut fwd_bufs = vec![&x, &w];
+            if conv.bias {
+                fwd_bufs.push(&b);
+            }
+            fwd_bufs.push(&y);
+            (
+                vec![(conv.forward(), fwd_bufs)],
+                vec![(conv.backward_input(), vec![&dy, &w, &dx])],
+            )
+        }
+    };
+    let weight_grad = if parts > 1 {
+        vec![
+            (conv.backward_weight_parts(parts), vec![&dy, &x, &dw_parts]),
+            (conv.sum_weight_parts(parts), vec![&dw_parts, &dw]),
+        ]
+    } else {
+        vec![(conv.backward_weight(), vec![&dy, &x, &dw])]
+    };
+    let forward_steps = fwd.len();
+    let specs: Vec<_> = fwd
+        .into_iter()
+        .chain(input_grad)
+        .chain(weight_grad)
+        .collect();
+    let steps: Vec<(&KernelSpec, Vec<&GpuBuffer>)> =
+        specs.iter().map(|(s, b)| (s, b.clone())).collect();
     let name = format!(
-        "conv2d {}x{}x{}x{} -> {} k{}x{}{}{}",
+        "conv2d {}x{}x{}x{} -> {} k{}x{}{}{}{}",
         conv.n,
         conv.c,
         conv.h,
@@ -186,34 +216,51 @@ pub async fn conv(
         conv.kh,
         conv.kw,
         precision_mark(conv.precision),
+        winograd
+            .map(|(f, _)| format!(" (winograd {0}x{0})", f.tile))
+            .unwrap_or_default(),
         conv.tiling
             .map(|t| format!(" ({})", t.describe()))
             .unwrap_or_default()
     );
-    let backward: Vec<_> = std::iter::once(input_grad.clone())
-        .chain(weight_grad.iter().cloned())
-        .collect();
-    let step: Vec<_> = [forward.clone(), input_grad]
-        .into_iter()
-        .chain(weight_grad)
-        .collect();
     Ok([
         Measured {
             name: format!("{name} fwd"),
             flops: conv.flops(),
-            seconds: time_chain(gpu, std::slice::from_ref(&forward), seconds).await?,
+            seconds: time_chain(gpu, &steps[..forward_steps], seconds).await?,
         },
         Measured {
             name: format!("{name} bwd"),
             flops: 2.0 * conv.flops(),
-            seconds: time_chain(gpu, &backward, seconds).await?,
+            seconds: time_chain(gpu, &steps[forward_steps..], seconds).await?,
         },
         Measured {
             name: format!("{name} fwd+bwd"),
             flops: 3.0 * conv.flops(),
-            seconds: time_chain(gpu, &step, seconds).await?,
+            seconds: time_chain(gpu, &steps, seconds).await?,
         },
     ])
+}
+
+/// The kernels of one Winograd convolution reading `[input, weight]` (and
+/// `bias`) into `out`, through `scratch` (`u`, `v`, `m`).
+fn winograd_steps<'a>(
+    w: &Winograd,
+    [input, weight]: [&'a GpuBuffer; 2],
+    bias: Option<&'a GpuBuffer>,
+    out: &'a GpuBuffer,
+    [u, v, m]: &'a [GpuBuffer; 3],
+) -> Vec<(KernelSpec, Vec<&'a GpuBuffer>)> {
+    let mut steps = vec![(w.transform_weight(), vec![weight, u])];
+    for chunk in w.chunks() {
+        steps.push((w.transform_input(chunk), vec![input, v]));
+        steps.push((w.gemm(chunk), vec![u, v, m]));
+        let mut bufs = vec![m];
+        bufs.extend(bias);
+        bufs.push(out);
+        steps.push((w.transform_output(chunk), bufs));
+    }
+    steps
 }
 
 /// The kernel lines a donor's Donate page shows for its GPU, each timed for

@@ -7,6 +7,7 @@ use crate::conv::Conv2d;
 use crate::gemm::gemm_tol;
 use crate::gemm::precision::{Precision, magnitudes};
 use crate::sample_matrix;
+use crate::winograd::Winograd;
 
 /// Conv2d forward and backward (input, weight, bias) against the direct
 /// reference; the weight gradient both whole and as partial sums over at
@@ -37,6 +38,7 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     let k_in = conv.o / conv.groups * conv.kh * conv.kw;
     let k_w = conv.n * oh * ow;
     let (x_len, weight_len) = (x.len(), weight.len());
+    let values = (x.clone(), weight.clone(), bias.clone(), dy.clone());
     let mut c = Builder::default();
     let (x, weight, bias, dy) = (c.f32(x), c.f32(weight), c.f32(bias), c.f32(dy));
     let y = c.zeros(conv.out_len());
@@ -60,8 +62,20 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         [dweight_parts, dweight_summed],
     );
     let abs_dw_parts = abs_dw.clone();
-    c.expect_gemm("y", y, want_y, k_fwd, accumulation_bound(p, abs_y, k_fwd));
-    c.expect_gemm("dx", dx, want_dx, k_in, accumulation_bound(p, abs_dx, k_in));
+    c.expect_gemm(
+        "y",
+        y,
+        want_y.clone(),
+        k_fwd,
+        accumulation_bound(p, abs_y, k_fwd),
+    );
+    c.expect_gemm(
+        "dx",
+        dx,
+        want_dx.clone(),
+        k_in,
+        accumulation_bound(p, abs_dx, k_in),
+    );
     c.expect_gemm(
         "dweight",
         dweight,
@@ -76,11 +90,67 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         k_w,
         accumulation_bound(p, abs_dw_parts, k_w),
     );
+    if let Some((fwd, bwd)) = Winograd::forward_of(&conv).zip(Winograd::backward_input(&conv)) {
+        // Small scratch buffers, so that even a check's batch runs in chunks.
+        let (fwd, bwd) = (fwd.with_chunks_of(1), bwd.with_chunks_of(2));
+        let (xs, ws, dys) = (&values.0, &values.1, &values.3);
+        let mut y_mag = fwd.reference(&magnitudes(xs), &magnitudes(ws), true);
+        if conv.bias {
+            for (i, v) in y_mag.iter_mut().enumerate() {
+                *v += f64::from(values.2[(i / (oh * ow)) % conv.o].abs());
+            }
+        }
+        let dx_mag = bwd.reference(&magnitudes(dys), &magnitudes(ws), true);
+        let y_w = winograd_steps(&mut c, &fwd, x, weight, conv.bias.then_some(bias));
+        let dx_w = winograd_steps(&mut c, &bwd, dy, weight, None);
+        c.expect_within("y (winograd)", y_w, want_y, winograd_bound(&fwd, &y_mag));
+        c.expect_within(
+            "dx (winograd)",
+            dx_w,
+            want_dx,
+            winograd_bound(&bwd, &dx_mag),
+        );
+    }
     if conv.bias {
         c.step(conv.backward_bias(), [dy, dbias]);
         c.expect("dbias", dbias, want_db, gemm_tol(k_w));
     }
     c.build(format!("{conv:?}{}", p.mark()))
+}
+
+/// The steps of `w` reading `input` (and `bias`), into a new output
+/// buffer: the weight transformed once, then each chunk's transforms and
+/// products through shared scratch buffers.
+fn winograd_steps(
+    c: &mut Builder,
+    w: &Winograd,
+    input: usize,
+    weight: usize,
+    bias: Option<usize>,
+) -> usize {
+    let out = c.zeros(w.n * w.cout * w.oh * w.ow);
+    let (u, v, m) = (c.zeros(w.u_len()), c.zeros(w.v_len()), c.zeros(w.m_len()));
+    c.step(w.transform_weight(), [weight, u]);
+    for chunk in w.chunks() {
+        c.step(w.transform_input(chunk), [input, v]);
+        c.step(w.gemm(chunk), [u, v, m]);
+        let mut bufs = vec![m];
+        bufs.extend(bias);
+        bufs.push(out);
+        c.step(w.transform_output(chunk), bufs);
+    }
+    out
+}
+
+/// Each output's rounding error bound: [`Winograd::rounding_levels`]
+/// roundings of at most half an ulp of its magnitude sum, plus the direct
+/// reference's own rounding to f32.
+fn winograd_bound(w: &Winograd, magnitude: &[f64]) -> Vec<f32> {
+    let levels = w.rounding_levels() as f64 + 1.0;
+    magnitude
+        .iter()
+        .map(|&s| (levels * 2f64.powi(-24) * s * 1.01) as f32)
+        .collect()
 }
 
 /// The convolutions of the standard checks: the demo CNN's
@@ -96,6 +166,21 @@ pub fn conv_cases() -> Vec<Conv2d> {
         ([1, 2, 6, 5], 5, [1, 1], [3, 2], [0, 0], [1, 1], 1, true),
         // A long weight-gradient reduction, cut into parts.
         ([12, 1, 28, 28], 4, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        // Winograd's, with partial tiles, each padding, in chunks.
+        ([3, 32, 7, 9], 40, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        ([2, 33, 6, 5], 32, [3, 3], [1, 1], [0, 0], [1, 1], 1, false),
+        ([2, 32, 4, 3], 36, [3, 3], [1, 1], [2, 2], [1, 1], 1, true),
+        ([2, 32, 10, 9], 32, [3, 3], [1, 1], [1, 1], [1, 1], 1, true),
+        (
+            [1, 32, 11, 12],
+            34,
+            [3, 3],
+            [1, 1],
+            [0, 0],
+            [1, 1],
+            1,
+            false,
+        ),
     ]
     .into_iter()
     .filter_map(|(x, o, k, s, p, d, g, b)| Conv2d::new(x, o, k, s, p, d, g, b))
