@@ -13,6 +13,8 @@ mod exec_common;
 use std::collections::BTreeMap;
 
 use exec_common::*;
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::winograd::Winograd;
 use rookery_model::{DType, Graph, Init, LrSchedule, Op, OptimizerConfig, clip_scale, from_toml};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor};
 use rookery_test_support::bounds::{
@@ -92,6 +94,29 @@ type = "Conv2D"
 filters = 3
 kernel_size = 1
 bias = false
+[[layers]]
+type = "GlobalAveragePooling2D"
+[[layers]]
+type = "Flatten"
+[[layers]]
+type = "Dense"
+units = 4
+"#;
+
+/// Convolutions wide enough to run as Winograd: F(4x4, 3x3) on the 9x9
+/// image, F(2x2, 3x3) on the 7x7 one unpadded convolution leaves.
+const WIDE_CNN: &str = r#"
+input_shape = [32, 9, 9]
+[[layers]]
+type = "Conv2D"
+filters = 32
+kernel_size = 3
+padding = 1
+activation = "relu"
+[[layers]]
+type = "Conv2D"
+filters = 36
+kernel_size = 3
 [[layers]]
 type = "GlobalAveragePooling2D"
 [[layers]]
@@ -289,10 +314,37 @@ fn stage_bounds(graph: &Graph, range: std::ops::Range<usize>, batch: usize) -> S
                 let k = a[a.len() - 1];
                 (k, out[out.len() - 1] + k + rows(out))
             }
-            Op::Conv2d { .. } => {
+            Op::Conv2d {
+                stride,
+                padding,
+                dilation,
+                groups,
+            } => {
                 let w = shape(&node.inputs[1]);
+                let x = shape(&node.inputs[0]);
                 let window = w[2] * w[3];
-                (w[1] * window + 1, w[0] * window + batch * out[2] * out[3])
+                let conv = Conv2d::new(
+                    [batch, x[1], x[2], x[3]],
+                    w[0],
+                    [w[2], w[3]],
+                    *stride,
+                    *padding,
+                    *dilation,
+                    *groups,
+                    node.inputs.len() > 2,
+                )
+                .unwrap();
+                // Winograd's coefficients magnify its roundings.
+                let winograd = |w: Option<Winograd>, direct: usize| {
+                    w.map_or(direct, |w| {
+                        (w.magnification() * w.rounding_levels() as f64).ceil() as usize
+                    })
+                };
+                (
+                    winograd(Winograd::forward_of(&conv), w[1] * window + 1),
+                    winograd(Winograd::backward_input(&conv), w[0] * window)
+                        + batch * out[2] * out[3],
+                )
             }
             Op::AvgPool2d { kernel, .. } => (kernel[0] * kernel[1], kernel[0] * kernel[1]),
             Op::GlobalAveragePool => {
@@ -726,6 +778,16 @@ fn conv_and_pooling_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
     let graph = from_toml(CNN).unwrap();
     let n = graph.analyze().unwrap().nodes.len();
     for (range, config) in [(0..4, adam()), (3..7, sgd_momentum()), (0..n, adam())] {
+        same_as_torch(gpu(), &graph, range.clone(), config);
+        same_as_torch(CpuDevice, &graph, range, config);
+    }
+}
+
+#[test]
+fn winograd_convolution_stages_match_libtorch_on_the_gpu_and_the_cpu_references() {
+    let graph = from_toml(WIDE_CNN).unwrap();
+    let n = graph.analyze().unwrap().nodes.len();
+    for (range, config) in [(0..n, adam()), (1..n, sgd_momentum())] {
         same_as_torch(gpu(), &graph, range.clone(), config);
         same_as_torch(CpuDevice, &graph, range, config);
     }

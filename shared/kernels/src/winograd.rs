@@ -184,6 +184,11 @@ fn sandwich_f64(l: &[Vec<f64>], r: &[Vec<f64>], x: &[Vec<f64>], magnitudes: bool
         .collect()
 }
 
+fn magnitude(v: f32, magnitudes: bool) -> f64 {
+    let v = f64::from(v);
+    if magnitudes { v.abs() } else { v }
+}
+
 /// Roundings of one `L X R^T` along its longest path: per side, the most
 /// terms a row adds, one multiply, one coefficient rounded to f32.
 fn sandwich_levels(l: &[Vec<f64>], r: &[Vec<f64>]) -> usize {
@@ -560,21 +565,12 @@ impl Winograd {
         )
     }
 
-    /// The transforms' and products' result, computed on the CPU in f64
-    /// from `x [n, cin, h, w]` and the forward weight, the same way as the
-    /// kernels: with `magnitudes`, every input and every coefficient is
-    /// taken by its absolute value, giving the sum of the magnitudes of the
-    /// terms each output adds (the scale of its rounding errors).
-    pub fn reference(&self, x: &[f32], weight: &[f32], magnitudes: bool) -> Vec<f64> {
-        let val = |v: f32| {
-            let v = f64::from(v);
-            if magnitudes { v.abs() } else { v }
-        };
+    /// The transformed weight `u [elems, cout, cin]` in f64 from the
+    /// forward weight; with `magnitudes`, of `|weight|` through `|G|`.
+    pub fn weight_values(&self, weight: &[f32], magnitudes: bool) -> Vec<f64> {
         let mx = matrices(self.tile);
-        let (m, a) = (self.tile, self.tile + 2);
-        let (th, tw) = self.tiles();
-        let [p0, p1] = self.padding;
-        let mut u = Vec::with_capacity(self.cout * self.cin);
+        let cells = self.cout * self.cin;
+        let mut u = vec![0.0; self.u_len()];
         for co in 0..self.cout {
             for ci in 0..self.cin {
                 let g: Vec<Vec<f64>> = (0..3)
@@ -587,67 +583,150 @@ impl Winograd {
                                 } else {
                                     co * self.cin + ci
                                 };
-                                val(weight[filter * 9 + tap])
+                                magnitude(weight[filter * 9 + tap], magnitudes)
                             })
                             .collect()
                     })
                     .collect();
-                u.push(sandwich_f64(&mx.g, &mx.g, &g, magnitudes));
+                let t = sandwich_f64(&mx.g, &mx.g, &g, magnitudes);
+                for (e, value) in t.iter().flatten().enumerate() {
+                    u[e * cells + co * self.cin + ci] = *value;
+                }
             }
         }
-        let mut y = vec![0.0f64; self.n * self.cout * self.oh * self.ow];
-        for nb in 0..self.n {
-            for ty in 0..th {
-                for tx in 0..tw {
-                    let mut prod = vec![vec![vec![0.0f64; a]; a]; self.cout];
-                    for ci in 0..self.cin {
-                        let d: Vec<Vec<f64>> = (0..a)
-                            .map(|r| {
-                                (0..a)
-                                    .map(|c| {
-                                        let iy = (ty * m + r) as isize - p0 as isize;
-                                        let ix = (tx * m + c) as isize - p1 as isize;
-                                        if iy < 0
-                                            || ix < 0
-                                            || iy >= self.h as isize
-                                            || ix >= self.w as isize
-                                        {
-                                            0.0
-                                        } else {
-                                            val(x[((nb * self.cin + ci) * self.h + iy as usize)
-                                                * self.w
-                                                + ix as usize])
-                                        }
-                                    })
-                                    .collect()
+        u
+    }
+
+    /// The transformed input `v [elems, cin, t]` of `chunk` in f64, from
+    /// the whole batch `x`; with `magnitudes`, of `|x|` through `|B|`.
+    pub fn input_values(&self, chunk: Chunk, x: &[f32], magnitudes: bool) -> Vec<f64> {
+        let mx = matrices(self.tile);
+        let (m, a) = (self.tile, self.tile + 2);
+        let (th, tw) = self.tiles();
+        let t_len = self.tiles_of(chunk);
+        let [p0, p1] = self.padding;
+        let mut v = vec![0.0; self.elems() * self.cin * t_len];
+        for ci in 0..self.cin {
+            for ti in 0..t_len {
+                let nb = chunk.start + ti / (th * tw);
+                let (ty, tx) = ((ti % (th * tw)) / tw, ti % tw);
+                let d: Vec<Vec<f64>> = (0..a)
+                    .map(|r| {
+                        (0..a)
+                            .map(|c| {
+                                let iy = (ty * m + r) as isize - p0 as isize;
+                                let ix = (tx * m + c) as isize - p1 as isize;
+                                if iy < 0
+                                    || ix < 0
+                                    || iy >= self.h as isize
+                                    || ix >= self.w as isize
+                                {
+                                    return 0.0;
+                                }
+                                let at = ((nb * self.cin + ci) * self.h + iy as usize) * self.w
+                                    + ix as usize;
+                                magnitude(x[at], magnitudes)
                             })
-                            .collect();
-                        let v = sandwich_f64(&mx.bt, &mx.bt, &d, magnitudes);
-                        for (co, p) in prod.iter_mut().enumerate() {
-                            let uc = &u[co * self.cin + ci];
-                            for r in 0..a {
-                                for c in 0..a {
-                                    p[r][c] += uc[r][c] * v[r][c];
-                                }
-                            }
-                        }
+                            .collect()
+                    })
+                    .collect();
+                let t = sandwich_f64(&mx.bt, &mx.bt, &d, magnitudes);
+                for (e, value) in t.iter().flatten().enumerate() {
+                    v[(e * self.cin + ci) * t_len + ti] = *value;
+                }
+            }
+        }
+        v
+    }
+
+    /// The products `m [elems, cout, t]` of `chunk`: `u[z] v[z]` in f64.
+    pub fn products(&self, chunk: Chunk, u: &[f64], v: &[f64]) -> Vec<f64> {
+        let t_len = self.tiles_of(chunk);
+        let (cin, cout) = (self.cin, self.cout);
+        let mut out = vec![0.0; self.elems() * cout * t_len];
+        for z in 0..self.elems() {
+            for co in 0..cout {
+                let row = &mut out[(z * cout + co) * t_len..][..t_len];
+                for ci in 0..cin {
+                    let a = u[(z * cout + co) * cin + ci];
+                    let vs = &v[(z * cin + ci) * t_len..][..t_len];
+                    for (o, &b) in row.iter_mut().zip(vs) {
+                        *o += a * b;
                     }
-                    for (co, p) in prod.iter().enumerate() {
-                        let out = sandwich_f64(&mx.at, &mx.at, p, magnitudes);
-                        for (r, row) in out.iter().enumerate() {
-                            for (c, &value) in row.iter().enumerate() {
-                                let (oy, ox) = (ty * m + r, tx * m + c);
-                                if oy < self.oh && ox < self.ow {
-                                    y[((nb * self.cout + co) * self.oh + oy) * self.ow + ox] =
-                                        value;
-                                }
-                            }
+                }
+            }
+        }
+        out
+    }
+
+    /// Writes `chunk`'s outputs `A^T m A` (without the bias) into `y`, the
+    /// whole batch's output; with `magnitudes`, through `|A|`.
+    pub fn output_values(&self, chunk: Chunk, prod: &[f64], magnitudes: bool, y: &mut [f64]) {
+        let mx = matrices(self.tile);
+        let (m, a) = (self.tile, self.tile + 2);
+        let (th, tw) = self.tiles();
+        let t_len = self.tiles_of(chunk);
+        for co in 0..self.cout {
+            for ti in 0..t_len {
+                let nb = chunk.start + ti / (th * tw);
+                let (ty, tx) = ((ti % (th * tw)) / tw, ti % tw);
+                let p: Vec<Vec<f64>> = (0..a)
+                    .map(|r| {
+                        (0..a)
+                            .map(|c| prod[((r * a + c) * self.cout + co) * t_len + ti])
+                            .collect()
+                    })
+                    .collect();
+                let out = sandwich_f64(&mx.at, &mx.at, &p, magnitudes);
+                for (r, row) in out.iter().enumerate() {
+                    for (c, &value) in row.iter().enumerate() {
+                        let (oy, ox) = (ty * m + r, tx * m + c);
+                        if oy < self.oh && ox < self.ow {
+                            y[((nb * self.cout + co) * self.oh + oy) * self.ow + ox] = value;
                         }
                     }
                 }
             }
         }
+    }
+
+    /// The convolution without its bias, computed on the CPU in f64 from
+    /// `x [n, cin, h, w]` and the forward weight through the same
+    /// transforms as the kernels: with `magnitudes`, every input and every
+    /// coefficient is taken by its absolute value, giving the sum of the
+    /// magnitudes of the terms each output adds (the scale of its rounding
+    /// errors).
+    pub fn reference(&self, x: &[f32], weight: &[f32], magnitudes: bool) -> Vec<f64> {
+        let u = self.weight_values(weight, magnitudes);
+        let mut y = vec![0.0f64; self.n * self.cout * self.oh * self.ow];
+        for chunk in self.chunks() {
+            let v = self.input_values(chunk, x, magnitudes);
+            let prod = self.products(chunk, &u, &v);
+            self.output_values(chunk, &prod, magnitudes, &mut y);
+        }
         y
+    }
+
+    /// At most how many times the direct convolution's an output's
+    /// magnitude sum is when every input and weight has the same size: the
+    /// factor the transforms' coefficients put on rounding errors.
+    pub fn magnification(&self) -> f64 {
+        let a = self.tile + 2;
+        let one = Self {
+            n: 1,
+            cin: 1,
+            cout: 1,
+            h: a,
+            w: a,
+            padding: [0, 0],
+            oh: self.tile,
+            ow: self.tile,
+            flipped: false,
+            bias: false,
+            ..*self
+        };
+        let sums = one.reference(&vec![1.0; a * a], &[1.0; 9], true);
+        sums.into_iter().fold(0.0, f64::max) / 9.0
     }
 
     /// Roundings along the longest path to an output: the weight and input
@@ -731,6 +810,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn larger_tiles_magnify_rounding_more() {
+        let c = conv([1, 32, 16, 16], 32, 1);
+        force_tile(Some(2));
+        let two = Winograd::forward_of(&c).unwrap().magnification();
+        force_tile(Some(4));
+        let four = Winograd::forward_of(&c).unwrap().magnification();
+        force_tile(None);
+        assert!((1.0..16.0).contains(&two), "{two}");
+        assert!(four > two && four < 1000.0, "{four}");
+        eprintln!("magnification {two} {four}");
     }
 
     #[test]

@@ -133,7 +133,6 @@ struct Scratch<B> {
     input_grads: Vec<B>,
     local_grads: Vec<B>,
     param_grads: Vec<B>,
-    temps: Vec<B>,
 }
 
 /// One pipeline stage on one device. See the module docs.
@@ -147,6 +146,9 @@ pub struct StageExecutor<D: Device> {
     programs: HashMap<Key, Program<D::Prepared>>,
     free: HashMap<Key, Vec<Activations<D::Buffer>>>,
     scratch: HashMap<usize, Scratch<D::Buffer>>,
+    /// Each program's scratch buffers (Winograd's transforms, gradients
+    /// added up), used by one call at a time.
+    temps: HashMap<Key, Vec<D::Buffer>>,
     in_flight: BTreeMap<MicroBatch, InFlight<D::Buffer>>,
     /// Two weight versions (PipeDream-2BW), or `None`: one set, set 0.
     versions: Option<Versions>,
@@ -262,6 +264,7 @@ impl<D: Device> StageExecutor<D> {
             programs: HashMap::new(),
             free: HashMap::new(),
             scratch: HashMap::new(),
+            temps: HashMap::new(),
             in_flight: BTreeMap::new(),
             versions: None,
             seed: 0,
@@ -284,6 +287,7 @@ impl<D: Device> StageExecutor<D> {
         if precision != self.precision {
             self.precision = precision;
             self.programs.clear();
+            self.temps.clear();
         }
         Ok(())
     }
@@ -394,7 +398,7 @@ impl<D: Device> StageExecutor<D> {
             let program = &self.programs[&key];
             for _ in 0..times {
                 for calls in [&program.forward, &program.backward] {
-                    let bound = self.bind(calls, batch, set, Some(&acts))?;
+                    let bound = self.bind(calls, key, set, Some(&acts))?;
                     self.device.run(&bound).await?;
                 }
             }
@@ -481,6 +485,7 @@ impl<D: Device> StageExecutor<D> {
         let batch = self.batch_of(inputs)?;
         let key = (batch, train);
         self.ensure_program(key)?;
+        self.ensure_temps(key)?;
         let acts = self.take_activations(key)?;
         let result = self.run_forward_with(inputs, offset, key, set, &acts).await;
         match result {
@@ -994,9 +999,21 @@ impl<D: Device> StageExecutor<D> {
                     0
                 }
             }))?,
-            temps: alloc(&mut program.temp_lens.iter().copied())?,
         };
         self.scratch.insert(batch, scratch);
+        self.ensure_temps((batch, true))
+    }
+
+    fn ensure_temps(&mut self, key: Key) -> Result<(), StageError> {
+        if self.temps.contains_key(&key) {
+            return Ok(());
+        }
+        let temps = self.programs[&key]
+            .temp_lens
+            .iter()
+            .map(|&n| self.device.alloc(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.temps.insert(key, temps);
         Ok(())
     }
 
@@ -1004,11 +1021,12 @@ impl<D: Device> StageExecutor<D> {
     fn bind<'a>(
         &'a self,
         calls: &'a [crate::program::Call<D::Prepared>],
-        batch: usize,
+        key: Key,
         set: usize,
         acts: Option<&'a Activations<D::Buffer>>,
     ) -> Result<BoundCalls<'a, D>, StageError> {
-        let scratch = self.scratch.get(&batch);
+        let scratch = self.scratch.get(&key.0);
+        let temps = self.temps.get(&key);
         let missing = || StageError::Internal("a buffer was bound before it was made".into());
         calls
             .iter()
@@ -1030,7 +1048,7 @@ impl<D: Device> StageExecutor<D> {
                             Buf::Grad(Source::Local(j)) => {
                                 &scratch.ok_or_else(missing)?.local_grads[j]
                             }
-                            Buf::Temp(t) => &scratch.ok_or_else(missing)?.temps[t],
+                            Buf::Temp(t) => &temps.ok_or_else(missing)?[t],
                             Buf::Saved(s) => &acts.ok_or_else(missing)?.saved[s],
                         })
                     })

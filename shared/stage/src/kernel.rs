@@ -18,6 +18,7 @@ use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::Softmax;
 use rookery_kernels::shape::{Concat, Gather, Transpose};
 use rookery_kernels::spec::{Binding, DEFAULT_WORKGROUP, f32_lit, numel, one_d};
+use rookery_kernels::winograd::{Chunk, Winograd};
 
 /// A kernel with every shape fixed. Binding orders are those of the kernel
 /// crate's generators, documented there.
@@ -85,6 +86,14 @@ pub enum Kernel {
     /// `dy`, `x`, `dweight_parts` (`[parts, ..weight]`, partial sums that
     /// add up to the weight gradient).
     Conv2dBackwardWeightParts { conv: Conv2d, parts: u32 },
+    /// `weight`, `u`: a Winograd convolution's transformed weight.
+    WinogradWeight(Winograd),
+    /// `x`, `v`: one chunk's transformed input.
+    WinogradInput { w: Winograd, chunk: Chunk },
+    /// `u`, `v`, `m`: one chunk's products.
+    WinogradGemm { w: Winograd, chunk: Chunk },
+    /// `m`, `bias`?, `y`: one chunk's outputs.
+    WinogradOutput { w: Winograd, chunk: Chunk },
     /// `x`, `y`, `argmax` (u32).
     MaxPool(Pool2d),
     /// `argmax`, `dy`, `dx`.
@@ -192,6 +201,10 @@ impl Kernel {
             Kernel::Conv2dBackwardInput(c) => c.backward_input(),
             Kernel::Conv2dBackwardWeight(c) => c.backward_weight(),
             Kernel::Conv2dBackwardWeightParts { conv, parts } => conv.backward_weight_parts(*parts),
+            Kernel::WinogradWeight(w) => w.transform_weight(),
+            Kernel::WinogradInput { w, chunk } => w.transform_input(*chunk),
+            Kernel::WinogradGemm { w, chunk } => w.gemm(*chunk),
+            Kernel::WinogradOutput { w, chunk } => w.transform_output(*chunk),
             Kernel::MaxPool(p) => p.max_forward(),
             Kernel::MaxPoolBackward(p) => p.max_backward(),
             Kernel::AvgPool(p) => p.avg_forward(),
@@ -434,6 +447,41 @@ impl Kernel {
                 buffers[2].fill(0);
                 store(&mut buffers[2], &dw);
             }
+            // In f64 from the f32 buffers, rounded once when stored.
+            Kernel::WinogradWeight(w) => {
+                let u = w.weight_values(&f(&buffers[0]), false);
+                store(&mut buffers[1], &rounded(&u));
+            }
+            Kernel::WinogradInput { w, chunk } => {
+                let v = w.input_values(*chunk, &f(&buffers[0]), false);
+                store(&mut buffers[1], &rounded(&v));
+            }
+            Kernel::WinogradGemm { w, chunk } => {
+                let widen = |b: &[u32]| -> Vec<f64> {
+                    b.iter().map(|&x| f64::from(f32::from_bits(x))).collect()
+                };
+                let m = w.products(*chunk, &widen(&buffers[0]), &widen(&buffers[1]));
+                store(&mut buffers[2], &rounded(&m));
+            }
+            Kernel::WinogradOutput { w, chunk } => {
+                let m: Vec<f64> = f(&buffers[0]).into_iter().map(f64::from).collect();
+                let out = buffers.len() - 1;
+                let mut y: Vec<f64> = f(&buffers[out]).into_iter().map(f64::from).collect();
+                w.output_values(*chunk, &m, false, &mut y);
+                let mut y = rounded(&y);
+                if w.bias {
+                    let bias = f(&buffers[1]);
+                    let plane = w.oh * w.ow;
+                    let (from, to) = (
+                        chunk.start * w.cout * plane,
+                        (chunk.start + chunk.count) * w.cout * plane,
+                    );
+                    for (i, v) in y.iter_mut().enumerate().take(to).skip(from) {
+                        *v += bias[(i / plane) % w.cout];
+                    }
+                }
+                store(&mut buffers[out], &y);
+            }
             Kernel::MaxPool(p) => {
                 let (y, argmax, _) = p.max_reference(&f(&buffers[0]), &zeros(p.out_len()));
                 store(&mut buffers[1], &y);
@@ -653,4 +701,8 @@ fn max_pool_backward(p: &Pool2d, argmax: &[u32], dy: &[f32]) -> Vec<f32> {
         dx[plane * plane_in + argmax[oi] as usize] += f64::from(g);
     }
     dx.into_iter().map(|v| v as f32).collect()
+}
+
+fn rounded(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
 }

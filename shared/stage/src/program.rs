@@ -20,6 +20,7 @@ use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::{Softmax, split_at_axis};
 use rookery_kernels::shape::{Concat, Gather, Transpose};
 use rookery_kernels::spec::numel;
+use rookery_kernels::winograd::Winograd;
 use rookery_model::{DType, Graph, Op, ParamKind, Source, StageLayout};
 
 use crate::StageError;
@@ -306,6 +307,39 @@ impl Lowering<'_> {
         }
     }
 
+    /// Adds the calls of the Winograd convolution `w` of `input` by
+    /// `weight` (plus `bias`) into `out`.
+    fn winograd(&mut self, w: &Winograd, input: Buf, weight: Buf, bias: Option<Buf>, out: Buf) {
+        let calls = self.winograd_calls(w, input, weight, bias, out);
+        self.calls.extend(calls);
+    }
+
+    /// The calls of [`Self::winograd`], through scratch buffers returned to
+    /// the pool once they are listed.
+    fn winograd_calls(
+        &mut self,
+        w: &Winograd,
+        input: Buf,
+        weight: Buf,
+        bias: Option<Buf>,
+        out: Buf,
+    ) -> Vec<(Kernel, Vec<Buf>)> {
+        let lens = [w.u_len(), w.v_len(), w.m_len()];
+        let [u, v, m] = lens.map(|len| self.temp(len));
+        let (bu, bv, bm) = (Buf::Temp(u), Buf::Temp(v), Buf::Temp(m));
+        let mut calls = vec![(Kernel::WinogradWeight(*w), vec![weight, bu])];
+        for chunk in w.chunks() {
+            calls.push((Kernel::WinogradInput { w: *w, chunk }, vec![input, bv]));
+            calls.push((Kernel::WinogradGemm { w: *w, chunk }, vec![bu, bv, bm]));
+            let mut bufs = vec![bm];
+            bufs.extend(bias);
+            bufs.push(out);
+            calls.push((Kernel::WinogradOutput { w: *w, chunk }, bufs));
+        }
+        self.free_temps.extend([u, v, m].into_iter().zip(lens));
+        calls
+    }
+
     fn unsupported(&self, k: usize, op: &Op, why: &str) -> StageError {
         StageError::Unsupported {
             node: self.layout.nodes[k].name.clone(),
@@ -439,6 +473,11 @@ impl Lowering<'_> {
             }
             Op::Conv2d { .. } => {
                 let conv = self.conv(k, op, ins)?;
+                if let Some(w) = Winograd::forward_of(&conv) {
+                    let bias = conv.bias.then(|| Buf::Value(ins[2]));
+                    self.winograd(&w, Buf::Value(ins[0]), Buf::Value(ins[1]), bias, out);
+                    return Ok(());
+                }
                 let mut args = vec![Buf::Value(ins[0]), Buf::Value(ins[1])];
                 if conv.bias {
                     args.push(Buf::Value(ins[2]));
@@ -744,11 +783,12 @@ impl Lowering<'_> {
             }
             Op::Conv2d { .. } => {
                 let conv = self.conv(k, op, ins)?;
-                self.contribute(ins[0], |_, dest| {
-                    vec![(
+                self.contribute(ins[0], |l, dest| match Winograd::backward_input(&conv) {
+                    Some(w) => l.winograd_calls(&w, dy, Buf::Value(ins[1]), None, dest),
+                    None => vec![(
                         Kernel::Conv2dBackwardInput(conv),
                         vec![dy, Buf::Value(ins[1]), dest],
-                    )]
+                    )],
                 });
                 self.contribute(ins[1], |l, dest| {
                     let parts = conv.weight_parts();

@@ -139,7 +139,7 @@ impl<D: Device> StageExecutor<D> {
                 calls.push(io.call(slot, len, &acts.inputs[i])?);
             }
         }
-        calls.extend(self.bind(&program.forward, key.0, set, Some(acts))?);
+        calls.extend(self.bind(&program.forward, key, set, Some(acts))?);
         let output = |j: usize| -> (&D::Buffer, &Vec<usize>) {
             match self.layout.outputs[j].1 {
                 Source::Input(i) => (&acts.inputs[i], &program.input_shapes[i]),
@@ -271,7 +271,7 @@ impl<D: Device> StageExecutor<D> {
                 calls.push(io.call(slot, len, buffer)?);
             }
         }
-        calls.extend(self.bind(&program.backward, batch, set, Some(acts))?);
+        calls.extend(self.bind(&program.backward, (batch, true), set, Some(acts))?);
         // This micro-batch's parameter gradients join the step's.
         for &p in &program.params_with_grad {
             let state = &self.params[p];
