@@ -170,7 +170,8 @@ fn main() -> Result<()> {
         // torch's f32, the same reference as the rows above).
         matmul_row(&gpu, 1024, 1024, 1024, None, Precision::Mixed)?,
     ];
-    // The demo CNN at batch 64: two convolutions, then Dense 1568->128 and 128->10.
+    // The demo CNN at batch 64: two convolutions, then Dense 1568->128 and
+    // 128->10; and a wider convolution.
     for conv in [
         Conv2d::new(
             [BATCH, 1, 28, 28],
@@ -184,6 +185,17 @@ fn main() -> Result<()> {
         ),
         Conv2d::new(
             [BATCH, 16, 14, 14],
+            32,
+            [3, 3],
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            1,
+            true,
+        ),
+        // A wider layer, whose forward and input gradient run as Winograd.
+        Conv2d::new(
+            [BATCH, 32, 14, 14],
             32,
             [3, 3],
             [1, 1],
