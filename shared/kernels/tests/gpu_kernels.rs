@@ -315,3 +315,26 @@ proptest! {
         prop_assert_eq!(run(&checks::global_avg_pool(planes, h * w, seed)), Ok(()));
     }
 }
+
+proptest! {
+    // Each case's references walk every weight of 32+ channels.
+    #![proptest_config(ProptestConfig::with_cases(5))]
+
+    /// Wide 3x3 stride-1 convolutions, which run forward and input
+    /// gradient as Winograd: both tile sizes, partial tiles, every padding,
+    /// any GEMM tiling.
+    #[test]
+    fn winograd_convolutions_match_reference_on_random_geometry(
+        n in 1usize..3, c in 32usize..37, o in 32usize..37, h in 1usize..13, w in 1usize..13,
+        padding in 0usize..3, bias in any::<bool>(), tiling in tiling(), seed in any::<u64>()
+    ) {
+        let conv = rookery_kernels::conv::Conv2d::new(
+            [n, c, h, w], o, [3, 3], [1, 1], [padding, padding], [1, 1], 1, bias,
+        );
+        prop_assume!(conv.is_some());
+        let mut conv = conv.unwrap();
+        conv.tiling = Some(tiling);
+        prop_assert!(rookery_kernels::winograd::Winograd::forward_of(&conv).is_some());
+        prop_assert_eq!(run(&checks::conv2d(conv, seed)), Ok(()));
+    }
+}
