@@ -178,6 +178,23 @@ fn micro_batch_cost(dir: &Path, repeat: usize) -> anyhow::Result<()> {
             let metrics = rookery_train(&job, 3, &out)?;
             let timed = &metrics.steps[WARMUP..];
             step_ms.push(median(timed.iter().map(|s| s.elapsed_ms).collect()));
+            let stages = timed.first().map_or(0, |s| s.stages.len());
+            let computes: Vec<String> = (0..stages)
+                .map(|k| {
+                    let ms = median(
+                        timed
+                            .iter()
+                            .filter_map(|s| stage(s, k))
+                            .map(|t| t.compute_ms)
+                            .collect(),
+                    );
+                    format!("{ms:.1}")
+                })
+                .collect();
+            println!(
+                "  {micro_batches:>2} micro-batches: stages compute {} ms a step (median)",
+                computes.join(" / ")
+            );
         }
         println!(
             "per micro-batch: a step of {BATCH} samples takes {:.1} ms in 4 micro-batches and {:.1} ms in 16 (median): \

@@ -340,10 +340,14 @@ fn stage_bounds(graph: &Graph, range: std::ops::Range<usize>, batch: usize) -> S
                         (w.magnification() * w.rounding_levels() as f64).ceil() as usize
                     })
                 };
+                let weight_grad =
+                    Winograd::weight_grad_of(&conv).map_or(batch * out[2] * out[3], |w| {
+                        (w.weight_grad_magnification() * w.weight_grad_rounding_levels() as f64)
+                            .ceil() as usize
+                    });
                 (
                     winograd(Winograd::forward_of(&conv), w[1] * window + 1),
-                    winograd(Winograd::backward_input(&conv), w[0] * window)
-                        + batch * out[2] * out[3],
+                    winograd(Winograd::backward_input(&conv), w[0] * window) + weight_grad,
                 )
             }
             Op::AvgPool2d { kernel, .. } => (kernel[0] * kernel[1], kernel[0] * kernel[1]),

@@ -140,10 +140,9 @@ pub async fn linear(
 }
 
 /// A convolution: forward, backward (input and weight gradients), and the
-/// two as one training step, in the forms a stage runs them: Winograd for
-/// the forward and the input gradient where it suits ([`Winograd`]; the
-/// name then says so), the weight gradient in parts where its reduction is
-/// long.
+/// two as one training step, in the forms a stage runs them: Winograd
+/// where it suits ([`Winograd`]; the name then says so), else implicit
+/// GEMMs with the weight gradient in parts where its reduction is long.
 pub async fn conv(
     gpu: &GpuContext,
     conv: &Conv2d,
@@ -190,7 +189,21 @@ pub async fn conv(
             )
         }
     };
-    let weight_grad = if parts > 1 {
+    let grad = Winograd::weight_grad_of(conv);
+    let du = match &grad {
+        Some(g) => Some(gpu.create_buffer(g.du_len())?),
+        None => None,
+    };
+    let weight_grad = if let (Some(g), Some([_, v, m]), Some(du)) = (&grad, &scratch, &du) {
+        let mut steps = Vec::new();
+        for chunk in g.chunks() {
+            steps.push((g.transform_input(chunk), vec![&x, v]));
+            steps.push((g.transform_grad_output(chunk), vec![&dy, m]));
+            steps.push((g.weight_grad_gemm(chunk), vec![m, v, du]));
+            steps.push((g.finish_weight_grad(chunk, chunk.start == 0), vec![du, &dw]));
+        }
+        steps
+    } else if parts > 1 {
         vec![
             (conv.backward_weight_parts(parts), vec![&dy, &x, &dw_parts]),
             (conv.sum_weight_parts(parts), vec![&dw_parts, &dw]),

@@ -17,8 +17,12 @@
 //! The input gradient of the same convolution is again a 3x3 stride-1
 //! convolution, of `dy` with the weight flipped in space and its channels
 //! swapped, padded by `2 - p`: [`Winograd::backward_input`] is this module
-//! with the weight read that way. The weight gradient stays an implicit
-//! GEMM.
+//! with the weight read that way.
+//!
+//! The weight gradient differentiates the same product: with
+//! `dm = A dY A^T` for each tile of `dy`, `du[z, co, ci] = sum_t dm[z, co, t]
+//! v[z, ci, t]` (a GEMM per element whose long reduction over the tiles is
+//! cut into parts), and `dg = G^T du G` ([`Winograd::weight_grad_of`]).
 //!
 //! Scratch buffers never exceed [`MAX_TEMP_BYTES`] (WebGPU's default
 //! binding limit): a large batch runs in [`Chunk`]s of whole images.
@@ -32,7 +36,7 @@
 
 use std::cell::Cell;
 
-use super::conv::Conv2d;
+use super::conv::{Conv2d, MAX_PARTS, MIN_PART_TERMS};
 use super::gemm::{Gemm, Precision, Tiling};
 use super::spec::{Binding, DEFAULT_WORKGROUP, KernelSpec, f32_lit, one_d};
 
@@ -181,6 +185,12 @@ fn sandwich_f64(l: &[Vec<f64>], r: &[Vec<f64>], x: &[Vec<f64>], magnitudes: bool
                 .map(|rrow| rrow.iter().zip(trow).map(|(&a, &v)| c(a) * v).sum())
                 .collect()
         })
+        .collect()
+}
+
+fn transpose(m: &[Vec<f64>]) -> Vec<Vec<f64>> {
+    (0..m[0].len())
+        .map(|c| m.iter().map(|row| row[c]).collect())
         .collect()
 }
 
@@ -565,6 +575,278 @@ impl Winograd {
         )
     }
 
+    /// The weight gradient of `conv` as Winograd, under the forward's
+    /// conditions.
+    pub fn weight_grad_of(conv: &Conv2d) -> Option<Self> {
+        Self::forward_of(conv).map(|w| Self { bias: false, ..w })
+    }
+
+    /// The weight gradient GEMM's tiling and the parts its reduction over
+    /// `chunk`'s tiles is cut into: enough to keep the GPU busy, each at
+    /// least [`MIN_PART_TERMS`] terms, and all the parts' partial sums
+    /// within one scratch buffer.
+    fn weight_plan(&self, chunk: Chunk) -> (Tiling, u32) {
+        let k = self.tiles_of(chunk);
+        let most = (self.temp_bytes / (self.u_len() * 4).max(1)).clamp(1, MAX_PARTS);
+        let (m, n, batch) = (self.cout, self.cin, self.elems());
+        match self.tiling {
+            Some(t) => (t, t.split_for(m, n, batch, k, MIN_PART_TERMS, most)),
+            None => Tiling::auto_split(m, n, batch, k, MIN_PART_TERMS, most),
+        }
+    }
+
+    /// Parts of `chunk`'s weight gradient reduction.
+    pub fn weight_parts(&self, chunk: Chunk) -> u32 {
+        self.weight_plan(chunk).1
+    }
+
+    /// Elements of the largest chunk's partial weight gradients
+    /// `du [parts, elems, cout, cin]`.
+    pub fn du_len(&self) -> usize {
+        self.chunks()
+            .iter()
+            .map(|&c| self.weight_parts(c) as usize * self.u_len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Output-gradient transform of `chunk`: bindings `dy` (the whole
+    /// batch's), `dm` (`[elems, cout, t]`, as [`Self::m_len`]).
+    pub fn transform_grad_output(&self, chunk: Chunk) -> KernelSpec {
+        let (th, tw) = self.tiles();
+        let t = self.tiles_of(chunk);
+        let (cout, oh, ow, m) = (self.cout, self.oh, self.ow, self.tile);
+        let a = m + 2;
+        let mut body = format!(
+            "    let co = i / {t}u;\n    let ti = i % {t}u;\n\
+             \x20   let nb = {start}u + ti / {per}u;\n\
+             \x20   let y0 = ((ti % {per}u) / {tw}u) * {m}u;\n\
+             \x20   let x0 = (ti % {tw}u) * {m}u;\n\
+             \x20   let base = (nb * {cout}u + co) * {oh}u;\n",
+            start = chunk.start,
+            per = th * tw,
+        );
+        for r in 0..m {
+            for c in 0..m {
+                body += &format!("    let e{r}_{c} = at(base, y0 + {r}u, x0 + {c}u);\n");
+            }
+        }
+        let mx = matrices(self.tile);
+        let a_mat = transpose(&mx.at);
+        body += &sandwich(&a_mat, &a_mat, "e", m, "q");
+        for r in 0..a {
+            for c in 0..a {
+                body += &format!(
+                    "    dm[({}u * {cout}u + co) * {t}u + ti] = q{r}_{c};\n",
+                    r * a + c
+                );
+            }
+        }
+        let helper = format!(
+            "fn at(base: u32, y: u32, x: u32) -> f32 {{\n\
+             \x20   if (y >= {oh}u || x >= {ow}u) {{ return 0.0; }}\n\
+             \x20   return dy[(base + y) * {ow}u + x];\n}}\n"
+        );
+        one_d(
+            "winograd_grad_output",
+            &[
+                ("dy", Binding::Read, "f32"),
+                ("dm", Binding::ReadWrite, "f32"),
+            ],
+            &helper,
+            cout * t,
+            DEFAULT_WORKGROUP,
+            &body,
+        )
+    }
+
+    /// `chunk`'s partial weight gradients, one GEMM per transform element
+    /// with its reduction over the tiles in parts: bindings `dm`, `v`,
+    /// `du`.
+    pub fn weight_grad_gemm(&self, chunk: Chunk) -> KernelSpec {
+        let t = self.tiles_of(chunk);
+        let (cin, cout, elems) = (self.cin, self.cout, self.elems());
+        let (tiling, parts) = self.weight_plan(chunk);
+        Gemm {
+            label: "winograd_weight_gemm".into(),
+            precision: Precision::F32,
+            gradient: None,
+            tiling: Some(tiling),
+            split: parts,
+            batch: elems,
+            m: cout,
+            n: cin,
+            k: t,
+            bindings: &[
+                ("dm", Binding::Read, "f32"),
+                ("v", Binding::Read, "f32"),
+                ("du", Binding::ReadWrite, "f32"),
+            ],
+            a_along_k: true,
+            b_along_k: true,
+            load_a: format!("    return dm[(z * {cout}u + row) * {t}u + kk];"),
+            load_b: format!("    return v[(z * {cin}u + col) * {t}u + kk];"),
+            store: format!(
+                "        du[((part * {elems}u + z) * {cout}u + row) * {cin}u + col] = acc;"
+            ),
+        }
+        .spec()
+    }
+
+    /// Adds `chunk`'s partial weight gradients up in part order and turns
+    /// them into the 3x3 filters' `G^T du G`, written into `dweight`
+    /// (`first`) or added to it: bindings `du`, `dweight`.
+    pub fn finish_weight_grad(&self, chunk: Chunk, first: bool) -> KernelSpec {
+        let (cout, cin, elems) = (self.cout, self.cin, self.elems());
+        let parts = self.weight_parts(chunk);
+        let a = self.tile + 2;
+        let mut body = format!(
+            "    let co = i / {cin}u;\n    let ci = i % {cin}u;\n\
+             \x20   var s: array<f32, {elems}>;\n\
+             \x20   for (var p = 0u; p < {parts}u; p = p + 1u) {{\n\
+             \x20       for (var z = 0u; z < {elems}u; z = z + 1u) {{\n\
+             \x20           s[z] = s[z] + du[((p * {elems}u + z) * {cout}u + co) * {cin}u + ci];\n\
+             \x20       }}\n    }}\n"
+        );
+        for r in 0..a {
+            for c in 0..a {
+                body += &format!("    let f{r}_{c} = s[{}u];\n", r * a + c);
+            }
+        }
+        let mx = matrices(self.tile);
+        let gt = transpose(&mx.g);
+        body += &sandwich(&gt, &gt, "f", a, "w");
+        for ky in 0..3 {
+            for kx in 0..3 {
+                let at = format!("(co * {cin}u + ci) * 9u + {}u", ky * 3 + kx);
+                body += &if first {
+                    format!("    dweight[{at}] = w{ky}_{kx};\n")
+                } else {
+                    format!("    dweight[{at}] = dweight[{at}] + w{ky}_{kx};\n")
+                };
+            }
+        }
+        one_d(
+            "winograd_weight_finish",
+            &[
+                ("du", Binding::Read, "f32"),
+                ("dweight", Binding::ReadWrite, "f32"),
+            ],
+            "",
+            cout * cin,
+            DEFAULT_WORKGROUP,
+            &body,
+        )
+    }
+
+    /// `chunk`'s transformed output gradient `dm [elems, cout, t]` in f64;
+    /// with `magnitudes`, of `|dy|` through `|A|`.
+    pub fn grad_output_values(&self, chunk: Chunk, dy: &[f32], magnitudes: bool) -> Vec<f64> {
+        let mx = matrices(self.tile);
+        let a_mat = transpose(&mx.at);
+        let m = self.tile;
+        let (th, tw) = self.tiles();
+        let t_len = self.tiles_of(chunk);
+        let mut dm = vec![0.0; self.elems() * self.cout * t_len];
+        for co in 0..self.cout {
+            for ti in 0..t_len {
+                let nb = chunk.start + ti / (th * tw);
+                let (ty, tx) = ((ti % (th * tw)) / tw, ti % tw);
+                let e: Vec<Vec<f64>> = (0..m)
+                    .map(|r| {
+                        (0..m)
+                            .map(|c| {
+                                let (oy, ox) = (ty * m + r, tx * m + c);
+                                if oy >= self.oh || ox >= self.ow {
+                                    return 0.0;
+                                }
+                                let at = ((nb * self.cout + co) * self.oh + oy) * self.ow + ox;
+                                magnitude(dy[at], magnitudes)
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let q = sandwich_f64(&a_mat, &a_mat, &e, magnitudes);
+                for (z, value) in q.iter().flatten().enumerate() {
+                    dm[(z * self.cout + co) * t_len + ti] = *value;
+                }
+            }
+        }
+        dm
+    }
+
+    /// `chunk`'s weight gradient in the transform's terms,
+    /// `du [elems, cout, cin]`, in f64.
+    pub fn weight_grad_products(&self, chunk: Chunk, dm: &[f64], v: &[f64]) -> Vec<f64> {
+        let t_len = self.tiles_of(chunk);
+        let (cin, cout) = (self.cin, self.cout);
+        let mut du = vec![0.0; self.u_len()];
+        for z in 0..self.elems() {
+            for co in 0..cout {
+                let a = &dm[(z * cout + co) * t_len..][..t_len];
+                for ci in 0..cin {
+                    let b = &v[(z * cin + ci) * t_len..][..t_len];
+                    du[(z * cout + co) * cin + ci] = a.iter().zip(b).map(|(x, y)| x * y).sum();
+                }
+            }
+        }
+        du
+    }
+
+    /// Adds `G^T du G` of each filter to `dweight [cout, cin, 3, 3]`; with
+    /// `magnitudes`, through `|G|`.
+    pub fn weight_grad_values(&self, du: &[f64], magnitudes: bool, dweight: &mut [f64]) {
+        let mx = matrices(self.tile);
+        let gt = transpose(&mx.g);
+        let a = self.tile + 2;
+        let cells = self.cout * self.cin;
+        for co in 0..self.cout {
+            for ci in 0..self.cin {
+                let f: Vec<Vec<f64>> = (0..a)
+                    .map(|r| {
+                        (0..a)
+                            .map(|c| du[(r * a + c) * cells + co * self.cin + ci])
+                            .collect()
+                    })
+                    .collect();
+                let w = sandwich_f64(&gt, &gt, &f, magnitudes);
+                for (tap, value) in w.iter().flatten().enumerate() {
+                    dweight[(co * self.cin + ci) * 9 + tap] += value;
+                }
+            }
+        }
+    }
+
+    /// The weight gradient computed on the CPU in f64 through the same
+    /// transforms as the kernels; with `magnitudes`, the magnitude sums
+    /// (see [`Self::reference`]).
+    pub fn weight_grad_reference(&self, x: &[f32], dy: &[f32], magnitudes: bool) -> Vec<f64> {
+        let mut dweight = vec![0.0; self.cout * self.cin * 9];
+        for chunk in self.chunks() {
+            let v = self.input_values(chunk, x, magnitudes);
+            let dm = self.grad_output_values(chunk, dy, magnitudes);
+            let du = self.weight_grad_products(chunk, &dm, &v);
+            self.weight_grad_values(&du, magnitudes, &mut dweight);
+        }
+        dweight
+    }
+
+    /// Roundings along the longest path to a weight gradient: both
+    /// transforms', the product (1), the sum over every tile of the batch
+    /// (in parts, then the parts and the chunks), the inverse transform's.
+    pub fn weight_grad_rounding_levels(&self) -> usize {
+        let mx = matrices(self.tile);
+        let (a_mat, gt) = (transpose(&mx.at), transpose(&mx.g));
+        let (th, tw) = self.tiles();
+        sandwich_levels(&a_mat, &a_mat)
+            + sandwich_levels(&mx.bt, &mx.bt)
+            + 1
+            + self.n * th * tw
+            + MAX_PARTS
+            + self.chunks().len()
+            + sandwich_levels(&gt, &gt)
+    }
+
     /// The transformed weight `u [elems, cout, cin]` in f64 from the
     /// forward weight; with `magnitudes`, of `|weight|` through `|G|`.
     pub fn weight_values(&self, weight: &[f32], magnitudes: bool) -> Vec<f64> {
@@ -712,7 +994,24 @@ impl Winograd {
     /// factor the transforms' coefficients put on rounding errors.
     pub fn magnification(&self) -> f64 {
         let a = self.tile + 2;
-        let one = Self {
+        let one = self.one_tile();
+        let sums = one.reference(&vec![1.0; a * a], &[1.0; 9], true);
+        sums.into_iter().fold(0.0, f64::max) / 9.0
+    }
+
+    /// [`Self::magnification`] of the weight gradient: its magnitude sums
+    /// over the direct sum's, for one tile of equal inputs.
+    pub fn weight_grad_magnification(&self) -> f64 {
+        let one = self.one_tile();
+        let (m, a) = (self.tile, self.tile + 2);
+        let sums = one.weight_grad_reference(&vec![1.0; a * a], &vec![1.0; m * m], true);
+        sums.into_iter().fold(0.0, f64::max) / (m * m) as f64
+    }
+
+    /// This geometry cut down to one image of one tile and one channel.
+    fn one_tile(&self) -> Self {
+        let a = self.tile + 2;
+        Self {
             n: 1,
             cin: 1,
             cout: 1,
@@ -723,10 +1022,9 @@ impl Winograd {
             ow: self.tile,
             flipped: false,
             bias: false,
+            temp_bytes: MAX_TEMP_BYTES,
             ..*self
-        };
-        let sums = one.reference(&vec![1.0; a * a], &[1.0; 9], true);
-        sums.into_iter().fold(0.0, f64::max) / 9.0
+        }
     }
 
     /// Roundings along the longest path to an output: the weight and input
@@ -785,25 +1083,37 @@ mod tests {
         assert_eq!(odd.chunks(), vec![Chunk { start: 0, count: 7 }]);
     }
 
-    /// The transforms in f64 give the direct convolution, forward and input
-    /// gradient, at odd sizes (partial tiles) and every padding.
+    /// The transforms in f64 give the direct convolution's forward, input
+    /// gradient and weight gradient, at both tile sizes, odd sizes (partial
+    /// tiles) and every padding.
     #[test]
     fn reference_transforms_equal_the_direct_convolution() {
-        for (x, o, pad) in [
-            ([2, 32, 7, 5], 33, 1),
-            ([1, 32, 4, 6], 32, 0),
-            ([1, 34, 3, 3], 32, 2),
-        ] {
+        let cases = [
+            (2, [2, 32, 7, 5], 33, 1),
+            (2, [1, 32, 4, 6], 32, 0),
+            (2, [1, 34, 3, 3], 32, 2),
+            (4, [2, 32, 9, 7], 33, 1),
+            (4, [1, 32, 6, 10], 32, 0),
+            (4, [1, 32, 5, 3], 32, 2),
+        ];
+        for (tile, x, o, pad) in cases {
             let c = conv(x, o, pad);
             let xs = sample_matrix(c.n * c.c * c.h * c.w, 1);
             let ws = sample_matrix(c.weight_len(), 2);
             let dy = sample_matrix(c.out_len(), 3);
-            let (y, dx, ..) = c.reference(&xs, &ws, None, &dy);
-            let fwd = Winograd::forward_of(&c).unwrap().reference(&xs, &ws, false);
-            let bwd = Winograd::backward_input(&c)
-                .unwrap()
-                .reference(&dy, &ws, false);
-            for (got, want) in [(fwd, y), (bwd, dx)] {
+            let (y, dx, dw, _) = c.reference(&xs, &ws, None, &dy);
+            force_tile(Some(tile));
+            let fwd = Winograd::forward_of(&c).unwrap();
+            let bwd = Winograd::backward_input(&c).unwrap();
+            let grad = Winograd::weight_grad_of(&c).unwrap();
+            force_tile(None);
+            assert_eq!((fwd.tile, bwd.tile, grad.tile), (tile, tile, tile));
+            let computed = [
+                (fwd.reference(&xs, &ws, false), y),
+                (bwd.reference(&dy, &ws, false), dx),
+                (grad.weight_grad_reference(&xs, &dy, false), dw),
+            ];
+            for (got, want) in computed {
                 assert_eq!(got.len(), want.len());
                 for (g, w) in got.iter().zip(&want) {
                     assert!((g - f64::from(*w)).abs() < 1e-4, "{g} vs {w}");
@@ -822,7 +1132,16 @@ mod tests {
         force_tile(None);
         assert!((1.0..16.0).contains(&two), "{two}");
         assert!(four > two && four < 1000.0, "{four}");
-        eprintln!("magnification {two} {four}");
+        let g = |t| {
+            force_tile(Some(t));
+            let w = Winograd::weight_grad_of(&c)
+                .unwrap()
+                .weight_grad_magnification();
+            force_tile(None);
+            w
+        };
+        let (g2, g4) = (g(2), g(4));
+        assert!(g2 >= 1.0 && g4 > g2, "{g2} {g4}");
     }
 
     #[test]
@@ -844,6 +1163,12 @@ mod tests {
                 }
             }
             validate::spec(&w.transform_weight());
+        }
+        let w = Winograd::weight_grad_of(&c).unwrap();
+        for chunk in w.chunks() {
+            validate::spec(&w.transform_grad_output(chunk));
+            validate::spec(&w.weight_grad_gemm(chunk));
+            validate::spec(&w.finish_weight_grad(chunk, chunk.start == 0));
         }
     }
 }

@@ -94,6 +94,17 @@ pub enum Kernel {
     WinogradGemm { w: Winograd, chunk: Chunk },
     /// `m`, `bias`?, `y`: one chunk's outputs.
     WinogradOutput { w: Winograd, chunk: Chunk },
+    /// `dy`, `dm`: one chunk's transformed output gradient.
+    WinogradGradOutput { w: Winograd, chunk: Chunk },
+    /// `dm`, `v`, `du`: one chunk's partial weight gradients.
+    WinogradWeightGemm { w: Winograd, chunk: Chunk },
+    /// `du`, `dweight`: one chunk's weight gradient, written (`first`) or
+    /// added.
+    WinogradWeightFinish {
+        w: Winograd,
+        chunk: Chunk,
+        first: bool,
+    },
     /// `x`, `y`, `argmax` (u32).
     MaxPool(Pool2d),
     /// `argmax`, `dy`, `dx`.
@@ -205,6 +216,11 @@ impl Kernel {
             Kernel::WinogradInput { w, chunk } => w.transform_input(*chunk),
             Kernel::WinogradGemm { w, chunk } => w.gemm(*chunk),
             Kernel::WinogradOutput { w, chunk } => w.transform_output(*chunk),
+            Kernel::WinogradGradOutput { w, chunk } => w.transform_grad_output(*chunk),
+            Kernel::WinogradWeightGemm { w, chunk } => w.weight_grad_gemm(*chunk),
+            Kernel::WinogradWeightFinish { w, chunk, first } => {
+                w.finish_weight_grad(*chunk, *first)
+            }
             Kernel::MaxPool(p) => p.max_forward(),
             Kernel::MaxPoolBackward(p) => p.max_backward(),
             Kernel::AvgPool(p) => p.avg_forward(),
@@ -462,6 +478,31 @@ impl Kernel {
                 };
                 let m = w.products(*chunk, &widen(&buffers[0]), &widen(&buffers[1]));
                 store(&mut buffers[2], &rounded(&m));
+            }
+            Kernel::WinogradGradOutput { w, chunk } => {
+                let dm = w.grad_output_values(*chunk, &f(&buffers[0]), false);
+                store(&mut buffers[1], &rounded(&dm));
+            }
+            // The parts' sum in one: the CPU has no parallelism to split for.
+            Kernel::WinogradWeightGemm { w, chunk } => {
+                let widen = |b: &[u32]| -> Vec<f64> {
+                    b.iter().map(|&x| f64::from(f32::from_bits(x))).collect()
+                };
+                let du = w.weight_grad_products(*chunk, &widen(&buffers[0]), &widen(&buffers[1]));
+                buffers[2].fill(0);
+                store(&mut buffers[2], &rounded(&du));
+            }
+            Kernel::WinogradWeightFinish { w, first, .. } => {
+                let du: Vec<f64> = f(&buffers[0]).into_iter().map(f64::from).collect();
+                let mut dweight = vec![0.0; w.cout * w.cin * 9];
+                w.weight_grad_values(&du, false, &mut dweight);
+                let mut out = rounded(&dweight);
+                if !*first {
+                    for (o, old) in out.iter_mut().zip(f(&buffers[1])) {
+                        *o += old;
+                    }
+                }
+                store(&mut buffers[1], &out);
             }
             Kernel::WinogradOutput { w, chunk } => {
                 let m: Vec<f64> = f(&buffers[0]).into_iter().map(f64::from).collect();

@@ -340,6 +340,40 @@ impl Lowering<'_> {
         calls
     }
 
+    /// The calls of the Winograd weight gradient `w` of `dy` and `x` into
+    /// `dest`, through scratch buffers returned to the pool once listed.
+    fn winograd_weight_calls(
+        &mut self,
+        w: &Winograd,
+        dy: Buf,
+        x: Buf,
+        dest: Buf,
+    ) -> Vec<(Kernel, Vec<Buf>)> {
+        let lens = [w.v_len(), w.m_len(), w.du_len()];
+        let [v, dm, du] = lens.map(|len| self.temp(len));
+        let (bv, bdm, bdu) = (Buf::Temp(v), Buf::Temp(dm), Buf::Temp(du));
+        let mut calls = Vec::new();
+        for chunk in w.chunks() {
+            calls.push((Kernel::WinogradInput { w: *w, chunk }, vec![x, bv]));
+            calls.push((Kernel::WinogradGradOutput { w: *w, chunk }, vec![dy, bdm]));
+            calls.push((
+                Kernel::WinogradWeightGemm { w: *w, chunk },
+                vec![bdm, bv, bdu],
+            ));
+            let first = chunk.start == 0;
+            calls.push((
+                Kernel::WinogradWeightFinish {
+                    w: *w,
+                    chunk,
+                    first,
+                },
+                vec![bdu, dest],
+            ));
+        }
+        self.free_temps.extend([v, dm, du].into_iter().zip(lens));
+        calls
+    }
+
     fn unsupported(&self, k: usize, op: &Op, why: &str) -> StageError {
         StageError::Unsupported {
             node: self.layout.nodes[k].name.clone(),
@@ -791,6 +825,9 @@ impl Lowering<'_> {
                     )],
                 });
                 self.contribute(ins[1], |l, dest| {
+                    if let Some(w) = Winograd::weight_grad_of(&conv) {
+                        return l.winograd_weight_calls(&w, dy, Buf::Value(ins[0]), dest);
+                    }
                     let parts = conv.weight_parts();
                     if parts == 1 {
                         return vec![(

@@ -62,6 +62,7 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         [dweight_parts, dweight_summed],
     );
     let abs_dw_parts = abs_dw.clone();
+    let want_dw_winograd = want_dw.clone();
     c.expect_gemm(
         "y",
         y,
@@ -111,6 +112,14 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
             winograd_bound(&bwd, &dx_mag),
         );
     }
+    if let Some(grad) = Winograd::weight_grad_of(&conv) {
+        let grad = grad.with_chunks_of(1);
+        let (xs, dys) = (&values.0, &values.3);
+        let magnitude = grad.weight_grad_reference(&magnitudes(xs), &magnitudes(dys), true);
+        let dw_w = winograd_weight_steps(&mut c, &grad, dy, x);
+        let bound = bound_of(grad.weight_grad_rounding_levels(), &magnitude);
+        c.expect_within("dweight (winograd)", dw_w, want_dw_winograd, bound);
+    }
     if conv.bias {
         c.step(conv.backward_bias(), [dy, dbias]);
         c.expect("dbias", dbias, want_db, gemm_tol(k_w));
@@ -146,11 +155,30 @@ fn winograd_steps(
 /// roundings of at most half an ulp of its magnitude sum, plus the direct
 /// reference's own rounding to f32.
 fn winograd_bound(w: &Winograd, magnitude: &[f64]) -> Vec<f32> {
-    let levels = w.rounding_levels() as f64 + 1.0;
+    bound_of(w.rounding_levels(), magnitude)
+}
+
+fn bound_of(levels: usize, magnitude: &[f64]) -> Vec<f32> {
+    let levels = levels as f64 + 1.0;
     magnitude
         .iter()
         .map(|&s| (levels * 2f64.powi(-24) * s * 1.01) as f32)
         .collect()
+}
+
+/// The weight gradient steps of `w` from `dy` and `x`, into a new buffer:
+/// per chunk both transforms, the GEMM in parts, and the parts added up
+/// and transformed back into (or onto) the weight gradient.
+fn winograd_weight_steps(c: &mut Builder, w: &Winograd, dy: usize, x: usize) -> usize {
+    let out = c.zeros(w.cout * w.cin * 9);
+    let (v, dm, du) = (c.zeros(w.v_len()), c.zeros(w.m_len()), c.zeros(w.du_len()));
+    for chunk in w.chunks() {
+        c.step(w.transform_input(chunk), [x, v]);
+        c.step(w.transform_grad_output(chunk), [dy, dm]);
+        c.step(w.weight_grad_gemm(chunk), [dm, v, du]);
+        c.step(w.finish_weight_grad(chunk, chunk.start == 0), [du, out]);
+    }
+    out
 }
 
 /// The convolutions of the standard checks: the demo CNN's
