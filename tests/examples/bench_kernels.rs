@@ -172,38 +172,12 @@ fn main() -> Result<()> {
     ];
     // The demo CNN at batch 64: two convolutions, then Dense 1568->128 and
     // 128->10; and a wider convolution.
+    let same = |x: [usize; 4], o: usize| Conv2d::new(x, o, [3, 3], [1, 1], [1, 1], [1, 1], 1, true);
     for conv in [
-        Conv2d::new(
-            [BATCH, 1, 28, 28],
-            16,
-            [3, 3],
-            [1, 1],
-            [1, 1],
-            [1, 1],
-            1,
-            true,
-        ),
-        Conv2d::new(
-            [BATCH, 16, 14, 14],
-            32,
-            [3, 3],
-            [1, 1],
-            [1, 1],
-            [1, 1],
-            1,
-            true,
-        ),
-        // A wider layer, whose forward and input gradient run as Winograd.
-        Conv2d::new(
-            [BATCH, 32, 14, 14],
-            32,
-            [3, 3],
-            [1, 1],
-            [1, 1],
-            [1, 1],
-            1,
-            true,
-        ),
+        same([BATCH, 1, 28, 28], 16),
+        same([BATCH, 16, 14, 14], 32),
+        // A wider layer, which runs as Winograd.
+        same([BATCH, 32, 14, 14], 32),
     ] {
         rows.extend(conv_rows(&gpu, conv.context("demo conv shape")?)?);
     }

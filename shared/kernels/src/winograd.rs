@@ -349,6 +349,26 @@ impl Winograd {
         }
     }
 
+    /// WGSL naming invocation `i`'s channel `{channel}` and its tile `ti`
+    /// of `chunk`: the tile's image `nb` and first output `(oy0, ox0)`.
+    fn tile_prelude(&self, chunk: Chunk, channel: &str) -> String {
+        let (th, tw) = self.tiles();
+        let (t, m, per) = (self.tiles_of(chunk), self.tile, th * tw);
+        format!(
+            "    let {channel} = i / {t}u;\n    let ti = i % {t}u;\n\
+             \x20   let nb = {start}u + ti / {per}u;\n\
+             \x20   let oy0 = ((ti % {per}u) / {tw}u) * {m}u;\n\
+             \x20   let ox0 = (ti % {tw}u) * {m}u;\n",
+            start = chunk.start,
+        )
+    }
+
+    /// Tile `ti` of `chunk`: its image, tile row and tile column.
+    fn tile_at(&self, chunk: Chunk, ti: usize) -> (usize, usize, usize) {
+        let (th, tw) = self.tiles();
+        (chunk.start + ti / (th * tw), (ti % (th * tw)) / tw, ti % tw)
+    }
+
     /// Tiles of one image: `(rows, cols)`.
     fn tiles(&self) -> (usize, usize) {
         (self.oh.div_ceil(self.tile), self.ow.div_ceil(self.tile))
@@ -447,19 +467,14 @@ impl Winograd {
 
     /// Input transform of `chunk`: bindings `x_in` (the whole batch), `v`.
     pub fn transform_input(&self, chunk: Chunk) -> KernelSpec {
-        let (th, tw) = self.tiles();
         let t = self.tiles_of(chunk);
         let (cin, h, w, m) = (self.cin, self.h, self.w, self.tile);
         let a = m + 2;
         let [p0, p1] = self.padding;
-        let mut body = format!(
-            "    let ci = i / {t}u;\n    let ti = i % {t}u;\n\
-             \x20   let nb = {start}u + ti / {per}u;\n\
-             \x20   let y0 = i32(((ti % {per}u) / {tw}u) * {m}u) - {p0}i;\n\
-             \x20   let x0 = i32((ti % {tw}u) * {m}u) - {p1}i;\n\
-             \x20   let base = (nb * {cin}u + ci) * {h}u;\n",
-            start = chunk.start,
-            per = th * tw,
+        let mut body = self.tile_prelude(chunk, "ci");
+        body += &format!(
+            "    let y0 = i32(oy0) - {p0}i;\n    let x0 = i32(ox0) - {p1}i;\n\
+             \x20   let base = (nb * {cin}u + ci) * {h}u;\n"
         );
         for r in 0..a {
             for c in 0..a {
@@ -526,18 +541,10 @@ impl Winograd {
     /// Output transform of `chunk`: bindings `m`, `bias` (when there is
     /// one), `y` (the whole batch).
     pub fn transform_output(&self, chunk: Chunk) -> KernelSpec {
-        let (th, tw) = self.tiles();
         let t = self.tiles_of(chunk);
         let (cout, oh, ow, m) = (self.cout, self.oh, self.ow, self.tile);
         let a = m + 2;
-        let mut body = format!(
-            "    let co = i / {t}u;\n    let ti = i % {t}u;\n\
-             \x20   let nb = {start}u + ti / {per}u;\n\
-             \x20   let y0 = ((ti % {per}u) / {tw}u) * {m}u;\n\
-             \x20   let x0 = (ti % {tw}u) * {m}u;\n",
-            start = chunk.start,
-            per = th * tw,
-        );
+        let mut body = self.tile_prelude(chunk, "co");
         for e in 0..a * a {
             body += &format!(
                 "    let p{}_{} = m[({e}u * {cout}u + co) * {t}u + ti];\n",
@@ -551,8 +558,8 @@ impl Winograd {
         for r in 0..m {
             for c in 0..m {
                 body += &format!(
-                    "    if (y0 + {r}u < {oh}u && x0 + {c}u < {ow}u) {{\n\
-                     \x20       y[((nb * {cout}u + co) * {oh}u + y0 + {r}u) * {ow}u + x0 + {c}u] = y{r}_{c}{bias};\n    }}\n"
+                    "    if (oy0 + {r}u < {oh}u && ox0 + {c}u < {ow}u) {{\n\
+                     \x20       y[((nb * {cout}u + co) * {oh}u + oy0 + {r}u) * {ow}u + ox0 + {c}u] = y{r}_{c}{bias};\n    }}\n"
                 );
             }
         }
@@ -613,22 +620,14 @@ impl Winograd {
     /// Output-gradient transform of `chunk`: bindings `dy` (the whole
     /// batch's), `dm` (`[elems, cout, t]`, as [`Self::m_len`]).
     pub fn transform_grad_output(&self, chunk: Chunk) -> KernelSpec {
-        let (th, tw) = self.tiles();
         let t = self.tiles_of(chunk);
         let (cout, oh, ow, m) = (self.cout, self.oh, self.ow, self.tile);
         let a = m + 2;
-        let mut body = format!(
-            "    let co = i / {t}u;\n    let ti = i % {t}u;\n\
-             \x20   let nb = {start}u + ti / {per}u;\n\
-             \x20   let y0 = ((ti % {per}u) / {tw}u) * {m}u;\n\
-             \x20   let x0 = (ti % {tw}u) * {m}u;\n\
-             \x20   let base = (nb * {cout}u + co) * {oh}u;\n",
-            start = chunk.start,
-            per = th * tw,
-        );
+        let mut body = self.tile_prelude(chunk, "co");
+        body += &format!("    let base = (nb * {cout}u + co) * {oh}u;\n");
         for r in 0..m {
             for c in 0..m {
-                body += &format!("    let e{r}_{c} = at(base, y0 + {r}u, x0 + {c}u);\n");
+                body += &format!("    let e{r}_{c} = at(base, oy0 + {r}u, ox0 + {c}u);\n");
             }
         }
         let mx = matrices(self.tile);
@@ -745,13 +744,12 @@ impl Winograd {
         let mx = matrices(self.tile);
         let a_mat = transpose(&mx.at);
         let m = self.tile;
-        let (th, tw) = self.tiles();
+
         let t_len = self.tiles_of(chunk);
         let mut dm = vec![0.0; self.elems() * self.cout * t_len];
         for co in 0..self.cout {
             for ti in 0..t_len {
-                let nb = chunk.start + ti / (th * tw);
-                let (ty, tx) = ((ti % (th * tw)) / tw, ti % tw);
+                let (nb, ty, tx) = self.tile_at(chunk, ti);
                 let e: Vec<Vec<f64>> = (0..m)
                     .map(|r| {
                         (0..m)
@@ -884,14 +882,13 @@ impl Winograd {
     pub fn input_values(&self, chunk: Chunk, x: &[f32], magnitudes: bool) -> Vec<f64> {
         let mx = matrices(self.tile);
         let (m, a) = (self.tile, self.tile + 2);
-        let (th, tw) = self.tiles();
+
         let t_len = self.tiles_of(chunk);
         let [p0, p1] = self.padding;
         let mut v = vec![0.0; self.elems() * self.cin * t_len];
         for ci in 0..self.cin {
             for ti in 0..t_len {
-                let nb = chunk.start + ti / (th * tw);
-                let (ty, tx) = ((ti % (th * tw)) / tw, ti % tw);
+                let (nb, ty, tx) = self.tile_at(chunk, ti);
                 let d: Vec<Vec<f64>> = (0..a)
                     .map(|r| {
                         (0..a)
@@ -946,12 +943,11 @@ impl Winograd {
     pub fn output_values(&self, chunk: Chunk, prod: &[f64], magnitudes: bool, y: &mut [f64]) {
         let mx = matrices(self.tile);
         let (m, a) = (self.tile, self.tile + 2);
-        let (th, tw) = self.tiles();
+
         let t_len = self.tiles_of(chunk);
         for co in 0..self.cout {
             for ti in 0..t_len {
-                let nb = chunk.start + ti / (th * tw);
-                let (ty, tx) = ((ti % (th * tw)) / tw, ti % tw);
+                let (nb, ty, tx) = self.tile_at(chunk, ti);
                 let p: Vec<Vec<f64>> = (0..a)
                     .map(|r| {
                         (0..a)
