@@ -3,7 +3,9 @@
 
 use std::collections::BTreeSet;
 
-use rookery_model::{Analysis, DType, Graph};
+use rookery_kernels::conv::Conv2d;
+use rookery_kernels::winograd::Winograd;
+use rookery_model::{Analysis, DType, Graph, Op};
 
 use crate::types::{PlanOptions, ProviderSpec};
 
@@ -37,6 +39,9 @@ pub(crate) struct Costs {
     train: Vec<u64>,
     buffer: Vec<u64>,
     act: Vec<u64>,
+    /// Prefix sums of each node's scratch bytes at the micro-batch size
+    /// ([`scratch_bytes`]).
+    scratch: Vec<u64>,
     flops: Vec<f64>,
     /// Per-sample bytes held at each cut (the stage after it keeps them for backward).
     cut_hold: Vec<u64>,
@@ -76,6 +81,7 @@ impl Costs {
         let train = prefix(&|i| a.nodes[i].param_bytes);
         let buffer = prefix(&|i| a.nodes[i].buffer_bytes);
         let act = prefix(&|i| a.nodes[i].activation_bytes_per_sample);
+        let scratch = prefix(&|i| scratch_bytes(a, g, i, o.micro_batch));
         let mut flops = vec![0.0; n + 1];
         for i in 0..n {
             let nd = &a.nodes[i];
@@ -134,6 +140,7 @@ impl Costs {
             train,
             buffer,
             act,
+            scratch,
             flops,
             cut_hold,
             cut_send,
@@ -175,6 +182,7 @@ impl Costs {
     pub(crate) fn mem_monotone(&self, i: usize, j: usize) -> u64 {
         (self.train[j] - self.train[i]) * self.state_factor
             + (self.buffer[j] - self.buffer[i])
+            + (self.scratch[j] - self.scratch[i])
             + (self.act[j] - self.act[i]) * self.act_factor
     }
 
@@ -324,6 +332,45 @@ pub(crate) fn crossing_tensors(a: &Analysis, g: &Graph) -> Vec<Crossing> {
     out
 }
 
+/// Scratch bytes node `pos` needs beside its tensors at the micro-batch
+/// size: a wide 3x3 convolution's Winograd transforms, as our kernels run
+/// it (an upper bound for libtorch, whose own workspace it stands for).
+fn scratch_bytes(a: &Analysis, g: &Graph, pos: usize, micro_batch: usize) -> u64 {
+    let node = &g.nodes[a.nodes[pos].index];
+    let Op::Conv2d {
+        stride,
+        padding,
+        dilation,
+        groups,
+    } = &node.op
+    else {
+        return 0;
+    };
+    let shape = |at: usize| {
+        node.inputs
+            .get(at)
+            .and_then(|name| a.tensors.get(name))
+            .map(|t| t.shape.clone())
+    };
+    let (Some(x), Some(w)) = (shape(0), shape(1)) else {
+        return 0;
+    };
+    if x.len() != 4 || w.len() != 4 {
+        return 0;
+    }
+    Conv2d::new(
+        [micro_batch, x[1], x[2], x[3]],
+        w[0],
+        [w[2], w[3]],
+        *stride,
+        *padding,
+        *dilation,
+        *groups,
+        node.inputs.len() > 2,
+    )
+    .map_or(0, |conv| Winograd::scratch_bytes(&conv))
+}
+
 /// Bytes of the largest tensor node `pos` (in topological order) reads or
 /// writes at the micro-batch size: its parameters, its inputs and its output.
 /// Activations are scaled from the example batch the analysis used.
@@ -379,5 +426,49 @@ impl RangeMax {
         let k = (usize::BITS - 1 - (j - i).leading_zeros()) as usize;
         let level = &self.levels[k];
         level[i].max(level[j - (1 << k)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rookery_model::from_toml;
+
+    const WIDE: &str = r#"
+input_shape = [32, 12, 12]
+[[layers]]
+type = "Conv2D"
+filters = 48
+kernel_size = 3
+padding = 1
+[[layers]]
+type = "Flatten"
+[[layers]]
+type = "Dense"
+units = 10
+"#;
+
+    #[test]
+    fn a_stage_with_a_wide_convolution_holds_its_winograd_scratch() {
+        let g = from_toml(WIDE).unwrap();
+        let a = g.analyze().unwrap();
+        let o = PlanOptions {
+            micro_batch: 8,
+            ..PlanOptions::default()
+        };
+        let costs = Costs::new(&a, &g, &o);
+        let conv =
+            Conv2d::new([8, 32, 12, 12], 48, [3, 3], [1, 1], [1, 1], [1, 1], 1, true).unwrap();
+        let scratch = Winograd::scratch_bytes(&conv);
+        assert!(scratch > 0);
+        assert_eq!(costs.scratch[costs.n], scratch);
+        let without = (costs.train[costs.n] * costs.state_factor)
+            + costs.buffer[costs.n]
+            + (costs.act[costs.n] + costs.cut_hold[0]) * costs.act_factor;
+        assert_eq!(costs.mem(0, costs.n), without + scratch);
+        // The demo CNN's convolutions are too narrow: no scratch.
+        let demo = from_toml(include_str!("../../../examples/mnist-cnn.toml")).unwrap();
+        let demo_costs = Costs::new(&demo.analyze().unwrap(), &demo, &o);
+        assert_eq!(demo_costs.scratch[demo_costs.n], 0);
     }
 }
