@@ -195,14 +195,10 @@ pub async fn conv(
         None => None,
     };
     let weight_grad = if let (Some(g), Some([_, v, m]), Some(du)) = (&grad, &scratch, &du) {
-        let mut steps = Vec::new();
-        for chunk in g.chunks() {
-            steps.push((g.transform_input(chunk), vec![&x, v]));
-            steps.push((g.transform_grad_output(chunk), vec![&dy, m]));
-            steps.push((g.weight_grad_gemm(chunk), vec![m, v, du]));
-            steps.push((g.finish_weight_grad(chunk, chunk.start == 0), vec![du, &dw]));
-        }
-        steps
+        g.weight_grad_steps(&dy, &x, &dw, [v, m, du])
+            .into_iter()
+            .map(|(step, bufs)| (g.spec(step), bufs))
+            .collect()
     } else if parts > 1 {
         vec![
             (conv.backward_weight_parts(parts), vec![&dy, &x, &dw_parts]),
@@ -264,16 +260,10 @@ fn winograd_steps<'a>(
     out: &'a GpuBuffer,
     [u, v, m]: &'a [GpuBuffer; 3],
 ) -> Vec<(KernelSpec, Vec<&'a GpuBuffer>)> {
-    let mut steps = vec![(w.transform_weight(), vec![weight, u])];
-    for chunk in w.chunks() {
-        steps.push((w.transform_input(chunk), vec![input, v]));
-        steps.push((w.gemm(chunk), vec![u, v, m]));
-        let mut bufs = vec![m];
-        bufs.extend(bias);
-        bufs.push(out);
-        steps.push((w.transform_output(chunk), bufs));
-    }
-    steps
+    w.product_steps(input, weight, bias, out, [u, v, m])
+        .into_iter()
+        .map(|(step, bufs)| (w.spec(step), bufs))
+        .collect()
 }
 
 /// The kernel lines a donor's Donate page shows for its GPU, each timed for

@@ -18,7 +18,7 @@ use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::Softmax;
 use rookery_kernels::shape::{Concat, Gather, Transpose};
 use rookery_kernels::spec::{Binding, DEFAULT_WORKGROUP, f32_lit, numel, one_d};
-use rookery_kernels::winograd::{Chunk, Winograd};
+use rookery_kernels::winograd::{Step, Winograd};
 
 /// A kernel with every shape fixed. Binding orders are those of the kernel
 /// crate's generators, documented there.
@@ -86,25 +86,9 @@ pub enum Kernel {
     /// `dy`, `x`, `dweight_parts` (`[parts, ..weight]`, partial sums that
     /// add up to the weight gradient).
     Conv2dBackwardWeightParts { conv: Conv2d, parts: u32 },
-    /// `weight`, `u`: a Winograd convolution's transformed weight.
-    WinogradWeight(Winograd),
-    /// `x`, `v`: one chunk's transformed input.
-    WinogradInput { w: Winograd, chunk: Chunk },
-    /// `u`, `v`, `m`: one chunk's products.
-    WinogradGemm { w: Winograd, chunk: Chunk },
-    /// `m`, `bias`?, `y`: one chunk's outputs.
-    WinogradOutput { w: Winograd, chunk: Chunk },
-    /// `dy`, `dm`: one chunk's transformed output gradient.
-    WinogradGradOutput { w: Winograd, chunk: Chunk },
-    /// `dm`, `v`, `du`: one chunk's partial weight gradients.
-    WinogradWeightGemm { w: Winograd, chunk: Chunk },
-    /// `du`, `dweight`: one chunk's weight gradient, written (`first`) or
-    /// added.
-    WinogradWeightFinish {
-        w: Winograd,
-        chunk: Chunk,
-        first: bool,
-    },
+    /// One kernel of a Winograd convolution product, bindings as `step`
+    /// says.
+    Winograd { w: Winograd, step: Step },
     /// `x`, `y`, `argmax` (u32).
     MaxPool(Pool2d),
     /// `argmax`, `dy`, `dx`.
@@ -212,15 +196,7 @@ impl Kernel {
             Kernel::Conv2dBackwardInput(c) => c.backward_input(),
             Kernel::Conv2dBackwardWeight(c) => c.backward_weight(),
             Kernel::Conv2dBackwardWeightParts { conv, parts } => conv.backward_weight_parts(*parts),
-            Kernel::WinogradWeight(w) => w.transform_weight(),
-            Kernel::WinogradInput { w, chunk } => w.transform_input(*chunk),
-            Kernel::WinogradGemm { w, chunk } => w.gemm(*chunk),
-            Kernel::WinogradOutput { w, chunk } => w.transform_output(*chunk),
-            Kernel::WinogradGradOutput { w, chunk } => w.transform_grad_output(*chunk),
-            Kernel::WinogradWeightGemm { w, chunk } => w.weight_grad_gemm(*chunk),
-            Kernel::WinogradWeightFinish { w, chunk, first } => {
-                w.finish_weight_grad(*chunk, *first)
-            }
+            Kernel::Winograd { w, step } => w.spec(*step),
             Kernel::MaxPool(p) => p.max_forward(),
             Kernel::MaxPoolBackward(p) => p.max_backward(),
             Kernel::AvgPool(p) => p.avg_forward(),
@@ -463,66 +439,7 @@ impl Kernel {
                 buffers[2].fill(0);
                 store(&mut buffers[2], &dw);
             }
-            // In f64 from the f32 buffers, rounded once when stored.
-            Kernel::WinogradWeight(w) => {
-                let u = w.weight_values(&f(&buffers[0]), false);
-                store(&mut buffers[1], &rounded(&u));
-            }
-            Kernel::WinogradInput { w, chunk } => {
-                let v = w.input_values(*chunk, &f(&buffers[0]), false);
-                store(&mut buffers[1], &rounded(&v));
-            }
-            Kernel::WinogradGemm { w, chunk } => {
-                let widen = |b: &[u32]| -> Vec<f64> {
-                    b.iter().map(|&x| f64::from(f32::from_bits(x))).collect()
-                };
-                let m = w.products(*chunk, &widen(&buffers[0]), &widen(&buffers[1]));
-                store(&mut buffers[2], &rounded(&m));
-            }
-            Kernel::WinogradGradOutput { w, chunk } => {
-                let dm = w.grad_output_values(*chunk, &f(&buffers[0]), false);
-                store(&mut buffers[1], &rounded(&dm));
-            }
-            // The parts' sum in one: the CPU has no parallelism to split for.
-            Kernel::WinogradWeightGemm { w, chunk } => {
-                let widen = |b: &[u32]| -> Vec<f64> {
-                    b.iter().map(|&x| f64::from(f32::from_bits(x))).collect()
-                };
-                let du = w.weight_grad_products(*chunk, &widen(&buffers[0]), &widen(&buffers[1]));
-                buffers[2].fill(0);
-                store(&mut buffers[2], &rounded(&du));
-            }
-            Kernel::WinogradWeightFinish { w, first, .. } => {
-                let du: Vec<f64> = f(&buffers[0]).into_iter().map(f64::from).collect();
-                let mut dweight = vec![0.0; w.cout * w.cin * 9];
-                w.weight_grad_values(&du, false, &mut dweight);
-                let mut out = rounded(&dweight);
-                if !*first {
-                    for (o, old) in out.iter_mut().zip(f(&buffers[1])) {
-                        *o += old;
-                    }
-                }
-                store(&mut buffers[1], &out);
-            }
-            Kernel::WinogradOutput { w, chunk } => {
-                let m: Vec<f64> = f(&buffers[0]).into_iter().map(f64::from).collect();
-                let out = buffers.len() - 1;
-                let mut y: Vec<f64> = f(&buffers[out]).into_iter().map(f64::from).collect();
-                w.output_values(*chunk, &m, false, &mut y);
-                let mut y = rounded(&y);
-                if w.bias {
-                    let bias = f(&buffers[1]);
-                    let plane = w.oh * w.ow;
-                    let (from, to) = (
-                        chunk.start * w.cout * plane,
-                        (chunk.start + chunk.count) * w.cout * plane,
-                    );
-                    for (i, v) in y.iter_mut().enumerate().take(to).skip(from) {
-                        *v += bias[(i / plane) % w.cout];
-                    }
-                }
-                store(&mut buffers[out], &y);
-            }
+            Kernel::Winograd { w, step } => winograd_cpu(w, *step, buffers),
             Kernel::MaxPool(p) => {
                 let (y, argmax, _) = p.max_reference(&f(&buffers[0]), &zeros(p.out_len()));
                 store(&mut buffers[1], &y);
@@ -744,6 +661,71 @@ fn max_pool_backward(p: &Pool2d, argmax: &[u32], dy: &[f32]) -> Vec<f32> {
     dx.into_iter().map(|v| v as f32).collect()
 }
 
-fn rounded(v: &[f64]) -> Vec<f32> {
-    v.iter().map(|&x| x as f32).collect()
+/// A Winograd step on the CPU: in f64 from the f32 buffers, rounded once
+/// when stored.
+fn winograd_cpu(w: &Winograd, step: Step, buffers: &mut [Vec<u32>]) {
+    let wide =
+        |b: &[u32]| -> Vec<f64> { b.iter().map(|&x| f64::from(f32::from_bits(x))).collect() };
+    let narrow = |b: &[u32]| -> Vec<f32> { b.iter().map(|&x| f32::from_bits(x)).collect() };
+    let store_f32 = |b: &mut Vec<u32>, v: &[f32]| {
+        for (word, x) in b.iter_mut().zip(v) {
+            *word = x.to_bits();
+        }
+    };
+    let store = |b: &mut Vec<u32>, v: &[f64]| {
+        store_f32(b, &v.iter().map(|&x| x as f32).collect::<Vec<_>>());
+    };
+    match step {
+        Step::Weight => {
+            let u = w.weight_values(&narrow(&buffers[0]), false);
+            store(&mut buffers[1], &u);
+        }
+        Step::Input(chunk) => {
+            let v = w.input_values(chunk, &narrow(&buffers[0]), false);
+            store(&mut buffers[1], &v);
+        }
+        Step::Gemm(chunk) => {
+            let m = w.products(chunk, &wide(&buffers[0]), &wide(&buffers[1]));
+            store(&mut buffers[2], &m);
+        }
+        Step::Output(chunk) => {
+            let out = buffers.len() - 1;
+            let mut y = wide(&buffers[out]);
+            w.output_values(chunk, &wide(&buffers[0]), false, &mut y);
+            let mut y: Vec<f32> = y.into_iter().map(|v| v as f32).collect();
+            if w.bias {
+                let bias = narrow(&buffers[1]);
+                let plane = w.oh * w.ow;
+                let (from, to) = (
+                    chunk.start * w.cout * plane,
+                    (chunk.start + chunk.count) * w.cout * plane,
+                );
+                for (i, v) in y.iter_mut().enumerate().take(to).skip(from) {
+                    *v += bias[(i / plane) % w.cout];
+                }
+            }
+            store_f32(&mut buffers[out], &y);
+        }
+        Step::GradOutput(chunk) => {
+            let dm = w.grad_output_values(chunk, &narrow(&buffers[0]), false);
+            store(&mut buffers[1], &dm);
+        }
+        // The parts' sum in one: the CPU has no parallelism to split for.
+        Step::WeightGemm(chunk) => {
+            let du = w.weight_grad_products(chunk, &wide(&buffers[0]), &wide(&buffers[1]));
+            buffers[2].fill(0);
+            store(&mut buffers[2], &du);
+        }
+        Step::WeightFinish { first, .. } => {
+            let mut dweight = vec![0.0; w.cout * w.cin * 9];
+            w.weight_grad_values(&wide(&buffers[0]), false, &mut dweight);
+            let mut out: Vec<f32> = dweight.into_iter().map(|v| v as f32).collect();
+            if !first {
+                for (o, old) in out.iter_mut().zip(narrow(&buffers[1])) {
+                    *o += old;
+                }
+            }
+            store_f32(&mut buffers[1], &out);
+        }
+    }
 }

@@ -20,7 +20,7 @@ use rookery_kernels::pool::{GlobalAvgPool, Pool2d};
 use rookery_kernels::reduce::{Softmax, split_at_axis};
 use rookery_kernels::shape::{Concat, Gather, Transpose};
 use rookery_kernels::spec::numel;
-use rookery_kernels::winograd::Winograd;
+use rookery_kernels::winograd::{Step, Winograd};
 use rookery_model::{DType, Graph, Op, ParamKind, Source, StageLayout};
 
 use crate::StageError;
@@ -314,8 +314,7 @@ impl Lowering<'_> {
         self.calls.extend(calls);
     }
 
-    /// The calls of [`Self::winograd`], through scratch buffers returned to
-    /// the pool once they are listed.
+    /// The calls of [`Self::winograd`].
     fn winograd_calls(
         &mut self,
         w: &Winograd,
@@ -324,24 +323,12 @@ impl Lowering<'_> {
         bias: Option<Buf>,
         out: Buf,
     ) -> Vec<(Kernel, Vec<Buf>)> {
-        let lens = [w.u_len(), w.v_len(), w.m_len()];
-        let [u, v, m] = lens.map(|len| self.temp(len));
-        let (bu, bv, bm) = (Buf::Temp(u), Buf::Temp(v), Buf::Temp(m));
-        let mut calls = vec![(Kernel::WinogradWeight(*w), vec![weight, bu])];
-        for chunk in w.chunks() {
-            calls.push((Kernel::WinogradInput { w: *w, chunk }, vec![input, bv]));
-            calls.push((Kernel::WinogradGemm { w: *w, chunk }, vec![bu, bv, bm]));
-            let mut bufs = vec![bm];
-            bufs.extend(bias);
-            bufs.push(out);
-            calls.push((Kernel::WinogradOutput { w: *w, chunk }, bufs));
-        }
-        self.free_temps.extend([u, v, m].into_iter().zip(lens));
-        calls
+        let scratch = [w.u_len(), w.v_len(), w.m_len()];
+        self.with_scratch(w, scratch, |b| w.product_steps(input, weight, bias, out, b))
     }
 
     /// The calls of the Winograd weight gradient `w` of `dy` and `x` into
-    /// `dest`, through scratch buffers returned to the pool once listed.
+    /// `dest`.
     fn winograd_weight_calls(
         &mut self,
         w: &Winograd,
@@ -349,28 +336,24 @@ impl Lowering<'_> {
         x: Buf,
         dest: Buf,
     ) -> Vec<(Kernel, Vec<Buf>)> {
-        let lens = [w.v_len(), w.m_len(), w.du_len()];
-        let [v, dm, du] = lens.map(|len| self.temp(len));
-        let (bv, bdm, bdu) = (Buf::Temp(v), Buf::Temp(dm), Buf::Temp(du));
-        let mut calls = Vec::new();
-        for chunk in w.chunks() {
-            calls.push((Kernel::WinogradInput { w: *w, chunk }, vec![x, bv]));
-            calls.push((Kernel::WinogradGradOutput { w: *w, chunk }, vec![dy, bdm]));
-            calls.push((
-                Kernel::WinogradWeightGemm { w: *w, chunk },
-                vec![bdm, bv, bdu],
-            ));
-            let first = chunk.start == 0;
-            calls.push((
-                Kernel::WinogradWeightFinish {
-                    w: *w,
-                    chunk,
-                    first,
-                },
-                vec![bdu, dest],
-            ));
-        }
-        self.free_temps.extend([v, dm, du].into_iter().zip(lens));
+        let scratch = [w.v_len(), w.m_len(), w.du_len()];
+        self.with_scratch(w, scratch, |b| w.weight_grad_steps(dy, x, dest, b))
+    }
+
+    /// `steps` of `w` as calls, given temps of `lens`, which go back to the
+    /// pool once the calls are listed.
+    fn with_scratch(
+        &mut self,
+        w: &Winograd,
+        lens: [usize; 3],
+        steps: impl FnOnce([Buf; 3]) -> Vec<(Step, Vec<Buf>)>,
+    ) -> Vec<(Kernel, Vec<Buf>)> {
+        let temps = lens.map(|len| self.temp(len));
+        let calls = steps(temps.map(Buf::Temp))
+            .into_iter()
+            .map(|(step, bufs)| (Kernel::Winograd { w: *w, step }, bufs))
+            .collect();
+        self.free_temps.extend(temps.into_iter().zip(lens));
         calls
     }
 

@@ -104,12 +104,17 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
         let dx_mag = bwd.reference(&magnitudes(dys), &magnitudes(ws), true);
         let y_w = winograd_steps(&mut c, &fwd, x, weight, conv.bias.then_some(bias));
         let dx_w = winograd_steps(&mut c, &bwd, dy, weight, None);
-        c.expect_within("y (winograd)", y_w, want_y, winograd_bound(&fwd, &y_mag));
+        c.expect_within(
+            "y (winograd)",
+            y_w,
+            want_y,
+            bound_of(fwd.rounding_levels(), &y_mag),
+        );
         c.expect_within(
             "dx (winograd)",
             dx_w,
             want_dx,
-            winograd_bound(&bwd, &dx_mag),
+            bound_of(bwd.rounding_levels(), &dx_mag),
         );
     }
     if let Some(grad) = Winograd::weight_grad_of(&conv) {
@@ -127,9 +132,8 @@ pub fn conv2d(conv: Conv2d, seed: u64) -> Check {
     c.build(format!("{conv:?}{}", p.mark()))
 }
 
-/// The steps of `w` reading `input` (and `bias`), into a new output
-/// buffer: the weight transformed once, then each chunk's transforms and
-/// products through shared scratch buffers.
+/// `w`'s forward (or input gradient) of `input` (plus `bias`) into a new
+/// buffer, through its own scratch buffers.
 fn winograd_steps(
     c: &mut Builder,
     w: &Winograd,
@@ -138,47 +142,33 @@ fn winograd_steps(
     bias: Option<usize>,
 ) -> usize {
     let out = c.zeros(w.n * w.cout * w.oh * w.ow);
-    let (u, v, m) = (c.zeros(w.u_len()), c.zeros(w.v_len()), c.zeros(w.m_len()));
-    c.step(w.transform_weight(), [weight, u]);
-    for chunk in w.chunks() {
-        c.step(w.transform_input(chunk), [input, v]);
-        c.step(w.gemm(chunk), [u, v, m]);
-        let mut bufs = vec![m];
-        bufs.extend(bias);
-        bufs.push(out);
-        c.step(w.transform_output(chunk), bufs);
+    let scratch = [w.u_len(), w.v_len(), w.m_len()].map(|len| c.zeros(len));
+    for (step, bufs) in w.product_steps(input, weight, bias, out, scratch) {
+        c.step(w.spec(step), bufs);
     }
     out
 }
 
-/// Each output's rounding error bound: [`Winograd::rounding_levels`]
-/// roundings of at most half an ulp of its magnitude sum, plus the direct
-/// reference's own rounding to f32.
-fn winograd_bound(w: &Winograd, magnitude: &[f64]) -> Vec<f32> {
-    bound_of(w.rounding_levels(), magnitude)
+/// `w`'s weight gradient from `dy` and `x` into a new buffer, through its
+/// own scratch buffers.
+fn winograd_weight_steps(c: &mut Builder, w: &Winograd, dy: usize, x: usize) -> usize {
+    let out = c.zeros(w.cout * w.cin * 9);
+    let scratch = [w.v_len(), w.m_len(), w.du_len()].map(|len| c.zeros(len));
+    for (step, bufs) in w.weight_grad_steps(dy, x, out, scratch) {
+        c.step(w.spec(step), bufs);
+    }
+    out
 }
 
+/// Each output's rounding error bound: `levels` roundings of at most half
+/// an ulp of its magnitude sum, plus the direct reference's own rounding
+/// to f32.
 fn bound_of(levels: usize, magnitude: &[f64]) -> Vec<f32> {
     let levels = levels as f64 + 1.0;
     magnitude
         .iter()
         .map(|&s| (levels * 2f64.powi(-24) * s * 1.01) as f32)
         .collect()
-}
-
-/// The weight gradient steps of `w` from `dy` and `x`, into a new buffer:
-/// per chunk both transforms, the GEMM in parts, and the parts added up
-/// and transformed back into (or onto) the weight gradient.
-fn winograd_weight_steps(c: &mut Builder, w: &Winograd, dy: usize, x: usize) -> usize {
-    let out = c.zeros(w.cout * w.cin * 9);
-    let (v, dm, du) = (c.zeros(w.v_len()), c.zeros(w.m_len()), c.zeros(w.du_len()));
-    for chunk in w.chunks() {
-        c.step(w.transform_input(chunk), [x, v]);
-        c.step(w.transform_grad_output(chunk), [dy, dm]);
-        c.step(w.weight_grad_gemm(chunk), [dm, v, du]);
-        c.step(w.finish_weight_grad(chunk, chunk.start == 0), [du, out]);
-    }
-    out
 }
 
 /// The convolutions of the standard checks: the demo CNN's

@@ -211,6 +211,26 @@ pub struct Chunk {
     pub count: usize,
 }
 
+/// One kernel of a Winograd product, named by what it computes; its
+/// bindings in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// `weight`, `u`.
+    Weight,
+    /// `x_in` (the whole batch), `v`.
+    Input(Chunk),
+    /// `u`, `v`, `m`.
+    Gemm(Chunk),
+    /// `m`, `bias` (when there is one), `y` (the whole batch).
+    Output(Chunk),
+    /// `dy` (the whole batch), `dm`.
+    GradOutput(Chunk),
+    /// `dm`, `v`, `du`.
+    WeightGemm(Chunk),
+    /// `du`, `dweight`: written when `first`, else added to.
+    WeightFinish { chunk: Chunk, first: bool },
+}
+
 impl Winograd {
     /// The forward of `conv` as Winograd, when it is a 3x3 stride-1
     /// undilated ungrouped f32 convolution with padding at most 2 and at
@@ -378,14 +398,76 @@ impl Winograd {
             .unwrap_or(0)
     }
 
-    /// Index of the forward weight's tap `(ky, kx)` of output channel `co`
-    /// for input channel `ci`, as `(channel part, tap)`.
-    fn weight_index(&self, ky: usize, kx: usize) -> (bool, usize) {
+    /// The forward weight's tap that is this convolution's `(ky, kx)`
+    /// (flipped in space for the input gradient); the filter is
+    /// `[ci, co]` when [`Self::flipped`], else `[co, ci]`.
+    fn tap(&self, ky: usize, kx: usize) -> usize {
         if self.flipped {
-            (true, (2 - ky) * 3 + (2 - kx))
+            (2 - ky) * 3 + (2 - kx)
         } else {
-            (false, ky * 3 + kx)
+            ky * 3 + kx
         }
+    }
+
+    /// The kernel of `step`.
+    pub fn spec(&self, step: Step) -> KernelSpec {
+        match step {
+            Step::Weight => self.transform_weight(),
+            Step::Input(chunk) => self.transform_input(chunk),
+            Step::Gemm(chunk) => self.gemm(chunk),
+            Step::Output(chunk) => self.transform_output(chunk),
+            Step::GradOutput(chunk) => self.transform_grad_output(chunk),
+            Step::WeightGemm(chunk) => self.weight_grad_gemm(chunk),
+            Step::WeightFinish { chunk, first } => self.finish_weight_grad(chunk, first),
+        }
+    }
+
+    /// The forward (or input gradient) of `input` by `weight`, plus `bias`,
+    /// into `out`, as steps with their bindings, in order: the weight
+    /// transformed once, then each chunk's transforms and products through
+    /// scratch buffers `u`, `v`, `m` of [`Self::u_len`], [`Self::v_len`]
+    /// and [`Self::m_len`] elements. `B` is whatever names a buffer.
+    pub fn product_steps<B: Copy>(
+        &self,
+        input: B,
+        weight: B,
+        bias: Option<B>,
+        out: B,
+        [u, v, m]: [B; 3],
+    ) -> Vec<(Step, Vec<B>)> {
+        let mut steps = vec![(Step::Weight, vec![weight, u])];
+        for chunk in self.chunks() {
+            steps.push((Step::Input(chunk), vec![input, v]));
+            steps.push((Step::Gemm(chunk), vec![u, v, m]));
+            let mut bufs = vec![m];
+            bufs.extend(bias);
+            bufs.push(out);
+            steps.push((Step::Output(chunk), bufs));
+        }
+        steps
+    }
+
+    /// The weight gradient from `dy` and `x` into `out`, as steps with
+    /// their bindings, in order: per chunk both transforms, the GEMM in
+    /// parts, and the parts added up and transformed back into (or onto)
+    /// `out`, through scratch buffers `v`, `dm`, `du` of [`Self::v_len`],
+    /// [`Self::m_len`] and [`Self::du_len`] elements.
+    pub fn weight_grad_steps<B: Copy>(
+        &self,
+        dy: B,
+        x: B,
+        out: B,
+        [v, dm, du]: [B; 3],
+    ) -> Vec<(Step, Vec<B>)> {
+        let mut steps = Vec::new();
+        for chunk in self.chunks() {
+            steps.push((Step::Input(chunk), vec![x, v]));
+            steps.push((Step::GradOutput(chunk), vec![dy, dm]));
+            steps.push((Step::WeightGemm(chunk), vec![dm, v, du]));
+            let first = chunk.start == 0;
+            steps.push((Step::WeightFinish { chunk, first }, vec![du, out]));
+        }
+        steps
     }
 
     /// Weight transform: bindings `weight`, `u`.
@@ -396,12 +478,12 @@ impl Winograd {
         let mut body = format!("    let co = i / {cin}u;\n    let ci = i % {cin}u;\n");
         for ky in 0..3 {
             for kx in 0..3 {
-                let (swapped, tap) = self.weight_index(ky, kx);
-                let filter = if swapped {
+                let filter = if self.flipped {
                     format!("(ci * {cout}u + co)")
                 } else {
                     format!("(co * {cin}u + ci)")
                 };
+                let tap = self.tap(ky, kx);
                 body += &format!("    let g{ky}_{kx} = weight[{filter} * 9u + {tap}u];\n");
             }
         }

@@ -49,7 +49,6 @@ impl Winograd {
         let mx = matrices(self.tile);
         let a_mat = transpose(&mx.at);
         let m = self.tile;
-
         let t_len = self.tiles_of(chunk);
         let mut dm = vec![0.0; self.elems() * self.cout * t_len];
         for co in 0..self.cout {
@@ -162,13 +161,12 @@ impl Winograd {
                     .map(|ky| {
                         (0..3)
                             .map(|kx| {
-                                let (swapped, tap) = self.weight_index(ky, kx);
-                                let filter = if swapped {
+                                let filter = if self.flipped {
                                     ci * self.cout + co
                                 } else {
                                     co * self.cin + ci
                                 };
-                                magnitude(weight[filter * 9 + tap], magnitudes)
+                                magnitude(weight[filter * 9 + self.tap(ky, kx)], magnitudes)
                             })
                             .collect()
                     })
@@ -187,7 +185,6 @@ impl Winograd {
     pub fn input_values(&self, chunk: Chunk, x: &[f32], magnitudes: bool) -> Vec<f64> {
         let mx = matrices(self.tile);
         let (m, a) = (self.tile, self.tile + 2);
-
         let t_len = self.tiles_of(chunk);
         let [p0, p1] = self.padding;
         let mut v = vec![0.0; self.elems() * self.cin * t_len];
@@ -248,7 +245,6 @@ impl Winograd {
     pub fn output_values(&self, chunk: Chunk, prod: &[f64], magnitudes: bool, y: &mut [f64]) {
         let mx = matrices(self.tile);
         let (m, a) = (self.tile, self.tile + 2);
-
         let t_len = self.tiles_of(chunk);
         for co in 0..self.cout {
             for ti in 0..t_len {
