@@ -168,6 +168,27 @@ fn sandwich(l: &[Vec<f64>], r: &[Vec<f64>], x: &str, cols: usize, out: &str) -> 
     s
 }
 
+/// WGSL storing the `a x a` scalars `{name}{r}_{c}` of one `(row, col)`
+/// pair where the GEMMs read them: element `e = r * a + c` at
+/// `{buf}[(e * rows + row) * cols + col]`.
+fn store_grid(
+    buf: &str,
+    name: &str,
+    a: usize,
+    (rows, row): (usize, &str),
+    (cols, col): (usize, &str),
+) -> String {
+    let mut s = String::new();
+    for e in 0..a * a {
+        s += &format!(
+            "    {buf}[({e}u * {rows}u + {row}) * {cols}u + {col}] = {name}{}_{};\n",
+            e / a,
+            e % a
+        );
+    }
+    s
+}
+
 fn transpose(m: &[Vec<f64>]) -> Vec<Vec<f64>> {
     (0..m[0].len())
         .map(|c| m.iter().map(|row| row[c]).collect())
@@ -488,14 +509,7 @@ impl Winograd {
             }
         }
         body += &sandwich(&mx.g, &mx.g, "g", 3, "u");
-        for r in 0..a {
-            for c in 0..a {
-                body += &format!(
-                    "    u[({}u * {cout}u + co) * {cin}u + ci] = u{r}_{c};\n",
-                    r * a + c
-                );
-            }
-        }
+        body += &store_grid("u", "u", a, (cout, "co"), (cin, "ci"));
         one_d(
             "winograd_weight",
             &[
@@ -527,14 +541,7 @@ impl Winograd {
         }
         let mx = matrices(self.tile);
         body += &sandwich(&mx.bt, &mx.bt, "d", a, "v");
-        for r in 0..a {
-            for c in 0..a {
-                body += &format!(
-                    "    v[({}u * {cin}u + ci) * {t}u + ti] = v{r}_{c};\n",
-                    r * a + c
-                );
-            }
-        }
+        body += &store_grid("v", "v", a, (cin, "ci"), (t, "ti"));
         let helper = format!(
             "fn at(base: u32, y: i32, x: i32) -> f32 {{\n\
              \x20   if (y < 0i || x < 0i || y >= {h}i || x >= {w}i) {{ return 0.0; }}\n\
@@ -694,14 +701,7 @@ impl Winograd {
         let mx = matrices(self.tile);
         let a_mat = transpose(&mx.at);
         body += &sandwich(&a_mat, &a_mat, "e", m, "q");
-        for r in 0..a {
-            for c in 0..a {
-                body += &format!(
-                    "    dm[({}u * {cout}u + co) * {t}u + ti] = q{r}_{c};\n",
-                    r * a + c
-                );
-            }
-        }
+        body += &store_grid("dm", "q", a, (cout, "co"), (t, "ti"));
         let helper = format!(
             "fn at(base: u32, y: u32, x: u32) -> f32 {{\n\
              \x20   if (y >= {oh}u || x >= {ow}u) {{ return 0.0; }}\n\

@@ -24,6 +24,61 @@ fn sandwich_f64(l: &[Vec<f64>], r: &[Vec<f64>], x: &[Vec<f64>], magnitudes: bool
         .collect()
 }
 
+/// The `size x size` patch of channel `ch` of image `nb` of `img`
+/// (`[n, channels, h, w]`) from `(y0, x0)`, zero outside the image.
+fn patch(
+    img: &[f32],
+    [channels, h, w]: [usize; 3],
+    (nb, ch): (usize, usize),
+    (y0, x0): (isize, isize),
+    size: usize,
+    magnitudes: bool,
+) -> Vec<Vec<f64>> {
+    (0..size)
+        .map(|r| {
+            (0..size)
+                .map(|c| {
+                    let (y, x) = (y0 + r as isize, x0 + c as isize);
+                    if y < 0 || x < 0 || y >= h as isize || x >= w as isize {
+                        return 0.0;
+                    }
+                    let at = ((nb * channels + ch) * h + y as usize) * w + x as usize;
+                    magnitude(img[at], magnitudes)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Writes `grid`, the transform of one `(row, col)` pair, where the GEMMs
+/// read it: element `e = r * a + c` at `[(e * rows + row) * cols + col]`.
+fn scatter(
+    buf: &mut [f64],
+    grid: &[Vec<f64>],
+    (rows, row): (usize, usize),
+    (cols, col): (usize, usize),
+) {
+    for (e, value) in grid.iter().flatten().enumerate() {
+        buf[(e * rows + row) * cols + col] = *value;
+    }
+}
+
+/// The `a x a` grid [`scatter`] wrote.
+fn gather(
+    buf: &[f64],
+    a: usize,
+    (rows, row): (usize, usize),
+    (cols, col): (usize, usize),
+) -> Vec<Vec<f64>> {
+    (0..a)
+        .map(|r| {
+            (0..a)
+                .map(|c| buf[((r * a + c) * rows + row) * cols + col])
+                .collect()
+        })
+        .collect()
+}
+
 fn magnitude(v: f32, magnitudes: bool) -> f64 {
     let v = f64::from(v);
     if magnitudes { v.abs() } else { v }
@@ -54,24 +109,17 @@ impl Winograd {
         for co in 0..self.cout {
             for ti in 0..t_len {
                 let (nb, ty, tx) = self.tile_at(chunk, ti);
-                let e: Vec<Vec<f64>> = (0..m)
-                    .map(|r| {
-                        (0..m)
-                            .map(|c| {
-                                let (oy, ox) = (ty * m + r, tx * m + c);
-                                if oy >= self.oh || ox >= self.ow {
-                                    return 0.0;
-                                }
-                                let at = ((nb * self.cout + co) * self.oh + oy) * self.ow + ox;
-                                magnitude(dy[at], magnitudes)
-                            })
-                            .collect()
-                    })
-                    .collect();
+                let origin = ((ty * m) as isize, (tx * m) as isize);
+                let e = patch(
+                    dy,
+                    [self.cout, self.oh, self.ow],
+                    (nb, co),
+                    origin,
+                    m,
+                    magnitudes,
+                );
                 let q = sandwich_f64(&a_mat, &a_mat, &e, magnitudes);
-                for (z, value) in q.iter().flatten().enumerate() {
-                    dm[(z * self.cout + co) * t_len + ti] = *value;
-                }
+                scatter(&mut dm, &q, (self.cout, co), (t_len, ti));
             }
         }
         dm
@@ -101,16 +149,9 @@ impl Winograd {
         let mx = matrices(self.tile);
         let gt = transpose(&mx.g);
         let a = self.tile + 2;
-        let cells = self.cout * self.cin;
         for co in 0..self.cout {
             for ci in 0..self.cin {
-                let f: Vec<Vec<f64>> = (0..a)
-                    .map(|r| {
-                        (0..a)
-                            .map(|c| du[(r * a + c) * cells + co * self.cin + ci])
-                            .collect()
-                    })
-                    .collect();
+                let f = gather(du, a, (self.cout, co), (self.cin, ci));
                 let w = sandwich_f64(&gt, &gt, &f, magnitudes);
                 for (tap, value) in w.iter().flatten().enumerate() {
                     dweight[(co * self.cin + ci) * 9 + tap] += value;
@@ -153,7 +194,6 @@ impl Winograd {
     /// forward weight; with `magnitudes`, of `|weight|` through `|G|`.
     pub fn weight_values(&self, weight: &[f32], magnitudes: bool) -> Vec<f64> {
         let mx = matrices(self.tile);
-        let cells = self.cout * self.cin;
         let mut u = vec![0.0; self.u_len()];
         for co in 0..self.cout {
             for ci in 0..self.cin {
@@ -172,9 +212,7 @@ impl Winograd {
                     })
                     .collect();
                 let t = sandwich_f64(&mx.g, &mx.g, &g, magnitudes);
-                for (e, value) in t.iter().flatten().enumerate() {
-                    u[e * cells + co * self.cin + ci] = *value;
-                }
+                scatter(&mut u, &t, (self.cout, co), (self.cin, ci));
             }
         }
         u
@@ -191,30 +229,20 @@ impl Winograd {
         for ci in 0..self.cin {
             for ti in 0..t_len {
                 let (nb, ty, tx) = self.tile_at(chunk, ti);
-                let d: Vec<Vec<f64>> = (0..a)
-                    .map(|r| {
-                        (0..a)
-                            .map(|c| {
-                                let iy = (ty * m + r) as isize - p0 as isize;
-                                let ix = (tx * m + c) as isize - p1 as isize;
-                                if iy < 0
-                                    || ix < 0
-                                    || iy >= self.h as isize
-                                    || ix >= self.w as isize
-                                {
-                                    return 0.0;
-                                }
-                                let at = ((nb * self.cin + ci) * self.h + iy as usize) * self.w
-                                    + ix as usize;
-                                magnitude(x[at], magnitudes)
-                            })
-                            .collect()
-                    })
-                    .collect();
+                let origin = (
+                    (ty * m) as isize - p0 as isize,
+                    (tx * m) as isize - p1 as isize,
+                );
+                let d = patch(
+                    x,
+                    [self.cin, self.h, self.w],
+                    (nb, ci),
+                    origin,
+                    a,
+                    magnitudes,
+                );
                 let t = sandwich_f64(&mx.bt, &mx.bt, &d, magnitudes);
-                for (e, value) in t.iter().flatten().enumerate() {
-                    v[(e * self.cin + ci) * t_len + ti] = *value;
-                }
+                scatter(&mut v, &t, (self.cin, ci), (t_len, ti));
             }
         }
         v
@@ -249,13 +277,7 @@ impl Winograd {
         for co in 0..self.cout {
             for ti in 0..t_len {
                 let (nb, ty, tx) = self.tile_at(chunk, ti);
-                let p: Vec<Vec<f64>> = (0..a)
-                    .map(|r| {
-                        (0..a)
-                            .map(|c| prod[((r * a + c) * self.cout + co) * t_len + ti])
-                            .collect()
-                    })
-                    .collect();
+                let p = gather(prod, a, (self.cout, co), (t_len, ti));
                 let out = sandwich_f64(&mx.at, &mx.at, &p, magnitudes);
                 for (r, row) in out.iter().enumerate() {
                     for (c, &value) in row.iter().enumerate() {
