@@ -337,6 +337,20 @@ impl ClusterRun {
         self.ahead = None;
     }
 
+    /// Counts a relayed micro-batch's compute toward stage `s`'s current
+    /// step, as a partial total until its `StepDone` brings the
+    /// authoritative one. A relay of the step fed ahead (under `async`), or
+    /// one after the stage's `StepDone`, is that later step's: its own
+    /// `StepDone` counts it.
+    fn count_relayed(&mut self, s: usize, phase: Phase, compute_ms: f64) {
+        if let (ClusterState::Training { step }, Phase::Train { step: got }) = (self.state, phase)
+            && (got != step || self.stages[s].step_done)
+        {
+            return;
+        }
+        self.stages[s].compute_ms += compute_ms.max(0.0);
+    }
+
     /// Forgets the micro-batches of `phase` only (a step done while the
     /// next one runs).
     fn forget(&mut self, phase: Phase) {

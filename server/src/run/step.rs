@@ -440,7 +440,7 @@ impl JobRun {
                 a.micro
             )));
         }
-        run.stages[s].compute_ms += a.compute_ms.max(0.0);
+        run.count_relayed(s, a.phase, a.compute_ms);
         self.bytes_relayed += wire_bytes(&a.outputs);
         let labels = if s + 1 == last {
             run.labels.remove(&(a.phase, a.micro))
@@ -513,7 +513,7 @@ impl JobRun {
                 g.micro
             )));
         }
-        run.stages[s].compute_ms += g.compute_ms.max(0.0);
+        run.count_relayed(s, phase, g.compute_ms);
         self.bytes_relayed += wire_bytes(&g.grads);
         let prev = run.stages[s - 1].provider;
         Ok(vec![Effect::Send(

@@ -133,3 +133,41 @@ fn a_stage_reports_holding_up_to_two_steps_of_micro_batches_under_async_and_one_
         assert_eq!(run.clusters[0].stages[0].peak_held, most, "{schedule:?}");
     }
 }
+
+/// A step's compute per stage is its own under `async`: relays of the step
+/// fed ahead, and relays after a stage's `StepDone`, count toward the later
+/// step (whose `StepDone` brings them), never twice.
+#[test]
+fn an_async_steps_compute_counts_neither_the_step_fed_ahead_nor_relays_after_its_step_done() {
+    let (mut run, _) = ready(PipelineSchedule::Async);
+    past_the_barriers_step(&mut run);
+    let [root, leaf] = [10, 11];
+    let boundary = run.clusters[0].stages[0].outputs[0].0.clone();
+    let root_ms = |run: &JobRun| run.clusters[0].stages[0].compute_ms;
+    run.on_message(root, activations(1, 0, &[2, 8], &boundary));
+    assert_eq!(root_ms(&run), 1.0, "a partial total of step 1");
+    run.on_message(root, activations(2, 0, &[2, 8], &boundary));
+    assert_eq!(root_ms(&run), 1.0, "step 2 is fed ahead");
+    run.on_message(root, done(1));
+    assert_eq!(root_ms(&run), 3.0, "the StepDone's total");
+    run.on_message(root, activations(2, 1, &[2, 8], &boundary));
+    assert_eq!(
+        root_ms(&run),
+        3.0,
+        "after its StepDone, a relay is step 2's"
+    );
+    let effects = run.on_message(leaf, done(1));
+    let records: Vec<&StepRecord> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Step(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    let [record] = records[..] else {
+        panic!("{effects:?}")
+    };
+    assert_eq!(record.step, 1);
+    let computes: Vec<f64> = record.stages.iter().map(|t| t.compute_ms).collect();
+    assert_eq!(computes, vec![3.0, 3.0]);
+}
