@@ -36,14 +36,14 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use rookery_e2e::binary;
+use rookery_e2e::gpt::{self, GptSize};
 use rookery_proto::WireDType;
 use rookery_proto::api::JobMetrics;
-use rookery_test_support::workspace_root;
 
 /// Steps left out of the timings: process start, first allocations.
 const WARMUP: usize = 2;
@@ -55,44 +55,11 @@ const SYNC_EVERY: u64 = 1000;
 /// run's were.
 const SPLIT_TRIES: u32 = 3;
 
-struct Size {
-    name: &'static str,
-    layers: u32,
-    d_model: u32,
-    heads: u32,
-    vocab: u32,
-    context: u32,
-    batch: u32,
-    steps: u32,
-}
-
-const EXAMPLE: Size = Size {
-    name: "example",
-    layers: 6,
-    d_model: 384,
-    heads: 6,
-    vocab: 4096,
-    context: 128,
-    batch: 16,
-    steps: 12,
-};
-
-const GPT2_SMALL: Size = Size {
-    name: "124m",
-    layers: 12,
-    d_model: 768,
-    heads: 12,
-    vocab: 50_257,
-    context: 128,
-    batch: 8,
-    steps: 3,
-};
-
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut size = match flag(&args, "--size")?.as_deref() {
-        None | Some("example") => EXAMPLE,
-        Some("124m") => GPT2_SMALL,
+        None | Some("example") => gpt::EXAMPLE,
+        Some("124m") => gpt::GPT2_SMALL,
         Some(other) => bail!("--size is `example` or `124m`, not `{other}`"),
     };
     if let Some(steps) = flag(&args, "--steps")? {
@@ -106,22 +73,16 @@ fn main() -> anyhow::Result<()> {
     let compare = if args.iter().any(|a| a == "--no-compare") {
         false
     } else {
-        size.name == EXAMPLE.name || args.iter().any(|a| a == "--compare")
+        size.name == gpt::EXAMPLE.name || args.iter().any(|a| a == "--compare")
     };
     let dir = tempfile::tempdir()?;
-    let onnx = export(dir.path(), &size)?;
-    let tokens = tokens_file(dir.path(), &size)?;
+    let onnx = gpt::export(dir.path(), &size)?;
+    let tokens = gpt::tokens_file(dir.path(), &size)?;
     let job = write_job(dir.path(), &onnx, &tokens, &size, &base)?;
     println!(
-        "model: GPT {} ({} layers, d {}, {} heads, vocab {}, context {}), batch {} x {} tokens, \
-         {} steps, Adam, 1 cluster x {PROVIDERS} stages, 4 micro-batches, {} on the wire, schedule {}, \
-         precision {}",
-        size.name,
-        size.layers,
-        size.d_model,
-        size.heads,
-        size.vocab,
-        size.context,
+        "model: {}, batch {} x {} tokens, {} steps, Adam, 1 cluster x {PROVIDERS} stages, \
+         4 micro-batches, {} on the wire, schedule {}, precision {}",
+        size.describe(),
         size.batch,
         size.context,
         size.steps,
@@ -172,8 +133,9 @@ fn main() -> anyhow::Result<()> {
             process.kib as f64 / 1024.0
         );
     }
-    if size.name == EXAMPLE.name {
-        let reference = reference::tokens_per_s(&job, WARMUP)?;
+    if size.name == gpt::EXAMPLE.name {
+        let reference =
+            rookery_e2e::reference::steps_per_s(&job, WARMUP as u64)? * size.tokens_per_step();
         println!("single-process reference: {reference:>9.1} tokens/s");
         println!("ratio rookery train / reference: {:.3}", per_s / reference);
     }
@@ -209,7 +171,7 @@ fn compare_variants(
     dir: &Path,
     onnx: &Path,
     tokens: &Path,
-    size: &Size,
+    size: &GptSize,
     base: &Variant,
     first: &Run,
 ) -> anyhow::Result<()> {
@@ -362,92 +324,19 @@ fn median(mut values: Vec<f64>) -> f64 {
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn python() -> PathBuf {
-    std::env::var_os("ROOKERY_PYTHON").map_or_else(|| PathBuf::from("python3"), PathBuf::from)
-}
-
-/// The model, exported as README tells users to (dynamo, dynamic batch).
-fn export(dir: &Path, size: &Size) -> anyhow::Result<PathBuf> {
-    let out = dir.join("gpt.onnx");
-    let started = Instant::now();
-    let status = Command::new(python())
-        .arg(workspace_root().join("examples/gpt/export.py"))
-        .args(["--out", &out.display().to_string()])
-        .args(["--vocab", &size.vocab.to_string()])
-        .args(["--context", &size.context.to_string()])
-        .args(["--layers", &size.layers.to_string()])
-        .args(["--d-model", &size.d_model.to_string()])
-        .args(["--heads", &size.heads.to_string()])
-        .args(["--dropout", "0"])
-        .stdout(Stdio::inherit())
-        .stderr(Stdio::null())
-        .status()
-        .context("running examples/gpt/export.py (set ROOKERY_PYTHON to a Python with torch)")?;
-    anyhow::ensure!(status.success(), "export.py failed: {status}");
-    println!("exported in {:.1} s", started.elapsed().as_secs_f64());
-    Ok(out)
-}
-
-/// Exactly the tokens `steps` steps read: the start of the example's own
-/// corpus, or (for the 124M model, whose vocabulary it does not use) seeded
-/// random ids.
-fn tokens_file(dir: &Path, size: &Size) -> anyhow::Result<PathBuf> {
-    let needed = (size.steps * size.batch * size.context + 1) as usize;
-    let path = dir.join("train.u16");
-    if size.name == EXAMPLE.name {
-        let corpus = workspace_root().join("examples/gpt/data/train.u16.gz");
-        let out = Command::new("gzip")
-            .arg("-dc")
-            .arg(&corpus)
-            .output()
-            .with_context(|| format!("gzip -dc {}", corpus.display()))?;
-        anyhow::ensure!(
-            out.status.success() && out.stdout.len() >= needed * 2,
-            "{} holds fewer than {needed} tokens",
-            corpus.display()
-        );
-        std::fs::write(&path, &out.stdout[..needed * 2])?;
-        return Ok(path);
-    }
-    let mut state = 0x9E37_79B9_7F4A_7C15_u64;
-    let mut bytes = Vec::with_capacity(needed * 2);
-    for _ in 0..needed {
-        // xorshift64*: any fixed sequence of ids below the vocabulary will do.
-        state ^= state >> 12;
-        state ^= state << 25;
-        state ^= state >> 27;
-        let id = (state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) % u64::from(size.vocab);
-        bytes.extend_from_slice(&(id as u16).to_le_bytes());
-    }
-    std::fs::write(&path, bytes)?;
-    Ok(path)
-}
-
 fn write_job(
     dir: &Path,
     onnx: &Path,
     tokens: &Path,
-    size: &Size,
+    size: &GptSize,
     variant: &Variant,
 ) -> anyhow::Result<PathBuf> {
     let path = dir.join("job.toml");
-    let text = format!(
-        "[model]\nonnx = \"{}\"\ninput_shape = [{ctx}]\n\
-         [data]\nformat = \"tokens\"\ntrain_inputs = \"{}\"\nseq_len = {ctx}\n\
-         [training]\nepochs = 1\nbatch_size = {}\nmicro_batches = 4\n\
-         optimizer = {{ name = \"adam\", lr = 0.0003 }}\n\
-         loss = {{ name = \"cross_entropy\", class_axis = -1 }}\n\
-         clusters = 1\nstages = {PROVIDERS}\nshuffle = false\nseed = 0\n\
-         sync_every = {SYNC_EVERY}\nwire_dtype = \"{}\"\nschedule = \"{}\"\nprecision = \"{}\"\n",
-        onnx.display(),
-        tokens.display(),
-        size.batch,
-        variant.wire,
-        variant.schedule,
-        variant.precision,
-        ctx = size.context,
+    let settings = format!(
+        "sync_every = {SYNC_EVERY}\nwire_dtype = \"{}\"\nschedule = \"{}\"\nprecision = \"{}\"",
+        variant.wire, variant.schedule, variant.precision
     );
-    std::fs::write(&path, text)?;
+    gpt::write_job(&path, onnx, tokens, size, PROVIDERS, &settings)?;
     Ok(path)
 }
 
@@ -619,52 +508,4 @@ fn peak_kib(pid: u32) -> Option<u64> {
         .trim()
         .parse()
         .ok()
-}
-
-mod reference {
-    use std::path::Path;
-    use std::time::Instant;
-
-    use rookery_test_support::JobBatches;
-    use rookery_torch::exec::reference::whole_batch_step;
-    use rookery_torch::step_seed;
-    use rookery_torch::{TorchExecutor, TorchOptimizer, tensors_from_values};
-    use tch::{Device, Kind, Tensor};
-
-    /// The same batches in one process: one libtorch executor over the whole
-    /// graph, timed after `warmup` steps.
-    pub fn tokens_per_s(job: &Path, warmup: usize) -> anyhow::Result<f64> {
-        let batches = JobBatches::open(job)?;
-        let t = batches.spec.training.clone();
-        let graph = batches.graph.clone();
-        let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
-        let n = graph.analyze()?.nodes.len();
-        let mut exec =
-            TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
-        let mut optimizer = TorchOptimizer::new(t.optimizer)?;
-        let mut started = Instant::now();
-        let mut tokens = 0;
-        for batch in batches {
-            if batch.step == warmup as u64 {
-                started = Instant::now();
-                tokens = 0;
-            }
-            let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-            let x = Tensor::from_slice(&batch.x)
-                .to_kind(Kind::Int64)
-                .reshape(shape.as_slice());
-            let y = Tensor::from_slice(&batch.y).reshape(shape.as_slice());
-            let inputs = [(graph.inputs[0].name.clone(), x)];
-            whole_batch_step(
-                &mut exec,
-                &inputs,
-                &y,
-                t.loss,
-                &mut optimizer,
-                step_seed(t.seed, batch.step),
-            )?;
-            tokens += batch.y.len();
-        }
-        Ok(tokens as f64 / started.elapsed().as_secs_f64())
-    }
 }

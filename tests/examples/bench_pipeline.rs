@@ -10,7 +10,12 @@
 //! digits (train and test sets, `ACCURACY_EPOCHS` epochs, same seed). Jobs
 //! sync once per epoch, so `async` has steps to overlap.
 //!
-//! `--micro-batches-only` measures only the cost per micro-batch (the same
+//! Then the same latency table on the example GPT (exported with PyTorch,
+//! `ROOKERY_PYTHON`), one stage per core: a model whose step computes for
+//! longer than a round trip of 100 ms hops, where `async` can keep every
+//! stage busy (goal: at least 85%).
+//!
+//! `--gpt-latency-only` runs only that table. `--micro-batches-only` measures only the cost per micro-batch (the same
 //! samples in 4 and in 16 micro-batches), `--repeat N` times alternately
 //! (default once), printing each pair's ratio and their median: a quick
 //! check of a change to what a micro-batch costs.
@@ -20,20 +25,19 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rookery_e2e::{rookery_train, rookery_train_with};
+use rookery_e2e::reference::steps_per_s;
+use rookery_e2e::{gpt, rookery_train, rookery_train_with};
 use rookery_proto::api::{JobMetrics, StageMetric, StepMetric};
 use rookery_test_support::job::{job_text, mnist_10k_job_text, write_mnist_digits};
-use rookery_test_support::{JobBatches, workspace_root};
-use rookery_torch::exec::reference::whole_batch_step;
-use rookery_torch::step_seed;
-use rookery_torch::{TorchExecutor, TorchOptimizer, tensors_from_values};
-use tch::{Device, Tensor};
+use rookery_test_support::workspace_root;
 
 const BATCH: usize = 64;
 const STEPS: usize = 40;
 /// Steps left out of both timings: process start, first allocations.
 const WARMUP: usize = 5;
 const SCHEDULES: [&str; 3] = ["gpipe", "1f1b", "async"];
+/// Steps of each GPT latency run: 15 timed.
+const GPT_STEPS: u32 = 20;
 /// Epochs of the accuracy runs over the 8,000 digits of datasets/mnist-10k.
 const ACCURACY_EPOCHS: u64 = 3;
 
@@ -51,6 +55,10 @@ fn main() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         return micro_batch_cost(dir.path(), repeat);
     }
+    if args.iter().any(|a| a == "--gpt-latency-only") {
+        let dir = tempfile::tempdir()?;
+        return gpt_latency(dir.path());
+    }
     let dir = tempfile::tempdir()?;
     let job = write_job(dir.path(), "f32", "gpipe")?;
     println!(
@@ -63,7 +71,7 @@ fn main() -> anyhow::Result<()> {
     let pipeline_ms: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
     let pipeline = (timed.len() * BATCH) as f64 / (pipeline_ms / 1e3);
 
-    let reference = reference_samples_per_s(&job)?;
+    let reference = steps_per_s(&job, WARMUP as u64)? * BATCH as f64;
     println!("rookery train, 1 cluster x 3 stages: {pipeline:>8.1} samples/s");
     println!("single-process reference:          {reference:>8.1} samples/s");
     println!(
@@ -98,49 +106,16 @@ fn main() -> anyhow::Result<()> {
     );
     for schedule in SCHEDULES {
         let job = write_job(dir.path(), "f32", schedule)?;
-        for delay_ms in [0u64, 20, 100] {
-            let out = dir.path().join(format!("out-{schedule}-delay-{delay_ms}"));
-            let delay = delay_ms.to_string();
-            let metrics = rookery_train_with(
-                &job,
-                3,
-                &out,
-                &["--relay-delay-ms", &delay],
-                Duration::from_secs(3600),
-            )?;
-            let timed = &metrics.steps[WARMUP..];
-            let elapsed: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
-            let rate = (timed.len() * BATCH) as f64 / (elapsed / 1e3);
-            let busy: Vec<String> = (0..stages)
-                .map(|k| {
-                    let computed: f64 = timed
-                        .iter()
-                        .filter_map(|s| stage(s, k))
-                        .map(|t| t.compute_ms)
-                        .sum();
-                    format!("{:.0}%", 100.0 * computed / elapsed)
-                })
-                .collect();
-            let held: Vec<String> = (0..stages)
-                .map(|k| {
-                    let most = metrics
-                        .steps
-                        .iter()
-                        .filter_map(|s| stage(s, k))
-                        .map(|t| t.peak_held)
-                        .max()
-                        .unwrap_or(0);
-                    most.to_string()
-                })
-                .collect();
-            println!(
-                "  {schedule:>5} {delay_ms:>3} ms: {rate:>8.1} samples/s, ratio {:.3}, busy {}, held {}",
-                rate / reference,
-                busy.join(" / "),
-                held.join(" / ")
-            );
-        }
+        latency_rows(
+            &job,
+            3,
+            dir.path(),
+            schedule,
+            (BATCH as f64, "samples/s"),
+            reference,
+        )?;
     }
+    gpt_latency(dir.path())?;
 
     micro_batch_cost(dir.path(), repeat)?;
 
@@ -323,36 +298,113 @@ fn write_accuracy_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<
     Ok(path)
 }
 
-/// The same steps in one process: one executor over the whole graph.
-fn reference_samples_per_s(job: &Path) -> anyhow::Result<f64> {
-    let batches = JobBatches::open(job)?;
-    let t = batches.spec.training.clone();
-    let graph = batches.graph.clone();
-    let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
-    let n = graph.analyze()?.nodes.len();
-    let mut exec = TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
-    let mut optimizer = TorchOptimizer::new(t.optimizer)?;
-    let mut started = Instant::now();
-    let mut steps = 0;
-    for batch in batches {
-        if batch.step == WARMUP as u64 {
-            started = Instant::now();
-        }
-        let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-        let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-        let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
-        let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
-        let inputs = [(graph.inputs[0].name.clone(), x)];
-        whole_batch_step(
-            &mut exec,
-            &inputs,
-            &y,
-            t.loss,
-            &mut optimizer,
-            step_seed(t.seed, batch.step),
+/// One line per relay delay (0, 20 and 100 ms a hop) of `job` under
+/// `schedule` on `stages` local providers: its rate in `unit`s (`per_step`
+/// of them a step), the ratio to the single-process `reference` rate, each
+/// stage's busy share and the most micro-batches it held at once.
+fn latency_rows(
+    job: &Path,
+    stages: usize,
+    dir: &Path,
+    schedule: &str,
+    (per_step, unit): (f64, &str),
+    reference: f64,
+) -> anyhow::Result<Vec<Vec<f64>>> {
+    let mut busy_by_delay = Vec::new();
+    for delay_ms in [0u64, 20, 100] {
+        let out = dir.join(format!("out-{schedule}-{stages}-delay-{delay_ms}"));
+        let delay = delay_ms.to_string();
+        let metrics = rookery_train_with(
+            job,
+            stages,
+            &out,
+            &["--relay-delay-ms", &delay],
+            Duration::from_secs(3600),
         )?;
-        steps += 1;
+        let warmup = WARMUP.min(metrics.steps.len() / 4);
+        let timed = &metrics.steps[warmup..];
+        let elapsed: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
+        let rate = timed.len() as f64 * per_step / (elapsed / 1e3);
+        let busy: Vec<f64> = (0..stages)
+            .map(|k| {
+                let computed: f64 = timed
+                    .iter()
+                    .filter_map(|s| stage(s, k))
+                    .map(|t| t.compute_ms)
+                    .sum();
+                100.0 * computed / elapsed
+            })
+            .collect();
+        let held: Vec<String> = (0..stages)
+            .map(|k| {
+                let most = metrics
+                    .steps
+                    .iter()
+                    .filter_map(|s| stage(s, k))
+                    .map(|t| t.peak_held)
+                    .max()
+                    .unwrap_or(0);
+                most.to_string()
+            })
+            .collect();
+        let shares: Vec<String> = busy.iter().map(|b| format!("{b:.0}%")).collect();
+        println!(
+            "  {schedule:>5} {delay_ms:>3} ms: {rate:>8.1} {unit}, ratio {:.3}, busy {}, held {}",
+            rate / reference,
+            shares.join(" / "),
+            held.join(" / ")
+        );
+        busy_by_delay.push(busy);
     }
-    let timed = steps - WARMUP;
-    Ok((timed * BATCH) as f64 / started.elapsed().as_secs_f64())
+    Ok(busy_by_delay)
+}
+
+/// Latency hidden by compute: the example GPT, whose step computes for
+/// longer than a micro-batch's round trip at 100 ms a hop, where the MNIST
+/// CNN's 1.6 ms micro-batches would need some 260 of them in flight. One
+/// stage per core (at most 4): stages sharing a core would measure the
+/// operating system's scheduler, not the pipeline's, and each donor brings
+/// its own machine.
+fn gpt_latency(dir: &Path) -> anyhow::Result<()> {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let stages = cores.clamp(2, 4);
+    let size = gpt::GptSize {
+        steps: GPT_STEPS,
+        ..gpt::EXAMPLE
+    };
+    let onnx = gpt::export(dir, &size)?;
+    let tokens = gpt::tokens_file(dir, &size)?;
+    println!(
+        "latency per hop on the {}, batch {} x {} tokens, {GPT_STEPS} steps ({WARMUP} warm-up), \
+         1 cluster x {stages} stages (one a core of {cores}), 4 micro-batches \
+         (tokens/s, ratio to the single-process reference, busy share, held):",
+        size.describe(),
+        size.batch,
+        size.context,
+    );
+    let mut reference = None;
+    for schedule in SCHEDULES {
+        let job = dir.join(format!("gpt-{schedule}.toml"));
+        let settings = format!("sync_every = {GPT_STEPS}\nschedule = \"{schedule}\"");
+        gpt::write_job(&job, &onnx, &tokens, &size, stages, &settings)?;
+        let reference = match reference {
+            Some(r) => r,
+            None => *reference.insert(steps_per_s(&job, WARMUP as u64)? * size.tokens_per_step()),
+        };
+        let busy = latency_rows(
+            &job,
+            stages,
+            dir,
+            schedule,
+            (size.tokens_per_step(), "tokens/s"),
+            reference,
+        )?;
+        if schedule == "async" {
+            let least = busy[2].iter().copied().fold(f64::INFINITY, f64::min);
+            println!(
+                "  async at 100 ms a hop: every stage at least {least:.0}% busy (goal: at least 85%)"
+            );
+        }
+    }
+    Ok(())
 }

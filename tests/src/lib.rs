@@ -6,6 +6,7 @@
 //! Every process is killed when its handle drops, so a failing test leaves
 //! nothing running.
 
+pub mod gpt;
 #[cfg(feature = "torch")]
 pub mod reference;
 

@@ -2,8 +2,10 @@
 #![allow(clippy::unwrap_used)] // Test helpers fail loudly by design.
 
 use std::path::Path;
+use std::time::Instant;
 
 use rookery_test_support::JobBatches;
+use rookery_torch::exec::reference::whole_batch_step;
 use rookery_torch::exec::{loss_targets, micro_batch_loss};
 use rookery_torch::{TorchExecutor, TorchOptimizer, step_seed, tensors_from_values};
 use tch::{Device, Tensor};
@@ -76,4 +78,46 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
             loss.scaled
         })
         .collect()
+}
+
+/// Steps a second of `job_file` trained in one process: one libtorch
+/// executor over the whole graph on the job's batches (read as the
+/// providers read them), timed after `warmup` steps.
+pub fn steps_per_s(job_file: &Path, warmup: u64) -> anyhow::Result<f64> {
+    let batches = JobBatches::open(job_file)?;
+    let t = batches.spec.training.clone();
+    let graph = batches.graph.clone();
+    let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
+    let n = graph.analyze()?.nodes.len();
+    let mut exec = TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
+    let mut optimizer = TorchOptimizer::new(t.optimizer)?;
+    let mut started = Instant::now();
+    let mut timed = 0;
+    for batch in batches {
+        if batch.step == warmup {
+            (started, timed) = (Instant::now(), 0);
+        }
+        let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+        let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
+        if graph.inputs[0].dtype == rookery_model::DType::I64 {
+            x = x.to_kind(tch::Kind::Int64);
+        }
+        let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
+        let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
+        let inputs = [(graph.inputs[0].name.clone(), x)];
+        whole_batch_step(
+            &mut exec,
+            &inputs,
+            &y,
+            t.loss,
+            &mut optimizer,
+            step_seed(t.seed, batch.step),
+        )?;
+        timed += 1;
+    }
+    anyhow::ensure!(
+        timed > 0,
+        "the job has no steps past the {warmup} warm-up ones"
+    );
+    Ok(f64::from(timed) / started.elapsed().as_secs_f64())
 }

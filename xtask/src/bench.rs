@@ -59,7 +59,7 @@ const BENCHES: &[Bench] = &[
         features: &["rookery-e2e/torch"],
         needs_binaries: true,
         checked: false,
-        needs_torch_python: false,
+        needs_torch_python: true,
         wasm_size: false,
     },
     Bench {
