@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::time::Instant;
 
+use rookery_model::Graph;
 use rookery_test_support::JobBatches;
+use rookery_test_support::StepBatch;
 use rookery_torch::exec::reference::whole_batch_step;
 use rookery_torch::exec::{loss_targets, micro_batch_loss};
 use rookery_torch::{TorchExecutor, TorchOptimizer, step_seed, tensors_from_values};
@@ -55,14 +57,7 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
             } else {
                 exec.set_parameters(&versions[k]).unwrap();
             }
-            let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-            let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-            // Token ids come as f32 from the batches, and go in as i64.
-            if graph.inputs[0].dtype == rookery_model::DType::I64 {
-                x = x.to_kind(tch::Kind::Int64);
-            }
-            let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
-            let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
+            let (x, y) = step_tensors(&graph, &batch);
             exec.set_step_seed(step_seed(t.seed, k as u64));
             let forward = exec
                 .forward(&[(graph.inputs[0].name.clone(), x)], true)
@@ -97,13 +92,7 @@ pub fn steps_per_s(job_file: &Path, warmup: u64) -> anyhow::Result<f64> {
         if batch.step == warmup {
             (started, timed) = (Instant::now(), 0);
         }
-        let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-        let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-        if graph.inputs[0].dtype == rookery_model::DType::I64 {
-            x = x.to_kind(tch::Kind::Int64);
-        }
-        let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
-        let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
+        let (x, y) = step_tensors(&graph, &batch);
         let inputs = [(graph.inputs[0].name.clone(), x)];
         whole_batch_step(
             &mut exec,
@@ -120,4 +109,16 @@ pub fn steps_per_s(job_file: &Path, warmup: u64) -> anyhow::Result<f64> {
         "the job has no steps past the {warmup} warm-up ones"
     );
     Ok(f64::from(timed) / started.elapsed().as_secs_f64())
+}
+
+/// A step's batch as the graph takes it: the inputs shaped (token ids,
+/// which the batches carry as f32, as i64) and the labels shaped.
+pub fn step_tensors(graph: &Graph, batch: &StepBatch) -> (Tensor, Tensor) {
+    let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
+    let mut x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
+    if graph.inputs[0].dtype == rookery_model::DType::I64 {
+        x = x.to_kind(tch::Kind::Int64);
+    }
+    let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
+    (x, Tensor::from_slice(&batch.y).reshape(y_shape.as_slice()))
 }

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use rookery_e2e::reference::two_bw_losses;
+use rookery_e2e::reference::{step_tensors, two_bw_losses};
 use rookery_e2e::rookery_train;
 use rookery_test_support::{Classes, JobBatches, dense_mlp, write_job};
 use rookery_torch::exec::TorchExecutor;
@@ -85,10 +85,7 @@ fn reference_losses(job_file: &Path) -> Vec<f64> {
             optimizer
                 .set_lr(lr_schedule.lr(base_lr, batch.step))
                 .unwrap();
-            let shape: Vec<i64> = batch.shape.iter().map(|&d| d as i64).collect();
-            let x = Tensor::from_slice(&batch.x).reshape(shape.as_slice());
-            let y_shape: Vec<i64> = batch.y_shape.iter().map(|&d| d as i64).collect();
-            let y = Tensor::from_slice(&batch.y).reshape(y_shape.as_slice());
+            let (x, y) = step_tensors(&graph, &batch);
             let inputs = [(graph.inputs[0].name.clone(), x)];
             whole_batch_step_clipped(
                 &mut exec,
