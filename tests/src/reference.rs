@@ -7,7 +7,7 @@ use std::time::Instant;
 use rookery_model::Graph;
 use rookery_test_support::JobBatches;
 use rookery_test_support::StepBatch;
-use rookery_torch::exec::reference::whole_batch_step;
+use rookery_torch::exec::reference::whole_batch_step_clipped;
 use rookery_torch::exec::{loss_targets, micro_batch_loss};
 use rookery_torch::{TorchExecutor, TorchOptimizer, step_seed, tensors_from_values};
 use tch::{Device, Tensor};
@@ -75,34 +75,55 @@ pub fn two_bw_losses(job_file: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// Steps a second of `job_file` trained in one process: one libtorch
-/// executor over the whole graph on the job's batches (read as the
-/// providers read them), timed after `warmup` steps.
-pub fn steps_per_s(job_file: &Path, warmup: u64) -> anyhow::Result<f64> {
+/// The job trained in one process with its whole step batch (every
+/// cluster's samples) at once, its learning-rate schedule, its gradient
+/// clipping and its precision: each step's loss, step by step as the
+/// iterator is driven (so the caller can time it).
+pub fn whole_batch_losses(
+    job_file: &Path,
+) -> anyhow::Result<impl Iterator<Item = anyhow::Result<(u64, f64)>>> {
     let batches = JobBatches::open(job_file)?;
     let t = batches.spec.training.clone();
     let graph = batches.graph.clone();
     let params = tensors_from_values(&graph, &graph.initial_values(t.seed))?;
-    let n = graph.analyze()?.nodes.len();
-    let mut exec = TorchExecutor::new(&graph, 0..n, graph.outputs.clone(), params, Device::Cpu)?;
+    let nodes = graph.analyze()?.nodes.len();
+    let mut exec =
+        TorchExecutor::new(&graph, 0..nodes, graph.outputs.clone(), params, Device::Cpu)?
+            .with_precision(t.precision);
     let mut optimizer = TorchOptimizer::new(t.optimizer)?;
-    let mut started = Instant::now();
-    let mut timed = 0;
-    for batch in batches {
-        if batch.step == warmup {
-            (started, timed) = (Instant::now(), 0);
-        }
+    let base_lr = t.optimizer.lr();
+    let lr_schedule = t.lr_schedule.resolve(base_lr, batches.total_steps())?;
+    Ok(batches.map(move |batch| {
+        optimizer.set_lr(lr_schedule.lr(base_lr, batch.step))?;
         let (x, y) = step_tensors(&graph, &batch);
         let inputs = [(graph.inputs[0].name.clone(), x)];
-        whole_batch_step(
+        let loss = whole_batch_step_clipped(
             &mut exec,
             &inputs,
             &y,
             t.loss,
             &mut optimizer,
             step_seed(t.seed, batch.step),
+            t.clip_grad_norm,
         )?;
-        timed += 1;
+        Ok((batch.step, loss))
+    }))
+}
+
+/// Steps a second of `job_file` trained in one process
+/// ([`whole_batch_losses`]: one libtorch executor over the whole graph on
+/// the job's batches, read as the providers read them), timed after
+/// `warmup` steps.
+pub fn steps_per_s(job_file: &Path, warmup: u64) -> anyhow::Result<f64> {
+    let mut started = Instant::now();
+    let mut timed = 0;
+    for step in whole_batch_losses(job_file)? {
+        let (step, _) = step?;
+        if step + 1 == warmup {
+            (started, timed) = (Instant::now(), 0);
+        } else {
+            timed += 1;
+        }
     }
     anyhow::ensure!(
         timed > 0,

@@ -7,11 +7,10 @@
 
 use std::path::Path;
 
-use rookery_e2e::reference::{step_tensors, two_bw_losses};
+use rookery_e2e::reference::{two_bw_losses, whole_batch_losses};
 use rookery_e2e::rookery_train;
 use rookery_test_support::{Classes, JobBatches, dense_mlp, write_job};
-use rookery_torch::exec::TorchExecutor;
-use rookery_torch::exec::reference::{train_step_clipped, whole_batch_step_clipped};
+use rookery_torch::exec::reference::train_step_clipped;
 use rookery_torch::step_seed;
 use rookery_torch::{TorchOptimizer, tensors_from_values};
 use tch::Tensor;
@@ -60,44 +59,9 @@ fn job(
 /// step batch (every cluster's samples) at once, its learning-rate schedule,
 /// its gradient clipping and its precision.
 fn reference_losses(job_file: &Path) -> Vec<f64> {
-    let batches = JobBatches::open(job_file).unwrap();
-    let t = batches.spec.training.clone();
-    let graph = batches.graph.clone();
-    let params = tensors_from_values(&graph, &graph.initial_values(t.seed)).unwrap();
-    let nodes = graph.analyze().unwrap().nodes.len();
-    let mut exec = TorchExecutor::new(
-        &graph,
-        0..nodes,
-        graph.outputs.clone(),
-        params.into_iter().collect::<Vec<_>>(),
-        tch::Device::Cpu,
-    )
-    .unwrap()
-    .with_precision(t.precision);
-    let mut optimizer = TorchOptimizer::new(t.optimizer).unwrap();
-    let base_lr = t.optimizer.lr();
-    let lr_schedule = t
-        .lr_schedule
-        .resolve(base_lr, batches.total_steps())
-        .unwrap();
-    batches
-        .map(|batch| {
-            optimizer
-                .set_lr(lr_schedule.lr(base_lr, batch.step))
-                .unwrap();
-            let (x, y) = step_tensors(&graph, &batch);
-            let inputs = [(graph.inputs[0].name.clone(), x)];
-            whole_batch_step_clipped(
-                &mut exec,
-                &inputs,
-                &y,
-                t.loss,
-                &mut optimizer,
-                step_seed(t.seed, batch.step),
-                t.clip_grad_norm,
-            )
-            .unwrap()
-        })
+    whole_batch_losses(job_file)
+        .unwrap()
+        .map(|step| step.unwrap().1)
         .collect()
 }
 
