@@ -13,7 +13,6 @@ mod exec_common;
 use std::collections::BTreeMap;
 
 use exec_common::*;
-use rookery_kernels::conv::Conv2d;
 use rookery_kernels::winograd::Winograd;
 use rookery_model::{DType, Graph, Init, LrSchedule, Op, OptimizerConfig, clip_scale, from_toml};
 use rookery_stage::{CpuDevice, Device, GpuDevice, HostTensor};
@@ -314,26 +313,15 @@ fn stage_bounds(graph: &Graph, range: std::ops::Range<usize>, batch: usize) -> S
                 let k = a[a.len() - 1];
                 (k, out[out.len() - 1] + k + rows(out))
             }
-            Op::Conv2d {
-                stride,
-                padding,
-                dilation,
-                groups,
-            } => {
+            Op::Conv2d { .. } => {
                 let w = shape(&node.inputs[1]);
-                let x = shape(&node.inputs[0]);
+                let mut x = shape(&node.inputs[0]);
+                x[0] = batch;
                 let window = w[2] * w[3];
-                let conv = Conv2d::new(
-                    [batch, x[1], x[2], x[3]],
-                    w[0],
-                    [w[2], w[3]],
-                    *stride,
-                    *padding,
-                    *dilation,
-                    *groups,
-                    node.inputs.len() > 2,
-                )
-                .unwrap();
+                let conv = node
+                    .op
+                    .conv_geometry(&x, &w, node.inputs.len() > 2)
+                    .unwrap();
                 // Winograd's coefficients magnify its roundings.
                 let winograd = |w: Option<Winograd>, direct: usize| {
                     w.map_or(direct, |w| {

@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use rookery_kernels::conv::Conv2d;
 use rookery_kernels::elementwise::{Activation, F32Bits, Unary};
 use rookery_kernels::pool::Pool2d;
 
@@ -376,6 +377,35 @@ impl Op {
             _ => return None,
         };
         Pool2d::new(planes, h, w, kernel, stride, padding)?.with_options(dilation, ceil, include)
+    }
+
+    /// A convolution's geometry for input `x [N, C, H, W]` and `weight [O,
+    /// C/groups, kh, kw]` (with a bias or not): what every executor runs and
+    /// the planner sizes. `None` for other ops, for shapes of another rank
+    /// and for geometry [`Conv2d::new`] refuses.
+    pub fn conv_geometry(&self, x: &[usize], weight: &[usize], bias: bool) -> Option<Conv2d> {
+        let Op::Conv2d {
+            stride,
+            padding,
+            dilation,
+            groups,
+        } = *self
+        else {
+            return None;
+        };
+        let (&[n, c, h, w], &[o, _, kh, kw]) = (x, weight) else {
+            return None;
+        };
+        Conv2d::new(
+            [n, c, h, w],
+            o,
+            [kh, kw],
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+        )
     }
 
     /// The elementwise kernel of a one-input op that maps each element on

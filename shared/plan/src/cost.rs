@@ -3,9 +3,8 @@
 
 use std::collections::BTreeSet;
 
-use rookery_kernels::conv::Conv2d;
 use rookery_kernels::winograd::Winograd;
-use rookery_model::{Analysis, DType, Graph, Op};
+use rookery_model::{Analysis, DType, Graph};
 
 use crate::types::{PlanOptions, ProviderSpec};
 
@@ -337,38 +336,21 @@ pub(crate) fn crossing_tensors(a: &Analysis, g: &Graph) -> Vec<Crossing> {
 /// it (an upper bound for libtorch, whose own workspace it stands for).
 fn scratch_bytes(a: &Analysis, g: &Graph, pos: usize, micro_batch: usize) -> u64 {
     let node = &g.nodes[a.nodes[pos].index];
-    let Op::Conv2d {
-        stride,
-        padding,
-        dilation,
-        groups,
-    } = &node.op
-    else {
-        return 0;
-    };
     let shape = |at: usize| {
         node.inputs
             .get(at)
             .and_then(|name| a.tensors.get(name))
             .map(|t| t.shape.clone())
     };
-    let (Some(x), Some(w)) = (shape(0), shape(1)) else {
+    let (Some(mut x), Some(w)) = (shape(0), shape(1)) else {
         return 0;
     };
-    if x.len() != 4 || w.len() != 4 {
-        return 0;
+    if let Some(n) = x.first_mut() {
+        *n = micro_batch;
     }
-    Conv2d::new(
-        [micro_batch, x[1], x[2], x[3]],
-        w[0],
-        [w[2], w[3]],
-        *stride,
-        *padding,
-        *dilation,
-        *groups,
-        node.inputs.len() > 2,
-    )
-    .map_or(0, |conv| Winograd::scratch_bytes(&conv))
+    node.op
+        .conv_geometry(&x, &w, node.inputs.len() > 2)
+        .map_or(0, |conv| Winograd::scratch_bytes(&conv))
 }
 
 /// Bytes of the largest tensor node `pos` (in topological order) reads or
@@ -432,6 +414,7 @@ impl RangeMax {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rookery_kernels::conv::Conv2d;
     use rookery_model::from_toml;
 
     const WIDE: &str = r#"

@@ -1071,37 +1071,20 @@ impl Lowering<'_> {
     }
 
     fn conv(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Conv2d, StageError> {
-        let Op::Conv2d {
-            stride,
-            padding,
-            dilation,
-            groups,
-        } = op
-        else {
-            return Err(StageError::Internal("conv of a non-conv op".into()));
-        };
-        let (&[n, c, h, w], &[o, _, kh, kw]) = (self.shape(ins[0]), self.shape(ins[1])) else {
+        let (x, weight) = (self.shape(ins[0]), self.shape(ins[1]));
+        if x.len() != 4 || weight.len() != 4 {
             return Err(self.unsupported(
                 k,
                 op,
                 "expects x [N, C, H, W] and weight [O, C/g, kh, kw]",
             ));
-        };
-        Conv2d::new(
-            [n, c, h, w],
-            o,
-            [kh, kw],
-            *stride,
-            *padding,
-            *dilation,
-            *groups,
-            ins.len() > 2,
-        )
-        .map(|c| Conv2d {
-            precision: self.precision,
-            ..c
-        })
-        .ok_or_else(|| self.unsupported(k, op, "invalid convolution geometry"))
+        }
+        op.conv_geometry(x, weight, ins.len() > 2)
+            .map(|c| Conv2d {
+                precision: self.precision,
+                ..c
+            })
+            .ok_or_else(|| self.unsupported(k, op, "invalid convolution geometry"))
     }
 
     fn pool(&self, k: usize, op: &Op, ins: &[Source]) -> Result<Pool2d, StageError> {
