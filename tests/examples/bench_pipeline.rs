@@ -36,6 +36,8 @@ const STEPS: usize = 40;
 /// Steps left out of both timings: process start, first allocations.
 const WARMUP: usize = 5;
 const SCHEDULES: [&str; 3] = ["gpipe", "1f1b", "async"];
+/// Each frame to a provider held this long, one latency run each.
+const DELAYS_MS: [u64; 3] = [0, 20, 100];
 /// Steps of each GPT latency run: 15 timed.
 const GPT_STEPS: u32 = 20;
 /// Epochs of the accuracy runs over the 8,000 digits of datasets/mnist-10k.
@@ -300,7 +302,7 @@ fn write_accuracy_job(dir: &Path, wire: &str, schedule: &str) -> anyhow::Result<
     Ok(path)
 }
 
-/// One line per relay delay (0, 20 and 100 ms a hop) of `job` under
+/// One line per relay delay ([`DELAYS_MS`], 100 ms last) of `job` under
 /// `schedule` on `stages` local providers: its rate in `unit`s (`per_step`
 /// of them a step), the ratio to the single-process `reference` rate, each
 /// stage's busy share and the most micro-batches it held at once.
@@ -313,7 +315,7 @@ fn latency_rows(
     reference: f64,
 ) -> anyhow::Result<Vec<Vec<f64>>> {
     let mut busy_by_delay = Vec::new();
-    for delay_ms in [0u64, 20, 100] {
+    for delay_ms in DELAYS_MS {
         let out = dir.join(format!("out-{schedule}-{stages}-delay-{delay_ms}"));
         let delay = delay_ms.to_string();
         let metrics = rookery_train_with(
@@ -323,8 +325,7 @@ fn latency_rows(
             &["--relay-delay-ms", &delay],
             Duration::from_secs(3600),
         )?;
-        let warmup = WARMUP.min(metrics.steps.len() / 4);
-        let timed = &metrics.steps[warmup..];
+        let timed = &metrics.steps[WARMUP..];
         let elapsed: f64 = timed.iter().map(|s| s.elapsed_ms).sum();
         let rate = timed.len() as f64 * per_step / (elapsed / 1e3);
         let busy: Vec<f64> = (0..stages)
@@ -384,15 +385,16 @@ fn gpt_latency(dir: &Path) -> anyhow::Result<()> {
         size.batch,
         size.context,
     );
-    let mut reference = None;
-    for schedule in SCHEDULES {
+    let job_for = |schedule: &str| -> anyhow::Result<PathBuf> {
         let job = dir.join(format!("gpt-{schedule}.toml"));
         let settings = format!("sync_every = {GPT_STEPS}\nschedule = \"{schedule}\"");
         gpt::write_job(&job, &onnx, &tokens, &size, stages, &settings)?;
-        let reference = match reference {
-            Some(r) => r,
-            None => *reference.insert(steps_per_s(&job, WARMUP as u64)? * size.tokens_per_step()),
-        };
+        Ok(job)
+    };
+    // The same batches whatever the schedule.
+    let reference = steps_per_s(&job_for(SCHEDULES[0])?, WARMUP as u64)? * size.tokens_per_step();
+    for schedule in SCHEDULES {
+        let job = job_for(schedule)?;
         let busy = latency_rows(
             &job,
             stages,
@@ -402,7 +404,8 @@ fn gpt_latency(dir: &Path) -> anyhow::Result<()> {
             reference,
         )?;
         if schedule == "async" {
-            let least = busy[2].iter().copied().fold(f64::INFINITY, f64::min);
+            let at_100_ms = busy.last().map_or(&[][..], Vec::as_slice);
+            let least = at_100_ms.iter().copied().fold(f64::INFINITY, f64::min);
             println!(
                 "  async at 100 ms a hop: every stage at least {least:.0}% busy (goal: at least 85%)"
             );
