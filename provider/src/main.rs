@@ -136,8 +136,8 @@ fn limit_cpu_threads(threads: u16) {
 /// wake for a message every few hundred microseconds, each wake
 /// interrupting a computation (its own trainer's, or another stage's on a
 /// shared machine) mid-flight. On the MNIST CNN in 3 stages on 2 cores, 16
-/// micro-batches of 4 took about 8% less time a step, 4 of 16 about 3%
-/// less; making only the trainer thread a batch thread gained nothing.
+/// micro-batches of 4 took about 8% less time a step, 4 of 16 the same;
+/// making only the trainer thread a batch thread gained nothing.
 fn run_as_batch_process() {
     #[cfg(target_os = "linux")]
     {
