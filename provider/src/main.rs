@@ -92,7 +92,6 @@ enum BackendChoice {
 
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
 fn main() -> std::process::ExitCode {
-    run_as_batch_process();
     let cli = Cli::parse();
     if let Some(threads) = cli.threads {
         limit_cpu_threads(threads);
@@ -124,35 +123,6 @@ fn limit_cpu_threads(threads: u16) {
     unsafe {
         std::env::set_var("OMP_NUM_THREADS", &threads);
         std::env::set_var("MKL_NUM_THREADS", &threads);
-    }
-}
-
-/// Makes the provider a batch process (Linux's `SCHED_BATCH`, which needs
-/// no privilege; every thread started later inherits it): the scheduler
-/// treats it as CPU-bound, and a thread of it that wakes does not preempt
-/// whatever runs. A provider is a background, throughput-bound process on a
-/// machine someone else uses, so it should yield to their interactive
-/// programs; and with micro-batches of a few samples its socket threads
-/// wake for a message every few hundred microseconds, each wake
-/// interrupting a computation (its own trainer's, or another stage's on a
-/// shared machine) mid-flight. On the MNIST CNN in 3 stages on 2 cores, 16
-/// micro-batches of 4 took about 8% less time a step, 4 of 16 the same;
-/// making only the trainer thread a batch thread gained nothing.
-fn run_as_batch_process() {
-    #[cfg(target_os = "linux")]
-    {
-        let param = libc::sched_param { sched_priority: 0 };
-        #[allow(unsafe_code)]
-        // SAFETY: sets this thread's policy (pid 0: the calling thread, the
-        // only one so far) from a valid parameter; it touches none of our
-        // memory.
-        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-        if rc != 0 {
-            eprintln!(
-                "warning: keeping the normal scheduling policy: {}",
-                std::io::Error::last_os_error()
-            );
-        }
     }
 }
 
@@ -388,19 +358,6 @@ mod tests {
             let ours = unsafe { libmimalloc_sys::mi_is_in_heap_region(t.data_ptr()) };
             assert!(ours, "a tensor of {numel} floats is not in mimalloc's heap");
         }
-    }
-
-    /// Every thread the provider starts after `run_as_batch_process`
-    /// (the runtime's, the trainer's) inherits the batch policy.
-    #[test]
-    fn the_provider_and_the_threads_it_starts_are_batch_threads() {
-        super::run_as_batch_process();
-        #[allow(unsafe_code)]
-        // SAFETY: a query about the calling thread.
-        let policy = || unsafe { libc::sched_getscheduler(0) };
-        assert_eq!(policy(), libc::SCHED_BATCH);
-        let started_later = std::thread::spawn(policy).join().unwrap();
-        assert_eq!(started_later, libc::SCHED_BATCH);
     }
 
     #[test]
