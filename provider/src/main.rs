@@ -78,6 +78,16 @@ struct Cli {
     #[arg(long, env = "ROOKERY_GPU_CAP", default_value_t = 100,
           value_parser = clap::value_parser!(u32).range(i64::from(rookery_stage::duty::MIN_CAP_PERCENT)..=100))]
     gpu_cap: u32,
+    /// Run as a batch process (Linux's `SCHED_BATCH`; no privilege needed):
+    /// a thread of it that wakes does not preempt whatever runs. For
+    /// providers that share cores with each other, as `rookery train`'s
+    /// local ones do: with small micro-batches each wakes for a message
+    /// every few hundred microseconds, and each wake interrupted another
+    /// stage's computation. Not for a provider among other people's
+    /// processes: under load its wake-ups wait, and the server's straggler
+    /// check reads the longer compute time as a slow machine.
+    #[arg(long)]
+    batch_scheduling: bool,
     /// Test only: misbehave in this one way (see `rookery_provider::fault`).
     #[cfg(feature = "fault-injection")]
     #[arg(long, value_enum, hide = true)]
@@ -93,6 +103,11 @@ enum BackendChoice {
 /// Errors print as one readable chain (`error: a: b`), never as a backtrace.
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if cli.batch_scheduling
+        && let Err(error) = run_as_batch_process()
+    {
+        eprintln!("warning: keeping the normal scheduling policy: {error}");
+    }
     if let Some(threads) = cli.threads {
         limit_cpu_threads(threads);
     }
@@ -124,6 +139,31 @@ fn limit_cpu_threads(threads: u16) {
         std::env::set_var("OMP_NUM_THREADS", &threads);
         std::env::set_var("MKL_NUM_THREADS", &threads);
     }
+}
+
+/// Makes the calling thread, and so every thread and process it starts
+/// later, a batch one (`--batch-scheduling`). On the MNIST CNN in 3 stages
+/// on 2 cores (`rookery train`), 16 micro-batches of 4 took about 8% less
+/// time a step and 4 of 16 about 3% less; a batch policy on the trainer
+/// thread alone gained nothing, and on the socket threads alone about half.
+fn run_as_batch_process() -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        #[allow(unsafe_code)]
+        // SAFETY: pid 0 is the calling thread (the only one so far); the
+        // parameter is a valid value on the stack; nothing of ours is touched.
+        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "batch scheduling is Linux's",
+    ))
 }
 
 /// A stage allocates and frees dozens of tensors and hundreds of small
@@ -358,6 +398,29 @@ mod tests {
             let ours = unsafe { libmimalloc_sys::mi_is_in_heap_region(t.data_ptr()) };
             assert!(ours, "a tensor of {numel} floats is not in mimalloc's heap");
         }
+    }
+
+    /// `--batch-scheduling` reaches every thread the provider starts after
+    /// it (the runtime's, the trainer's, libtorch's).
+    #[test]
+    fn threads_started_after_batch_scheduling_are_batch_threads() {
+        let policy = || {
+            #[allow(unsafe_code)]
+            // SAFETY: a query about the calling thread.
+            unsafe {
+                libc::sched_getscheduler(0)
+            }
+        };
+        let before = std::thread::spawn(policy).join().unwrap();
+        assert_eq!(before, libc::SCHED_OTHER);
+        std::thread::spawn(move || {
+            super::run_as_batch_process().unwrap();
+            assert_eq!(policy(), libc::SCHED_BATCH);
+            let started_later = std::thread::spawn(policy).join().unwrap();
+            assert_eq!(started_later, libc::SCHED_BATCH);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

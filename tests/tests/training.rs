@@ -195,6 +195,86 @@ fn assert_same_losses(
     assert!(out.join("weights.safetensors").is_file());
 }
 
+/// `rookery train`'s providers share this machine's cores, so each runs as
+/// a batch process (`--batch-scheduling`): read from the kernel's own view
+/// of the running children, within a minute of the start.
+#[cfg(target_os = "linux")]
+#[test]
+fn rookery_trains_local_providers_run_as_batch_processes() {
+    use rookery_e2e::{Process, binary};
+    const SCHED_BATCH: &str = "3";
+    let dir = tempfile::tempdir().unwrap();
+    let job_file = job(
+        dir.path(),
+        &mlp(),
+        &[12],
+        64,
+        "epochs = 50\nbatch_size = 8\nstages = 2\n",
+    );
+    let train = Process::spawn(
+        std::process::Command::new(binary("rookery").unwrap())
+            .arg("train")
+            .arg(&job_file)
+            .args(["--local-providers", "2", "--out"])
+            .arg(dir.path().join("out"))
+            .env("ROOKERY_PROVIDER_BIN", binary("rookery-provider").unwrap())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null()),
+    )
+    .unwrap();
+    let parent = train.id().to_string();
+    // Fields after the command name's closing parenthesis: state, ppid, ...
+    // and the policy is field 41 of stat(5), the 39th of these.
+    let children = || -> Vec<(String, String)> {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+            .filter_map(|stat| {
+                let (head, rest) = stat.rsplit_once(')')?;
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                (fields.get(1) == Some(&parent.as_str())).then(|| {
+                    let name = head.split_once('(').map_or("", |(_, n)| n).to_string();
+                    (name, fields.get(38).unwrap_or(&"").to_string())
+                })
+            })
+            .collect()
+    };
+    // Both must have started within a minute, and a provider sets its
+    // policy first thing: a few seconds after both are seen is plenty.
+    let started = std::time::Instant::now();
+    let mut both_seen: Option<std::time::Instant> = None;
+    let mut seen = Vec::new();
+    while started.elapsed() < std::time::Duration::from_secs(60)
+        && both_seen.is_none_or(|t| t.elapsed() < std::time::Duration::from_secs(5))
+    {
+        let now = children();
+        if now.len() == 2 {
+            both_seen.get_or_insert_with(std::time::Instant::now);
+            let done = now.iter().all(|(_, policy)| policy == SCHED_BATCH);
+            seen = now;
+            if done {
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    drop(train);
+    assert_eq!(seen.len(), 2, "rookery train's children: {seen:?}");
+    for (name, policy) in &seen {
+        assert!(
+            name.starts_with("rookery-provide"),
+            "{name} is not a provider"
+        );
+        assert_eq!(
+            policy, SCHED_BATCH,
+            "{name} runs with policy {policy}, not SCHED_BATCH"
+        );
+    }
+}
+
 #[test]
 fn one_cluster_of_three_stages_matches_the_reference_mlp_sgd_and_adam() {
     for optimizer in [

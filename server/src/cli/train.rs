@@ -91,6 +91,9 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<()> {
                 &threads,
                 // The embedded server lives as long as this run.
                 "--ephemeral-identity",
+                // All of them share this machine's cores: one waking for a
+                // message must not preempt another's computation.
+                "--batch-scheduling",
             ])
             .env(
                 "RUST_LOG",
