@@ -164,6 +164,20 @@ impl<B: Backend> Backend for SlowedStage<B> {
         self.0.leaf_loss(loss, y, labels, step_targets)
     }
 
+    async fn leaf_backward(
+        &mut self,
+        micro_batch: B::MicroBatch,
+        loss: Loss,
+        output: &str,
+        y: &B::Tensor,
+        labels: &WireTensor,
+        step_targets: u64,
+    ) -> Result<(f64, Vec<(String, B::Tensor)>), B::Error> {
+        self.0
+            .leaf_backward(micro_batch, loss, output, y, labels, step_targets)
+            .await
+    }
+
     fn loss_sum(&self, loss: Loss, y: &B::Tensor, labels: &WireTensor) -> Result<f64, B::Error> {
         self.0.loss_sum(loss, y, labels)
     }

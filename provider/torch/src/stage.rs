@@ -18,7 +18,7 @@ use rookery_stage::WeightVersion;
 use rookery_stage::worker::{Backend, BackendFactory, LeafLossValue, StageSpec};
 use tch::{Device, Tensor};
 
-use crate::exec::loss::{correct, loss_sum, micro_batch_loss};
+use crate::exec::loss::{correct, loss_sum, micro_batch_loss, scaled_loss};
 use crate::exec::{TorchExecutor, TorchMicroBatch, TorchOptimizer};
 pub use crate::wire::TorchWorkerError;
 use crate::wire::{protocol, tensor_from_wire, tensor_to_wire};
@@ -235,6 +235,22 @@ impl Backend for TorchStage {
             sum: out.sum,
             grad: out.grad,
         })
+    }
+
+    async fn leaf_backward(
+        &mut self,
+        micro_batch: TorchMicroBatch,
+        loss: Loss,
+        output: &str,
+        _y: &Tensor,
+        labels: &WireTensor,
+        step_targets: u64,
+    ) -> Result<(f64, Vec<(String, Tensor)>), TorchWorkerError> {
+        let labels = tensor_from_wire(labels)?;
+        Ok(self.exec.backward_from_loss(micro_batch, output, |y| {
+            let (sum, scaled) = scaled_loss(loss, y, &labels, step_targets)?;
+            Ok((scaled, sum.f_double_value(&[])?))
+        })?)
     }
 
     fn loss_sum(

@@ -15,7 +15,8 @@ use rookery_model::{ClusterCount, Graph, Loss, Op, from_toml};
 use rookery_plan::{PlanOptions, ProviderKind, ProviderSpec, clusterize};
 use rookery_torch::exec::reference::{pipeline_train_step, train_step};
 use rookery_torch::exec::{
-    OptimizerConfig, TorchExecutor, TorchForward, TorchOptimizer, micro_batch_loss, stage_boundary,
+    OptimizerConfig, TorchExecutor, TorchForward, TorchOptimizer, micro_batch_loss, scaled_loss,
+    stage_boundary,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -303,6 +304,63 @@ fn accumulated_micro_batch_gradients_equal_the_whole_batch_gradient() {
     for (name, w) in &whole {
         assert_close(&split[name], w, 1e-6, name);
     }
+}
+
+/// The Leaf's one-pass backward (`backward_from_loss`: its loss
+/// backpropagated through the stage) equals the two-pass one (the loss's
+/// gradient for the output first, then `backward`) to the bit: the same
+/// losses, input gradients and accumulated parameter gradients.
+#[test]
+fn the_leafs_one_pass_backward_from_its_loss_equals_the_two_pass_one_to_the_bit() {
+    let g = from_toml(CNN).unwrap();
+    let params = init_params(&g, 5);
+    let (x, y) = cnn_batch();
+    let b = x.size()[0];
+    let loss = Loss::cross_entropy();
+    type Outcome = (Vec<f64>, Vec<Vec<f64>>, BTreeMap<String, Vec<f64>>);
+    let run = |one_pass: bool| -> Outcome {
+        let mut s = stages(&g, &[0..3, 3..8], &params);
+        let (root, leaf) = s.split_at_mut(1);
+        let (root, leaf) = (&mut root[0], &mut leaf[0]);
+        let (mut losses, mut input_grads) = (Vec::new(), Vec::new());
+        for k in 0..4 {
+            let part = [("input".to_string(), x.narrow(0, k * b / 4, b / 4))];
+            let act = root.forward(&part, true).unwrap();
+            root.discard(act.micro_batch).unwrap();
+            let f = leaf.forward(&act.outputs, true).unwrap();
+            let labels = y.narrow(0, k * b / 4, b / 4);
+            let (name, out) = &f.outputs[0];
+            let (sum, grads) = if one_pass {
+                leaf.backward_from_loss(f.micro_batch, name, |y| {
+                    let (sum, scaled) = scaled_loss(loss, y, &labels, b as u64)?;
+                    Ok((scaled, sum.double_value(&[])))
+                })
+                .unwrap()
+            } else {
+                let l = micro_batch_loss(loss, out, &labels, b as u64).unwrap();
+                let grads = leaf.backward(f.micro_batch, &[(name.clone(), l.grad)]);
+                (l.sum, grads.unwrap())
+            };
+            assert_eq!(grads.len(), 1, "the Leaf's one input");
+            losses.push(sum);
+            input_grads.push(vals(&grads[0].1));
+        }
+        let param_grads = leaf
+            .gradients()
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, vals(&t)))
+            .collect();
+        (losses, input_grads, param_grads)
+    };
+    let (one, two) = (run(true), run(false));
+    assert_eq!(
+        one.2.len(),
+        2 * 2,
+        "a convolution's and a Dense layer's weights and biases"
+    );
+    assert!(one.1.iter().flatten().any(|&g| g != 0.0));
+    assert_eq!(one, two);
 }
 
 #[test]

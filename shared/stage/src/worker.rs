@@ -192,6 +192,29 @@ pub trait Backend {
         labels: &WireTensor,
         step_targets: u64,
     ) -> Result<LeafLossValue<Self::Tensor>, Self::Error>;
+    /// The Leaf's training micro-batch after its forward: the loss of its
+    /// output `output` (`y`) against `labels`, as [`Backend::leaf_loss`],
+    /// backpropagated through the stage, as [`Backend::backward`] with that
+    /// loss's gradient; returns the summed loss and the inputs' gradients.
+    /// A backend that can run both in one autograd pass overrides it.
+    #[allow(clippy::type_complexity)]
+    fn leaf_backward(
+        &mut self,
+        micro_batch: Self::MicroBatch,
+        loss: Loss,
+        output: &str,
+        y: &Self::Tensor,
+        labels: &WireTensor,
+        step_targets: u64,
+    ) -> impl Future<Output = Result<(f64, Vec<(String, Self::Tensor)>), Self::Error>> {
+        async move {
+            let value = self.leaf_loss(loss, y, labels, step_targets)?;
+            let grads = self
+                .backward(micro_batch, &[(output.to_string(), value.grad)])
+                .await?;
+            Ok((value.sum, grads))
+        }
+    }
     /// The summed per-target loss of an evaluation micro-batch.
     fn loss_sum(
         &self,
@@ -838,24 +861,20 @@ impl<B: Backend> Stage<B> {
             .ok_or_else(|| protocol("the Leaf got a Forward without labels"))?;
         let y = single_output(&outputs, &output)?;
         self.open_step(step)?.peak_held = 1;
-        let loss = self
+        let (loss_sum, grads) = self
             .exec
-            .leaf_loss(self.loss, y, labels, f.step_targets)
+            .leaf_backward(micro_batch, self.loss, &output, y, labels, f.step_targets)
+            .await
             .map_err(backend)?;
         let samples = self.exec.samples(y).unwrap_or(0);
         out.push(ToServer::LeafLoss(LeafLoss {
             job_id: self.job_id,
             phase: f.phase,
             micro,
-            loss_sum: loss.sum,
+            loss_sum,
             correct: self.correct(y, labels)?,
             samples: samples as u32,
         }));
-        let grads = self
-            .exec
-            .backward(micro_batch, &[(output, loss.grad)])
-            .await
-            .map_err(backend)?;
         self.finish_micro(step, micro, grads, started, out).await
     }
 

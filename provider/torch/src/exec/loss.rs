@@ -53,6 +53,31 @@ pub fn micro_batch_loss(
     labels: &Tensor,
     step_targets: u64,
 ) -> Result<LossOutput, ExecError> {
+    let x = output.f_detach()?.f_set_requires_grad(true)?;
+    let (sum, scaled) = scaled_loss(loss, &x, labels, step_targets)?;
+    tch::with_grad(|| scaled.f_backward())?;
+    let grad = x.f_grad()?;
+    if !grad.defined() {
+        return Err(ExecError::Loss("the loss produced no gradient".into()));
+    }
+    Ok(LossOutput {
+        sum: sum.f_double_value(&[])?,
+        scaled: scaled.f_double_value(&[])?,
+        grad,
+    })
+}
+
+/// [`micro_batch_loss`]'s checks and forward, on `output` as it is (still
+/// part of the stage's autograd graph, or not): the summed per-target loss
+/// and `sum / step_targets`, both recorded for backward. The Leaf
+/// backpropagates the latter through its stage in one pass
+/// ([`super::TorchExecutor::backward_from_loss`]).
+pub fn scaled_loss(
+    loss: Loss,
+    output: &Tensor,
+    labels: &Tensor,
+    step_targets: u64,
+) -> Result<(Tensor, Tensor), ExecError> {
     check(loss, output, labels)?;
     let own = loss_targets(loss, labels)?;
     let samples = output.size().first().copied().unwrap_or(0);
@@ -62,23 +87,12 @@ pub fn micro_batch_loss(
         )));
     }
     let labels = place_labels(loss, output, labels)?;
-    let x = output.f_detach()?.f_set_requires_grad(true)?;
-    let (sum, scaled) = tch::with_grad(|| -> Result<_, ExecError> {
-        let sum = summed(loss, &x, &labels)?;
+    tch::with_grad(|| -> Result<_, ExecError> {
+        let sum = summed(loss, output, &labels)?;
         // With every target ignored there is nothing to learn (torch's mean
         // would be 0/0); the gradient is zero rather than NaN.
         let scaled = sum.f_div_scalar(step_targets.max(1) as f64)?;
-        scaled.f_backward()?;
         Ok((sum, scaled))
-    })?;
-    let grad = x.f_grad()?;
-    if !grad.defined() {
-        return Err(ExecError::Loss("the loss produced no gradient".into()));
-    }
-    Ok(LossOutput {
-        sum: sum.f_double_value(&[])?,
-        scaled: scaled.f_double_value(&[])?,
-        grad,
     })
 }
 

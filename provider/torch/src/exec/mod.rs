@@ -53,7 +53,7 @@ pub use rookery_stage::{StageError, WeightVersion};
 use tch::{Device, Kind, Tensor};
 
 pub use activations::activation;
-pub use loss::{LossOutput, loss_targets, micro_batch_loss};
+pub use loss::{LossOutput, loss_targets, micro_batch_loss, scaled_loss};
 pub use optim::{OptimizerConfig, TorchOptimizer};
 
 use ops::{OpContext, OpFailure};
@@ -501,12 +501,7 @@ impl TorchExecutor {
 
     /// Drops a micro-batch's saved state without backpropagating it.
     pub fn discard(&mut self, micro_batch: TorchMicroBatch) -> Result<(), ExecError> {
-        self.in_flight
-            .remove(&micro_batch)
-            .map(|_| ())
-            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(
-                micro_batch.0,
-            )))
+        self.take_in_flight(micro_batch).map(|_| ())
     }
 
     /// Backpropagates one micro-batch given the gradients of the stage's outputs
@@ -563,14 +558,70 @@ impl TorchExecutor {
             // tch has no backward(gradient): d/dy of sum(y * g) is g.
             terms.push(y.f_mul(&g)?.f_sum(None::<Kind>)?);
         }
-        let saved = self.in_flight.remove(&micro_batch).ok_or(ExecError::Stage(
+        let saved = self.take_in_flight(micro_batch)?;
+        let total = match terms.split_first() {
+            Some((first, rest)) => {
+                let mut total = first.shallow_clone();
+                for t in rest {
+                    total = total.f_add(t)?;
+                }
+                Some(total)
+            }
+            None => None,
+        };
+        self.backpropagate(saved, total)
+    }
+
+    /// The Leaf's [`backward`](Self::backward) in one autograd pass: `loss`
+    /// computes a scalar from the micro-batch's output `output` as the
+    /// forward recorded it (still attached to the stage's graph), and that
+    /// scalar is backpropagated through the stage, rather than its gradient
+    /// for the output computed in a pass of its own and then fed to
+    /// `backward`. The gradients are the same to the bit (the output's
+    /// gradient reaches the stage's graph unchanged either way); a small
+    /// micro-batch saves an autograd pass and the ops that seed it. Returns
+    /// what `loss` returned beside its scalar, and the inputs' gradients.
+    pub fn backward_from_loss<T>(
+        &mut self,
+        micro_batch: TorchMicroBatch,
+        output: &str,
+        loss: impl FnOnce(&Tensor) -> Result<(Tensor, T), ExecError>,
+    ) -> Result<(T, Vec<(String, Tensor)>), ExecError> {
+        let saved = self.in_flight.get(&micro_batch).ok_or(ExecError::Stage(
             StageError::UnknownMicroBatch(micro_batch.0),
         ))?;
-        if let Some((first, rest)) = terms.split_first() {
-            let mut total = first.shallow_clone();
-            for t in rest {
-                total = total.f_add(t)?;
-            }
+        let k = self
+            .outputs
+            .iter()
+            .position(|(o, _)| o == output)
+            .ok_or_else(|| {
+                ExecError::Stage(StageError::Grad {
+                    name: output.to_string(),
+                    reason: "not an output of this stage".into(),
+                })
+            })?;
+        let (scalar, value) = loss(&saved.outputs[k])?;
+        let saved = self.take_in_flight(micro_batch)?;
+        let grads = self.backpropagate(saved, scalar.requires_grad().then_some(scalar))?;
+        Ok((value, grads))
+    }
+
+    fn take_in_flight(&mut self, micro_batch: TorchMicroBatch) -> Result<InFlight, ExecError> {
+        self.in_flight
+            .remove(&micro_batch)
+            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(
+                micro_batch.0,
+            )))
+    }
+
+    /// Backpropagates `total` (none: nothing depends on the inputs) and
+    /// returns the gradients of `saved`'s inputs, zeros where none arrived.
+    fn backpropagate(
+        &self,
+        saved: InFlight,
+        total: Option<Tensor>,
+    ) -> Result<Vec<(String, Tensor)>, ExecError> {
+        if let Some(total) = total {
             tch::with_grad(|| total.f_backward())?;
         }
         let mut grads = Vec::new();
