@@ -219,6 +219,43 @@ fn bad_labels_are_loss_errors() {
     assert!(e.to_string().contains("2 targets"), "{e}");
 }
 
+/// `correct` and `loss_targets` count on the host: the first highest logit
+/// against the label, with classes second or last, ignored targets never
+/// counted, and a label for every prediction or an error.
+#[test]
+fn correct_counts_the_first_highest_logit_and_never_an_ignored_target() {
+    use rookery_model::ClassAxis;
+    // Rows: a tie between classes 0 and 2 (first wins), class 1, class 2.
+    let logits = t(&[1., 0., 1., 0., 5., 1., 0., 1., 2.], &[3, 3]);
+    let ce = Loss::cross_entropy();
+    let count = |labels: &[i64]| loss::correct(ce, &logits, &ti(labels, &[3])).unwrap();
+    assert_eq!(count(&[0, 1, 2]), 3);
+    assert_eq!(count(&[2, 1, 0]), 1);
+    assert_eq!(count(&[-100, 1, 2]), 2);
+    assert_eq!(
+        loss::loss_targets(ce, &ti(&[-100, 1, -100], &[3])).unwrap(),
+        1
+    );
+    // [1, 3, 3] logits against [1, 3] labels: classes second, argmax over
+    // dimension 1 per position: 0, 1, 0; classes last, over dimension 2: 2, 1, 2.
+    let cube = t(&[0., 0., 9., 0., 5., 1., 0., 1., 2.], &[1, 3, 3]);
+    let labels = ti(&[0, 1, 0], &[1, 3]);
+    let on = |class_axis| Loss::CrossEntropy {
+        class_axis,
+        ignore_index: -100,
+    };
+    assert_eq!(
+        loss::correct(on(ClassAxis::Second), &cube, &labels).unwrap(),
+        3
+    );
+    assert_eq!(
+        loss::correct(on(ClassAxis::Last), &cube, &labels).unwrap(),
+        1
+    );
+    let e = loss::correct(ce, &logits, &ti(&[0, 1], &[2])).unwrap_err();
+    assert!(e.to_string().contains("2 labels for 3 predictions"), "{e}");
+}
+
 #[test]
 fn losses_match_their_definitions_and_scale_by_the_micro_batch_share() {
     // Cross-entropy of logits [0, ln 3] for class 1: -log(3 / 4).

@@ -30,13 +30,20 @@ pub struct LossOutput {
 /// `ignore_index` for cross-entropy, its samples (dimension 0) for MSE.
 pub fn loss_targets(loss: Loss, labels: &Tensor) -> Result<u64, ExecError> {
     Ok(match loss {
-        Loss::CrossEntropy { ignore_index, .. } => labels
-            .f_ne(ignore_index)?
-            .f_sum(Kind::Int64)?
-            .f_int64_value(&[])?
-            .max(0) as u64,
+        Loss::CrossEntropy { ignore_index, .. } => host_labels(labels)?
+            .iter()
+            .filter(|&&l| l != ignore_index)
+            .count() as u64,
         Loss::Mse => labels.size().first().copied().unwrap_or(0).max(0) as u64,
     })
+}
+
+/// Class labels as host integers, in order. A micro-batch's labels are a
+/// few (they arrived over the wire): checking and counting them here costs
+/// one copy, where libtorch ops cost a dispatch each, a good part of what a
+/// small micro-batch cost the Leaf.
+fn host_labels(labels: &Tensor) -> Result<Vec<i64>, ExecError> {
+    Ok(Vec::<i64>::try_from(&labels.f_reshape([-1])?)?)
 }
 
 /// The loss of one micro-batch of a step whose mean divides by
@@ -78,8 +85,7 @@ pub fn scaled_loss(
     labels: &Tensor,
     step_targets: u64,
 ) -> Result<(Tensor, Tensor), ExecError> {
-    check(loss, output, labels)?;
-    let own = loss_targets(loss, labels)?;
+    let own = check(loss, output, labels)?;
     let samples = output.size().first().copied().unwrap_or(0);
     if samples <= 0 || own > step_targets {
         return Err(ExecError::Loss(format!(
@@ -98,7 +104,7 @@ pub fn scaled_loss(
 
 /// The summed per-target loss without gradients, for evaluation.
 pub fn loss_sum(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<f64, ExecError> {
-    check(loss, output, labels)?;
+    let _ = check(loss, output, labels)?;
     let labels = place_labels(loss, output, labels)?;
     let value = tch::no_grad(|| summed(loss, output, &labels))?;
     Ok(value.f_double_value(&[])?)
@@ -115,14 +121,20 @@ pub fn correct(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<u64, Exec
         return Ok(0);
     };
     let dim = class_axis.dim(output.dim()) as i64;
-    let labels = labels.f_to_device(output.device())?;
-    let hits = output
-        .f_argmax(dim, false)?
-        .f_eq_tensor(&labels)?
-        .f_logical_and(&labels.f_ne(ignore_index)?)?
-        .f_sum(Kind::Int64)?
-        .f_int64_value(&[])?;
-    Ok(hits.max(0) as u64)
+    let predicted = host_labels(&output.f_argmax(dim, false)?)?;
+    let labels = host_labels(labels)?;
+    if predicted.len() != labels.len() {
+        return Err(ExecError::Loss(format!(
+            "{} labels for {} predictions",
+            labels.len(),
+            predicted.len()
+        )));
+    }
+    Ok(predicted
+        .iter()
+        .zip(&labels)
+        .filter(|&(p, l)| p == l && *l != ignore_index)
+        .count() as u64)
 }
 
 /// Labels on the output's device; MSE targets also in its float kind, which
@@ -167,7 +179,8 @@ fn summed(loss: Loss, x: &Tensor, labels: &Tensor) -> Result<Tensor, ExecError> 
 
 /// Checks shapes, dtypes and class ranges up front: libtorch would refuse most
 /// of these too, but an out-of-range class on CUDA is a device-side assert.
-fn check(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<(), ExecError> {
+/// Returns the labels' targets ([`loss_targets`]).
+fn check(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<u64, ExecError> {
     let (o, l) = (output.size(), labels.size());
     if !super::is_float(output.kind()) {
         return Err(ExecError::Loss(format!(
@@ -201,16 +214,16 @@ fn check(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<(), ExecError> 
                     class_axis.index()
                 )));
             }
-            let counted = labels.f_masked_select(&labels.f_ne(ignore_index)?)?;
-            if counted.numel() > 0 {
-                let lo = counted.f_min()?.f_int64_value(&[])?;
-                let hi = counted.f_max()?.f_int64_value(&[])?;
-                if lo < 0 || hi >= classes {
-                    return Err(ExecError::Loss(format!(
-                        "labels span [{lo}, {hi}] but there are {classes} classes (the ignore_index {ignore_index} aside)"
-                    )));
-                }
+            let values = host_labels(labels)?;
+            let counted = values.iter().copied().filter(|&l| l != ignore_index);
+            if let (Some(lo), Some(hi)) = (counted.clone().min(), counted.clone().max())
+                && (lo < 0 || hi >= classes)
+            {
+                return Err(ExecError::Loss(format!(
+                    "labels span [{lo}, {hi}] but there are {classes} classes (the ignore_index {ignore_index} aside)"
+                )));
             }
+            Ok(counted.count() as u64)
         }
         Loss::Mse => {
             if !super::is_float(labels.kind()) {
@@ -224,7 +237,7 @@ fn check(loss: Loss, output: &Tensor, labels: &Tensor) -> Result<(), ExecError> 
                     "MSE targets of shape {l:?} differ from the output's {o:?}"
                 )));
             }
+            Ok(o.first().copied().unwrap_or(0).max(0) as u64)
         }
     }
-    Ok(())
 }
