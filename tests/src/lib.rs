@@ -92,6 +92,19 @@ impl Drop for Process {
 #[derive(Debug)]
 pub struct ProcessGroup(Process);
 
+impl ProcessGroup {
+    /// Starts `command` as the leader of a new process group: whatever it
+    /// starts (a `rookery train`'s providers) dies with it.
+    pub fn spawn(command: &mut Command) -> anyhow::Result<Self> {
+        Ok(Self(Process::spawn(command.process_group(0))?))
+    }
+
+    /// The leader's process id.
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         let _ = Command::new("kill")

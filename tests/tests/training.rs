@@ -201,7 +201,7 @@ fn assert_same_losses(
 #[cfg(target_os = "linux")]
 #[test]
 fn rookery_trains_local_providers_run_as_batch_processes() {
-    use rookery_e2e::{Process, binary};
+    use rookery_e2e::{ProcessGroup, binary};
     const SCHED_BATCH: &str = "3";
     let dir = tempfile::tempdir().unwrap();
     let job_file = job(
@@ -211,7 +211,8 @@ fn rookery_trains_local_providers_run_as_batch_processes() {
         64,
         "epochs = 50\nbatch_size = 8\nstages = 2\n",
     );
-    let train = Process::spawn(
+    // Killed as a group: a provider outlives a `rookery train` killed alone.
+    let train = ProcessGroup::spawn(
         std::process::Command::new(binary("rookery").unwrap())
             .arg("train")
             .arg(&job_file)
