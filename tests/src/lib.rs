@@ -55,11 +55,6 @@ impl Process {
         Ok(Self(command.spawn().context("starting a process")?))
     }
 
-    /// Its process id.
-    pub fn id(&self) -> u32 {
-        self.0.id()
-    }
-
     /// SIGKILL, the way a crashed or unplugged machine leaves.
     pub fn kill(&mut self) {
         let _ = self.0.kill();
@@ -101,7 +96,7 @@ impl ProcessGroup {
 
     /// The leader's process id.
     pub fn id(&self) -> u32 {
-        self.0.id()
+        self.0.0.id()
     }
 }
 

@@ -516,9 +516,7 @@ impl TorchExecutor {
         micro_batch: TorchMicroBatch,
         output_grads: &[(String, Tensor)],
     ) -> Result<Vec<(String, Tensor)>, ExecError> {
-        let saved = self.in_flight.get(&micro_batch).ok_or(ExecError::Stage(
-            StageError::UnknownMicroBatch(micro_batch.0),
-        ))?;
+        let saved = self.saved(micro_batch)?;
         let mut seen = vec![false; self.outputs.len()];
         let mut terms = Vec::new();
         for (name, g) in output_grads {
@@ -528,9 +526,7 @@ impl TorchExecutor {
                     reason,
                 })
             };
-            let Some(k) = self.outputs.iter().position(|(o, _)| o == name) else {
-                return Err(grad_err("not an output of this stage".into()));
-            };
+            let k = self.output_index(name)?;
             if std::mem::replace(&mut seen[k], true) {
                 return Err(grad_err("given twice".into()));
             }
@@ -587,23 +583,34 @@ impl TorchExecutor {
         output: &str,
         loss: impl FnOnce(&Tensor) -> Result<(Tensor, T), ExecError>,
     ) -> Result<(T, Vec<(String, Tensor)>), ExecError> {
-        let saved = self.in_flight.get(&micro_batch).ok_or(ExecError::Stage(
-            StageError::UnknownMicroBatch(micro_batch.0),
-        ))?;
-        let k = self
-            .outputs
-            .iter()
-            .position(|(o, _)| o == output)
-            .ok_or_else(|| {
-                ExecError::Stage(StageError::Grad {
-                    name: output.to_string(),
-                    reason: "not an output of this stage".into(),
-                })
-            })?;
+        let saved = self.saved(micro_batch)?;
+        let k = self.output_index(output)?;
         let (scalar, value) = loss(&saved.outputs[k])?;
         let saved = self.take_in_flight(micro_batch)?;
         let grads = self.backpropagate(saved, scalar.requires_grad().then_some(scalar))?;
         Ok((value, grads))
+    }
+
+    /// Where output `name` is in the stage's outputs, for a gradient or a
+    /// loss that names it.
+    fn output_index(&self, name: &str) -> Result<usize, ExecError> {
+        self.outputs
+            .iter()
+            .position(|(o, _)| o == name)
+            .ok_or_else(|| {
+                ExecError::Stage(StageError::Grad {
+                    name: name.to_string(),
+                    reason: "not an output of this stage".into(),
+                })
+            })
+    }
+
+    fn saved(&self, micro_batch: TorchMicroBatch) -> Result<&InFlight, ExecError> {
+        self.in_flight
+            .get(&micro_batch)
+            .ok_or(ExecError::Stage(StageError::UnknownMicroBatch(
+                micro_batch.0,
+            )))
     }
 
     fn take_in_flight(&mut self, micro_batch: TorchMicroBatch) -> Result<InFlight, ExecError> {
